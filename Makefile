@@ -1,0 +1,30 @@
+# Quick start: `make run` (the main job on the local default) and `make test`.
+# Both install what they need first; torch 2.13.0 comes first so that pip never
+# pulls a multi-GB CUDA build for the `torch` range in setup.cfg.
+PYTHON ?= python3
+PIP = $(PYTHON) -m pip
+TORCH_VERSION ?= 2.13.0
+RANKS ?= 2
+
+.PHONY: install run test lint bench jobs
+
+install:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q "torch==$(TORCH_VERSION)"
+	$(PIP) install -q -e ".[train,test]"
+
+run: install
+	OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --standalone --nproc_per_node $(RANKS) examples/minimal.py
+
+test: install
+	$(PYTHON) -m pytest -q
+
+lint: install
+	ruff check .
+
+jobs: install
+	hpc render --all-jobs
+
+bench: install
+	$(PYTHON) bench/render_vs_peers.py
+	$(PYTHON) bench/trainer_vs_loop.py
+	$(PYTHON) bench/checkpoint_save.py

@@ -1,0 +1,253 @@
+"""Process-group setup and the few collective helpers every training script needs.
+
+``init()`` is the one call a script makes: it detects the launcher (ddp.env),
+picks device and backend (ddp.backends), creates the process group with a real
+``init_process_group(timeout=...)`` (``NCCL_TIMEOUT`` is not read by PyTorch; the
+timeout argument is what bounds a hung collective), and logs the lines users know
+from the guides. With world size 1 no process group is created and every helper
+here is a cheap no-op, so the same script runs on a laptop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from ddp import backends
+from ddp.env import DistEnv, detect
+from ddp.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("ddp")
+
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+@dataclass(frozen=True)
+class Context:
+    """This rank's place in the job plus the device and backend it uses."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    device: torch.device
+    backend: str
+    launcher: str
+    master_addr: str
+    master_port: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        """True when a process group exists (world size > 1)."""
+        return self.world_size > 1
+
+
+_CONTEXT: Context | None = None
+
+
+def setup_logging(rank: int, level: int = logging.INFO) -> None:
+    """Rank 0 logs INFO to stdout; other ranks only warnings, prefixed with their rank.
+
+    Leaves the ``ddp`` logger alone when the application configured it already.
+    """
+    if log.handlers:
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    prefix = "" if rank == 0 else f"[rank {rank}] "
+    handler.setFormatter(logging.Formatter(prefix + "%(message)s"))
+    log.addHandler(handler)
+    log.setLevel(level if rank == 0 else logging.WARNING)
+    log.propagate = False
+
+
+def _timeout(value: float | timedelta | None) -> timedelta:
+    if value is None:
+        raw = os.environ.get("DDP_TIMEOUT", "")
+        try:
+            value = float(raw) if raw else DEFAULT_TIMEOUT_S
+        except ValueError:
+            raise ConfigError(f"DDP_TIMEOUT={raw!r} is not a number of seconds") from None
+    if isinstance(value, timedelta):
+        return value
+    if value <= 0:
+        raise ConfigError(f"timeout={value!r}; allowed: a positive number of seconds")
+    return timedelta(seconds=float(value))
+
+
+def _set_device(device: torch.device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif device.type == "xpu":
+        torch.xpu.set_device(device)
+
+
+def init(
+    backend: str = "auto",
+    device: str = "auto",
+    timeout: float | timedelta | None = None,
+    env: DistEnv | None = None,
+) -> Context:
+    """Join the job: detect the launcher, pick device and backend, create the process group.
+
+    Idempotent: a second call returns the first context. ``timeout`` (seconds or
+    timedelta; default ``$DDP_TIMEOUT`` or 1800 s) bounds every collective.
+    """
+    global _CONTEXT
+    if _CONTEXT is not None:
+        return _CONTEXT
+    import torch.distributed as tdist
+
+    info = env or detect()
+    setup_logging(info.rank)
+    choice = backends.choose(device, backend, info.local_rank, info.world_size)
+    _set_device(choice.device)
+    if info.world_size > 1 and not tdist.is_initialized():
+        os.environ.update(info.torchrun_vars())  # for libraries that read env:// themselves
+        tdist.init_process_group(
+            backend=choice.backend,
+            init_method=f"tcp://{_bracket(info.master_addr)}:{info.master_port}",
+            rank=info.rank,
+            world_size=info.world_size,
+            timeout=_timeout(timeout),
+        )
+    _CONTEXT = Context(
+        info.rank, info.local_rank, info.world_size, info.local_world_size, info.node_rank,
+        choice.device, choice.backend, info.launcher, info.master_addr, info.master_port,
+    )  # fmt: skip
+    log.info(
+        "Initialized DDP: rank=%d, world_size=%d, local_rank=%d",
+        info.rank, info.world_size, info.local_rank,
+    )  # fmt: skip
+    log.info("Using device: %s", choice.device)
+    log.debug("launcher=%s backend=%s master=%s:%d", info.launcher, choice.backend,
+              info.master_addr, info.master_port)  # fmt: skip
+    return _CONTEXT
+
+
+def _bracket(addr: str) -> str:
+    return f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr
+
+
+def get_context() -> Context | None:
+    return _CONTEXT
+
+
+def _distributed() -> bool:
+    import torch.distributed as tdist
+
+    return tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1
+
+
+def get_rank() -> int:
+    if _CONTEXT is not None:
+        return _CONTEXT.rank
+    return detect().rank
+
+
+def get_world_size() -> int:
+    if _CONTEXT is not None:
+        return _CONTEXT.world_size
+    return detect().world_size
+
+
+def is_main_process() -> bool:
+    """True on global rank 0 (also before init(), from the launcher's variables)."""
+    return get_rank() == 0
+
+
+def barrier() -> None:
+    if not _distributed():
+        return
+    import torch.distributed as tdist
+
+    if _CONTEXT is not None and _CONTEXT.backend == "nccl":
+        tdist.barrier(device_ids=[_CONTEXT.device.index or 0])
+    else:
+        tdist.barrier()
+
+
+def reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum of ``tensor`` over all ranks (a new tensor; the input is untouched)."""
+    out = tensor.detach().clone()
+    if _distributed():
+        import torch.distributed as tdist
+
+        tdist.all_reduce(out, op=tdist.ReduceOp.SUM)
+    return out
+
+
+def reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
+    """Mean of ``tensor`` over all ranks (Gloo has no AVG, so sum then divide)."""
+    out = reduce_sum(tensor)
+    world = get_world_size() if _distributed() else 1
+    return out / world if out.is_floating_point() or out.is_complex() else out // world
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (``[obj]`` for world size 1)."""
+    if not _distributed():
+        return [obj]
+    import torch.distributed as tdist
+
+    out: list[Any] = [None] * tdist.get_world_size()
+    tdist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """``obj`` as rank ``src`` has it, on every rank."""
+    if not _distributed():
+        return obj
+    import torch.distributed as tdist
+
+    box = [obj]
+    tdist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def wrap(model: torch.nn.Module, **ddp_options: Any) -> torch.nn.Module:
+    """Move ``model`` to this rank's device; wrap it in DDP when the world is larger than 1."""
+    ctx = _CONTEXT or init()
+    model = model.to(ctx.device)
+    if not _distributed():
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    if ctx.device.type in ("cuda", "xpu"):
+        ddp_options.setdefault("device_ids", [ctx.device.index or 0])
+    return DistributedDataParallel(model, **ddp_options)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain module inside DDP (state_dict keys without ``module.``)."""
+    return getattr(model, "module", model)
+
+
+def print0(*args: Any, **kwargs: Any) -> None:
+    """``print`` on rank 0 only."""
+    if (_CONTEXT.rank if _CONTEXT is not None else get_rank()) == 0:
+        print(*args, **kwargs)
+
+
+def shutdown() -> None:
+    """Destroy the process group (if any) and forget the context; safe to call twice."""
+    global _CONTEXT
+    import torch.distributed as tdist
+
+    if tdist.is_available() and tdist.is_initialized():
+        tdist.destroy_process_group()
+    _CONTEXT = None

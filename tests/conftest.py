@@ -1,0 +1,20 @@
+"""Shared fixtures. The skip-or-fail policy for real parts lives in tests/support/parts.py."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def python_exe() -> str:
+    return sys.executable
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return ROOT
