@@ -1,4 +1,5 @@
-"""Shared fixtures. The skip-or-fail policy for real parts lives in tests/support/parts.py."""
+"""Shared fixtures. The skip-or-fail policy for real parts lives in tests/support/parts.py;
+the real SLURM, PALS and network-namespace fixtures in tests/support/fixtures.py."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+pytest_plugins = ["tests.support.fixtures"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
