@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -100,15 +101,33 @@ def init(
     device: str = "auto",
     timeout: float | timedelta | None = None,
     env: DistEnv | None = None,
+    exit_on_error: bool = True,
 ) -> Context:
     """Join the job: detect the launcher, pick device and backend, create the process group.
 
     Idempotent: a second call returns the first context. ``timeout`` (seconds or
     timedelta; default ``$DDP_TIMEOUT`` or 1800 s) bounds every collective.
+
+    A wrong launcher environment or an unavailable device/backend is the user's to
+    fix, not a bug: by default it ends the process with one ``ddp: error: ...`` line
+    on stderr and exit code 2 instead of a traceback. ``exit_on_error=False`` raises
+    :class:`ConfigError` instead, for callers that want to handle it.
     """
-    global _CONTEXT
     if _CONTEXT is not None:
         return _CONTEXT
+    try:
+        return _init(backend, device, timeout, env)
+    except ConfigError as exc:
+        if not exit_on_error:
+            raise
+        print(f"ddp: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def _init(
+    backend: str, device: str, timeout: float | timedelta | None, env: DistEnv | None
+) -> Context:
+    global _CONTEXT
     import torch.distributed as tdist
 
     info = env or detect()
@@ -116,6 +135,7 @@ def init(
     choice = backends.choose(device, backend, info.local_rank, info.world_size)
     _set_device(choice.device)
     if info.world_size > 1 and not tdist.is_initialized():
+        _check_resolves(info)
         os.environ.update(info.torchrun_vars())  # for libraries that read env:// themselves
         tdist.init_process_group(
             backend=choice.backend,
@@ -136,6 +156,17 @@ def init(
     log.debug("launcher=%s backend=%s master=%s:%d", info.launcher, choice.backend,
               info.master_addr, info.master_port)  # fmt: skip
     return _CONTEXT
+
+
+def _check_resolves(info: DistEnv) -> None:
+    """Fail in a second, not after the store's timeout, when the master host has no address."""
+    try:
+        socket.getaddrinfo(info.master_addr, info.master_port)
+    except socket.gaierror:
+        raise ConfigError(
+            f"master address {info.master_addr!r} ({info.launcher}) does not resolve; "
+            "set MASTER_ADDR, or DDP_MASTER_ADDR_SUFFIX to the site's host-name suffix"
+        ) from None
 
 
 def _bracket(addr: str) -> str:

@@ -57,3 +57,15 @@ def test_exec_usage_errors():
     out = subprocess.run([sys.executable, "-m", "ddp.exec"], env=clean_env(),
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "no command given" in out.stderr
+
+
+def test_unresolvable_master_fails_at_once_in_one_line():
+    env = clean_env(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", MASTER_ADDR="no-such-host.invalid",
+                    MASTER_PORT="23456")
+    out = subprocess.run([sys.executable, "-c", "import ddp; ddp.init(timeout=300)"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "ddp: error: master address 'no-such-host.invalid' (torchrun) does not resolve; set "
+        "MASTER_ADDR, or DDP_MASTER_ADDR_SUFFIX to the site's host-name suffix"
+    ]

@@ -298,6 +298,39 @@ def _wait_for(what: str, check: Callable[[], bool], cluster: SlurmCluster, timeo
         time.sleep(0.05)
 
 
+HOSTS_FILE = Path("/etc/hosts")
+HOSTS_MARK = "# hpc-ddp test cluster"
+
+
+def _add_host_names(names: Sequence[str]) -> bool:
+    """Make the emulated node names resolve (to 127.0.0.1), as node names do on a real cluster.
+
+    Jobs see the NodeNames (n1, n2) in SLURM_JOB_NODELIST and connect to the first one
+    as master; without this they would wait for a host that does not exist. Returns
+    True when a line was added (and must be removed at teardown).
+    """
+    missing = []
+    for name in names:
+        try:
+            socket.getaddrinfo(name, None)
+        except socket.gaierror:
+            missing.append(name)
+    if not missing:
+        return False
+    with HOSTS_FILE.open("a", encoding="utf-8") as fh:
+        fh.write(f"127.0.0.1 {' '.join(missing)} {HOSTS_MARK} {os.getpid()}\n")
+    return True
+
+
+def _remove_host_names() -> None:
+    mark = f"{HOSTS_MARK} {os.getpid()}"
+    with contextlib.suppress(OSError):
+        lines = HOSTS_FILE.read_text(encoding="utf-8").splitlines(keepends=True)
+        kept = [ln for ln in lines if not ln.rstrip().endswith(mark)]
+        if kept != lines:
+            HOSTS_FILE.write_text("".join(kept), encoding="utf-8")
+
+
 @contextlib.contextmanager
 def start_cluster(timeout: float = 30) -> Iterator[SlurmCluster]:
     """Start munged, slurmctld, slurmd n1/n2; wait for idle nodes; tear all down on exit."""
@@ -316,6 +349,7 @@ def start_cluster(timeout: float = 30) -> Iterator[SlurmCluster]:
         if key != "SLURM_CONF":
             del env[key]  # a test run inside a SLURM job must not leak that job's settings
     cluster = SlurmCluster(root=root, conf=conf, log_dir=root / "log", env=env)
+    added_hosts = _add_host_names(NODES)
     key = root / "munge.key"  # own key: the packaged one is owned by munge, refused to root
     key.write_bytes(os.urandom(128))
     key.chmod(0o600)
@@ -334,6 +368,8 @@ def start_cluster(timeout: float = 30) -> Iterator[SlurmCluster]:
         yield cluster
     finally:
         stop_cluster(cluster)
+        if added_hosts:
+            _remove_host_names()
 
 
 def stop_cluster(cluster: SlurmCluster) -> None:
