@@ -1,0 +1,482 @@
+"""TrainConfig: YAML sections, dotted ``--set`` overrides, validation and LR scaling rules.
+
+Every key is a typed dataclass field, so a value from YAML, from ``--set
+section.key=value`` or from a recipe flag goes through the same coercion and
+validation, and a typo stops the run before any process group exists with one
+line that names the key and the nearest valid one.
+
+Two sections are free-form: ``model:`` and ``recipe:`` hold recipe-specific
+keys. Their allowed keys and types come from the recipe's defaults
+(:func:`check_free_section`), so they get the same typo protection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+from ddp.errors import ConfigError
+
+_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP", "SIGCONT", "SIGXCPU")
+
+
+@dataclass
+class TrainingConfig:
+    """Loop length and data order. ``batch_size`` is per rank and per micro-step."""
+
+    batch_size: int = 32
+    accum: int = 1
+    epochs: int = 1
+    max_steps: int | None = None  # optimizer steps over the whole run; None = no limit
+    max_samples: int | None = None  # use only the first N training samples
+    seed: int = 0
+    shuffle: bool = True
+    drop_last: bool = False
+    eval_every_n_epochs: int = 1  # 0 = evaluate only at the end
+
+
+@dataclass
+class OptimConfig:
+    name: str = field(default="adamw", metadata={"choices": ("adamw", "sgd")})
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    momentum: float = 0.0  # sgd only
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw only
+    warmup_steps: int = 0
+    schedule: str = field(default="constant", metadata={"choices": ("constant", "linear", "cosine")})
+    min_lr_ratio: float = 0.0  # floor of linear/cosine decay as a fraction of lr
+    grad_clip: float | None = None  # max global grad norm; None or 0 = off
+
+
+@dataclass
+class ScalingConfig:
+    """How LR (and optionally warmup) follow the world size: ``none|linear|sqrt|cap:N``."""
+
+    rule: str = "none"
+    base_world_size: int = 1
+    scale_warmup: bool = False
+
+
+@dataclass
+class MemoryConfig:
+    gradient_checkpointing: bool = False
+    max_memory_fraction: float | None = None  # cuda/xpu per-process cap, (0, 1]
+
+
+@dataclass
+class DDPConfig:
+    """Options handed to DistributedDataParallel, plus how the process group starts."""
+
+    find_unused_parameters: bool = False
+    gradient_as_bucket_view: bool = True
+    static_graph: bool = False
+    bucket_cap_mb: float = 25.0
+    backend: str = "auto"
+    timeout_s: float = 1800.0
+
+
+@dataclass
+class DataConfig:
+    num_workers: int = 0
+    pin_memory: bool = False
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = "checkpoints"  # None = no checkpoints, no export
+    every_n_steps: int = 0  # 0 = only at the end of each epoch
+    keep_last: int = 2
+    resume: str = "auto"  # auto | none | PATH
+    save_final: bool = True
+
+
+@dataclass
+class WandbConfig:
+    project: str | None = None  # None = W&B off
+    mode: str = field(default="offline", metadata={"choices": ("offline", "online", "disabled")})
+
+
+@dataclass
+class LoggingConfig:
+    every_n_steps: int = 50
+    tensorboard: bool = False
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    progress: str = field(default="auto", metadata={"choices": ("auto", "bar", "plain", "off")})
+
+
+@dataclass
+class PreemptionConfig:
+    signals: list[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM"])
+    requeue: bool = False
+    check_every_n_steps: int = 1  # ranks agree on the flag with one tiny all_reduce
+
+
+@dataclass
+class PhaseConfig:
+    """One stage of a multi-stage run (seed 000): its own epochs, LR and sample cap.
+
+    Unset fields fall back to ``training``/``optim``. Each phase starts a fresh
+    optimizer and schedule.
+    """
+
+    name: str | None = None
+    epochs: int | None = None
+    lr: float | None = None
+    max_samples: int | None = None
+    skip: bool = False
+
+
+@dataclass
+class TrainConfig:
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    precision: str = field(default="fp32", metadata={"choices": ("fp32", "bf16", "fp16")})
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
+    phases: list[PhaseConfig] = field(default_factory=list)
+    model: dict[str, Any] = field(default_factory=dict)  # free: checked by the recipe
+    recipe: dict[str, Any] = field(default_factory=dict)  # free: checked by the recipe
+
+    # ---- construction -------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> TrainConfig:
+        """Build and validate from a nested mapping (parsed YAML)."""
+        return _build(cls, data or {}, "")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> TrainConfig:
+        """Load a YAML file; a missing file or bad YAML is a ConfigError."""
+        p = Path(path)
+        try:
+            data = yaml.safe_load(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {str(p)!r} not found") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
+        if data is not None and not isinstance(data, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    # ---- overrides ----------------------------------------------------------------
+    def override(self, assignments: list[str] | tuple[str, ...]) -> TrainConfig:
+        """Return a new config with ``section.key=value`` strings applied, validated."""
+        data = self.to_dict()
+        for item in assignments:
+            key, value = parse_assignment(item)
+            _set_dotted(data, key, value)
+        return TrainConfig.from_dict(data)
+
+    def with_values(self, values: dict[str, Any]) -> TrainConfig:
+        """Return a new config with already-typed dotted keys applied (recipe flags)."""
+        data = self.to_dict()
+        for key, value in values.items():
+            _set_dotted(data, key, value)
+        return TrainConfig.from_dict(data)
+
+    # ---- derived values -----------------------------------------------------------
+    def scale_factor(self, world_size: int) -> float:
+        return scale_factor(self.scaling.rule, world_size, self.scaling.base_world_size)
+
+    def scaled_lr(self, world_size: int, lr: float | None = None) -> float:
+        return (self.optim.lr if lr is None else lr) * self.scale_factor(world_size)
+
+    def scaled_warmup(self, world_size: int) -> int:
+        if not self.scaling.scale_warmup:
+            return self.optim.warmup_steps
+        return int(round(self.optim.warmup_steps * self.scale_factor(world_size)))
+
+    def effective_batch(self, world_size: int) -> int:
+        return self.training.batch_size * self.training.accum * world_size
+
+
+# ---- scaling rules -------------------------------------------------------------------
+_CAP = re.compile(r"^cap:(\d+(?:\.\d+)?)$")
+
+
+def scale_factor(rule: str, world_size: int, base_world_size: int = 1) -> float:
+    """LR multiplier for ``world_size`` ranks relative to ``base_world_size``.
+
+    ``linear``: w/b; ``sqrt``: sqrt(w/b); ``cap:N``: min(w/b, N); ``none``: 1.
+    """
+    ratio = world_size / base_world_size
+    if rule == "none":
+        return 1.0
+    if rule == "linear":
+        return ratio
+    if rule == "sqrt":
+        return math.sqrt(ratio)
+    m = _CAP.match(rule)
+    if m:
+        return min(ratio, float(m.group(1)))
+    raise ConfigError(f"scaling.rule: {rule!r} is not one of none, linear, sqrt, cap:N")
+
+
+# ---- parsing helpers -----------------------------------------------------------------
+def parse_assignment(item: str) -> tuple[str, Any]:
+    """Split ``a.b=value``; the value is parsed as YAML (so lists and null work)."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected section.key=value")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"--set {item!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node: Any = data
+    for i, part in enumerate(parts[:-1]):
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"{'.'.join(parts[: i + 1])}: no such list element")
+            node = node[int(part)]
+            continue
+        if part not in node:
+            _unknown(".".join(parts[:i]), part, list(node))
+        if node[part] is None:
+            node[part] = {}
+        node = node[part]
+        if not isinstance(node, dict | list):
+            raise ConfigError(f"{'.'.join(parts[: i + 1])} is a value, not a section")
+    last = parts[-1]
+    if isinstance(node, list):
+        if not last.isdigit() or int(last) >= len(node):
+            raise ConfigError(f"{key}: no such list element")
+        node[int(last)] = value
+        return
+    if last not in node and not _is_free(parts[:-1]):
+        _unknown(".".join(parts[:-1]), last, list(node))
+    node[last] = value
+
+
+def _is_free(path: list[str]) -> bool:
+    return bool(path) and path[0] in ("model", "recipe")
+
+
+def _unknown(where: str, key: str, valid: list[str]) -> typing.NoReturn:
+    name = f"{where}.{key}" if where else key
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    near = f"{where}.{close[0]}" if close and where else (close[0] if close else "")
+    hint = f"; did you mean {near!r}?" if close else ""
+    raise ConfigError(f"unknown key {name!r}{hint} (valid: {', '.join(valid)})")
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping, got {data!r}")
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in fields:
+            _unknown(where, str(key), list(fields))
+        path = f"{where}.{key}" if where else str(key)
+        kwargs[key] = _coerce(value, hints[key], path, fields[key].metadata.get("choices"))
+    obj = cls(**kwargs)
+    _validate(obj, where)
+    return obj
+
+
+def _coerce(value: Any, tp: Any, path: str, choices: tuple[str, ...] | None = None) -> Any:
+    """Convert ``value`` to the annotated type ``tp`` or raise ConfigError naming ``path``."""
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none", "~")):
+            return None
+        return _coerce(value, args[0], path, choices)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, {} if value is None else value, path)
+    if origin is list:
+        (item_tp,) = get_args(tp)
+        if value is None:
+            return []
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        return [_coerce(v, item_tp, f"{path}.{i}") for i, v in enumerate(value)]
+    if origin is dict:
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        return dict(value)
+    if choices is not None and isinstance(value, bool) and ("off" if not value else "on") in choices:
+        value = "on" if value else "off"  # YAML 1.1 reads a bare off/on as a boolean
+    out = _scalar(value, tp, path)
+    if choices is not None and out not in choices:
+        close = difflib.get_close_matches(str(out), choices, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"{path}: {out!r} is not one of {', '.join(choices)}{hint}")
+    return out
+
+
+def _scalar(value: Any, tp: Any, path: str) -> Any:
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "on", "1"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "no", "off", "0"):
+            return False
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        raise ConfigError(f"{path}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                f = float(value.replace("_", ""))
+            except ValueError:
+                f = math.nan
+            if f.is_integer():
+                return int(f)
+        raise ConfigError(f"{path}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        if isinstance(value, int | float):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{path}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str | int | float) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{path}: expected a string, got {value!r}")
+    raise ConfigError(f"{path}: unsupported type {tp!r}")  # pragma: no cover
+
+
+def _validate(obj: Any, where: str) -> None:
+    """Range checks that the type alone cannot express."""
+
+    def bad(key: str, value: Any, allowed: str) -> typing.NoReturn:
+        name = f"{where}.{key}" if where else key
+        raise ConfigError(f"{name}: {value!r} is not allowed; expected {allowed}")
+
+    if isinstance(obj, TrainingConfig):
+        for k in ("batch_size", "accum"):
+            if getattr(obj, k) < 1:
+                bad(k, getattr(obj, k), "an integer >= 1")
+        if obj.epochs < 0:
+            bad("epochs", obj.epochs, "an integer >= 0")
+        for k in ("max_steps", "max_samples"):
+            v = getattr(obj, k)
+            if v is not None and v < 1:
+                bad(k, v, "an integer >= 1 or null")
+    elif isinstance(obj, OptimConfig):
+        if obj.lr <= 0:
+            bad("lr", obj.lr, "a number > 0")
+        if obj.weight_decay < 0:
+            bad("weight_decay", obj.weight_decay, "a number >= 0")
+        if obj.warmup_steps < 0:
+            bad("warmup_steps", obj.warmup_steps, "an integer >= 0")
+        if obj.grad_clip is not None and obj.grad_clip < 0:
+            bad("grad_clip", obj.grad_clip, "a number >= 0 or null")
+        if len(obj.betas) != 2:
+            bad("betas", obj.betas, "two numbers")
+    elif isinstance(obj, ScalingConfig):
+        if obj.base_world_size < 1:
+            bad("base_world_size", obj.base_world_size, "an integer >= 1")
+        if obj.rule not in ("none", "linear", "sqrt") and not _CAP.match(obj.rule):
+            close = difflib.get_close_matches(obj.rule, ["none", "linear", "sqrt", "cap:N"], n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            bad("rule", obj.rule, f"none, linear, sqrt or cap:N{hint}")
+    elif isinstance(obj, MemoryConfig):
+        f = obj.max_memory_fraction
+        if f is not None and not 0 < f <= 1:
+            bad("max_memory_fraction", f, "a number in (0, 1] or null")
+    elif isinstance(obj, DDPConfig):
+        if obj.bucket_cap_mb <= 0:
+            bad("bucket_cap_mb", obj.bucket_cap_mb, "a number > 0")
+        if obj.timeout_s <= 0:
+            bad("timeout_s", obj.timeout_s, "a number > 0")
+    elif isinstance(obj, DataConfig):
+        if obj.num_workers < 0:
+            bad("num_workers", obj.num_workers, "an integer >= 0")
+    elif isinstance(obj, CheckpointConfig):
+        if obj.every_n_steps < 0:
+            bad("every_n_steps", obj.every_n_steps, "an integer >= 0")
+        if obj.keep_last < 1:
+            bad("keep_last", obj.keep_last, "an integer >= 1")
+        if not obj.resume:
+            bad("resume", obj.resume, "auto, none or a checkpoint path")
+    elif isinstance(obj, LoggingConfig):
+        if obj.every_n_steps < 1:
+            bad("every_n_steps", obj.every_n_steps, "an integer >= 1")
+    elif isinstance(obj, PreemptionConfig):
+        for s in obj.signals:
+            if s not in _SIGNALS:
+                close = difflib.get_close_matches(s, _SIGNALS, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                bad("signals", s, f"signal names among {', '.join(_SIGNALS)}{hint}")
+        if obj.check_every_n_steps < 1:
+            bad("check_every_n_steps", obj.check_every_n_steps, "an integer >= 1")
+    elif isinstance(obj, PhaseConfig):
+        if obj.epochs is not None and obj.epochs < 0:
+            bad("epochs", obj.epochs, "an integer >= 0")
+        if obj.lr is not None and obj.lr <= 0:
+            bad("lr", obj.lr, "a number > 0")
+
+
+def check_free_section(
+    config: TrainConfig, section: str, defaults: dict[str, Any]
+) -> dict[str, Any]:
+    """Merge a free section (``model``/``recipe``) over a recipe's defaults, typed by them.
+
+    Each default's Python type is the key's type (``None`` defaults accept anything),
+    so recipe keys get the same unknown-key and bad-value errors as built-in ones.
+    The merged values are written back into ``config`` so the resolved YAML shows them.
+    """
+    given = getattr(config, section)
+    merged = dict(defaults)
+    for key, value in given.items():
+        if key not in defaults:
+            _unknown(section, key, list(defaults))
+        default = defaults[key]
+        tp: Any = Any if default is None else type(default)
+        if isinstance(default, list):
+            tp = list[Any]
+        elif isinstance(default, dict):
+            tp = dict[str, Any]
+        elif default is not None:
+            tp = tp | None if value is None else tp
+        merged[key] = _coerce(value, tp, f"{section}.{key}")
+    setattr(config, section, merged)
+    return merged

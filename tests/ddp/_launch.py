@@ -1,0 +1,68 @@
+"""Start N local ranks as plain subprocesses with torchrun's variables (Gloo, CPU).
+
+Cheaper than torchrun (no agent process) and lets a test signal or time each rank.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def base_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    env.pop("SLURM_JOB_ID", None)
+    return env
+
+
+def start(args: list[str], world: int = 2) -> list[subprocess.Popen]:
+    """Start ``python ARGS`` once per rank; returns the processes in rank order."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = base_env()
+        env.update(
+            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        )  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *args], env=env, cwd=ROOT,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )  # fmt: skip
+        )
+    return procs
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 60.0) -> list[tuple[int, str, str]]:
+    """Wait for every rank (killing all at the deadline); (returncode, stdout, stderr) each."""
+    deadline = time.monotonic() + timeout
+    out = []
+    for p in procs:
+        try:
+            o, e = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            o, e = p.communicate()
+            e += f"\n[test harness: killed at the {timeout:.0f}s deadline]"
+        out.append((p.returncode, o, e))
+    return out
+
+
+def run(args: list[str], world: int = 2, timeout: float = 60.0) -> list[tuple[int, str, str]]:
+    return finish(start(args, world), timeout)

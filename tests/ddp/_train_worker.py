@@ -1,0 +1,68 @@
+"""One rank of a small, deterministic Trainer run, driven by a JSON spec (argv[1]).
+
+Spec keys: config (TrainConfig mapping), n (train samples), eval_n, dropout,
+out (rank 0 saves {"state", "summary"} there), fail_rank/fail_step (raise there),
+wait_signal_step + ready_dir (write <rank>.pid at that step, then spin until a
+preemption signal arrives, so a test can signal every rank mid-epoch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+def make_data(n: int, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    w = torch.randn(8, 1, generator=g)
+    return TensorDataset(x, torch.tanh(x @ w) + 0.1 * torch.randn(n, 1, generator=g))
+
+
+def make_model(dropout: float = 0.0) -> nn.Module:
+    torch.manual_seed(1234)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(dropout), nn.Linear(16, 1))
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    import ddp
+    from ddp.config import TrainConfig
+    from ddp.trainer import Trainer
+
+    cfg = TrainConfig.from_dict(spec["config"])
+    trainer: Trainer
+
+    def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        rank = ddp.get_context().rank
+        if rank == spec.get("fail_rank") and trainer.global_step + 1 == spec.get("fail_step"):
+            raise RuntimeError("injected failure")
+        if spec.get("wait_signal_step") == trainer.global_step and not trainer.preempt_requested:
+            path = os.path.join(spec["ready_dir"], f"{rank}.pid")
+            with open(path + ".tmp", "w") as fh:
+                fh.write(str(os.getpid()))
+            os.replace(path + ".tmp", path)
+            deadline = time.monotonic() + 30
+            while not trainer.preempt_requested and time.monotonic() < deadline:
+                time.sleep(0.01)  # the test process sends the signal; this rank only idles
+        x, y = batch
+        return nn.functional.mse_loss(model(x), y)
+
+    eval_data = make_data(spec["eval_n"], seed=1) if spec.get("eval_n") else None
+    trainer = Trainer(
+        make_model(spec.get("dropout", 0.0)), make_data(spec.get("n", 64)), cfg, step, eval_data
+    )
+    summary = trainer.fit()
+    if ddp.get_context().is_main and spec.get("out"):
+        torch.save({"state": trainer.model.state_dict(), "summary": summary}, spec["out"])
+    ddp.shutdown()
+
+
+if __name__ == "__main__":
+    main()

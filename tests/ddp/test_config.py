@@ -1,0 +1,180 @@
+"""TrainConfig: YAML sections, --set overrides, validation messages, scaling rules."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ddp.config import TrainConfig, check_free_section, parse_assignment, scale_factor
+from ddp.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_and_sections() -> None:
+    cfg = TrainConfig()
+    assert cfg.precision == "fp32"
+    assert cfg.preemption.signals == ["SIGUSR1", "SIGTERM"]
+    assert cfg.logging.wandb.mode == "offline"
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        ({"optim": {"lrr": 1}}, "did you mean 'optim.lr'"),
+        ({"trainig": {}}, "did you mean 'training'"),
+        ({"training": {"bach_size": 4}}, "did you mean 'training.batch_size'"),
+        ({"logging": {"wandb": {"projet": "x"}}}, "did you mean 'logging.wandb.project'"),
+    ],
+)
+def test_unknown_key_names_nearest(data: dict, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle) as exc:
+        TrainConfig.from_dict(data)
+    assert "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        ({"training": {"batch_size": "big"}}, "training.batch_size: expected an integer"),
+        ({"training": {"batch_size": 0}}, "training.batch_size"),
+        ({"training": {"batch_size": 2.5}}, "expected an integer"),
+        ({"optim": {"lr": "fast"}}, "optim.lr: expected a number"),
+        ({"optim": {"lr": -1}}, "optim.lr"),
+        ({"optim": {"name": "adam"}}, "did you mean 'adamw'"),
+        ({"optim": {"schedule": "cosin"}}, "did you mean 'cosine'"),
+        ({"precision": "fp8"}, "precision: 'fp8' is not one of fp32, bf16, fp16"),
+        ({"scaling": {"rule": "lineer"}}, "did you mean 'linear'"),
+        ({"scaling": {"rule": "cap:x"}}, "scaling.rule"),
+        ({"ddp": {"static_graph": "maybe"}}, "expected true or false"),
+        ({"preemption": {"signals": ["SIGTREM"]}}, "did you mean 'SIGTERM'"),
+        ({"memory": {"max_memory_fraction": 1.5}}, "max_memory_fraction"),
+        ({"phases": [{"epochs": 1, "lrate": 1}]}, "did you mean 'phases.0.lr'"),
+        ({"training": 3}, "training: expected a mapping"),
+    ],
+)
+def test_bad_values(data: dict, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        TrainConfig.from_dict(data)
+
+
+def test_scientific_notation_strings_are_floats(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  lr: 1e-4\n  weight_decay: 5E-2\ntraining:\n  max_samples: 1e3\n")
+    cfg = TrainConfig.from_yaml(path)
+    assert cfg.optim.lr == 1e-4 and isinstance(cfg.optim.lr, float)
+    assert cfg.optim.weight_decay == 0.05
+    assert cfg.training.max_samples == 1000
+
+
+def test_yaml_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        TrainConfig.from_yaml(tmp_path / "missing.yaml")
+    (tmp_path / "bad.yaml").write_text("optim: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        TrainConfig.from_yaml(tmp_path / "bad.yaml")
+
+
+def test_set_overrides_are_typed() -> None:
+    cfg = TrainConfig().override(
+        [
+            "optim.lr=3e-4",
+            "training.max_steps=10",
+            "ddp.static_graph=true",
+            "preemption.signals=[SIGTERM]",
+            "checkpoint.dir=null",
+            "logging.wandb.project=demo",
+            "model.width=128",
+            "precision=bf16",
+        ]
+    )
+    assert cfg.optim.lr == 3e-4
+    assert cfg.training.max_steps == 10
+    assert cfg.ddp.static_graph is True
+    assert cfg.preemption.signals == ["SIGTERM"]
+    assert cfg.checkpoint.dir is None
+    assert cfg.logging.wandb.project == "demo"
+    assert cfg.model == {"width": 128}
+    assert cfg.precision == "bf16"
+
+
+def test_set_parsing_errors() -> None:
+    assert parse_assignment("a.b=x=y") == ("a.b", "x=y")
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        TrainConfig().override(["optim.lr"])
+    with pytest.raises(ConfigError, match="did you mean 'optim.lr'"):
+        TrainConfig().override(["optim.lr_=1"])
+    with pytest.raises(ConfigError, match="is a value, not a section"):
+        TrainConfig().override(["precision.x=1"])
+
+
+def test_phases_and_roundtrip() -> None:
+    cfg = TrainConfig.from_dict(
+        {"phases": [{"name": "p1", "epochs": 1, "lr": "2e-5"}, {"epochs": 3, "skip": True}]}
+    )
+    assert cfg.phases[0].lr == 2e-5 and cfg.phases[1].skip
+    cfg2 = cfg.override(["phases.1.skip=false"])
+    assert not cfg2.phases[1].skip
+    assert TrainConfig.from_dict(cfg2.to_dict()) == cfg2
+
+
+def test_free_section_checked_against_defaults() -> None:
+    cfg = TrainConfig.from_dict({"model": {"d_model": "128"}})
+    assert check_free_section(cfg, "model", {"d_model": 64, "dropout": 0.0}) == {
+        "d_model": 128,
+        "dropout": 0.0,
+    }
+    with pytest.raises(ConfigError, match="did you mean 'model.d_model'"):
+        check_free_section(TrainConfig.from_dict({"model": {"dmodel": 1}}), "model", {"d_model": 64})
+    with pytest.raises(ConfigError, match="model.d_model: expected an integer"):
+        check_free_section(TrainConfig.from_dict({"model": {"d_model": "x"}}), "model", {"d_model": 64})
+
+
+@pytest.mark.parametrize(
+    ("rule", "world", "base", "factor"),
+    [
+        ("none", 8, 1, 1.0),
+        ("linear", 8, 1, 8.0),
+        ("linear", 8, 2, 4.0),
+        ("linear", 1, 4, 0.25),
+        ("sqrt", 4, 1, 2.0),
+        ("sqrt", 8, 2, 2.0),
+        ("cap:4", 8, 1, 4.0),
+        ("cap:4", 2, 1, 2.0),
+        ("cap:2.5", 12, 1, 2.5),
+    ],
+)
+def test_scaling_rules(rule: str, world: int, base: int, factor: float) -> None:
+    assert scale_factor(rule, world, base) == pytest.approx(factor)
+    cfg = TrainConfig.from_dict(
+        {"optim": {"lr": 1e-4, "warmup_steps": 100},
+         "scaling": {"rule": rule, "base_world_size": base, "scale_warmup": True}}
+    )  # fmt: skip
+    assert cfg.scaled_lr(world) == pytest.approx(1e-4 * factor)
+    assert cfg.scaled_warmup(world) == round(100 * factor)
+
+
+def test_effective_batch() -> None:
+    cfg = TrainConfig.from_dict({"training": {"batch_size": 16, "accum": 4}})
+    assert cfg.effective_batch(8) == 512
+    assert cfg.scaled_warmup(8) == cfg.optim.warmup_steps  # scale_warmup off by default
+
+
+@given(st.integers(1, 1024), st.integers(1, 64))
+def test_sqrt_is_between_none_and_linear(world: int, base: int) -> None:
+    s = scale_factor("sqrt", world, base)
+    lin = scale_factor("linear", world, base)
+    assert math.isclose(s * s, lin, rel_tol=1e-9)
+    assert min(1.0, lin) - 1e-12 <= s <= max(1.0, lin) + 1e-12
+
+
+@pytest.mark.parametrize("name", ["uniref50", "dpo"])
+def test_shipped_configs_are_valid(name: str) -> None:
+    from ddp import recipes
+
+    cfg = recipes.resolve(recipes.get(name), ROOT / "configs" / f"{name}.yaml")
+    assert cfg.checkpoint.resume == "auto"
