@@ -14,7 +14,7 @@ import logging
 import os
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -135,7 +135,7 @@ def _init(
     choice = backends.choose(device, backend, info.local_rank, info.world_size)
     _set_device(choice.device)
     if info.world_size > 1 and not tdist.is_initialized():
-        _check_resolves(info)
+        info = _check_resolves(info)
         os.environ.update(info.torchrun_vars())  # for libraries that read env:// themselves
         tdist.init_process_group(
             backend=choice.backend,
@@ -158,15 +158,33 @@ def _init(
     return _CONTEXT
 
 
-def _check_resolves(info: DistEnv) -> None:
-    """Fail in a second, not after the store's timeout, when the master host has no address."""
+def _resolvable(host: str, port: int) -> bool:
     try:
-        socket.getaddrinfo(info.master_addr, info.master_port)
+        socket.getaddrinfo(host, port)
     except socket.gaierror:
-        raise ConfigError(
-            f"master address {info.master_addr!r} ({info.launcher}) does not resolve; "
-            "set MASTER_ADDR, or DDP_MASTER_ADDR_SUFFIX to the site's host-name suffix"
-        ) from None
+        return False
+    return True
+
+
+def _check_resolves(info: DistEnv) -> DistEnv:
+    """Fail in a second, not after the store's timeout, when the master host has no address.
+
+    A derived host with ``DDP_MASTER_ADDR_SUFFIX`` that does not resolve falls back to
+    the bare host name (every rank takes the same decision from the same DNS), so a
+    site suffix in a cluster profile does not break a node without that network.
+    """
+    if _resolvable(info.master_addr, info.master_port):
+        return info
+    suffix = os.environ.get("DDP_MASTER_ADDR_SUFFIX", "")
+    if suffix and not os.environ.get("MASTER_ADDR") and info.master_addr.endswith(suffix):
+        bare = info.master_addr[: -len(suffix)]
+        if _resolvable(bare, info.master_port):
+            log.warning("master %s does not resolve; using %s", info.master_addr, bare)
+            return replace(info, master_addr=bare)
+    raise ConfigError(
+        f"master address {info.master_addr!r} ({info.launcher}) does not resolve; "
+        "set MASTER_ADDR, or DDP_MASTER_ADDR_SUFFIX to the site's host-name suffix"
+    )
 
 
 def _bracket(addr: str) -> str:

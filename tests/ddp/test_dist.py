@@ -69,3 +69,21 @@ def test_unresolvable_master_fails_at_once_in_one_line():
         "ddp: error: master address 'no-such-host.invalid' (torchrun) does not resolve; set "
         "MASTER_ADDR, or DDP_MASTER_ADDR_SUFFIX to the site's host-name suffix"
     ]
+
+
+def test_site_suffix_falls_back_to_bare_host(tmp_path):
+    """Aurora's profile appends .hsn...; off Aurora the bare node name must still work."""
+    nodefile = tmp_path / "nodes"
+    nodefile.write_text("localhost\n")
+    env = clean_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", PBS_NODEFILE=str(nodefile),
+                    DDP_MASTER_ADDR_SUFFIX=".hsn.cm.aurora.alcf.anl.gov")
+    env.pop("RANK")
+    env.pop("LOCAL_RANK")
+    env.update(PMI_RANK="0", PMI_SIZE="2", PMI_LOCAL_RANK="0", PALS_RANKID="0",
+               PALS_LOCAL_RANKID="0", MASTER_PORT="23457")
+    code = ("import ddp.dist as d, ddp.env as e; info = d._check_resolves(e.detect()); "
+            "print(info.master_addr)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "localhost"

@@ -1,0 +1,115 @@
+"""How long does producing a 2-node x 4-GPU SLURM script take, against the peers?
+
+Question: is ``hpc render`` cheaper than TorchX's ``--dryrun`` and submitit's script
+builder, whole process included (what a user waits for on a login node)?
+
+Runs, interleaved round by round so that machine load hits every command alike:
+
+- floor:    ``python -c pass``
+- hpc:      ``python -m hpc render --cluster perlmutter --nodes 2 -- python train.py``
+            (account from $SBATCH_ACCOUNT, as a user would have it)
+- torchx:   ``torchx run --dryrun -s slurm dist.ddp -j 2x4 --gpu 4 --script train.py``
+- submitit: ``SlurmExecutor(...).update_parameters(nodes=2, ntasks_per_node=4,
+            gpus_per_node=4)`` then its private ``_make_submission_file_text`` (it has no
+            public dry run)
+
+A peer that is not installed is skipped with a note. Prints the median wall time of
+each and the ratios hpc/peer (targets: <= 0.5 x torchx, <= 0.75 x submitit).
+
+    python bench/render_vs_peers.py [--rounds 21]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SUBMITIT = (
+    "from submitit import SlurmExecutor\n"
+    "e = SlurmExecutor(folder='submitit-logs')\n"
+    "e.update_parameters(nodes=2, ntasks_per_node=4, gpus_per_node=4)\n"
+    "print(e._make_submission_file_text('python train.py', 'uid'))\n"
+)
+
+
+def commands() -> tuple[dict[str, list[str]], list[str]]:
+    """The commands to time, and notes on peers left out."""
+    py = sys.executable
+    cmds = {
+        "floor": [py, "-c", "pass"],
+        "hpc": [py, "-m", "hpc", "render", "--cluster", "perlmutter", "--nodes", "2",
+                "--", "python", "train.py"],
+    }
+    notes = []
+    torchx = shutil.which("torchx")
+    if torchx:
+        cmds["torchx"] = [torchx, "run", "--dryrun", "-s", "slurm", "dist.ddp", "-j", "2x4",
+                          "--gpu", "4", "--script", "train.py"]
+    else:
+        notes.append("torchx: not installed (pip install --no-deps torchx plus its light deps)")
+    if importlib.util.find_spec("submitit") and shutil.which("srun"):
+        cmds["submitit"] = [py, "-c", SUBMITIT]
+    else:
+        notes.append("submitit: not installed, or no srun on PATH (its constructor needs one)")
+    return cmds, notes
+
+
+def run_once(argv: list[str], cwd: str, env: dict[str, str]) -> float:
+    """Wall seconds of one run; a failing command stops the benchmark."""
+    t0 = time.perf_counter()
+    proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0 or ("#SBATCH" not in proc.stdout and argv[-1] != "pass"):
+        raise SystemExit(f"{argv[0]} ... failed (rc {proc.returncode}): {proc.stderr[-400:]}")
+    return wall
+
+
+def main() -> int:
+    """Time the commands in interleaved rounds and print medians and ratios."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=21)
+    args = parser.parse_args()
+    cmds, notes = commands()
+    env = dict(os.environ, SBATCH_ACCOUNT="m0000_g")
+    # Time hpc as installed: pip byte-compiles packages, so let the warm-up run write
+    # hpc's .pyc files (the peers' are in site-packages already).
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    times: dict[str, list[float]] = {name: [] for name in cmds}
+    with tempfile.TemporaryDirectory() as cwd:
+        Path(cwd, "train.py").write_text("print('train')\n")
+        for argv in cmds.values():  # warm the page cache once
+            run_once(argv, cwd, env)
+        for i in range(args.rounds):
+            order = list(cmds.items())
+            if i % 2:  # alternate the order so no command always runs first
+                order.reverse()
+            for name, argv in order:
+                times[name].append(run_once(argv, cwd, env))
+    med = {name: statistics.median(t) for name, t in times.items()}
+    print(f"medians of {args.rounds} interleaved rounds (wall, whole process):")
+    for name, value in med.items():
+        print(f"  {name:9s} {value * 1000:7.1f} ms")
+    above = med["hpc"] - med["floor"]
+    print(f"  hpc above the interpreter floor: {above * 1000:.1f} ms")
+    for peer, target in (("torchx", 0.5), ("submitit", 0.75)):
+        if peer in med:
+            ratio = med["hpc"] / med[peer]
+            verdict = "meets" if ratio <= target else "MISSES"
+            print(f"  hpc / {peer:8s} = {ratio:.2f}  ({verdict} the <= {target} target)")
+    for note in notes:
+        print(f"  skipped {note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Launch lines: mpiexec (PALS or hydra), srun, torchrun per node, and this machine.
+
+Every word that comes from the user is shell-quoted here (``shlex.quote``); only
+the ``Raw`` fragments written in this module (``"$SLURM_JOB_ID"`` and the like)
+go into the script as they are.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Iterable
+
+from hpc.spec import Job
+
+_BARE_PYTHON = r"^python(3(\.\d+)?)?\Z"  # compiled on first use (re's cache)
+_ANY_PYTHON = r"^(.*/)?python(\d+(\.\d+)*)?\Z"  # compiled on first use (re's cache)
+
+
+class Raw(str):
+    """Shell text written by this module, never by the user: not quoted."""
+
+
+def sh_join(words: Iterable[str]) -> str:
+    """Join words into one shell line, quoting all but ``Raw`` ones."""
+    return " ".join(w if isinstance(w, Raw) else shlex.quote(str(w)) for w in words)
+
+
+def python_of(command: list[str]) -> str:
+    """The interpreter to run ``ddp.exec`` with: the command's own, else ``python``."""
+    return command[0] if command and re.match(_ANY_PYTHON, command[0]) else "python"
+
+
+def wrapped(job: Job) -> list[str]:
+    """The command, behind ``python -m ddp.exec --`` when the job asks for it.
+
+    ``ddp.exec`` exports torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE,
+    MASTER_ADDR, ...) from whatever launcher started the process, so a plain
+    torchrun-style script runs unchanged under mpiexec or srun.
+    """
+    cmd = list(job.spec.command)
+    if job.wrapped:
+        return [python_of(cmd), "-m", "ddp.exec", "--", *cmd]
+    return cmd
+
+
+def torchrun_args(command: list[str]) -> list[str]:
+    """What follows torchrun's own options: ``train.py ARGS``, ``-m mod ARGS`` or ``--no-python CMD``."""
+    if len(command) >= 2 and re.match(_BARE_PYTHON, command[0]):
+        rest = command[1:]
+        if rest[0] == "-m" and len(rest) >= 2:
+            return ["-m", *rest[1:]]
+        if not rest[0].startswith("-"):
+            return rest
+    return ["--no-python", *command]
+
+
+def mpiexec(job: Job) -> list[str]:
+    """``mpiexec -n RANKS --ppn PPN [--depth D] [--cpu-bind B]`` (PALS) or hydra's ``-ppn``."""
+    launcher = job.cluster.launcher
+    words: list[str] = ["mpiexec", "-n", str(job.ranks)]
+    if launcher.flavor == "pals":
+        words += ["--ppn", str(job.ppn)]
+        if launcher.depth:
+            words += ["--depth", str(launcher.depth)]
+        if launcher.cpu_bind:
+            words += ["--cpu-bind", launcher.cpu_bind]
+    else:
+        words += ["-ppn", str(job.ppn)]
+    return [*words, *launcher.args, *wrapped(job)]
+
+
+def srun(job: Job) -> list[str]:
+    """``srun --kill-on-bad-exit=1``; tasks come from the allocation.
+
+    Since SLURM 22.05 srun no longer inherits ``--cpus-per-task`` from sbatch, so
+    it is repeated here.
+    """
+    words = ["srun", "--kill-on-bad-exit=1"]
+    if job.cpus_per_task:
+        words.append(f"--cpus-per-task={job.cpus_per_task}")
+    return [*words, *job.cluster.launcher.args, *wrapped(job)]
+
+
+def torchrun_per_node(job: Job) -> tuple[list[str], list[str]]:
+    """One torchrun per node through srun, c10d rendezvous on the first node.
+
+    The first node's address is taken from ``scontrol show node`` (NodeAddr), which
+    also works where node names do not resolve; ``DDP_MASTER_ADDR_SUFFIX`` from the
+    profile is appended (e.g. a high-speed network domain).
+    """
+    preamble = [
+        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        'head_addr=$(scontrol show node "$head_node" 2>/dev/null'
+        " | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p' | head -n 1)",
+        'head_addr="${head_addr:-$head_node}${DDP_MASTER_ADDR_SUFFIX:-}"',
+    ]
+    words = ["srun", "--kill-on-bad-exit=1", "--ntasks-per-node=1", f"--nodes={job.nodes}"]
+    if job.cpus_per_task:
+        words.append(f"--cpus-per-task={job.cpus_per_task * job.ppn}")
+    words += [
+        *job.cluster.launcher.args,
+        "torchrun", "--nnodes", str(job.nodes), "--nproc_per_node", str(job.ppn),
+        "--rdzv_backend", "c10d",
+        "--rdzv_endpoint", Raw('"${head_addr}:${MASTER_PORT:-29500}"'),
+        "--rdzv_id", Raw('"$SLURM_JOB_ID"'),
+        *torchrun_args(wrapped(job)),
+    ]
+    return preamble, words
+
+
+def local(job: Job) -> list[str]:
+    """This machine: the command itself for one rank, else ``torchrun --standalone``."""
+    if job.ranks == 1:
+        return wrapped(job)
+    return [
+        "torchrun", "--standalone", "--nnodes", "1", "--nproc_per_node", str(job.ppn),
+        *torchrun_args(wrapped(job)),
+    ]
+
+
+def launch(job: Job) -> tuple[list[str], str]:
+    """Shell lines to run before the launch (our own text) and the launch line itself."""
+    if job.cluster.scheduler == "local":
+        return [], sh_join(local(job))
+    if job.launcher == "mpiexec":
+        return [], sh_join(mpiexec(job))
+    if job.launcher == "torchrun":
+        preamble, words = torchrun_per_node(job)
+        return preamble, sh_join(words)
+    return [], sh_join(srun(job))

@@ -1,0 +1,91 @@
+"""SLURM: sbatch --parsable; squeue, then sacct (or its jobcomp log), then scontrol; scancel."""
+
+from __future__ import annotations
+
+import re
+
+from hpc.schedulers import SchedulerError, last_line, run
+
+_JOB_ID = re.compile(r"^\d+(_\d+)?\Z")
+_MAP = {
+    "PENDING": "PENDING", "REQUEUED": "PENDING", "REQUEUE_HOLD": "PENDING",
+    "REQUEUE_FED": "PENDING", "RESV_DEL_HOLD": "PENDING", "SUSPENDED": "PENDING",
+    "CONFIGURING": "RUNNING", "RUNNING": "RUNNING", "COMPLETING": "RUNNING",
+    "RESIZING": "RUNNING", "SIGNALING": "RUNNING", "STAGE_OUT": "RUNNING", "STOPPED": "RUNNING",
+    "COMPLETED": "COMPLETED",
+    "FAILED": "FAILED", "NODE_FAIL": "FAILED", "BOOT_FAIL": "FAILED",
+    "OUT_OF_MEMORY": "FAILED", "DEADLINE": "FAILED", "SPECIAL_EXIT": "FAILED",
+    "CANCELLED": "CANCELLED", "REVOKED": "CANCELLED",
+    "TIMEOUT": "TIMEOUT", "PREEMPTED": "PREEMPTED",
+}
+
+
+def normalize(state: str) -> str:
+    """SLURM state words (``CANCELLED by 0``, ``CD``-free long form) -> a normalized state."""
+    word = state.strip().split()[0].rstrip("+").upper() if state.strip() else ""
+    return _MAP.get(word, "UNKNOWN")
+
+
+def _first(text: str) -> str | None:
+    for line in text.splitlines():
+        if line.strip():
+            return line.strip()
+    return None
+
+
+class Slurm:
+    """SLURM through its command-line clients."""
+
+    name = "slurm"
+
+    def submit_command(self, script: str) -> list[str]:
+        """``sbatch --parsable SCRIPT``: the id alone on stdout."""
+        return ["sbatch", "--parsable", script]
+
+    def parse_job_id(self, stdout: str) -> str:
+        """``123`` or ``123;cluster`` (--parsable), or ``Submitted batch job 123``."""
+        for line in stdout.splitlines():
+            word = line.strip().split(";")[0]
+            if _JOB_ID.match(word):
+                return word
+            match = re.search(r"Submitted batch job (\d+)", line)
+            if match:
+                return match.group(1)
+        raise SchedulerError(f"sbatch: no job id in its answer: {last_line(stdout)!r}")
+
+    def submit(self, script: str, run_dir: str) -> str:
+        """Submit and return the job id."""
+        proc = run(self.submit_command(script))
+        if proc.returncode != 0:
+            raise SchedulerError(f"sbatch refused the job (exit {proc.returncode}): {last_line(proc.stderr or proc.stdout)}")
+        return self.parse_job_id(proc.stdout)
+
+    def status(self, job_id: str) -> str:
+        """squeue while queued or running; sacct afterwards, tolerant of no accounting.
+
+        Without accounting storage sacct says "accounting storage is disabled"; with
+        a jobcomp log ``sacct -c`` still answers. Last comes ``scontrol show job``,
+        which knows a finished job for MinJobAge seconds.
+        """
+        proc = run(["squeue", "-h", "-j", job_id, "-o", "%T"])
+        if proc.returncode == 0 and _first(proc.stdout):
+            return normalize(_first(proc.stdout) or "")
+        for argv in (
+            ["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "State"],
+            ["sacct", "-c", "-n", "-P", "-j", job_id, "-o", "State"],
+        ):
+            proc = run(argv)
+            line = _first(proc.stdout) if proc.returncode == 0 else None
+            if line and "accounting storage is disabled" not in (proc.stdout + proc.stderr).lower():
+                state = normalize(line)
+                if state != "UNKNOWN":
+                    return state
+        proc = run(["scontrol", "show", "job", job_id])
+        match = re.search(r"JobState=(\S+)", proc.stdout) if proc.returncode == 0 else None
+        return normalize(match.group(1)) if match else "UNKNOWN"
+
+    def cancel(self, job_id: str) -> None:
+        """``scancel ID``."""
+        proc = run(["scancel", job_id])
+        if proc.returncode != 0:
+            raise SchedulerError(f"scancel {job_id} failed (exit {proc.returncode}): {last_line(proc.stderr or proc.stdout)}")
