@@ -274,6 +274,13 @@ def cmd_submit(args: argparse.Namespace, command: list[str] | None) -> int:
 
     git = runs.git_info()
     run_dir = runs.new_run_dir(runs_dir, job.name)
+    # The job keeps its log in the run directory and learns where that is: the trainer's
+    # default checkpoint folder is $HPC_RUN_DIR/checkpoints, so a requeued job resumes there.
+    run_abs = str(run_dir.resolve())
+    if sched.name != "local":
+        job.spec.output_dir = run_abs
+    job.spec.env = {**job.spec.env, "HPC_RUN_DIR": run_abs}
+    text = render(job, regenerate=_regen_command(args, command), templates=args.templates)
     script = run_dir / f"job{suffix}"
     script.write_text(text, encoding="utf-8")
     import yaml
@@ -281,8 +288,6 @@ def cmd_submit(args: argparse.Namespace, command: list[str] | None) -> int:
     (run_dir / "spec.yaml").write_text(
         yaml.safe_dump(job.to_dict(), sort_keys=False, allow_unicode=True), encoding="utf-8"
     )
-    if job.cluster.scheduler != "local":  # schedulers do not create the log folder
-        Path(job.spec.output_dir).mkdir(parents=True, exist_ok=True)
     argv = sched.submit_command(str(script))
     record: dict[str, Any] = {
         "name": job.name, "cluster": job.cluster.name, "scheduler": sched.name,

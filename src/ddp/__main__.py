@@ -71,13 +71,16 @@ def _train(recipe: object, config: object) -> int:
     import ddp
     from ddp.trainer import Trainer
 
-    ddp.init(backend=config.ddp.backend, timeout=config.ddp.timeout_s)  # type: ignore[attr-defined]
+    ddp.init(backend=config.ddp.backend, device=config.ddp.device,  # type: ignore[attr-defined]
+             timeout=config.ddp.timeout_s)  # type: ignore[attr-defined]
     built = recipe.build(config)  # type: ignore[attr-defined]
     trainer = Trainer(
         built.model, built.train_data, config, built.step_fn,  # type: ignore[arg-type]
         built.eval_data, built.eval_fn, built.collate_fn,
     )  # fmt: skip
-    trainer.fit()
+    summary = trainer.fit()
+    if built.after_fit is not None:
+        built.after_fit(trainer, summary)
     ddp.shutdown()
     return 0
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import re
 import types
 import typing
@@ -80,7 +81,8 @@ class DDPConfig:
     gradient_as_bucket_view: bool = True
     static_graph: bool = False
     bucket_cap_mb: float = 25.0
-    backend: str = "auto"
+    backend: str = "auto"  # auto | nccl | gloo | xccl | ccl | mpi | xpu (see ddp.backends)
+    device: str = "auto"  # auto | cuda | xpu | mps | cpu (auto: the first available)
     timeout_s: float = 1800.0
 
 
@@ -90,9 +92,16 @@ class DataConfig:
     pin_memory: bool = False
 
 
+def _default_checkpoint_dir() -> str:
+    run_dir = os.environ.get("HPC_RUN_DIR")
+    return os.path.join(run_dir, "checkpoints") if run_dir else "checkpoints"
+
+
 @dataclass
 class CheckpointConfig:
-    dir: str | None = "checkpoints"  # None = no checkpoints, no export
+    # None = no checkpoints, no export. Default: $HPC_RUN_DIR/checkpoints when `hpc submit`
+    # started the job (so a requeued job resumes from its own run directory), else ./checkpoints.
+    dir: str | None = field(default_factory=lambda: _default_checkpoint_dir())
     every_n_steps: int = 0  # 0 = only at the end of each epoch
     keep_last: int = 2
     resume: str = "auto"  # auto | none | PATH

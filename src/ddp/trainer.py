@@ -168,7 +168,9 @@ class Trainer:
         Joins the job through ``ddp.init()`` when the script did not already.
         """
         cfg = self.config
-        ctx = ddp.get_context() or ddp.init(backend=cfg.ddp.backend, timeout=cfg.ddp.timeout_s)
+        ctx = ddp.get_context() or ddp.init(
+            backend=cfg.ddp.backend, device=cfg.ddp.device, timeout=cfg.ddp.timeout_s
+        )
         self.ctx = ctx
         try:
             self._install_signals()

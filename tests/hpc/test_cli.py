@@ -114,7 +114,9 @@ def test_submit_writes_a_run_dir_and_never_overwrites(fake_bin, tmp_path: Path, 
     assert {"git_commit", "git_dirty"} <= set(rec)
     assert "echo 'a b'" in (dirs[0] / "job.slurm").read_text()
     assert "command:" in (dirs[0] / "spec.yaml").read_text()
-    assert (tmp_path / "logs").is_dir()
+    script = (dirs[0] / "job.slurm").read_text()
+    assert f"--output={dirs[0].resolve()}/" in script  # the log goes to the run directory
+    assert f"export HPC_RUN_DIR={dirs[0].resolve()}" in script
     assert "sbatch --parsable runs/" in fake_bin.log.read_text()
 
 

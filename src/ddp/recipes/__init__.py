@@ -53,6 +53,9 @@ class Built:
     step_fn: Callable[..., Any] | None
     eval_fn: Callable[..., Any] | None = None
     collate_fn: Callable[..., Any] | None = None
+    #: ``after_fit(trainer, summary)`` runs on every rank once training ended normally
+    #: (not after a failure or preemption), e.g. to export inference artifacts.
+    after_fit: Callable[[Any, dict[str, Any]], None] | None = None
 
 
 def names() -> list[str]:
@@ -78,8 +81,13 @@ def _bool(text: str) -> bool:
 
 def add_flags(parser: argparse.ArgumentParser, recipe: ModuleType) -> None:
     for flag in recipe.FLAGS:
-        tp = _bool if flag.type is bool else flag.type
-        parser.add_argument(flag.name, type=tp, default=None, dest=_dest(flag), help=flag.help)
+        if flag.type is bool:
+            # As in the seed guides: a bare `--skip_phase1` means true; `--flag false` works too.
+            parser.add_argument(flag.name, type=_bool, nargs="?", const=True, default=None,
+                                dest=_dest(flag), help=flag.help)
+        else:
+            parser.add_argument(flag.name, type=flag.type, default=None, dest=_dest(flag),
+                                help=flag.help)
 
 
 def _dest(flag: Flag) -> str:
