@@ -61,28 +61,32 @@ class Slurm:
         return self.parse_job_id(proc.stdout)
 
     def status(self, job_id: str) -> str:
-        """squeue while queued or running; sacct afterwards, tolerant of no accounting.
+        """squeue while queued or running; then scontrol, then sacct (no accounting needed).
 
-        Without accounting storage sacct says "accounting storage is disabled"; with
-        a jobcomp log ``sacct -c`` still answers. Last comes ``scontrol show job``,
-        which knows a finished job for MinJobAge seconds.
+        ``scontrol show job`` knows a finished job for MinJobAge seconds and always its
+        latest run. sacct comes last: without accounting storage it says "accounting
+        storage is disabled", but with a jobcomp log ``sacct -c`` still answers; a
+        requeued job has one record a run there, so the last line is the current one.
         """
         proc = run(["squeue", "-h", "-j", job_id, "-o", "%T"])
         if proc.returncode == 0 and _first(proc.stdout):
             return normalize(_first(proc.stdout) or "")
+        proc = run(["scontrol", "show", "job", job_id])
+        match = re.search(r"JobState=(\S+)", proc.stdout) if proc.returncode == 0 else None
+        if match and normalize(match.group(1)) != "UNKNOWN":
+            return normalize(match.group(1))
         for argv in (
             ["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "State"],
             ["sacct", "-c", "-n", "-P", "-j", job_id, "-o", "State"],
         ):
             proc = run(argv)
-            line = _first(proc.stdout) if proc.returncode == 0 else None
-            if line and "accounting storage is disabled" not in (proc.stdout + proc.stderr).lower():
-                state = normalize(line)
+            lines = [ln.strip() for ln in proc.stdout.splitlines() if ln.strip()]
+            disabled = "accounting storage is disabled" in (proc.stdout + proc.stderr).lower()
+            if proc.returncode == 0 and lines and not disabled:
+                state = normalize(lines[-1])
                 if state != "UNKNOWN":
                     return state
-        proc = run(["scontrol", "show", "job", job_id])
-        match = re.search(r"JobState=(\S+)", proc.stdout) if proc.returncode == 0 else None
-        return normalize(match.group(1)) if match else "UNKNOWN"
+        return "UNKNOWN"
 
     def cancel(self, job_id: str) -> None:
         """``scancel ID``."""

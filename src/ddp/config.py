@@ -92,20 +92,21 @@ class DataConfig:
     pin_memory: bool = False
 
 
-def _default_checkpoint_dir() -> str:
-    run_dir = os.environ.get("HPC_RUN_DIR")
-    return os.path.join(run_dir, "checkpoints") if run_dir else "checkpoints"
-
-
 @dataclass
 class CheckpointConfig:
-    # None = no checkpoints, no export. Default: $HPC_RUN_DIR/checkpoints when `hpc submit`
-    # started the job (so a requeued job resumes from its own run directory), else ./checkpoints.
-    dir: str | None = field(default_factory=lambda: _default_checkpoint_dir())
+    # None = no checkpoints, no export. A relative path is taken from $HPC_RUN_DIR when
+    # `hpc submit` started the job (so a requeued job resumes from its own run directory),
+    # else from the working directory. An absolute path is kept as it is.
+    dir: str | None = "checkpoints"
     every_n_steps: int = 0  # 0 = only at the end of each epoch
     keep_last: int = 2
     resume: str = "auto"  # auto | none | PATH
     save_final: bool = True
+
+    def __post_init__(self) -> None:
+        run_dir = os.environ.get("HPC_RUN_DIR")
+        if self.dir and run_dir and not os.path.isabs(self.dir):
+            self.dir = os.path.join(os.path.abspath(run_dir), self.dir)
 
 
 @dataclass

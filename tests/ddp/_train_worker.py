@@ -3,7 +3,8 @@
 Spec keys: config (TrainConfig mapping), n (train samples), eval_n, dropout,
 out (rank 0 saves {"state", "summary"} there), fail_rank/fail_step (raise there),
 wait_signal_step + ready_dir (write <rank>.pid at that step, then spin until a
-preemption signal arrives, so a test can signal every rank mid-epoch).
+preemption signal arrives, at most wait_timeout seconds (30), so a test can signal
+every rank mid-epoch).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def main() -> None:
             with open(path + ".tmp", "w") as fh:
                 fh.write(str(os.getpid()))
             os.replace(path + ".tmp", path)
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + spec.get("wait_timeout", 30)
             while not trainer.preempt_requested and time.monotonic() < deadline:
                 time.sleep(0.01)  # the test process sends the signal; this rank only idles
         x, y = batch

@@ -178,3 +178,16 @@ def test_shipped_configs_are_valid(name: str) -> None:
 
     cfg = recipes.resolve(recipes.get(name), ROOT / "configs" / f"{name}.yaml")
     assert cfg.checkpoint.resume == "auto"
+
+
+def test_relative_checkpoint_dir_goes_under_the_run_directory(monkeypatch, tmp_path):
+    """`hpc submit` exports HPC_RUN_DIR: a relative checkpoint.dir lands in the run directory."""
+    from ddp.config import TrainConfig
+
+    monkeypatch.setenv("HPC_RUN_DIR", str(tmp_path))
+    cfg = TrainConfig.from_dict({"checkpoint": {"dir": "ck"}})
+    assert cfg.checkpoint.dir == str(tmp_path / "ck")
+    assert TrainConfig.from_dict({"checkpoint": {"dir": "/abs/ck"}}).checkpoint.dir == "/abs/ck"
+    assert cfg.override(["training.epochs=2"]).checkpoint.dir == str(tmp_path / "ck")
+    monkeypatch.delenv("HPC_RUN_DIR")
+    assert TrainConfig.from_dict({"checkpoint": {"dir": "ck"}}).checkpoint.dir == "ck"

@@ -60,11 +60,20 @@ echo 'Slurm accounting storage is disabled' >&2; exit 1; fi""")
     assert "sacct -X -n -P -j 12 -o State" in log and "sacct -c -n -P -j 12 -o State" in log
 
 
-def test_slurm_status_last_resort_is_scontrol(fake_bin) -> None:
+def test_slurm_status_asks_scontrol_before_sacct(fake_bin) -> None:
     fake_bin("squeue", "exit 0")
     fake_bin("sacct", "echo 'accounting storage is disabled'; exit 0")
     fake_bin("scontrol", "echo 'JobId=12 JobName=x'; echo '   JobState=TIMEOUT Reason=TimeLimit'")
     assert get("slurm").status("12") == "TIMEOUT"
+
+
+def test_slurm_status_of_a_requeued_job_is_its_latest_run(fake_bin) -> None:
+    """The jobcomp log holds one record a run: the first REQUEUED, the last the outcome."""
+    fake_bin("squeue", "exit 0")
+    fake_bin("scontrol", "echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1")
+    fake_bin("sacct", """if [ "$1" = "-c" ]; then printf 'REQUEUED\nCOMPLETED\n'; else
+echo 'Slurm accounting storage is disabled' >&2; exit 1; fi""")
+    assert get("slurm").status("12") == "COMPLETED"
 
 
 def test_pbs_status_falls_back_to_plain_qstat(fake_bin) -> None:

@@ -1,0 +1,297 @@
+"""End to end on real schedulers: rendered jobs run DDP training to completion, survive
+preemption, fail fast, span two nodes; the Aurora PBS script runs as PBS would run it.
+
+SLURM is a real 22.05 cluster started by tests/support/slurm.py (two emulated nodes);
+PBS Pro and PALS do not exist here, so the Aurora path runs the rendered script with the
+variables PBS sets and the PALS-compatible mpiexec shim (tests/support/pals/) over MPICH.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.ddp import _launch
+from tests.support.pals import pbs_env
+from tests.support.parts import require_exe
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+WORKER = str(ROOT / "tests/ddp/_train_worker.py")
+FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL")
+
+pytestmark = pytest.mark.slurm
+
+
+def hpc(*args: str, cwd: Path = ROOT, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """The real CLI in a subprocess, as a user runs it (SLURM_CONF comes from the fixture)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([PY, "-m", "hpc", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=120)
+    if check:
+        assert proc.returncode == 0, f"hpc {args}: {proc.returncode}\n{proc.stdout}{proc.stderr}"
+    return proc
+
+
+def submit(*args: str, runs: Path) -> tuple[str, Path]:
+    """`hpc submit ...`: the job id it prints and the run directory it made."""
+    before = set(runs.iterdir()) if runs.exists() else set()
+    job_id = hpc("submit", "--runs-dir", str(runs), *args).stdout.strip()
+    assert job_id.isdigit(), job_id
+    (run_dir,) = set(runs.iterdir()) - before
+    return job_id, run_dir
+
+
+def status(job_id: str, runs: Path) -> str:
+    return hpc("status", job_id, "--runs-dir", str(runs)).stdout.split()[-1]
+
+
+def wait_status(job_id: str, runs: Path, states=FINAL, timeout: float = 150) -> str:
+    """Poll `hpc status` until the job reaches one of ``states`` (no fixed sleeps)."""
+    deadline = time.monotonic() + timeout
+    state = status(job_id, runs)
+    while state not in states:
+        assert time.monotonic() < deadline, f"job {job_id} still {state} after {timeout}s"
+        time.sleep(0.3)
+        state = status(job_id, runs)
+    return state
+
+
+def wait_for(what: str, check, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def log_of(run_dir: Path) -> str:
+    logs = sorted(run_dir.glob("*.out"))
+    return "\n".join(p.read_text(errors="replace") for p in logs)
+
+
+def worker_spec(tmp: Path, **extra) -> dict:
+    """A small deterministic Trainer run (tests/ddp/_train_worker.py), 8 steps a rank."""
+    spec = {
+        "config": {
+            "training": {"batch_size": 4, "epochs": 1, "shuffle": True, "seed": 3},
+            "optim": {"name": "sgd", "lr": 0.1},
+            "checkpoint": {"dir": str(tmp / "ck")},
+            "logging": {"every_n_steps": 2, "progress": "plain"},
+            "preemption": {"signals": ["SIGUSR1", "SIGTERM"], "requeue": True},
+        },
+        "n": 64, "out": str(tmp / "final.pt"),
+    }
+    spec.update(extra)
+    return spec
+
+
+def write_spec(path: Path, command: list[str], **fields) -> Path:
+    data = {"name": "e2e", "cluster": "slurm", "queue": "debug", "nodes": 1, "ppn": 2,
+            "walltime": "00:05:00", "wrap": "never", "command": command,
+            "env": {"OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}}
+    data.update(fields)
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+# ------------------------------------------------------------------------- SLURM
+
+
+def test_hpc_submit_uniref50_runs_to_completion(slurm_cluster, tmp_path):
+    runs = tmp_path / "runs"
+    job_id, run_dir = submit("jobs/uniref50.yaml", "--queue", "debug", runs=runs)
+    assert wait_status(job_id, runs) == "COMPLETED", log_of(run_dir)
+    log = log_of(run_dir)
+    assert "Initialized DDP: rank=0, world_size=2, local_rank=0" in log
+    assert re.search(r"done: steps=\d+, train_loss=", log), log
+    # checkpoints and the exported model live in the run directory
+    final = run_dir / "checkpoints" / "uniref50" / "final" / "model.pt"
+    assert final.is_file() and (final.parent / "config.yaml").is_file()
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["job_id"] == job_id and record["git_commit"]
+
+
+def test_plain_sbatch_of_checked_in_script(slurm_cluster, tmp_path):
+    """`sbatch jobs/uniref50.slurm` works as checked in (log and checkpoints redirected)."""
+    out = tmp_path / "plain.out"
+    env = dict(os.environ, HPC_RUN_DIR=str(tmp_path))  # keep checkpoints out of the repo
+    proc = subprocess.run(
+        ["sbatch", "--parsable", f"--output={out}", "jobs/uniref50.slurm"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=True,
+    )
+    job_id = proc.stdout.strip().split(";")[0]
+    state = slurm_cluster.wait(job_id, timeout=150)
+    assert state == "COMPLETED", out.read_text()
+    assert "world_size=2" in out.read_text()
+    assert (tmp_path / "checkpoints" / "uniref50" / "final" / "model.pt").is_file()
+
+
+def test_two_nodes_srun(slurm_cluster, tmp_path):
+    """The same recipe job over both emulated nodes: srun -N2, one rank on each."""
+    runs = tmp_path / "runs"
+    job_id, run_dir = submit("jobs/uniref50.yaml", "--queue", "debug", "--nodes", "2",
+                             "--ppn", "1", runs=runs)
+    assert wait_status(job_id, runs) == "COMPLETED", log_of(run_dir)
+    script = (run_dir / "job.slurm").read_text()
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=1" in script
+    assert "world_size=2" in log_of(run_dir)
+    nodes = slurm_cluster.run("sacct", "-c", "-n", "-X", "-P", "-j", job_id, "-o", "NodeList")
+    assert "n[1-2]" in nodes.stdout or ("n1" in nodes.stdout and "n2" in nodes.stdout)
+
+
+def test_cancel_running_job(slurm_cluster, tmp_path):
+    runs = tmp_path / "runs"
+    job_id, _ = submit("--cluster", "slurm", "--queue", "debug", "--ppn", "1", "--walltime",
+                       "00:05:00", "--", "sleep", "300", runs=runs)
+    wait_status(job_id, runs, states=("RUNNING",), timeout=60)
+    hpc("cancel", job_id, "--runs-dir", str(runs))
+    assert wait_status(job_id, runs, timeout=60) == "CANCELLED"
+
+
+def test_crashing_rank_ends_job_promptly(slurm_cluster, tmp_path):
+    spec = worker_spec(tmp_path, fail_rank=1, fail_step=3)
+    job_file = write_spec(tmp_path / "crash.yaml", [PY, WORKER, json.dumps(spec)])
+    runs = tmp_path / "runs"
+    start = time.monotonic()
+    job_id, run_dir = submit(str(job_file), runs=runs)
+    assert wait_status(job_id, runs, timeout=90) == "FAILED"
+    assert time.monotonic() - start < 60
+    log = log_of(run_dir)
+    assert "rank 1 failed: RuntimeError: injected failure" in log
+
+
+def test_preempted_job_requeues_resumes_and_matches(slurm_cluster, tmp_path):
+    """SIGUSR1 mid-epoch -> one checkpoint -> scontrol requeue -> resume -> same weights."""
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    spec = worker_spec(tmp_path, wait_signal_step=3, ready_dir=str(ready))
+    job_file = write_spec(tmp_path / "pre.yaml", [PY, WORKER, json.dumps(spec)],
+                          requeue=True, signal="USR1@60")
+    runs = tmp_path / "runs"
+    job_id, run_dir = submit(str(job_file), runs=runs)
+    # both ranks sit inside step 3; preempt them the way SLURM does (signal the tasks)
+    wait_for("ranks at step 3", lambda: len(list(ready.glob("*.pid"))) == 2)
+    slurm_cluster.run("scancel", "--signal=USR1", job_id)
+    # rank 0 checkpoints and runs `scontrol requeue`; the job comes back PENDING with a
+    # BeginTime (~2 min on this cluster), which we release at once
+    wait_for("requeue", lambda: "Restarts=1" in slurm_cluster.run(
+        "scontrol", "show", "job", job_id, check=False).stdout)
+    deadline = time.monotonic() + 150
+    state = status(job_id, runs)
+    while state not in ("COMPLETED", "FAILED", "CANCELLED"):
+        assert time.monotonic() < deadline, f"job {job_id} still {state}\n{log_of(run_dir)}"
+        if state == "PENDING":  # held by its BeginTime until the requeue settles
+            slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now",
+                              check=False)
+        time.sleep(0.5)
+        state = status(job_id, runs)
+    assert state == "COMPLETED", log_of(run_dir)
+    log = log_of(run_dir)
+    assert "requeued SLURM job" in log and "resuming from" in log
+    resumed = torch.load(tmp_path / "final.pt", weights_only=False)["state"]
+
+    # the same run, never interrupted
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    ref_spec = worker_spec(ref_dir)
+    results = _launch.run([WORKER, json.dumps(ref_spec)], world=2, timeout=120)
+    assert [r[0] for r in results] == [0, 0], results
+    reference = torch.load(ref_dir / "final.pt", weights_only=False)["state"]
+    assert resumed.keys() == reference.keys()
+    for k in reference:
+        assert torch.equal(resumed[k], reference[k]), k
+
+
+@pytest.mark.slow
+def test_walltime_leaves_usable_checkpoint(slurm_cluster, tmp_path):
+    """At the time limit SLURM sends SIGTERM (then SIGKILL after KillWait): the trainer
+    saves in between, so the next job can resume."""
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    spec = worker_spec(tmp_path, wait_signal_step=2, ready_dir=str(ready), wait_timeout=300)
+    spec["config"]["preemption"]["requeue"] = False
+    job_file = write_spec(tmp_path / "wall.yaml", [PY, WORKER, json.dumps(spec)],
+                          walltime="00:01:00")
+    runs = tmp_path / "runs"
+    job_id, run_dir = submit(str(job_file), runs=runs)
+    # the worker idles inside step 2 until the limit hits
+    assert wait_status(job_id, runs, timeout=180) in ("TIMEOUT", "FAILED", "CANCELLED")
+    from ddp import checkpoint
+
+    found = checkpoint.load_latest(str(tmp_path / "ck"))
+    assert found is not None, log_of(run_dir)
+    path, state = found
+    assert state["global_step"] >= 2 and "model" in state, path
+
+
+# ------------------------------------------------------------------------- PBS / Aurora
+
+
+def _aurora_two_ranks(tmp_path: Path) -> Path:
+    """jobs/dpo_aurora.yaml rendered for 1 node x 2 ranks: only the counts differ from the
+    checked-in jobs/dpo_aurora.pbs (2 x 12 ranks do not fit a 2-core machine)."""
+    script = tmp_path / "dpo_aurora_2.pbs"
+    hpc("render", "jobs/dpo_aurora.yaml", "--nodes", "1", "--ppn", "2", "--queue", "debug",
+        "--no-account", "-o", str(script))
+    mine = script.read_text().splitlines()
+    theirs = (ROOT / "jobs/dpo_aurora.pbs").read_text().splitlines()
+    changed = [a for a, b in zip(mine, theirs, strict=True) if a != b]
+    assert all(re.search(r"select=|mpiexec -n|regenerate|node\(s\)|qsub -A", line) for line in changed)
+    return script
+
+
+@pytest.mark.mpi
+def test_aurora_pbs_script_runs_as_pbs_would(pals_mpiexec, tmp_path):
+    script = _aurora_two_ranks(tmp_path)
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "module").write_text("#!/bin/sh\nexit 0\n")  # Lmod's `module load frameworks`
+    (stubs / "module").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PMI_", "PALS_"))}
+    env.update(pbs_env(tmp_path, workdir=ROOT))
+    env.update(PATH=f"{pals_mpiexec}:{stubs}:{env['PATH']}", HPC_RUN_DIR=str(tmp_path),
+               PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run(["bash", str(script)], cwd=env["HOME"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    # ddp.init saw PALS, fell back from XPU to the CPU, and 2 ranks trained to the end
+    assert "Initialized DDP: rank=0, world_size=2, local_rank=0" in out
+    assert "Using device: cpu" in out
+    assert re.search(r"done: steps=\d+", out), out
+    assert (tmp_path / "outputs/dpo_ddp/final/model.pt").is_file()
+
+
+@pytest.mark.mpi
+def test_qsub_smoke_through_torque_wrapper(slurm_cluster, pals_mpiexec, tmp_path):
+    """`qsub` (slurm-wlm-torque's wrapper: sbatch reading the #PBS lines) runs the Aurora
+    script on the SLURM test cluster. The job sees no PBS_* variables there."""
+    qsub = require_exe("qsub")
+    script = _aurora_two_ranks(tmp_path)
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "module").write_text("#!/bin/sh\nexit 0\n")
+    (stubs / "module").chmod(0o755)
+    # The wrapper passes the submitting environment; PBS_O_WORKDIR stands for what real
+    # qsub records, so the script's `cd $PBS_O_WORKDIR` finds configs/ in the repository.
+    env = dict(os.environ, PATH=f"{pals_mpiexec}:{stubs}:{os.environ['PATH']}",
+               HPC_RUN_DIR=str(tmp_path), PYTHONPATH=str(ROOT / "src"), PBS_O_WORKDIR=str(ROOT))
+    proc = subprocess.run([qsub, "-q", "debug", str(script)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job_id = proc.stdout.strip().splitlines()[-1].split(".")[0]
+    state = slurm_cluster.wait(job_id, timeout=180)
+    # the wrapper ignores `-o DIR/`: output comes back PBS-style as SCRIPT.oID / SCRIPT.eID
+    text = "\n".join(p.read_text(errors="replace") for p in tmp_path.glob(f"*.[oe]{job_id}"))
+    assert state == "COMPLETED", text
+    assert "world_size=2" in text and re.search(r"done: steps=\d+", text)
+    assert (tmp_path / "outputs/dpo_ddp/final/model.pt").is_file()
