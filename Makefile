@@ -13,7 +13,7 @@ install:
 	$(PIP) install -q -e ".[train,test]"
 
 run: install
-	OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --standalone --nproc_per_node $(RANKS) examples/minimal.py
+	hpc run jobs/local_cpu.yaml --ppn $(RANKS)
 
 test: install
 	$(PYTHON) -m pytest -q
