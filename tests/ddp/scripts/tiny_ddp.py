@@ -40,7 +40,7 @@ def main() -> None:
         "rank": ctx.rank, "local_rank": ctx.local_rank, "world_size": ctx.world_size,
         "local_world_size": ctx.local_world_size, "node_rank": ctx.node_rank,
         "launcher": ctx.launcher, "backend": ctx.backend, "device": str(ctx.device),
-        "digest": hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
+        "digest": hashlib.sha256(repr(flat.tolist()).encode()).hexdigest(),
         "reduce_mean": mean.item(),
     }
     (out / f"rank{ctx.rank}.json").write_text(json.dumps(record))
