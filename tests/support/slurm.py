@@ -306,19 +306,15 @@ def _add_host_names(names: Sequence[str]) -> bool:
     """Make the emulated node names resolve (to 127.0.0.1), as node names do on a real cluster.
 
     Jobs see the NodeNames (n1, n2) in SLURM_JOB_NODELIST and connect to the first one
-    as master; without this they would wait for a host that does not exist. Returns
-    True when a line was added (and must be removed at teardown).
+    as master; without this they would wait for a host that does not exist. Each run
+    adds its own marked line (even when another run's line resolves the names now, since
+    that run may end first) and removes it at teardown. Returns True when added.
     """
-    missing = []
-    for name in names:
-        try:
-            socket.getaddrinfo(name, None)
-        except socket.gaierror:
-            missing.append(name)
-    if not missing:
-        return False
-    with HOSTS_FILE.open("a", encoding="utf-8") as fh:
-        fh.write(f"127.0.0.1 {' '.join(missing)} {HOSTS_MARK} {os.getpid()}\n")
+    try:
+        with HOSTS_FILE.open("a", encoding="utf-8") as fh:
+            fh.write(f"127.0.0.1 {' '.join(names)} {HOSTS_MARK} {os.getpid()}\n")
+    except OSError:
+        return False  # the names must resolve some other way; jobs say so if they do not
     return True
 
 
