@@ -318,11 +318,19 @@ def _add_host_names(names: Sequence[str]) -> bool:
     return True
 
 
-def _remove_host_names() -> None:
-    mark = f"{HOSTS_MARK} {os.getpid()}"
+def _remove_host_names(pid: int | None = None) -> None:
+    """Drop this run's hosts line; with ``pid=0`` the lines of runs that died without it."""
+    def ours(line: str) -> bool:
+        if HOSTS_MARK not in line:
+            return False
+        owner = line.rstrip().rsplit(" ", 1)[-1]
+        if pid == 0:
+            return owner.isdigit() and not _alive(int(owner))
+        return owner == str(pid or os.getpid())
+
     with contextlib.suppress(OSError):
         lines = HOSTS_FILE.read_text(encoding="utf-8").splitlines(keepends=True)
-        kept = [ln for ln in lines if not ln.rstrip().endswith(mark)]
+        kept = [ln for ln in lines if not ours(ln)]
         if kept != lines:
             HOSTS_FILE.write_text("".join(kept), encoding="utf-8")
 
@@ -345,6 +353,7 @@ def start_cluster(timeout: float = 30) -> Iterator[SlurmCluster]:
         if key != "SLURM_CONF":
             del env[key]  # a test run inside a SLURM job must not leak that job's settings
     cluster = SlurmCluster(root=root, conf=conf, log_dir=root / "log", env=env)
+    _remove_host_names(pid=0)
     added_hosts = _add_host_names(NODES)
     key = root / "munge.key"  # own key: the packaged one is owned by munge, refused to root
     key.write_bytes(os.urandom(128))
