@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from ddp.dist import unwrap
+
 log = logging.getLogger("ddp")
 
 LATEST = "latest"
@@ -113,17 +115,6 @@ def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> 
 
 
 # ---- model state -----------------------------------------------------------------------
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The bare module inside DDP / torch.compile wrappers."""
-    while True:
-        if hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        else:
-            return model
-
-
 def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """State dict of the unwrapped model: keys without ``module.``, loadable without DDP."""
     return unwrap(model).state_dict()

@@ -282,8 +282,14 @@ def wrap(model: torch.nn.Module, **ddp_options: Any) -> torch.nn.Module:
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The plain module inside DDP (state_dict keys without ``module.``)."""
-    return getattr(model, "module", model)
+    """The plain module inside DDP and ``torch.compile`` wrappers (keys without ``module.``)."""
+    while True:
+        inner = getattr(model, "module", None)
+        if inner is None:
+            inner = getattr(model, "_orig_mod", None)
+        if inner is None:
+            return model
+        model = inner
 
 
 def print0(*args: Any, **kwargs: Any) -> None:

@@ -196,7 +196,7 @@ class Trainer:
         if self.eval_data is None:
             return {}
         ctx = self.ctx
-        model = ckpt.unwrap(self.wrapped)  # the bare module: no DDP hooks, ranks may differ
+        model = ddp.unwrap(self.wrapped)  # the bare module: no DDP hooks, ranks may differ
         was_training = model.training
         model.eval()
         n = len(self.eval_data)  # type: ignore[arg-type]
@@ -426,7 +426,7 @@ class Trainer:
             else:
                 log.warning("checkpoint from world size %s: RNG states not restored",
                             state.get("world_size"))  # fmt: skip
-            ckpt.unwrap(self.wrapped).load_state_dict(state["model"])
+            ddp.unwrap(self.wrapped).load_state_dict(state["model"])
 
         summary: dict[str, Any] = {"steps": 0, "train_loss": float("nan")}
         self._t_start = time.perf_counter()
