@@ -6,7 +6,18 @@ level, so ``hpc render`` runs in milliseconds on a login node.
 
 from __future__ import annotations
 
+from typing import Any
+
 from hpc.errors import UserError
 
-__all__ = ["UserError", "__version__"]
+__all__ = ["UserError", "__version__", "distributed", "executor"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """``hpc.executor`` / ``hpc.distributed`` (hpc.python_api) load on first use, not at import."""
+    if name in ("executor", "distributed"):
+        from hpc import python_api
+
+        return getattr(python_api, name)
+    raise AttributeError(f"module 'hpc' has no attribute {name!r}")

@@ -17,16 +17,22 @@ _STATES = {
 # Exit_status values PBS sets itself (negative JOB_EXEC_* codes, 256+signal for kills).
 _WALLTIME_KILLED = {-29}
 _CANCEL_CODES = {271, 265}  # SIGTERM / SIGKILL from qdel
+# Substates of finished jobs (pbs_ifl.h JOB_SUBSTATE_*): 91 terminated, 92 finished, 93 failed.
+_SUBSTATES = {"91": "CANCELLED", "92": "COMPLETED", "93": "FAILED"}
 
 
-def normalize(state: str, exit_status: int | None = None) -> str:
-    """PBS job_state letter (+ Exit_status once finished) -> a normalized state."""
+def normalize(state: str, exit_status: int | None = None, substate: str | None = None) -> str:
+    """PBS job_state letter (+ Exit_status, else substate, once finished) -> a normalized state.
+
+    A job deleted while queued never gets an Exit_status; its substate says how it ended.
+    """
     state = state.strip().upper()[:1]
     if state in _STATES:
         return _STATES[state]
     if state in ("F", "X"):
         if exit_status is None:
-            return "COMPLETED" if state == "X" else "UNKNOWN"
+            by_sub = _SUBSTATES.get(str(substate or "").strip())
+            return by_sub or ("COMPLETED" if state == "X" else "UNKNOWN")
         if exit_status == 0:
             return "COMPLETED"
         if exit_status in _WALLTIME_KILLED:
@@ -47,16 +53,20 @@ def parse_qstat_json(text: str, job_id: str) -> str:
     if info is None:
         return "UNKNOWN"
     exit_status = info.get("Exit_status")
-    return normalize(str(info.get("job_state", "")), None if exit_status is None else int(exit_status))
+    return normalize(str(info.get("job_state", "")),
+                     None if exit_status in (None, "") else int(exit_status),
+                     info.get("substate"))  # fmt: skip
 
 
 def parse_qstat_text(text: str) -> str:
     """State from ``qstat -f`` (``job_state = R``, ``Exit_status = 0``)."""
     state = re.search(r"^\s*job_state\s*=\s*(\S+)", text, re.M)
     code = re.search(r"^\s*Exit_status\s*=\s*(-?\d+)", text, re.M)
+    sub = re.search(r"^\s*substate\s*=\s*(\d+)", text, re.M)
     if not state:
         return "UNKNOWN"
-    return normalize(state.group(1), int(code.group(1)) if code else None)
+    return normalize(state.group(1), int(code.group(1)) if code else None,
+                     sub.group(1) if sub else None)  # fmt: skip
 
 
 class PBS:

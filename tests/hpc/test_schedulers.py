@@ -92,3 +92,11 @@ def test_cancel_reports_refusal(fake_bin) -> None:
     fake_bin("scancel", "echo 'scancel: error: Invalid job id 5' >&2; exit 1")
     with pytest.raises(SchedulerError, match="Invalid job id 5"):
         get("slurm").cancel("5")
+
+
+def test_pbs_job_deleted_while_queued_has_no_exit_status() -> None:
+    """Finished without Exit_status: the substate (91/92/93) tells how it ended."""
+    text = '{"Jobs": {"7.srv": {"job_state": "F", "substate": 91}}}'
+    assert pbs_mod.parse_qstat_json(text, "7.srv") == "CANCELLED"
+    assert pbs_mod.parse_qstat_text("Job Id: 7\n    job_state = F\n    substate = 93\n") == "FAILED"
+    assert pbs_mod.normalize("F") == "UNKNOWN"

@@ -1,0 +1,333 @@
+"""The submitit PBS plugin: qstat parsing on real-format samples, and whole jobs
+(submit, two PALS ranks, cancel, requeue, arrays) against the PBS Pro stand-in
+(tests/support/pbs_standin: qsub/qstat/qdel/qsig that run jobs as PBS would)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import pytest
+import submitit
+
+import hpc
+from hpc import submitit_pbs as sp
+from hpc.cli import main as cli_main
+from hpc.errors import UserError
+from tests.support.pals import pbs_env
+from tests.support.pbs_standin import SAMPLES, STANDIN_DIR
+from tests.support.pbs_standin import pbs_standin as standin
+
+DATA = Path(__file__).parent / "data"
+AURORA_ID = "1234567.aurora-pbs-0001.hostmgmt.cm.aurora.alcf.anl.gov"
+# Job functions travel by value: the compute side need not import this test module.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll with a deadline (no fixed sleeps waiting for jobs)."""
+    deadline = time.monotonic() + timeout
+    delay = 0.05
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not after {timeout} s")
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.5)
+
+
+def wait_done(job: Any, timeout: float = 60) -> None:
+    wait_until(lambda: job.done(force_check=True), timeout, f"job {job.job_id} done")
+
+
+# --- parsing real-format qstat answers ------------------------------------------------
+
+
+def test_queued_and_running_samples() -> None:
+    queued = sp.read_qstat_json((DATA / "qstat_queued.json").read_text())
+    assert queued[AURORA_ID]["State"] == "PENDING"
+    assert queued[AURORA_ID]["comment"].startswith("Not Running")
+    running = sp.read_qstat_json((DATA / "qstat_running.json").read_bytes())
+    assert running[AURORA_ID]["State"] == "RUNNING"
+    assert running[AURORA_ID]["exec_host"].startswith("x4102c5s0b0n0/0*208")
+
+
+@pytest.mark.parametrize(("seq", "state"), [
+    (4100, "COMPLETED"),  # Exit_status 0
+    (4101, "FAILED"),  # Exit_status 1
+    (4102, "CANCELLED"),  # 271 = 256 + SIGTERM: qdel of a running job
+    (4103, "TIMEOUT"),  # -29: killed at the walltime
+    (4104, "CANCELLED"),  # deleted before it ran: no Exit_status, substate 91
+])
+def test_finished_jobs_from_history(seq: int, state: str) -> None:
+    info = sp.read_qstat_json((DATA / "qstat_history.json").read_text())
+    assert info[f"{seq}.polaris-pbs-01.hsn.cm.polaris.alcf.anl.gov"]["State"] == state
+
+
+def test_array_subjobs_are_keyed_by_submitit_ids() -> None:
+    info = sp.read_qstat_json((DATA / "qstat_array.json").read_text())
+    parent = "2000100[].aurora-pbs-0001.hostmgmt.cm.aurora.alcf.anl.gov"
+    assert info[parent]["State"] == "RUNNING"  # B: begun
+    states = [info[f"{parent}_{i}"]["State"] for i in range(4)]
+    assert states == ["COMPLETED", "FAILED", "RUNNING", "PENDING"]
+    # the PBS form of a subjob id answers too
+    assert info["2000100[1].aurora-pbs-0001.hostmgmt.cm.aurora.alcf.anl.gov"]["State"] == "FAILED"
+    assert sp.pbs_query_id(f"{parent}_3") == parent
+    assert sp.submitit_id("12[3].srv") == "12[].srv_3" and sp.pbs_id("12[].srv_3") == "12[3].srv"
+    assert sp.pbs_id("12.srv") == "12.srv"
+
+
+def test_unescaped_backslashes_of_older_servers_are_tolerated() -> None:
+    info = sp.read_qstat_json((DATA / "qstat_bad_escapes.json").read_text())
+    assert info["881.pbs01"]["State"] == "RUNNING"
+
+
+def test_text_and_plain_fallback_formats() -> None:
+    text = sp.read_qstat_text((SAMPLES / "qstat_f.txt").read_text())
+    assert text[AURORA_ID]["State"] == "RUNNING"
+    assert text[AURORA_ID]["comment"].endswith("(x4102c5s1b0n0:ncpus=208)")  # wrapped line joined
+    assert text["1234568.aurora-pbs-0001.hostmgmt.cm.aurora.alcf.anl.gov"]["State"] == "FAILED"
+    plain = sp.read_qstat_plain((SAMPLES / "qstat.txt").read_text())
+    assert sp.lookup(plain, AURORA_ID)["State"] == "RUNNING"  # id cut to 16 columns
+    assert sp.lookup(plain, "1234569.aurora-pbs-0001")["State"] == "PENDING"
+    assert sp.lookup(plain, "1234571.aurora") is None
+
+
+def test_lookup_matches_other_forms_of_the_server_name() -> None:
+    info = sp.read_qstat_json((DATA / "qstat_running.json").read_text())
+    assert sp.lookup(info, "1234567.aurora-pbs-0001")["State"] == "RUNNING"
+    assert sp.lookup(info, "1234567")["State"] == "RUNNING"
+    assert sp.lookup(info, "7654321") is None
+
+
+def test_query_falls_back_and_reads_unknown_ids(fake_bin: Any) -> None:
+    """JSON refused (an old server) -> qstat -x -f text; an id it does not know is done."""
+    sample = (SAMPLES / "qstat_f.txt").read_text().replace("'", "'\\''")
+    fake_bin("qstat", f"""
+case "$*" in
+  *"-F json"*) echo "qstat: invalid option -- 'F'" >&2; exit 2 ;;
+  *-f*) printf '%s' '{sample}'; echo "qstat: Unknown Job Id 99.aurora-pbs-0001" >&2; exit 153 ;;
+esac
+exit 1""")
+    out = sp.query([AURORA_ID, "99.aurora-pbs-0001"])
+    assert out[AURORA_ID]["State"] == "RUNNING"
+    assert out["99.aurora-pbs-0001"]["State"] == sp.GONE
+    calls = fake_bin.log.read_text().splitlines()
+    assert calls[0].startswith("qstat -x -f -F json") and calls[1].startswith("qstat -x -f 1234567")
+
+
+# --- the compute side ----------------------------------------------------------------
+
+
+def test_job_environment_reads_pals_and_pbs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    env = pbs_env(tmp_path, ["x4102c5s0b0n0", "x4102c5s1b0n0"], mpiprocs=1)
+    for key, value in {**env, "PALS_RANKID": "13", "PALS_LOCAL_RANKID": "1", "PMI_SIZE": "24",
+                       "PALS_NODEID": "1", "SUBMITIT_EXECUTOR": "pbs"}.items():
+        monkeypatch.setenv(key, value)
+    e = sp.PBSJobEnvironment()
+    assert (e.global_rank, e.local_rank, e.num_tasks, e.node, e.num_nodes) == (13, 1, 24, 1, 2)
+    assert e.hostnames == ["x4102c5s0b0n0", "x4102c5s1b0n0"]
+    assert e.job_id == env["PBS_JOBID"] and e.activated()
+    monkeypatch.delenv("PALS_NODEID")
+    assert e.node == 1  # 13 // (24 / 2 nodes)
+    monkeypatch.setenv("PBS_ARRAY_ID", "77[].srv")
+    monkeypatch.setenv("PBS_ARRAY_INDEX", "4")
+    assert e.job_id == "77[].srv_4"
+    monkeypatch.setenv("SUBMITIT_PBS_JOB_ID", "70.srv")  # a requeued job keeps the first id
+    assert e.job_id == "70.srv"
+
+
+def test_requeue_script_drops_the_array_and_keeps_the_id() -> None:
+    text = "#!/bin/bash\n# x\n#PBS -N a\n#PBS -J 0-3\n\nset -e\nmpiexec python\n"
+    out = sp.requeue_script(text, "12[].srv_2")
+    assert "#PBS -J" not in out
+    lines = out.splitlines()
+    assert lines.index("#PBS -N a") < lines.index(
+        "export SUBMITIT_PBS_JOB_ID='12[].srv_2'  # requeued by submitit") < lines.index("set -e")
+
+
+def test_parameters_are_checked_like_the_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    for var in ("PBS_ACCOUNT", "HPC_ACCOUNT"):
+        monkeypatch.delenv(var, raising=False)
+    ex = sp.PBSExecutor(tmp_path, cluster="aurora")
+    with pytest.raises(UserError) as exc:
+        ex.update_parameters(nodes=3, queue="debug", account="p")
+    assert cli_main(["render", "--cluster", "aurora", "--nodes", "3", "--queue", "debug",
+                         "--account", "p", "--", "python", "x.py"]) == 2
+    assert capsys.readouterr().err.strip() == f"hpc: error: {exc.value}"
+    with pytest.raises(UserError, match="did you mean nodes"):
+        ex.update_parameters(nodez=2)
+    ex.update_parameters(timeout_min=30, tasks_per_node=6, account="p")
+    job = ex.resolve()
+    assert (job.walltime, job.ppn, job.queue) == (1800, 6, "debug")
+
+
+# --- whole jobs on the PBS Pro stand-in -------------------------------------------------
+
+
+@pytest.fixture
+def pbs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pals_mpiexec: Path) -> Iterator[Path]:
+    """Stand-in qsub/qstat/qdel/qsig first on PATH, a fresh server spool, and an
+    ``aurora-standin`` profile: Aurora's, minus what needs the real machine (the
+    frameworks module, the high-speed-network host suffix)."""
+    monkeypatch.setenv("PATH", f"{STANDIN_DIR}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("PBS_STANDIN_SPOOL", str(tmp_path / "spool"))
+    monkeypatch.setenv("PBS_STANDIN_PYTHON", sys.executable)
+    monkeypatch.setenv("PBS_STANDIN_KILL_DELAY", "1")
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    (profiles / "aurora-standin.yaml").write_text(
+        "extends: aurora\nmodules: []\nenv: {DDP_MASTER_ADDR_SUFFIX: ''}\n"
+    )
+    monkeypatch.setenv("HPC_DDP_CLUSTERS", str(profiles))
+    monkeypatch.chdir(tmp_path)
+    sp.PBSJob.watcher.clear()
+    yield tmp_path
+    standin.shutdown()
+
+
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+def test_submit_gets_the_result(pbs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ex = hpc.executor(cluster="pbs", walltime="00:05:00", name="adder")  # folder: a run dir
+    (run_dir,) = (pbs / "runs").iterdir()
+    job = ex.submit(add, 2, 3)
+    assert job.job_id.endswith(".standin-pbs-0001.hostmgmt.cm.example.org")
+    wait_done(job)
+    assert job.result() == 5
+    wait_until(lambda: job.get_info().get("State") == "COMPLETED", 30, "F, Exit_status 0")
+    script = job.paths.submission_file.read_text()
+    assert "#PBS -N adder\n" in script and "#PBS -l select=1\n" in script
+    assert f"#PBS -o {run_dir}/\n" in script
+    assert f"mpiexec -n 1 -ppn 1 {sys.executable} -u -m hpc.submitit_pbs {run_dir}" in script
+    assert "INFO" in job.stdout()  # the rank's own log, as srun --output writes on SLURM
+    assert (run_dir / f"{job.job_id}.OU").is_file()  # the batch shell's, from #PBS -o
+    assert cli_main(["status", str(run_dir)]) == 0  # the run directory names the job
+    assert capsys.readouterr().out == f"{job.job_id} COMPLETED\n"
+
+
+def ranks_and_sum() -> tuple[int, int, float, str]:
+    import torch
+    import torch.distributed as dist
+
+    import ddp
+
+    ctx = ddp.init(backend="gloo", timeout=60)
+    value = torch.tensor([float(ctx.rank + 1)])
+    dist.all_reduce(value)
+    return ctx.rank, ctx.world_size, float(value.item()), ctx.launcher
+
+
+def test_two_ranks_through_the_pals_mpiexec(pbs: Path) -> None:
+    ex = hpc.executor(cluster="aurora-standin", ppn=2, queue="debug", account="MyProject",
+                      walltime="00:10:00", folder=pbs / "jobs")
+    job = ex.submit(hpc.distributed(ranks_and_sum))
+    wait_done(job, 120)
+    assert job.results() == [(0, 2, 3.0, "pals"), (1, 2, 3.0, "pals")]
+    assert job.task(0).result() == (0, 2, 3.0, "pals")
+    script = job.paths.submission_file.read_text()
+    for line in ("#PBS -l select=1:system=aurora", "#PBS -l place=scatter",
+                 "#PBS -l filesystems=home:flare", "#PBS -q debug", "#PBS -A MyProject",
+                 "#PBS -l walltime=00:10:00", "export CCL_ATL_TRANSPORT=mpi"):
+        assert line in script
+    assert "mpiexec -n 2 --ppn 2 --cpu-bind list:1-8:9-16:" in script
+
+
+def sleep_long() -> str:
+    time.sleep(120)
+    return "not cancelled"
+
+
+def test_cancel(pbs: Path) -> None:
+    ex = hpc.executor(cluster="pbs", folder=pbs / "jobs")
+    job = ex.submit(sleep_long)
+    wait_until(lambda: job.get_info().get("State") == "RUNNING", 30, "job running")
+    wait_until(job.paths.stdout.exists, 30, "rank started")
+    pids = standin.job_pids(job.job_id)  # bash, mpiexec, hydra's proxy, python
+    assert len(pids) >= 3 and len({os.getsid(p) for p in pids}) >= 2  # the proxy calls setsid
+    job.cancel()
+    wait_done(job, 30)
+    assert job.state == "CANCELLED"
+    assert job.get_info()["Exit_status"] == "271"  # 256 + SIGTERM
+    wait_until(lambda: not standin.job_pids(job.job_id), 10, "job processes gone")
+
+
+class Resumable(submitit.helpers.Checkpointable):
+    """Waits to be interrupted; the checkpoint records it, the requeued run returns."""
+
+    def __init__(self) -> None:
+        self.interrupted = 0
+
+    def __call__(self, marker: str) -> tuple[str, int, str]:
+        if self.interrupted:
+            return "resumed", self.interrupted, os.environ["PBS_JOBID"]
+        Path(marker).write_text(os.environ["PBS_JOBID"])
+        time.sleep(120)
+        return "never interrupted", 0, os.environ["PBS_JOBID"]
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
+        self.interrupted += 1
+        return super().checkpoint(*args, **kwargs)
+
+
+def test_preempted_checkpointable_is_requeued(pbs: Path) -> None:
+    ex = hpc.executor(cluster="pbs", walltime="00:10:00", folder=pbs / "jobs")
+    marker = pbs / "started"
+    job = ex.submit(hpc.distributed(Resumable()), str(marker))
+    wait_until(marker.exists, 30, "function started")
+    job._interrupt()  # qsig -s SIGUSR2: what a preemption notice looks like to the ranks
+    wait_done(job, 60)
+    outcome, count, pbs_jobid = job.result()
+    assert (outcome, count) == ("resumed", 1)
+    assert pbs_jobid == job.scheduler_id != job.job_id  # a second PBS job, followed
+    assert marker.read_text() == job.job_id
+    assert (job.paths.folder / f"{job.job_id}_pbs_ids").read_text().split() == [pbs_jobid]
+
+
+def test_walltime_signal_requeues_before_the_end(pbs: Path) -> None:
+    """PBS sends no signal before the walltime: the ranks' own timer does (here 2 s in)."""
+    ex = hpc.executor(cluster="pbs", walltime="00:01:00", signal="USR2@58", folder=pbs / "jobs")
+    job = ex.submit(hpc.distributed(Resumable()), str(pbs / "started"))
+    wait_done(job, 60)
+    assert job.result()[:2] == ("resumed", 1)
+    assert "SUBMITIT_PBS_DEADLINE=$(( $(date +%s) + 2 ))" in job.paths.submission_file.read_text()
+
+
+def test_map_array_is_one_pbs_array(pbs: Path) -> None:
+    ex = hpc.executor(cluster="pbs", folder=pbs / "jobs")
+    jobs = ex.map_array(add, [1, 2, 3], [10, 20, 30])
+    parent = jobs[0].job_id.rsplit("_", 1)[0]
+    assert parent.split(".")[0].endswith("[]")
+    assert [j.job_id for j in jobs] == [f"{parent}_{i}" for i in range(3)]
+    for job in jobs:
+        wait_done(job)
+    assert [j.result() for j in jobs] == [11, 22, 33]
+    assert "#PBS -J 0-2" in jobs[0].paths.submission_file.read_text()
+    wait_until(lambda: [j.get_info().get("State") for j in jobs] == ["COMPLETED"] * 3, 30,
+               "subjobs ended (X, Exit_status 0)")
+
+
+def test_old_server_without_json(pbs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PBS_STANDIN_NO_JSON", "1")
+    ex = hpc.executor(cluster="pbs", folder=pbs / "jobs")
+    job = ex.submit(sleep_long)
+    wait_until(lambda: job.get_info().get("State") == "RUNNING", 30, "running, seen through qstat -f")
+    job.cancel()
+    wait_done(job, 30)
+    assert job.state == "CANCELLED"
+
+
+def test_qsub_refusal_is_one_line(pbs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PBS_STANDIN_REQUIRE", "filesystems")  # as Aurora's submit hook
+    ex = hpc.executor(cluster="pbs", folder=pbs / "jobs")
+    with pytest.raises(UserError) as exc:
+        ex.submit(add, 1, 2)
+    assert str(exc.value) == ("qsub refused the job (exit 2): "
+                              "qsub: Resource: filesystems is required to be set.")
