@@ -25,8 +25,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="list recipes and exit")
     p.add_argument("--config", help="YAML config (sections as in configs/RECIPE.yaml)")
     p.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE",
-        help="override one config key, e.g. --set optim.lr=1e-4 (repeatable)",
+        "--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+        help="override config keys, e.g. --set optim.lr=1e-4 training.epochs=2 (repeatable)",
     )  # fmt: skip
     p.add_argument("--print-config", action="store_true", help="print resolved config, exit")
     p.add_argument("--debug", action="store_true", help="show tracebacks for config errors")

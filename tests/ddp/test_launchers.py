@@ -5,10 +5,13 @@ Each asserts that every rank ends with identical weights and that reduce_mean is
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
 from tests.ddp.launch_utils import (
     PY,
+    ROOT,
     SCRIPTS,
     assert_consistent,
     clean_env,
@@ -108,3 +111,18 @@ def test_exec_runs_plain_script_under_openmpi(tmp_path):
            str(tmp_path)]
     run(cmd, clean_env(**OMPI_ROOT))
     assert_consistent(records(tmp_path, 2))
+
+
+@pytest.mark.mpi
+def test_recipe_cli_under_mpich(tmp_path):
+    """`python -m ddp RECIPE` unchanged under plain MPICH mpiexec (no MASTER_* given)."""
+    mpiexec = require_exe("mpiexec.hydra", "mpiexec.mpich")
+    cmd = [mpiexec, "-n", "2", PY, "-m", "ddp", "uniref50", "--config",
+           "configs/uniref50.yaml", "--set", "training.max_steps=4",
+           f"checkpoint.dir={tmp_path}", "logging.progress=plain"]
+    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=180,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Initialized DDP: rank=0, world_size=2, local_rank=0" in proc.stdout
+    assert "done: steps=4" in proc.stdout
+    assert (tmp_path / "final" / "model.pt").is_file()
