@@ -346,11 +346,18 @@ def _mpich(env: Mapping[str, str], argv: Sequence[str]) -> DistEnv | None:
     )  # fmt: skip
 
 
+#: SLURM_BATCH_SCRIPT (0xfffffffe) and SLURM_EXTERN_CONT (0xffffffff) step ids.
+_SLURM_NON_TASK_STEPS = ("4294967294", "4294967295", "batch", "extern")
+
+
 def _slurm(env: Mapping[str, str], argv: Sequence[str]) -> DistEnv | None:
     if "SLURM_JOB_ID" not in env and "SLURM_JOBID" not in env:
         return None
-    ntasks = _int(env, "SLURM_NTASKS", "SLURM_NPROCS")
-    in_step = "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
+    # srun exports the step's own task count; the job's SLURM_NTASKS is the fallback.
+    ntasks = _int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
+    # The batch shell and the extern step carry reserved ids where a SLURM exports them.
+    in_step = step is not None and step not in _SLURM_NON_TASK_STEPS
     if not in_step or "SLURM_PROCID" not in env:
         if ntasks is not None and ntasks > 1:
             raise ConfigError(

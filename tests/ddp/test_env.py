@@ -93,6 +93,9 @@ def test_batch_shell_without_srun_is_refused():
         detect(env, argv=[])
     # One task in the batch shell is just a single process.
     assert detect(env | {"SLURM_NTASKS": "1"}, argv=[]).launcher == "single"
+    # A SLURM that marks the batch step with its reserved id is still the batch shell.
+    with pytest.raises(ConfigError, match="srun"):
+        detect(env | {"SLURM_STEP_ID": "4294967294"}, argv=[])
     # And the user can insist.
     assert detect(env | {"DDP_LAUNCHER": "single"}, argv=[]).world_size == 1
 
@@ -189,3 +192,11 @@ def test_expand_nodelist_property(groups):
         expected.extend(prefix + n for n in nums)
         parts.append(f"{prefix}[{nums[0]}-{nums[-1]}]" if len(nums) > 1 else prefix + nums[0])
     assert expand_nodelist(",".join(parts)) == expected
+
+
+def test_srun_step_smaller_than_the_job_uses_the_step_size():
+    env = {"SLURM_JOB_ID": "9", "SLURM_STEP_ID": "1", "SLURM_PROCID": "1", "SLURM_NTASKS": "8",
+           "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "1", "SLURM_NODEID": "0",
+           "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_JOB_NODELIST": "c1"}
+    got = detect(env, argv=[])
+    assert (got.world_size, got.local_world_size, got.rank) == (2, 2, 1)
