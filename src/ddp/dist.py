@@ -135,7 +135,7 @@ def _init(
     choice = backends.choose(device, backend, info.local_rank, info.world_size)
     _set_device(choice.device)
     if info.world_size > 1 and not tdist.is_initialized():
-        info = _check_resolves(info)
+        info = check_resolves(info)
         os.environ.update(info.torchrun_vars())  # for libraries that read env:// themselves
         tdist.init_process_group(
             backend=choice.backend,
@@ -166,7 +166,7 @@ def _resolvable(host: str, port: int) -> bool:
     return True
 
 
-def _check_resolves(info: DistEnv) -> DistEnv:
+def check_resolves(info: DistEnv) -> DistEnv:
     """Fail in a second, not after the store's timeout, when the master host has no address.
 
     A derived host with ``DDP_MASTER_ADDR_SUFFIX`` that does not resolve falls back to

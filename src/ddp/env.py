@@ -200,7 +200,10 @@ def _master(
     if not addr:
         host = _first_host(env)
         if host is not None:
-            addr = host + env.get("DDP_MASTER_ADDR_SUFFIX", "")
+            suffix = env.get("DDP_MASTER_ADDR_SUFFIX", "")
+            # Node files may hold full names (x4415c6s5b0n0.hostmgmt2415.cm...): the site
+            # suffix replaces the domain, it is not appended to it.
+            addr = host.split(".")[0] + suffix if suffix else host
         elif multi_node:
             raise ConfigError(
                 f"{launcher}: the job spans several nodes but MASTER_ADDR is not set and there "
@@ -305,12 +308,33 @@ def _legacy(env: Mapping[str, str], argv: Sequence[str]) -> DistEnv | None:
     )  # fmt: skip
 
 
+def _in_srun_step(env: Mapping[str, str], rank_var: str) -> bool:
+    """True inside an srun task whose SLURM rank equals the MPI-style rank ``rank_var``.
+
+    srun's MPI plugins export PMI-style variables too (pmi2: PMI_RANK/PMI_SIZE;
+    cray_shasta: PALS_RANKID/PALS_NODEID) but not the local rank or size; the SLURM
+    variables describe the same task completely, so the slurm detector should answer.
+    An mpirun inside a SLURM job has its own ranks and keeps its own detector.
+    """
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
+    return (
+        step is not None
+        and step not in _SLURM_NON_TASK_STEPS
+        and env.get("SLURM_PROCID") is not None
+        and env.get("SLURM_PROCID") == env.get(rank_var)
+    )
+
+
 def _pals(env: Mapping[str, str], argv: Sequence[str]) -> DistEnv | None:
     if "PALS_RANKID" not in env and not ("PMI_RANK" in env and "PMI_LOCAL_RANK" in env):
         return None
+    if "PMI_SIZE" not in env and _in_srun_step(env, "PALS_RANKID"):
+        return None  # Slurm's cray_shasta plugin (Perlmutter, Frontier): a plain srun task
+    rank_local = _int(env, "PALS_LOCAL_RANKID", "PMI_LOCAL_RANK")
     local_world = _int(env, "PALS_LOCAL_SIZE", "PMI_LOCAL_SIZE")
     if local_world is None and env.get("PBS_NODEFILE"):
-        # PALS does not export the local size; PBS gives one line per node.
+        # No local size exported: PBS gives one line per node, so guess an even spread,
+        # never below what this rank's own local rank proves.
         world = _int(env, "PMI_SIZE")
         try:
             with open(env["PBS_NODEFILE"], encoding="utf-8") as fh:
@@ -318,11 +342,11 @@ def _pals(env: Mapping[str, str], argv: Sequence[str]) -> DistEnv | None:
         except OSError:
             nodes = 0
         if world and nodes:
-            local_world = -(-world // nodes)
+            local_world = max(-(-world // nodes), (rank_local or 0) + 1)
     return _build(
         env, "pals", _int(env, "PALS_RANKID", "PMI_RANK"), _int(env, "PMI_SIZE"),
-        _int(env, "PALS_LOCAL_RANKID", "PMI_LOCAL_RANK"), local_world,
-        _int(env, "PALS_NODEID"), "PMI_RANK", "PMI_SIZE", local_pid_ok=True,
+        rank_local, local_world, _int(env, "PALS_NODEID"), "PMI_RANK", "PMI_SIZE",
+        local_pid_ok=True,
     )  # fmt: skip
 
 
@@ -339,6 +363,8 @@ def _openmpi(env: Mapping[str, str], argv: Sequence[str]) -> DistEnv | None:
 def _mpich(env: Mapping[str, str], argv: Sequence[str]) -> DistEnv | None:
     if "PMI_RANK" not in env:
         return None
+    if "MPI_LOCALRANKID" not in env and _in_srun_step(env, "PMI_RANK"):
+        return None  # `srun --mpi=pmi2`: SLURM's variables know the local rank, PMI's do not
     return _build(
         env, "mpich", _int(env, "PMI_RANK"), _int(env, "PMI_SIZE"),
         _int(env, "MPI_LOCALRANKID"), _int(env, "MPI_LOCALNRANKS"), None,

@@ -15,6 +15,7 @@ import shutil
 import sys
 from collections.abc import Sequence
 
+from ddp.dist import check_resolves
 from ddp.env import detect
 from ddp.errors import ConfigError
 
@@ -46,6 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         info = detect(argv=[])
+        if info.world_size > 1:
+            info = check_resolves(info)  # the same fast failure / suffix fallback as ddp.init
     except ConfigError as exc:
         print(f"ddp.exec: error: {exc}", file=sys.stderr)
         return 2

@@ -81,7 +81,7 @@ def test_site_suffix_falls_back_to_bare_host(tmp_path):
     env.pop("LOCAL_RANK")
     env.update(PMI_RANK="0", PMI_SIZE="2", PMI_LOCAL_RANK="0", PALS_RANKID="0",
                PALS_LOCAL_RANKID="0", MASTER_PORT="23457")
-    code = ("import ddp.dist as d, ddp.env as e; info = d._check_resolves(e.detect()); "
+    code = ("import ddp.dist as d, ddp.env as e; info = d.check_resolves(e.detect()); "
             "print(info.master_addr)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=60)

@@ -200,3 +200,47 @@ def test_srun_step_smaller_than_the_job_uses_the_step_size():
            "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_JOB_NODELIST": "c1"}
     got = detect(env, argv=[])
     assert (got.world_size, got.local_world_size, got.rank) == (2, 2, 1)
+
+
+SRUN_TASK = {"SLURM_JOB_ID": "123", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5",
+             "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+             "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "nid[001-002]"}
+
+
+def test_srun_with_cray_shasta_plugin_is_slurm():
+    """Perlmutter/Frontier: srun's cray_shasta plugin adds PALS_RANKID/PALS_NODEID only."""
+    got = detect(SRUN_TASK | {"PALS_RANKID": "5", "PALS_NODEID": "1"}, argv=[])
+    assert (got.launcher, got.rank, got.local_rank, got.local_world_size, got.node_rank) == (
+        "slurm", 5, 1, 4, 1)
+
+
+def test_srun_with_pmi2_is_slurm():
+    """`srun --mpi=pmi2` exports PMI_RANK/PMI_SIZE but no local rank."""
+    got = detect(SRUN_TASK | {"PMI_RANK": "5", "PMI_SIZE": "8"}, argv=[])
+    assert (got.launcher, got.local_rank, got.local_world_size) == ("slurm", 1, 4)
+
+
+def test_mpirun_inside_a_slurm_batch_shell_keeps_its_ranks():
+    env = {"SLURM_JOB_ID": "5", "SLURM_NTASKS": "1", "SLURM_PROCID": "0", "PMI_RANK": "1",
+           "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
+    assert detect(env, argv=[]).launcher == "mpich"
+
+
+def test_aurora_full_node_names_take_the_site_suffix(tmp_path):
+    nodefile = tmp_path / "nodes"
+    nodefile.write_text("x4415c6s5b0n0.hostmgmt2415.cm.aurora.alcf.anl.gov\n")
+    env = {"PMI_RANK": "0", "PMI_SIZE": "2", "PMI_LOCAL_RANK": "0", "PALS_RANKID": "0",
+           "PALS_LOCAL_RANKID": "0", "PBS_NODEFILE": str(nodefile), "PBS_JOBID": "1.x",
+           "DDP_MASTER_ADDR_SUFFIX": ".hsn.cm.aurora.alcf.anl.gov"}
+    assert detect(env, argv=[]).master_addr == "x4415c6s5b0n0.hsn.cm.aurora.alcf.anl.gov"
+
+
+def test_pals_partial_node_without_local_size(tmp_path):
+    """mpiexec -n 4 --ppn 4 in a 2-node job: the even-spread guess must not undercut."""
+    nodefile = tmp_path / "nodes"
+    nodefile.write_text("a\nb\n")
+    env = {"PMI_RANK": "3", "PMI_SIZE": "4", "PMI_LOCAL_RANK": "3", "PALS_RANKID": "3",
+           "PALS_LOCAL_RANKID": "3", "PALS_NODEID": "0", "PBS_NODEFILE": str(nodefile),
+           "PBS_JOBID": "1.x"}
+    got = detect(env, argv=[])
+    assert (got.local_rank, got.local_world_size, got.node_rank) == (3, 4, 0)
