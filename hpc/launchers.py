@@ -98,8 +98,12 @@ def torchrun_per_node(job: Job) -> tuple[list[str], list[str]]:
     words = ["srun", "--kill-on-bad-exit=1", "--ntasks-per-node=1", f"--nodes={job.nodes}"]
     if job.cpus_per_task:
         words.append(f"--cpus-per-task={job.cpus_per_task * job.ppn}")
+    # Per-task GPU binding (--gpus-per-task, --gpu-bind) would give the one torchrun task
+    # a single GPU for all of its ranks; torchrun's children pick theirs by local rank.
+    site_args = [a for a in job.cluster.launcher.args
+                 if not a.startswith(("--gpus-per-task", "--gpu-bind"))]
     words += [
-        *job.cluster.launcher.args,
+        *site_args,
         "torchrun", "--nnodes", str(job.nodes), "--nproc_per_node", str(job.ppn),
         "--rdzv_backend", "c10d",
         "--rdzv_endpoint", Raw('"${head_addr}:${MASTER_PORT:-29500}"'),

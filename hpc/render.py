@@ -109,6 +109,10 @@ def context(job: Job, regenerate: str | None = None, script: str | None = None) 
     spec, cluster = job.spec, job.cluster
     preamble, launch = launchers.launch(job)
     env = {**cluster.env, **spec.env}
+    if spec.requeue and cluster.scheduler == "slurm":
+        # `--requeue` alone never requeues a job that exits after its preemption signal:
+        # this tells the trainer to `scontrol requeue` itself once its checkpoint is saved.
+        env.setdefault("DDP_REQUEUE", "1")
     source = spec.source or "command-line flags"
     return {
         "job": job,

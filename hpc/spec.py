@@ -14,6 +14,7 @@ turns into the number 3600 is taken as seconds, which is what it means.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from pathlib import Path
@@ -278,7 +279,8 @@ def _python(value: Any) -> dict[str, str] | None:
     kind, where = next(iter(value.items()))
     if not isinstance(where, str) or not where or "\0" in where:
         raise UserError(f"python.{kind}: {where!r} is not allowed; allowed: a non-empty string")
-    return {str(kind): where}
+    # A quoted '~/venv' is not expanded by the shell: expand it here.
+    return {str(kind): os.path.expanduser(where) if kind == "venv" else where}
 
 
 def _path(value: str, key: str) -> str:
@@ -286,7 +288,8 @@ def _path(value: str, key: str) -> str:
         raise UserError(
             f"{key}: {value!r} is not allowed; allowed: a path of letters, digits and _ . / ~ + -"
         )
-    return value
+    # Neither sbatch nor qsub expands ~ in #SBATCH/#PBS paths: expand it here.
+    return os.path.expanduser(value)
 
 
 # --- resolution against a cluster ---------------------------------------------------

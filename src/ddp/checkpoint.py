@@ -138,11 +138,14 @@ _pending: threading.Thread | None = None
 _pending_error: list[BaseException] = []
 
 
-def wait_pending() -> None:
-    """Block until a background checkpoint finalize is done; re-raise its error."""
+def wait_pending(timeout: float | None = None) -> None:
+    """Block until a background checkpoint finalize is done (at most ``timeout`` seconds);
+    re-raise its error."""
     global _pending
     if _pending is not None:
-        _pending.join()
+        _pending.join(timeout)
+        if _pending.is_alive():
+            return
         _pending = None
     if _pending_error:
         raise _pending_error.pop()

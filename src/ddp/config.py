@@ -126,6 +126,8 @@ class LoggingConfig:
 @dataclass
 class PreemptionConfig:
     signals: list[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM"])
+    # true: rank 0 runs `scontrol requeue $SLURM_JOB_ID` after the preemption checkpoint;
+    # DDP_REQUEUE=1 (exported by `hpc render` for a spec with `requeue: true`) does the same.
     requeue: bool = False
     check_every_n_steps: int = 1  # ranks agree on the flag with one tiny all_reduce
 

@@ -434,7 +434,14 @@ class Trainer:
         self._stop = False
         eval_metrics: dict[str, float] = {}
         evaluated_last = False
+        max_steps = cfg.training.max_steps
+        if max_steps is not None and self.global_step >= max_steps:
+            # A finished run started again (resume: auto) trains nothing more.
+            log.info("max_steps=%d already reached at step %d", max_steps, self.global_step)
+            self._stop = True
         for pi, phase in enumerate(self._phases()):
+            if self._stop:
+                break
             if pi < (state["phase"] if state else 0):
                 continue
             if cfg.phases and cfg.phases[pi].skip:
@@ -709,7 +716,8 @@ class Trainer:
         ckpt.wait_pending()
         ddp.barrier()  # the checkpoint is durable everywhere before anyone exits
         job = os.environ.get("SLURM_JOB_ID")
-        if self.config.preemption.requeue and job and self.ctx.is_main:
+        requeue = self.config.preemption.requeue or os.environ.get("DDP_REQUEUE") == "1"
+        if requeue and job and self.ctx.is_main:
             try:
                 subprocess.run(["scontrol", "requeue", job], check=True, timeout=60)
                 log.warning("requeued SLURM job %s", job)
@@ -743,7 +751,13 @@ class Trainer:
 
 # ---- helpers ---------------------------------------------------------------------------
 def _die(rank: int, exc: BaseException) -> None:
-    """Report a failure naming the rank and end this process now (see module docstring)."""
+    """Report a failure naming the rank and end this process now (see module docstring).
+
+    A checkpoint still being finished in the background is completed first (bounded),
+    so a failure right after a save does not lose that save.
+    """
+    with contextlib.suppress(Exception):
+        ckpt.wait_pending(timeout=30)
     if isinstance(exc, ConfigError):
         msg = f"ddp: error: rank {rank} failed: {exc}\n"
         code = 2

@@ -203,3 +203,15 @@ def test_export_loads_with_plain_torch(tmp_path: Path) -> None:
     with torch.no_grad():
         want = model(torch.linspace(-1, 1, 24).reshape(3, 8)).flatten().tolist()
     assert eval(out.stdout) == pytest.approx(want, abs=1e-7)
+
+
+def test_rerun_of_a_finished_max_steps_run_trains_nothing_more(tmp_path: Path) -> None:
+    spec = {"config": _cfg(tmp_path / "ck", training={"max_steps": 3}), "n": 64,
+            "out": str(tmp_path / "out.pt")}
+    _ok(_run(spec, world=1))
+    first = _state(tmp_path / "out.pt")
+    _ok(_run(spec, world=1))  # resume: auto finds step 3 and stops there
+    second = _state(tmp_path / "out.pt")
+    assert first["summary"]["steps"] == second["summary"]["steps"] == 3
+    _assert_same(first["state"], second["state"], atol=0)
+    assert not list((tmp_path / "ck").glob("step_000000004*"))

@@ -161,3 +161,28 @@ def test_render_and_dry_run_import_neither_torch_nor_submitit(tmp_path: Path) ->
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "RESULT 0 0 []" in proc.stdout, proc.stdout[-500:] + proc.stderr
+
+
+def test_torchrun_per_node_drops_per_task_gpu_binding() -> None:
+    """One torchrun task a node must see all the node's GPUs, not the one --gpus-per-task gives."""
+    job = make_job("frontier", account="A", nodes="2", launcher="torchrun",
+                   command=["python", "train.py"])
+    text = render(job)
+    launch = next(line for line in text.splitlines() if "torchrun" in line and "srun" in line)
+    assert "--gpus-per-task" not in launch and "--gpu-bind" not in launch
+    srun_job = make_job("frontier", account="A", nodes="2", command=["python", "train.py"])
+    assert "--gpus-per-task=1" in render(srun_job)
+
+
+def test_generic_pbs_scatters_nodes() -> None:
+    text = render(make_job("pbs", nodes="2", command=["python", "t.py"]))
+    assert "#PBS -l place=scatter" in text
+
+
+def test_tilde_paths_are_expanded_for_schedulers_and_shells(monkeypatch) -> None:
+    monkeypatch.setenv("HOME", "/home/u")
+    job = make_job("slurm", command=["python", "t.py"], output_dir="~/logs",
+                   python={"venv": "~/venvs/ddp"})
+    text = render(job)
+    assert "#SBATCH --output=/home/u/logs/%x-%j.out" in text
+    assert "source /home/u/venvs/ddp/bin/activate" in text
