@@ -8,7 +8,7 @@ the call; ``job.result()`` brings the return value back, ``job.cancel()`` cancel
 ``executor.map_array(fn, items)`` submits one job array.
 
 - SLURM profiles -> ``submitit.SlurmExecutor`` (one srun task per rank);
-- PBS profiles -> ``hpc.submitit_pbs.PBSExecutor`` (one mpiexec rank per rank);
+- PBS profiles -> ``hpc_submitit.pbs.PBSExecutor`` (one mpiexec rank per rank);
 - ``local`` -> ``submitit.LocalExecutor`` (processes on this machine);
 - ``debug`` -> ``submitit.DebugExecutor`` (in this process, for a debugger).
 
@@ -159,7 +159,7 @@ def _make(kind: str, job: Any, folder: Path, max_num_timeout: int,
                             "/ 'debug' on this machine") from None
         ex.update_parameters(**slurm_parameters(job))
         return ex
-    from hpc.submitit_pbs import PBSExecutor
+    from hpc_submitit.pbs import PBSExecutor
 
     ex = _recording(PBSExecutor)(folder, max_num_timeout=max_num_timeout, python=python,
                                  cluster=job.cluster.name)
@@ -180,7 +180,7 @@ def setup_lines(job: Any) -> list[str]:
 
 
 def _signal(job: Any) -> tuple[str, int]:
-    from hpc.submitit_pbs import signal_of
+    from hpc_submitit.pbs import signal_of
 
     return signal_of(job.spec.signal)
 
@@ -260,7 +260,7 @@ def local_parameters(job: Any) -> dict[str, Any]:
 def pbs_parameters(job: Any) -> dict[str, Any]:
     """PBSExecutor parameters: the resolved spec itself (it renders it again, with its own
     command and log folder, through the same template as ``hpc render``)."""
-    from hpc.submitit_pbs import SPEC_PARAMETERS
+    from hpc_submitit.pbs import SPEC_PARAMETERS
 
     data = job.to_dict()
     params = {k: data[k] for k in SPEC_PARAMETERS if k in data}
@@ -331,7 +331,7 @@ def _record_jobs(run_dir: Path, job_ids: list[str], executor_class: str) -> None
     if executor_class == "LocalExecutor":  # local job ids are pids; hpc status reads local-PID
         job_ids = [f"local-{j}" for j in job_ids]
     elif executor_class == "PBSExecutor":  # array tasks as PBS names subjobs: 123[4].srv
-        from hpc.submitit_pbs import pbs_id
+        from hpc_submitit.pbs import pbs_id
 
         job_ids = [pbs_id(j) for j in job_ids]
     elif executor_class == "DebugExecutor":

@@ -16,9 +16,9 @@ import pytest
 import submitit
 
 import hpc
-from hpc import submitit_pbs as sp
 from hpc.cli import main as cli_main
 from hpc.errors import UserError
+from hpc_submitit import pbs as sp
 from tests.support.pals import pbs_env
 from tests.support.pbs_standin import SAMPLES, STANDIN_DIR
 from tests.support.pbs_standin import pbs_standin as standin
@@ -206,7 +206,7 @@ def test_submit_gets_the_result(pbs: Path, capsys: pytest.CaptureFixture[str]) -
     script = job.paths.submission_file.read_text()
     assert "#PBS -N adder\n" in script and "#PBS -l select=1\n" in script
     assert f"#PBS -o {run_dir}/\n" in script
-    assert f"mpiexec -n 1 -ppn 1 {sys.executable} -u -m hpc.submitit_pbs {run_dir}" in script
+    assert f"mpiexec -n 1 -ppn 1 {sys.executable} -u -m hpc_submitit.pbs {run_dir}" in script
     assert "INFO" in job.stdout()  # the rank's own log, as srun --output writes on SLURM
     assert (run_dir / f"{job.job_id}.OU").is_file()  # the batch shell's, from #PBS -o
     assert cli_main(["status", str(run_dir)]) == 0  # the run directory names the job

@@ -8,7 +8,7 @@ pickle a function, run it on the compute nodes and bring its result back:
 - ``PBSExecutor``: renders the job script through the same template and cluster
   profile as ``hpc render`` (``#PBS -l select=N:system=..``, ``place``, ``walltime``,
   ``filesystems``, ``-q``, ``-A``, ``-N``, ``-o`` into the job folder) with the launch
-  line ``mpiexec -n RANKS --ppn PPN [site flags] python -u -m hpc.submitit_pbs FOLDER``,
+  line ``mpiexec -n RANKS --ppn PPN [site flags] python -u -m hpc_submitit.pbs FOLDER``,
   and submits it with ``qsub`` (the job id is the id line qsub prints). Several
   submissions at once (``map_array``) become one PBS job array (``-J 0-N``).
 - ``PBSJob`` / ``PBSInfoWatcher``: state from ``qstat -x -f -F json`` (one call for
@@ -584,7 +584,7 @@ class PBSExecutor(core.PicklingExecutor):
         self.parameters = merged
 
     def _command(self) -> list[str]:
-        return [*shlex.split(self.python), "-u", "-m", "hpc.submitit_pbs", str(self.folder)]
+        return [*shlex.split(self.python), "-u", "-m", "hpc_submitit.pbs", str(self.folder)]
 
     def resolve(self, parameters: dict[str, tp.Any] | None = None) -> tp.Any:
         """The ``hpc.spec.Job`` these parameters describe, with the submitit lines added."""
@@ -748,12 +748,12 @@ def _redirect(stdout: Path, stderr: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m hpc.submitit_pbs FOLDER``: one rank of a submitit PBS job."""
+    """``python -m hpc_submitit.pbs FOLDER``: one rank of a submitit PBS job."""
     from submitit.core.submission import process_job
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        raise SystemExit("usage: python -m hpc.submitit_pbs FOLDER")
+        raise SystemExit("usage: python -m hpc_submitit.pbs FOLDER")
     os.environ.setdefault("SUBMITIT_EXECUTOR", "pbs")
     _ensure_registered()
     env = PBSJobEnvironment()
@@ -768,6 +768,6 @@ job_environment = PBSJobEnvironment
 
 if __name__ == "__main__":
     # Run the importable module's main, so its classes are the ones submitit registers.
-    from hpc.submitit_pbs import main as _main
+    from hpc_submitit.pbs import main as _main
 
     _main()
