@@ -73,6 +73,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             p.add_argument("--dry-run", action="store_true",
                            help="print the script and the submit command; submit nothing")
             p.add_argument("--runs-dir", default="runs", help="where run directories go")
+            p.add_argument("--resume", metavar="RUN_DIR",
+                           help="submit again into an existing run directory (the job "
+                                "resumes from its checkpoints there; nothing is overwritten)")
             p.set_defaults(func=cmd_submit, local=name == "run")
     for name, fn in (("status", "cmd_status"), ("cancel", "cmd_cancel")):
         if want(name):
@@ -272,8 +275,16 @@ def cmd_submit(args: argparse.Namespace, command: list[str] | None) -> int:
         sys.stdout.write(f"# submit: {shlex.join(sched.submit_command(script))}\n")
         return 0
 
+    previous: dict[str, Any] | None = None
+    if args.resume:
+        found = runs.find(args.resume, runs_dir)
+        if found is None:
+            raise UserError(f"resume: {args.resume!r} is not a run directory (no run.json); "
+                            "allowed: a directory made by hpc submit, or its name under --runs-dir")
+        run_dir, previous = found
     git = runs.git_info()
-    run_dir = runs.new_run_dir(runs_dir, job.name)
+    if previous is None:
+        run_dir = runs.new_run_dir(runs_dir, job.name)
     # The job keeps its log in the run directory and learns where that is: the trainer's
     # default checkpoint folder is $HPC_RUN_DIR/checkpoints, so a requeued job resumes there.
     run_abs = str(run_dir.resolve())
@@ -281,11 +292,11 @@ def cmd_submit(args: argparse.Namespace, command: list[str] | None) -> int:
         job.spec.output_dir = run_abs
     job.spec.env = {**job.spec.env, "HPC_RUN_DIR": run_abs}
     text = render(job, regenerate=_regen_command(args, command), templates=args.templates)
-    script = run_dir / f"job{suffix}"
+    script = runs.free_name(run_dir, "job", suffix)
     script.write_text(text, encoding="utf-8")
     import yaml
 
-    (run_dir / "spec.yaml").write_text(
+    runs.free_name(run_dir, "spec", ".yaml").write_text(
         yaml.safe_dump(job.to_dict(), sort_keys=False, allow_unicode=True), encoding="utf-8"
     )
     argv = sched.submit_command(str(script))
@@ -294,6 +305,9 @@ def cmd_submit(args: argparse.Namespace, command: list[str] | None) -> int:
         "script": str(script), "spec": job.spec.source, "submit_command": shlex.join(argv),
         "cwd": os.getcwd(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "job_id": None, **git,
     }
+    if previous is not None:  # earlier submissions of this run, oldest first
+        earlier = previous.pop("submissions", [])
+        record["submissions"] = [*earlier, previous]
     runs.write_record(run_dir, record)
     try:
         job_id = sched.submit(str(script), str(run_dir))

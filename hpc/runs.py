@@ -37,6 +37,15 @@ def new_run_dir(runs_dir: Path, name: str, now: float | None = None) -> Path:
     raise UserError(f"runs-dir: too many runs named {base!r} in {str(runs_dir)!r}")
 
 
+def free_name(run_dir: Path, stem: str, suffix: str) -> Path:
+    """``stem+suffix`` in ``run_dir``, or ``stem-2+suffix``, ... : the first that does not exist."""
+    for i in range(1, 1000):
+        path = run_dir / (f"{stem}{suffix}" if i == 1 else f"{stem}-{i}{suffix}")
+        if not path.exists():
+            return path
+    raise UserError(f"resume: too many submissions in {str(run_dir)!r}")
+
+
 def git_info(cwd: Path | None = None) -> dict[str, Any]:
     """The commit and whether the tree is dirty; empty when not in a git repository."""
     try:

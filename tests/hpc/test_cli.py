@@ -211,3 +211,29 @@ def test_cli_subprocess_error_and_module_entry(tmp_path: Path) -> None:
     good = subprocess.run([sys.executable, "-m", "hpc", "render", "jobs/uniref50.yaml"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert good.returncode == 0 and good.stdout.startswith("#!/bin/bash")
+
+
+def test_submit_resume_reuses_the_run_directory(fake_bin, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A later job of the same run: same HPC_RUN_DIR (so checkpoints resume), new files."""
+    fake_bin("sbatch", 'echo "$((4242 + $(ls "$FAKE_LOG" >/dev/null 2>&1 && wc -l < "$FAKE_LOG" || echo 0)))"')
+    monkeypatch.chdir(tmp_path)
+    base = ["submit", "--cluster", "slurm", "--name", "t", "--runs-dir", "runs"]
+    assert main([*base, "--", "echo", "x"]) == 0
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert main([*base, "--resume", str(run_dir), "--", "echo", "x"]) == 0
+    assert len(list((tmp_path / "runs").iterdir())) == 1
+    first, second = (run_dir / "job.slurm").read_text(), (run_dir / "job-2.slurm").read_text()
+    assert f"export HPC_RUN_DIR={run_dir.resolve()}" in first and f"export HPC_RUN_DIR={run_dir.resolve()}" in second
+    assert (run_dir / "spec.yaml").is_file() and (run_dir / "spec-2.yaml").is_file()
+    rec = json.loads((run_dir / "run.json").read_text())
+    jobs = capsys.readouterr().out.split()
+    assert rec["job_id"] == jobs[1] and [s["job_id"] for s in rec["submissions"]] == [jobs[0]]
+    assert rec["script"].endswith("job-2.slurm")
+
+
+def test_submit_resume_of_a_missing_run_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    code = main(["submit", "--cluster", "slurm", "--resume", "runs/nope", "--", "echo"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "resume: 'runs/nope' is not a run directory" in err
+    assert not (tmp_path / "runs").exists()
