@@ -295,3 +295,24 @@ def test_qsub_smoke_through_torque_wrapper(slurm_cluster, pals_mpiexec, tmp_path
     assert state == "COMPLETED", text
     assert "world_size=2" in text and re.search(r"done: steps=\d+", text)
     assert (tmp_path / "outputs/dpo_ddp/final/model.pt").is_file()
+
+
+def test_resume_submits_into_the_same_run_and_continues(slurm_cluster, tmp_path):
+    """After a job ends early (here max_steps), `hpc submit --resume RUN_DIR` continues it."""
+    runs = tmp_path / "runs"
+
+    def spec_with(max_steps: int) -> Path:
+        spec = worker_spec(tmp_path)
+        spec["config"]["checkpoint"]["dir"] = "ck"  # relative: under HPC_RUN_DIR
+        spec["config"]["training"]["max_steps"] = max_steps
+        return write_spec(tmp_path / f"r{max_steps}.yaml", [PY, WORKER, json.dumps(spec)])
+
+    job1, run_dir = submit(str(spec_with(3)), runs=runs)
+    assert wait_status(job1, runs) == "COMPLETED", log_of(run_dir)
+    job2 = hpc("submit", "--runs-dir", str(runs), "--resume", str(run_dir),
+               str(spec_with(6))).stdout.strip()
+    assert wait_status(job2, runs) == "COMPLETED", log_of(run_dir)
+    log = log_of(run_dir)
+    assert "resuming from" in log and "(step 3)" in log and "done: steps=6" in log
+    assert (run_dir / "ck" / "final" / "model.pt").is_file()
+    assert [p.name for p in sorted(runs.iterdir())] == [run_dir.name]
