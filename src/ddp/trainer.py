@@ -411,10 +411,10 @@ class Trainer:
         factor = cfg.scale_factor(world)
         warmup = cfg.scaled_warmup(world)
         log.info(
-            "world=%d effective batch=%d (%d x accum %d x %d ranks) lr x%.4g (%s rule) "
+            "world=%d effective batch=%d (%d x accum %d x %d ranks) lr=%.4g (x%.4g, %s rule) "
             "warmup=%d precision=%s",
-            world, cfg.effective_batch(world), t_cfg.batch_size, t_cfg.accum, world, factor,
-            cfg.scaling.rule, warmup, cfg.precision,
+            world, cfg.effective_batch(world), t_cfg.batch_size, t_cfg.accum, world,
+            cfg.scaled_lr(world), factor, cfg.scaling.rule, warmup, cfg.precision,
         )  # fmt: skip
         self._open_writers()
         state = self._resume_state()
