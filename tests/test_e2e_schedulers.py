@@ -23,6 +23,7 @@ import yaml
 from tests.ddp import _launch
 from tests.support.pals import pbs_env
 from tests.support.parts import require_exe
+from tests.support.polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -64,13 +65,6 @@ def wait_status(job_id: str, runs: Path, states=FINAL, timeout: float = 150) -> 
         time.sleep(0.3)
         state = status(job_id, runs)
     return state
-
-
-def wait_for(what: str, check, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def log_of(run_dir: Path) -> str:
@@ -179,12 +173,12 @@ def test_preempted_job_requeues_resumes_and_matches(slurm_cluster, tmp_path):
     runs = tmp_path / "runs"
     job_id, run_dir = submit(str(job_file), runs=runs)
     # both ranks sit inside step 3; preempt them the way SLURM does (signal the tasks)
-    wait_for("ranks at step 3", lambda: len(list(ready.glob("*.pid"))) == 2)
+    wait_until(lambda: len(list(ready.glob("*.pid"))) == 2, 90, "ranks at step 3")
     slurm_cluster.run("scancel", "--signal=USR1", job_id)
     # rank 0 checkpoints and runs `scontrol requeue`; the job comes back PENDING with a
     # BeginTime (~2 min on this cluster), which we release at once
-    wait_for("requeue", lambda: "Restarts=1" in slurm_cluster.run(
-        "scontrol", "show", "job", job_id, check=False).stdout)
+    wait_until(lambda: "Restarts=1" in slurm_cluster.run(
+        "scontrol", "show", "job", job_id, check=False).stdout, 90, "requeue")
     deadline = time.monotonic() + 150
     state = status(job_id, runs)
     while state not in ("COMPLETED", "FAILED", "CANCELLED"):

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -22,6 +21,7 @@ from hpc import python_api
 from hpc.cli import main as cli_main
 from hpc.errors import UserError
 from tests.ddp.launch_utils import clean_env
+from tests.support.polling import wait_until
 
 # Job functions travel by value: the compute side need not import this test module.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -32,17 +32,6 @@ ACCOUNT_VARS = ("PBS_ACCOUNT", "HPC_ACCOUNT", "SBATCH_ACCOUNT", "SLURM_ACCOUNT")
 def _no_account_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ACCOUNT_VARS:
         monkeypatch.delenv(var, raising=False)
-
-
-def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    """Poll with a deadline (no fixed sleeps waiting for jobs)."""
-    deadline = time.monotonic() + timeout
-    delay = 0.05
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not after {timeout} s")
-        time.sleep(delay)
-        delay = min(delay * 1.5, 0.5)
 
 
 def wait_done(job: Any, timeout: float = 60) -> None:

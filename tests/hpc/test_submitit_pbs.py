@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,22 +22,12 @@ from hpc_submitit import pbs as sp
 from tests.support.pals import pbs_env
 from tests.support.pbs_standin import SAMPLES, STANDIN_DIR
 from tests.support.pbs_standin import pbs_standin as standin
+from tests.support.polling import wait_until
 
 DATA = Path(__file__).parent / "data"
 AURORA_ID = "1234567.aurora-pbs-0001.hostmgmt.cm.aurora.alcf.anl.gov"
 # Job functions travel by value: the compute side need not import this test module.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-
-def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    """Poll with a deadline (no fixed sleeps waiting for jobs)."""
-    deadline = time.monotonic() + timeout
-    delay = 0.05
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not after {timeout} s")
-        time.sleep(delay)
-        delay = min(delay * 1.5, 0.5)
 
 
 def wait_done(job: Any, timeout: float = 60) -> None:
