@@ -25,6 +25,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from ddp import yaml_io
 from ddp.errors import ConfigError
 
 _SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP", "SIGCONT", "SIGXCPU")
@@ -83,7 +84,9 @@ class DDPConfig:
     bucket_cap_mb: float = 25.0
     backend: str = "auto"  # auto | nccl | gloo | xccl | ccl | mpi | xpu (see ddp.backends)
     device: str = "auto"  # auto | cuda | xpu | mps | cpu (auto: the first available)
-    timeout_s: float = 1800.0
+    # Collective timeout. None: $DDP_TIMEOUT, else 1800 s. Precedence, highest first:
+    # ddp.init(timeout=...) in a script > this key (config file, --set) > DDP_TIMEOUT.
+    timeout_s: float | None = None
 
 
 @dataclass
@@ -130,6 +133,10 @@ class PreemptionConfig:
     # DDP_REQUEUE=1 (exported by `hpc render` for a spec with `requeue: true`) does the same.
     requeue: bool = False
     check_every_n_steps: int = 1  # ranks agree on the flag with one tiny all_reduce
+    # After SIGTERM a rank that has not finished within grace_s seconds (or whose main
+    # thread does not respond within 5 s: stuck in a collective) prints its stacks and
+    # exits 143 (ddp.preemption). Below torchrun's and SLURM's 30 s kill delay; 0 = off.
+    grace_s: float = 20.0
 
 
 @dataclass
@@ -172,16 +179,7 @@ class TrainConfig:
     @classmethod
     def from_yaml(cls, path: str | Path) -> TrainConfig:
         """Load a YAML file; a missing file or bad YAML is a ConfigError."""
-        p = Path(path)
-        try:
-            data = yaml.safe_load(p.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {str(p)!r} not found") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
-        if data is not None and not isinstance(data, dict):
-            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
-        return cls.from_dict(data)
+        return cls.from_dict(read_yaml(path))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -253,10 +251,20 @@ def parse_assignment(item: str) -> tuple[str, Any]:
     if not key:
         raise ConfigError(f"--set {item!r}: empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+        value = yaml_io.loads(raw, f"--set {key}") if raw.strip() else ""
+    except ConfigError as exc:
+        if "not valid YAML" not in str(exc):
+            raise  # duplicate keys, alias bombs: refused, not taken as a string
         value = raw
     return key, value
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """A config file's raw mapping (strict YAML, see :mod:`ddp.yaml_io`)."""
+    data = yaml_io.load_file(path)
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
+    return data or {}
 
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
@@ -437,8 +445,8 @@ def _validate(obj: Any, where: str) -> None:
     elif isinstance(obj, DDPConfig):
         if obj.bucket_cap_mb <= 0:
             bad("bucket_cap_mb", obj.bucket_cap_mb, "a number > 0")
-        if obj.timeout_s <= 0:
-            bad("timeout_s", obj.timeout_s, "a number > 0")
+        if obj.timeout_s is not None and not 0 < obj.timeout_s < math.inf:
+            bad("timeout_s", obj.timeout_s, "a finite number of seconds > 0, or null")
     elif isinstance(obj, DataConfig):
         if obj.num_workers < 0:
             bad("num_workers", obj.num_workers, "an integer >= 0")
@@ -460,6 +468,8 @@ def _validate(obj: Any, where: str) -> None:
                 bad("signals", s, f"signal names among {', '.join(_SIGNALS)}{hint}")
         if obj.check_every_n_steps < 1:
             bad("check_every_n_steps", obj.check_every_n_steps, "an integer >= 1")
+        if not 0 <= obj.grace_s < math.inf:
+            bad("grace_s", obj.grace_s, "a finite number of seconds >= 0 (0 = no watchdog)")
     elif isinstance(obj, PhaseConfig):
         if obj.epochs is not None and obj.epochs < 0:
             bad("epochs", obj.epochs, "an integer >= 0")

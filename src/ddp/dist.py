@@ -11,6 +11,7 @@ here is a cheap no-op, so the same script runs on a laptop.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import sys
@@ -44,6 +45,7 @@ class Context:
     launcher: str
     master_addr: str
     master_port: int
+    timeout_s: float = DEFAULT_TIMEOUT_S  # what bounds every collective (see _timeout)
 
     @property
     def is_main(self) -> bool:
@@ -74,6 +76,7 @@ def setup_logging(rank: int, level: int = logging.INFO) -> None:
 
 
 def _timeout(value: float | timedelta | None) -> timedelta:
+    """The collective timeout: ``value`` if given, else ``$DDP_TIMEOUT``, else 1800 s."""
     if value is None:
         raw = os.environ.get("DDP_TIMEOUT", "")
         try:
@@ -82,8 +85,11 @@ def _timeout(value: float | timedelta | None) -> timedelta:
             raise ConfigError(f"DDP_TIMEOUT={raw!r} is not a number of seconds") from None
     if isinstance(value, timedelta):
         return value
-    if value <= 0:
-        raise ConfigError(f"timeout={value!r}; allowed: a positive number of seconds")
+    if not 0 < value < math.inf:  # NaN fails both comparisons
+        raise ConfigError(
+            f"timeout={value!r}; allowed: a positive, finite number of seconds "
+            "(ddp.init(timeout=...), ddp.timeout_s, or DDP_TIMEOUT)"
+        )
     return timedelta(seconds=float(value))
 
 
@@ -132,6 +138,7 @@ def _init(
 
     info = env or detect()
     setup_logging(info.rank)
+    limit = _timeout(timeout)  # checked on every world size, so a bad DDP_TIMEOUT never waits
     choice = backends.choose(device, backend, info.local_rank, info.world_size)
     _set_device(choice.device)
     if info.world_size > 1 and not tdist.is_initialized():
@@ -139,14 +146,15 @@ def _init(
         os.environ.update(info.torchrun_vars())  # for libraries that read env:// themselves
         tdist.init_process_group(
             backend=choice.backend,
-            init_method=f"tcp://{_bracket(info.master_addr)}:{info.master_port}",
+            store=rendezvous_store(info, limit),
             rank=info.rank,
             world_size=info.world_size,
-            timeout=_timeout(timeout),
+            timeout=limit,
         )
     _CONTEXT = Context(
         info.rank, info.local_rank, info.world_size, info.local_world_size, info.node_rank,
         choice.device, choice.backend, info.launcher, info.master_addr, info.master_port,
+        limit.total_seconds(),
     )  # fmt: skip
     log.info(
         "Initialized DDP: rank=%d, world_size=%d, local_rank=%d",
@@ -187,8 +195,75 @@ def check_resolves(info: DistEnv) -> DistEnv:
     )
 
 
-def _bracket(addr: str) -> str:
-    return f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr
+STORE_ANSWER_S = 60.0
+"""How long a store that accepted the connection may take to answer the handshake.
+
+A TCPStore answers in milliseconds; past this the program on the port is not one."""
+
+
+def rendezvous_store(info: DistEnv, timeout: timedelta) -> Any:
+    """The job's TCPStore, with a one-line error on every rank when the port is taken.
+
+    ``init_process_group(init_method="tcp://...")`` builds the same store, but when
+    another program holds MASTER_PORT rank 0 dies with a 30-line traceback and the
+    other ranks connect to that program and wait for an answer that never comes,
+    whatever the timeout (TCPStore's handshake has none). Here rank 0 reports the
+    taken port in one line; the other ranks first wait (up to ``timeout``, as
+    TCPStore's own connect retries do) until something accepts connections, then
+    give the handshake :data:`STORE_ANSWER_S` seconds. Under torchrun the elastic
+    agent already hosts the store (``TORCHELASTIC_USE_AGENT_STORE=True``), so every
+    rank is a client, as in torch's own ``_create_c10d_store``.
+    """
+    import threading
+    import time
+
+    from torch.distributed import TCPStore
+
+    host, port = info.master_addr, info.master_port
+    where = f"MASTER_ADDR:MASTER_PORT {host}:{port}"
+    if info.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        try:
+            return TCPStore(host, port, info.world_size, True, timeout,
+                            wait_for_workers=False, multi_tenant=True)  # fmt: skip
+        except RuntimeError as exc:  # DistNetworkError
+            if "EADDRINUSE" in str(exc) or "address already in use" in str(exc):
+                raise ConfigError(
+                    f"port {port} is already in use on this host (rank 0 hosts the job's "
+                    "rendezvous store there); set MASTER_PORT to a free port"
+                ) from None
+            raise
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:  # wait for a listener, as TCPStore's connect retries would
+        try:
+            socket.create_connection((host, port), timeout=5).close()
+            break
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise ConfigError(
+                    f"nothing accepted connections at {where} within "
+                    f"{timeout.total_seconds():.0f} s ({exc.strerror or exc}); did rank 0 start?"
+                ) from None
+            time.sleep(0.5)
+    box: list[Any] = []
+
+    def connect() -> None:
+        try:
+            box.append(TCPStore(host, port, info.world_size, False, timeout))
+        except BaseException as exc:  # handed to the caller below
+            box.append(exc)
+
+    worker = threading.Thread(target=connect, name="ddp-store-connect", daemon=True)
+    worker.start()
+    worker.join(STORE_ANSWER_S)
+    if not box:
+        raise ConfigError(
+            f"{where} accepts connections but does not answer as the job's rendezvous "
+            f"store within {STORE_ANSWER_S:.0f} s: another program holds the port; "
+            "set MASTER_PORT to a free port"
+        )
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
 
 
 def get_context() -> Context | None:

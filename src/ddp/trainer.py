@@ -21,7 +21,6 @@ import logging
 import math
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ import ddp
 from ddp import checkpoint as ckpt
 from ddp.config import TrainConfig
 from ddp.errors import ConfigError
+from ddp.preemption import SignalWatch
 
 log = logging.getLogger("ddp")
 
@@ -153,10 +153,15 @@ class Trainer:
         self.global_step = 0
         self.wrapped: torch.nn.Module = model
         self._preempt_signal: int | None = None
-        self._old_handlers: dict[int, Any] = {}
+        self._signals: SignalWatch | None = None
+        self._eval_preempted = False  # evaluate() stopped early on a preemption signal
         self._writers: list[Any] = []
 
     # ---- public -------------------------------------------------------------------
+    @property
+    def _signals_on(self) -> bool:
+        return self._signals is not None and self._signals.installed
+
     @property
     def preempt_requested(self) -> bool:
         """True once a configured signal arrived on this rank."""
@@ -213,6 +218,8 @@ class Trainer:
         sums: dict[str, torch.Tensor] = {}
         count = 0.0
         for batch in loader:
+            if self._preempt_signal is not None:
+                break  # act within a batch, not after the whole pass (SLURM's KillWait: 30 s)
             batch = self._move(batch)
             with self._autocast():
                 out = fn(model, batch)
@@ -226,32 +233,31 @@ class Trainer:
                 sums[k] = sums[k] + v * nb if k in sums else v * nb
             count += nb
         keys = sorted({k for ks in ddp.all_gather_object(sorted(sums)) for k in ks})
-        vec = torch.zeros(len(keys) + 1, dtype=torch.float64, device=ctx.device)
+        vec = torch.zeros(len(keys) + 2, dtype=torch.float64, device=ctx.device)
         for i, k in enumerate(keys):
             if k in sums:
                 vec[i] = sums[k]
-        vec[-1] = count
+        vec[-2] = count
+        vec[-1] = float(self._preempt_signal is not None)  # ranks agree in the same reduce
         vec = ddp.reduce_sum(vec).tolist()
         model.train(was_training)
-        total = vec[-1] or 1.0
+        self._eval_preempted = vec[-1] > 0
+        if self._eval_preempted:
+            return {}  # partial: the caller saves and exits
+        total = vec[-2] or 1.0
         return {f"eval_{k}": vec[i] / total for i, k in enumerate(keys)}
 
     # ---- setup --------------------------------------------------------------------
     def _install_signals(self) -> None:
-        for name in self.config.preemption.signals:
-            signum = getattr(signal, name)
-            try:
-                self._old_handlers[signum] = signal.signal(signum, self._on_signal)
-            except ValueError:  # not the main thread: preemption is off
-                log.warning("cannot install %s handler outside the main thread", name)
+        p = self.config.preemption
+        self._signals = SignalWatch(p.signals, self._on_signal, self.ctx.rank, p.grace_s)
+        self._signals.install()
 
     def _restore_signals(self) -> None:
-        for signum, old in self._old_handlers.items():
-            with contextlib.suppress(ValueError, TypeError):
-                signal.signal(signum, old)
-        self._old_handlers = {}
+        if self._signals is not None:
+            self._signals.restore()
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
+    def _on_signal(self, signum: int) -> None:
         self._preempt_signal = signum  # only a flag: the loop acts at the step boundary
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -458,6 +464,8 @@ class Trainer:
                 break
         if self.eval_data is not None and not evaluated_last:
             eval_metrics = self.evaluate()
+            if self._eval_preempted:  # training is over and saved; resume evaluates
+                self._exit_preempted()
             self._emit(eval_metrics, self.global_step)
         elapsed = time.perf_counter() - self._t_start
         samples = ddp.reduce_sum(torch.tensor([float(self._samples)])).item()
@@ -554,6 +562,9 @@ class Trainer:
                 evaluated = False
                 if self.eval_data is not None and every and (epoch + 1) % every == 0:
                     eval_metrics = self.evaluate()
+                    if self._eval_preempted:  # resume re-runs this evaluation, then goes on
+                        self._save(pi, epoch, n_batches, opt, sched, scaler)
+                        self._exit_preempted()
                     evaluated = True
                     self._emit(eval_metrics, self.global_step)
                     log.info("epoch %d %s", epoch + 1,
@@ -584,7 +595,7 @@ class Trainer:
         log_every = cfg.logging.every_n_steps
         ckpt_every = cfg.checkpoint.every_n_steps if cfg.checkpoint.dir else 0
         max_steps = cfg.training.max_steps
-        check_every = cfg.preemption.check_every_n_steps if self._old_handlers else 0
+        check_every = cfg.preemption.check_every_n_steps if self._signals_on else 0
         distributed = ctx.world_size > 1
         step_fn = self.step_fn
         autocast = self._autocast()
@@ -713,6 +724,13 @@ class Trainer:
         log.warning("preemption signal: saving at step %d and exiting %d",
                     self.global_step, PREEMPTED_EXIT_CODE)  # fmt: skip
         self._save_at(pi, epoch, b, n_batches, opt, sched, scaler)
+        self._exit_preempted()
+
+    def _exit_preempted(self) -> None:
+        """After the preemption checkpoint: wait for it, requeue (SLURM), exit 75."""
+        if self._eval_preempted:
+            log.warning("preemption signal during evaluation: saved at step %d, exiting %d",
+                        self.global_step, PREEMPTED_EXIT_CODE)  # fmt: skip
         ckpt.wait_pending()
         ddp.barrier()  # the checkpoint is durable everywhere before anyone exits
         job = os.environ.get("SLURM_JOB_ID")

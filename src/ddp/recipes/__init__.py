@@ -22,7 +22,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ddp.config import TrainConfig, check_free_section
+from ddp.config import TrainConfig, check_free_section, read_yaml
 from ddp.errors import ConfigError
 
 RECIPES: dict[str, str] = {
@@ -103,7 +103,9 @@ def resolve(
     """Recipe defaults <- YAML file <- recipe flags <- ``--set`` (later wins), validated."""
     data = copy.deepcopy(recipe.DEFAULTS)
     if config_file is not None:
-        _merge(data, TrainConfig.from_yaml(config_file), Path(config_file))
+        raw = read_yaml(config_file)
+        TrainConfig.from_dict(raw)  # validate the file on its own, so errors name its keys
+        _merge(data, raw)
     cfg = TrainConfig.from_dict(data)
     given = vars(flags) if isinstance(flags, argparse.Namespace) else dict(flags or {})
     values = {}
@@ -117,11 +119,8 @@ def resolve(
     return cfg
 
 
-def _merge(base: dict[str, Any], loaded: TrainConfig, path: Path) -> None:
-    """Overlay only the keys the YAML file really sets (validated by from_yaml already)."""
-    import yaml
-
-    raw = yaml.safe_load(path.read_text()) or {}
+def _merge(base: dict[str, Any], raw: dict[str, Any]) -> None:
+    """Overlay only the keys the YAML file really sets (validated already)."""
 
     def deep(dst: dict[str, Any], src: dict[str, Any]) -> None:
         for k, v in src.items():
