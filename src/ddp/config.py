@@ -12,6 +12,7 @@ keys. Their allowed keys and types come from the recipe's defaults
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import math
@@ -388,14 +389,19 @@ def _scalar(value: Any, tp: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, bool):
             raise ConfigError(f"{path}: expected a number, got {value!r}")
+        out: float | None = None
         if isinstance(value, int | float):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{path}: expected a number, got {value!r}")
+            out = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
+            with contextlib.suppress(ValueError):
+                out = float(value)
+        if out is None:
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        # No field means anything by NaN or inf, and NaN passes every `x <= 0` check
+        # below: refused here, once, for every float.
+        if not math.isfinite(out):
+            raise ConfigError(f"{path}: {value!r} is not a finite number; allowed: a real number")
+        return out
     if tp is str:
         if isinstance(value, str | int | float) and not isinstance(value, bool):
             return str(value)

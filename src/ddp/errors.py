@@ -11,3 +11,10 @@ class ConfigError(Exception):
     """
 
     exit_code = 2
+
+
+class TrainingDiverged(ConfigError):
+    """The loss or the weights became NaN/inf: the run stops, nothing is saved from them.
+
+    A user's matter to fix (learning rate, clipping, precision), so one line and exit 2.
+    """

@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 import ddp
 from ddp import checkpoint as ckpt
 from ddp.config import TrainConfig
-from ddp.errors import ConfigError
+from ddp.errors import ConfigError, TrainingDiverged
 from ddp.preemption import SignalWatch
 
 log = logging.getLogger("ddp")
@@ -155,6 +155,8 @@ class Trainer:
         self._preempt_signal: int | None = None
         self._signals: SignalWatch | None = None
         self._eval_preempted = False  # evaluate() stopped early on a preemption signal
+        self._lock: ckpt.DirLock | None = None  # rank 0: this run owns checkpoint.dir
+        self._resume_path = ""
         self._writers: list[Any] = []
 
     # ---- public -------------------------------------------------------------------
@@ -189,6 +191,9 @@ class Trainer:
         finally:
             with contextlib.suppress(Exception):
                 ckpt.wait_pending()  # never leave a checkpoint half-finalized
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
             self._restore_signals()
             for w in self._writers:
                 with contextlib.suppress(Exception):
@@ -364,14 +369,36 @@ class Trainer:
             return None
         state = ckpt.load_checkpoint(path)
         log.info("resuming from %s (step %d)", path, state["global_step"])
+        self._resume_path = path
         return state
+
+    def _take_lock(self) -> None:
+        """Rank 0 locks checkpoint.dir (ckpt.DirLock); every rank stops with its line if not.
+
+        Also the early check that the directory is writable at all: a read-only one is
+        reported now, not after the first epoch's work."""
+        c = self.config.checkpoint
+        if not c.dir:
+            return
+        error = None
+        if self.ctx.is_main:
+            try:
+                self._lock = ckpt.DirLock.acquire(c.dir)
+            except ConfigError as exc:
+                error = str(exc)
+        error = ddp.broadcast_object(error)
+        if error:
+            raise ConfigError(error)
 
     def _save(self, phase: int, epoch: int, batches: int, opt: Any, sched: Any, scaler: Any) -> None:
         """Collective: gather every rank's RNG to rank 0, which writes; then a barrier."""
         c = self.config.checkpoint
         if not c.dir:
             return
-        rngs = ddp.all_gather_object(ckpt.rng_state(self.ctx.device))
+        gathered = ddp.all_gather_object((ckpt.rng_state(self.ctx.device), self._finite()))
+        if not all(finite for _, finite in gathered):
+            self._diverged("the weights are not finite (nan/inf)")
+        rngs = [rng for rng, _ in gathered]
         if self.ctx.is_main:
             t0 = time.perf_counter()
             state = {
@@ -394,6 +421,25 @@ class Trainer:
             log.info("saved %s in %.2fs (fsync continues in the background)",
                      path, time.perf_counter() - t0)  # fmt: skip
         ddp.barrier()
+
+    def _finite(self) -> bool:
+        """Whether this rank's weights are all finite (one host sync: checkpoints only)."""
+        params = [p.detach() for p in ddp.unwrap(self.wrapped).parameters()]
+        if not params:
+            return True
+        return bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
+
+    def _diverged(self, what: str) -> None:
+        """Stop the run: never save or export non-finite weights, keep the good checkpoints.
+
+        Stopping, not skipping, follows Keras' TerminateOnNaN and Lightning's former
+        ``terminate_on_nan``: a NaN rarely heals, and a skipped step hides the cause.
+        """
+        raise TrainingDiverged(
+            f"step {self.global_step}: {what}: training diverged; nothing was saved from these "
+            "weights and the earlier checkpoints are kept. Lower optim.lr, set "
+            "optim.grad_clip, or check the data"
+        )
 
     # ---- the loop -----------------------------------------------------------------
     def _fit(self) -> dict[str, Any]:
@@ -423,8 +469,10 @@ class Trainer:
             cfg.scaled_lr(world), factor, cfg.scaling.rule, warmup, cfg.precision,
         )  # fmt: skip
         self._open_writers()
+        self._take_lock()
         state = self._resume_state()
         if state is not None:
+            _check_resumable(state.get("config") or {}, cfg.to_dict(), self._resume_path)
             self.global_step = state["global_step"]
             rngs = state.get("rng") or []
             if state.get("world_size") == world and len(rngs) == world:
@@ -432,7 +480,7 @@ class Trainer:
             else:
                 log.warning("checkpoint from world size %s: RNG states not restored",
                             state.get("world_size"))  # fmt: skip
-            ddp.unwrap(self.wrapped).load_state_dict(state["model"])
+            _load_model(ddp.unwrap(self.wrapped), state["model"], self._resume_path)
 
         summary: dict[str, Any] = {"steps": 0, "train_loss": float("nan")}
         self._t_start = time.perf_counter()
@@ -480,6 +528,8 @@ class Trainer:
         c = cfg.checkpoint
         ckpt.wait_pending()
         if c.dir and c.save_final:
+            if not all(ddp.all_gather_object(self._finite())):
+                self._diverged("the weights are not finite (nan/inf)")
             if ctx.is_main:
                 path = ckpt.export_final(self.wrapped, c.dir, cfg.to_yaml())
                 summary["final_model"] = str(path)
@@ -539,6 +589,7 @@ class Trainer:
         if resume is not None:
             opt.load_state_dict(resume["optimizer"])
             sched.load_state_dict(resume["scheduler"])
+            _apply_new_hyperparameters(opt, sched, phase.lr * factor, cfg)
             if scaler is not None and resume.get("scaler"):
                 scaler.load_state_dict(resume["scaler"])
             start_epoch, start_batch = resume["epoch"], resume["batches_in_epoch"]
@@ -749,6 +800,10 @@ class Trainer:
         names = ["loss", *sorted(extra)]
         vec = torch.stack([loss_sum.float(), *(extra[k].float() for k in names[1:])])
         vec = ddp.reduce_mean(vec / max(1, micro)).tolist()
+        if not math.isfinite(vec[0]) and self.config.precision != "fp16":
+            # fp16's GradScaler skips overflowing steps by design; its weights are checked
+            # before every save instead.
+            self._diverged(f"the mean loss since step {step0} is {vec[0]}")
         dt = time.perf_counter() - t0
         metrics = dict(zip(names, vec, strict=True))
         world = self.ctx.world_size
@@ -789,6 +844,89 @@ def _die(rank: int, exc: BaseException) -> None:
         sys.stderr.flush()
     finally:
         os._exit(code)
+
+
+# Keys whose change makes the saved data position or optimizer state meaningless.
+_FIXED_ON_RESUME = ("optim.name", "training.batch_size", "training.accum", "training.seed",
+                    "training.shuffle", "training.drop_last")  # fmt: skip
+
+
+def _check_resumable(old: dict[str, Any], new: dict[str, Any], path: str) -> None:
+    """Stop on a change the checkpoint cannot carry; log every other changed key.
+
+    A resumed run either applies a new value (optimizer hyper-parameters, the schedule,
+    more epochs: :func:`_apply_new_hyperparameters`) and says so, or stops with one
+    line; it never mixes old and new silently.
+    """
+
+    def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            if isinstance(v, dict):
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    before, after = flat(old), flat(new)
+    changed = [k for k in after if k in before and before[k] != after[k]]
+    for key in changed:
+        if key in _FIXED_ON_RESUME:
+            raise ConfigError(
+                f"{key}: {after[key]!r} differs from {before[key]!r} in the checkpoint "
+                f"{path!r}, which cannot continue with it; allowed: the checkpoint's value, "
+                "or a fresh checkpoint.dir / checkpoint.resume=none"
+            )
+    for key in changed:
+        if key != "checkpoint.resume":
+            log.warning("resume: %s changed %r -> %r; the new value applies", key,
+                        before[key], after[key])  # fmt: skip
+
+
+def _apply_new_hyperparameters(opt: Any, sched: Any, base_lr: float, cfg: TrainConfig) -> None:
+    """Make the config's optimizer values win over the ones restored from the checkpoint.
+
+    ``opt.load_state_dict`` brings back the saved lr, weight decay and betas, and the
+    scheduler its saved base LR; without this a new ``optim.lr`` would be printed at
+    start-up and then ignored. Unchanged values are left untouched (bit-exact resume).
+    """
+    o = cfg.optim
+    want: dict[str, Any] = {"weight_decay": o.weight_decay}
+    if o.name == "sgd":
+        want["momentum"] = o.momentum
+    else:
+        want["betas"] = (o.betas[0], o.betas[1])
+    for group in opt.param_groups:
+        for key, value in want.items():
+            if key in group and group[key] != value:
+                group[key] = value
+    if any(b != base_lr for b in sched.base_lrs):
+        sched.base_lrs = [base_lr for _ in sched.base_lrs]
+        factor = sched.lr_lambdas[0](sched.last_epoch)
+        for group in opt.param_groups:
+            group["initial_lr"] = base_lr
+            group["lr"] = base_lr * factor
+        sched._last_lr = [g["lr"] for g in opt.param_groups]
+
+
+def _load_model(model: torch.nn.Module, saved: dict[str, Any], path: str) -> None:
+    """``load_state_dict`` with one line naming the first mismatch, not torch's 40."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(saved))
+    extra = sorted(set(saved) - set(own))
+    shapes = [k for k in own if k in saved and tuple(own[k].shape) != tuple(saved[k].shape)]
+    if missing or extra or shapes:
+        if shapes:
+            k = shapes[0]
+            what = (f"{k!r} is {tuple(saved[k].shape)} in the checkpoint and "
+                    f"{tuple(own[k].shape)} in this model")  # fmt: skip
+        else:
+            what = f"keys missing {missing[:3]}, unexpected {extra[:3]}"
+        raise ConfigError(
+            f"checkpoint {path!r} was saved from a different model ({what}); allowed: the "
+            "same model settings, or a fresh checkpoint.dir / checkpoint.resume=none"
+        )
+    model.load_state_dict(saved)
 
 
 def _fmt(v: Any) -> str:

@@ -3,7 +3,7 @@
 Spec keys: config (TrainConfig mapping), n, eval_n, ready_dir (each rank writes
 <rank>.pid there when it reaches the point the test signals), and one of
 hang_rank/hang_step (that rank sleeps in Python at that step while its peers block in
-the next collective) or slow_eval (each eval batch takes this many seconds; the pid
+the next collective), nan_step (the loss is NaN from that step on) or slow_eval (each eval batch takes this many seconds; the pid
 file is written at the first one). out: rank 0 saves the final weights there.
 """
 
@@ -43,7 +43,10 @@ def main() -> None:
             if rank == spec.get("hang_rank"):
                 time.sleep(600)  # a hung rank; its peers wait in the gradient all-reduce
         x, y = batch
-        return nn.functional.mse_loss(model(x), y)
+        loss = nn.functional.mse_loss(model(x), y)
+        if spec.get("nan_step") is not None and trainer.global_step >= spec["nan_step"]:
+            loss = loss * float("nan")  # a diverging run
+        return loss
 
     def evaluate(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         if spec.get("slow_eval"):

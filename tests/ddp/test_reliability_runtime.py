@@ -256,3 +256,4 @@ def test_item18_bad_config_file_is_one_line_exit_2(case, content, expected, tmp_
     assert len(lines) == 1 and expected in lines[0], proc.stderr
     assert not (tmp_path / "checkpoints").exists()
 
+
