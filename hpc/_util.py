@@ -5,7 +5,7 @@ Kept free of heavy imports so that ``hpc render`` starts fast.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import re
 from collections.abc import Iterable
@@ -76,82 +76,108 @@ class Record:
 REQUIRED: Any = object()
 
 
-def cache_dir() -> Path | None:
-    """Where parsed YAML and compiled templates are cached; None if disabled.
+MAX_YAML_NODES = 100_000
+"""Largest spec or profile, counted with aliases expanded (a real one has dozens)."""
 
-    ``$HPC_DDP_CACHE`` (or ``$XDG_CACHE_HOME/hpc-ddp``, ``~/.cache/hpc-ddp``);
-    ``HPC_DDP_CACHE=off`` disables it. Entries are keyed by content or file stat,
-    so a stale entry is never used.
+_SEXAGESIMAL = r"[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?"
+
+
+def _strict_loader() -> type:
+    """A safe YAML loader that refuses what silently changes a job (built on first use).
+
+    - ``walltime: 1:00`` unquoted is YAML 1.1's base-60 integer 60; here it stays the
+      text ``1:00`` so that walltime parsing can refuse it (it reads as one hour to a
+      person, one minute to SLURM and PBS);
+    - a duplicate key would silently keep the last value: refused naming both lines;
+    - aliases can make a small file describe billions of values ("billion laughs"):
+      a document past :data:`MAX_YAML_NODES` once expanded is refused before it is built.
     """
-    env = os.environ.get("HPC_DDP_CACHE")
-    if env == "off":
-        return None
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "hpc-ddp"
+    import yaml
+
+    base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+    class Strict(base):  # type: ignore[valid-type,misc]
+        def resolve(self, kind: Any, value: Any, implicit: Any) -> Any:
+            if kind is yaml.ScalarNode and implicit[0] and re.fullmatch(_SEXAGESIMAL, value):
+                return "tag:yaml.org,2002:str"
+            return super().resolve(kind, value, implicit)
+
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            first: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(
+                    key_node, yaml.ScalarNode
+                ):
+                    continue
+                key = self.construct_object(key_node)
+                line = key_node.start_mark.line + 1
+                if key in first:
+                    raise UserError(f"line {line}: duplicate key {key!r} (first at line "
+                                    f"{first[key]}); allowed: each key once")  # fmt: skip
+                first[key] = line
+            return super().construct_mapping(node, deep=deep)
+
+        def get_single_data(self) -> Any:
+            node = self.get_single_node()
+            if node is None:
+                return None
+            if _expanded_size(node) > MAX_YAML_NODES:
+                raise UserError(f"more than {MAX_YAML_NODES:,} values once aliases are "
+                                "expanded; allowed: a plain spec")  # fmt: skip
+            return self.construct_document(node)
+
+    Strict.add_constructor("tag:yaml.org,2002:map", Strict.construct_mapping)
+    return Strict
 
 
-def _plain(value: Any) -> bool:
-    """True when JSON gives ``value`` back unchanged (str keys, JSON scalars)."""
-    if value is None or isinstance(value, (str, bool, int, float)):
-        return True
-    if isinstance(value, list):
-        return all(_plain(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
-    return False
+def _expanded_size(root: Any) -> int:
+    """Nodes once aliases are expanded, saturating past the limit (memoized: linear)."""
+    import yaml
+
+    memo: dict[int, int] = {}
+
+    def size(node: Any, depth: int = 0) -> int:
+        if id(node) in memo:
+            return memo[id(node)]
+        if depth > 200:
+            raise UserError("nested more than 200 levels deep; allowed: a plain spec")
+        memo[id(node)] = MAX_YAML_NODES + 1  # an alias to itself counts as too big
+        if isinstance(node, yaml.SequenceNode):
+            total = 1 + sum(size(c, depth + 1) for c in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            total = 1 + sum(size(k, depth + 1) + size(v, depth + 1) for k, v in node.value)
+        else:
+            total = 1
+        memo[id(node)] = min(total, MAX_YAML_NODES + 1)
+        return memo[id(node)]
+
+    return size(root)
 
 
 def load_yaml(path: Path, what: str) -> dict[str, Any]:
-    """Read a YAML mapping, through a JSON cache keyed by the file's stat.
-
-    PyYAML alone costs more at import than everything else ``hpc render`` does
-    besides Jinja2, so a file parsed once is read back as JSON (stdlib, cheap).
-    """
-    try:
-        st = path.stat()
-        key = f"{os.path.realpath(path)}|{st.st_mtime_ns}|{st.st_size}|{st.st_ino}|1"
-    except OSError as exc:
-        raise UserError(f"{what}: cannot read {str(path)!r}: {exc.strerror}") from None
-    cache = cache_dir()
-    entry = None
-    if cache is not None:
-        import hashlib
-
-        entry = cache / "yaml" / (hashlib.sha1(key.encode()).hexdigest() + ".json")
-        try:
-            return json.loads(entry.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            pass
-    data = _parse_yaml(path, what)
-    if entry is not None and _plain(data):
-        try:
-            entry.parent.mkdir(parents=True, exist_ok=True)
-            tmp = entry.with_name(f"{entry.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(data), encoding="utf-8")
-            os.replace(tmp, entry)
-        except OSError:
-            pass
-    return data
-
-
-def _parse_yaml(path: Path, what: str) -> dict[str, Any]:
-    """Parse a YAML mapping (the C loader when present: several times faster)."""
+    """Read a YAML mapping strictly (see :func:`_strict_loader`); every problem one line."""
     import yaml
 
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     try:
         text = path.read_text(encoding="utf-8")
+    except IsADirectoryError:
+        raise UserError(f"{what}: {str(path)!r} is a directory; allowed: a YAML file") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{what}: {str(path)!r} is not UTF-8 text (byte {exc.start}); "
+                        "allowed: a YAML file") from None  # fmt: skip
     except OSError as exc:
         raise UserError(f"{what}: cannot read {str(path)!r}: {exc.strerror}") from None
     try:
-        data = yaml.load(text, Loader=loader)  # noqa: S506 - safe loader
+        data = yaml.load(text, Loader=_strict_loader())  # noqa: S506 - a safe loader
+    except UserError as exc:
+        raise UserError(f"{what}: {str(path)!r} {exc}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or "invalid YAML"
         raise UserError(f"{what}: {str(path)!r}{where}: {problem}") from None
+    except RecursionError:
+        raise UserError(f"{what}: {str(path)!r} is nested too deeply") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -161,11 +187,47 @@ def _parse_yaml(path: Path, what: str) -> dict[str, Any]:
     return data
 
 
+def write_atomic(path: Path, text: str, what: str = "--output") -> None:
+    """Write ``text`` to ``path`` all or nothing, never through a planted link.
+
+    The temporary file comes from ``mkstemp`` in the target folder (``O_EXCL``, an
+    unpredictable name), so a symlink someone placed at ``PATH.tmp`` is never followed;
+    ``os.replace`` then swaps it in. Errors are one line and leave nothing behind.
+    """
+    import tempfile
+
+    if path.is_dir():
+        raise UserError(f"{what}: {str(path)!r} is a directory; allowed: a file path")
+    if not path.parent.is_dir():
+        raise UserError(f"{what}: folder {str(path.parent)!r} does not exist; "
+                        "allowed: an existing folder")  # fmt: skip
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise UserError(f"{what}: cannot write in {str(path.parent)!r}: {exc.strerror}") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.chmod(tmp, 0o644 & ~_umask())
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise UserError(f"{what}: cannot write {str(path)!r}: {exc.strerror}") from None
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def parse_walltime(value: Any, field: str = "walltime") -> int:
     """Seconds from 'HH:MM:SS' (hours may exceed 24).
 
-    An int is taken as seconds: YAML 1.1 reads an unquoted ``1:30:00`` as the
-    sexagesimal number 5400, which is exactly its length in seconds.
+    An int is seconds (the Python API's unit). An unquoted ``1:00`` in a spec reaches
+    here as text, not as YAML 1.1's base-60 integer 60 (see :func:`load_yaml`), and the
+    pattern refuses it: a person means one hour, SLURM and PBS read one minute.
     """
     if isinstance(value, bool):
         raise UserError(f"{field}: {value!r} is not a walltime; allowed: HH:MM:SS, e.g. 01:30:00")

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hpc._util import write_atomic
 from hpc.errors import UserError
 
 _OVERRIDES = (
@@ -186,12 +187,6 @@ def build_job(
     return resolve(spec, profile, os.environ if environ is None else environ, defer_account)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 # --- commands -----------------------------------------------------------------------
 
 
@@ -208,9 +203,7 @@ def cmd_render(args: argparse.Namespace, command: list[str] | None) -> int:
                   script=args.output)
     if args.output:
         out = Path(args.output)
-        if not out.parent.is_dir():
-            raise UserError(f"--output: folder {str(out.parent)!r} does not exist; allowed: an existing folder")
-        _write_atomic(out, text)
+        write_atomic(out, text)
         sys.stderr.write(f"wrote {out}\n")
     else:
         sys.stdout.write(text)
@@ -251,7 +244,7 @@ def _render_all(args: argparse.Namespace, command: list[str] | None) -> int:
                             "allowed: regenerate with hpc render --all-jobs")
         return 0
     for path in stale:
-        _write_atomic(path, rendered[path])
+        write_atomic(path, rendered[path], "--all-jobs")
         sys.stderr.write(f"wrote {path}\n")
     return 0
 
@@ -275,15 +268,16 @@ def cmd_submit(args: argparse.Namespace, command: list[str] | None) -> int:
         sys.stdout.write(f"# submit: {shlex.join(sched.submit_command(script))}\n")
         return 0
 
-    previous: dict[str, Any] | None = None
+    if "%" in str(runs_dir.resolve()) and sched.name == "slurm":
+        raise UserError(f"--runs-dir: {str(runs_dir)!r} holds '%', which sbatch's --output "
+                        "expands as a file-name pattern; allowed: a path without %")  # fmt: skip
     if args.resume:
         found = runs.find(args.resume, runs_dir)
         if found is None:
             raise UserError(f"resume: {args.resume!r} is not a run directory (no run.json); "
                             "allowed: a directory made by hpc submit, or its name under --runs-dir")
-        run_dir, previous = found
-    git = runs.git_info()
-    if previous is None:
+        run_dir = found[0]
+    else:
         run_dir = runs.new_run_dir(runs_dir, job.name)
     # The job keeps its log in the run directory and learns where that is: the trainer's
     # default checkpoint folder is $HPC_RUN_DIR/checkpoints, so a requeued job resumes there.
@@ -292,36 +286,40 @@ def cmd_submit(args: argparse.Namespace, command: list[str] | None) -> int:
         job.spec.output_dir = run_abs
     job.spec.env = {**job.spec.env, "HPC_RUN_DIR": run_abs}
     text = render(job, regenerate=_regen_command(args, command), templates=args.templates)
-    script = runs.free_name(run_dir, "job", suffix)
-    script.write_text(text, encoding="utf-8")
     import yaml
 
-    runs.free_name(run_dir, "spec", ".yaml").write_text(
-        yaml.safe_dump(job.to_dict(), sort_keys=False, allow_unicode=True), encoding="utf-8"
-    )
-    argv = sched.submit_command(str(script))
-    record: dict[str, Any] = {
-        "name": job.name, "cluster": job.cluster.name, "scheduler": sched.name,
-        "script": str(script), "spec": job.spec.source, "submit_command": shlex.join(argv),
-        "cwd": os.getcwd(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "job_id": None, **git,
-    }
-    if previous is not None:  # earlier submissions of this run, oldest first
-        earlier = previous.pop("submissions", [])
-        record["submissions"] = [*earlier, previous]
-    runs.write_record(run_dir, record)
-    try:
-        job_id = sched.submit(str(script), str(run_dir))
-    except UserError as exc:
-        record["error"] = str(exc)
+    git = runs.git_info()
+    with runs.locked(run_dir):  # concurrent --resume calls: names and history stay whole
+        previous = runs.read_record(run_dir) if args.resume else None
+        script = runs.create_free(run_dir, "job", suffix, text)
+        runs.create_free(run_dir, "spec", ".yaml",
+                         yaml.safe_dump(job.to_dict(), sort_keys=False, allow_unicode=True))  # fmt: skip
+        argv = sched.submit_command(str(script))
+        record: dict[str, Any] = {
+            "name": job.name, "cluster": job.cluster.name, "scheduler": sched.name,
+            "script": str(script), "spec": job.spec.source, "submit_command": shlex.join(argv),
+            "cwd": os.getcwd(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "job_id": None,
+            **git,
+        }  # fmt: skip
+        if previous is not None:  # earlier submissions of this run, oldest first
+            earlier = previous.pop("submissions", [])
+            record["submissions"] = [*earlier, previous]
         runs.write_record(run_dir, record)
+
+    def started(job_id: str) -> None:  # a local run records its id before it ends
+        runs.update_submission(run_dir, str(script), job_id=job_id, state="RUNNING")
+
+    try:
+        job_id = sched.submit(str(script), str(run_dir), on_start=started)
+    except UserError as exc:
+        runs.update_submission(run_dir, str(script), error=str(exc))
         raise
-    record["job_id"] = job_id
+    changes: dict[str, Any] = {"job_id": job_id}
     code = 0
     if sched.name == "local":
         code = int(getattr(sched, "returncode", 0) or 0)
-        record["exit_code"] = code
-        record["state"] = "COMPLETED" if code == 0 else "FAILED"
-    runs.write_record(run_dir, record)
+        changes.update(exit_code=code, state="COMPLETED" if code == 0 else "FAILED")
+    runs.update_submission(run_dir, str(script), **changes)
     sys.stderr.write(f"run directory: {run_dir}\n")
     if sched.name != "local":
         sys.stdout.write(f"{job_id}\n")
@@ -332,6 +330,8 @@ def _locate(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None]:
     """(job id, scheduler name, run record) for status and cancel."""
     from hpc import runs, schedulers
 
+    if not args.id.strip() or any(c in args.id for c in ", \t\n"):
+        raise UserError(f"id: {args.id!r}; allowed: one run directory, run name or job id")
     found = runs.find(args.id, Path(args.runs_dir))
     if found is not None:
         _, rec = found
@@ -355,7 +355,7 @@ def cmd_status(args: argparse.Namespace, command: list[str] | None) -> int:
     from hpc import schedulers
 
     job_id, sched_name, rec = _locate(args)
-    if rec is not None and sched_name == "local" and rec.get("state"):
+    if rec is not None and sched_name == "local" and rec.get("state") not in (None, "RUNNING"):
         state = str(rec["state"])
     else:
         state = schedulers.get(sched_name).status(job_id)

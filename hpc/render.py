@@ -71,19 +71,8 @@ def environment(templates: str | Path | None = None, cwd: Path | None = None) ->
     """A Jinja2 environment over the template search path."""
     import jinja2
 
-    from hpc._util import cache_dir
-
-    bytecode = None
-    cache = cache_dir()
-    if cache is not None:  # compiled templates, keyed by the template source's checksum
-        try:
-            (cache / "jinja2").mkdir(parents=True, exist_ok=True)
-            bytecode = jinja2.FileSystemBytecodeCache(str(cache / "jinja2"))
-        except OSError:
-            bytecode = None
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(search_path(templates, cwd)),
-        bytecode_cache=bytecode,
         undefined=jinja2.StrictUndefined,
         autoescape=False,
         keep_trailing_newline=True,

@@ -7,13 +7,16 @@ commit and dirty flag. A name that exists already gets ``-2``, ``-3``, ...
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from hpc._util import write_atomic
 from hpc.errors import UserError
 
 RECORD = "run.json"
@@ -37,12 +40,23 @@ def new_run_dir(runs_dir: Path, name: str, now: float | None = None) -> Path:
     raise UserError(f"runs-dir: too many runs named {base!r} in {str(runs_dir)!r}")
 
 
-def free_name(run_dir: Path, stem: str, suffix: str) -> Path:
-    """``stem+suffix`` in ``run_dir``, or ``stem-2+suffix``, ... : the first that does not exist."""
+def create_free(run_dir: Path, stem: str, suffix: str, text: str = "") -> Path:
+    """Create ``stem+suffix`` (or ``stem-2+suffix``, ...) holding ``text``; never overwrite.
+
+    ``O_EXCL`` makes the choice of name and the creation one step, so two concurrent
+    ``--resume`` submissions into one run directory can never take the same name.
+    """
     for i in range(1, 1000):
         path = run_dir / (f"{stem}{suffix}" if i == 1 else f"{stem}-{i}{suffix}")
-        if not path.exists():
-            return path
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise UserError(f"run directory {str(run_dir)!r}: cannot write: {exc.strerror}") from None
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        return path
     raise UserError(f"resume: too many submissions in {str(run_dir)!r}")
 
 
@@ -63,23 +77,57 @@ def git_info(cwd: Path | None = None) -> dict[str, Any]:
         return {"git_commit": None, "git_dirty": None}
 
 
+@contextlib.contextmanager
+def locked(run_dir: Path) -> Iterator[None]:
+    """Hold ``run_dir/.lock`` (flock) around a read-modify-write of the record."""
+    import fcntl
+
+    with open(run_dir / ".lock", "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def write_record(run_dir: Path, record: dict[str, Any]) -> None:
-    """Write ``run.json`` through a temporary file so a reader never sees half of it."""
-    tmp = run_dir / (RECORD + ".tmp")
-    tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, run_dir / RECORD)
+    """Write ``run.json`` atomically (mkstemp + rename) so a reader never sees half of it."""
+    write_atomic(run_dir / RECORD, json.dumps(record, indent=2, sort_keys=True) + "\n",
+                 "run directory")  # fmt: skip
+
+
+def update_submission(run_dir: Path, script: str, **changes: Any) -> None:
+    """Apply ``changes`` to the submission of ``script``, under the lock.
+
+    A later ``--resume`` may already have moved that submission into the record's
+    ``submissions`` history, so it is found by its script, wherever it is now.
+    """
+    with locked(run_dir):
+        record = read_record(run_dir)
+        for entry in [record, *record.get("submissions", [])]:
+            if isinstance(entry, dict) and entry.get("script") == script:
+                entry.update(changes)
+                break
+        write_record(run_dir, record)
 
 
 def read_record(run_dir: Path) -> dict[str, Any]:
-    """The record of a run directory."""
+    """The record of a run directory; a damaged one is one line naming the file."""
+    path = run_dir / RECORD
     try:
-        return json.loads((run_dir / RECORD).read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise UserError(f"run: {str(run_dir)!r} has no readable {RECORD} ({exc})") from None
+        raise UserError(f"run: {str(path)!r} is not readable JSON ({exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("scheduler", ""), str):
+        raise UserError(f"run: {str(path)!r} is not a run record (a JSON object with "
+                        "scheduler and job_id); it was damaged or written by hand")  # fmt: skip
+    return data
 
 
 def find(ident: str, runs_dir: Path) -> tuple[Path, dict[str, Any]] | None:
     """A run directory given by path, by name under ``runs_dir``, or by its job id."""
+    if not ident.strip():
+        raise UserError("id: empty; allowed: a run directory, its name, or a job id")
     for candidate in (Path(ident), runs_dir / ident):
         if (candidate / RECORD).is_file():
             return candidate, read_record(candidate)
@@ -88,6 +136,8 @@ def find(ident: str, runs_dir: Path) -> tuple[Path, dict[str, Any]] | None:
             try:
                 rec = json.loads(rec_path.read_text(encoding="utf-8"))
             except (OSError, ValueError):
+                continue
+            if not isinstance(rec, dict):
                 continue
             job_id = str(rec.get("job_id") or "")
             if job_id and (job_id == ident or job_id.split(".")[0] == ident):

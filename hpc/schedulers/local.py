@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from hpc.errors import UserError
@@ -27,46 +29,83 @@ class Local:
         """Local ids are ``local-PID``."""
         return stdout.strip()
 
-    def submit(self, script: str, run_dir: str) -> str:
-        """Run to the end, streaming output to the terminal and ``run_dir/output.log``."""
-        log = Path(run_dir) / "output.log"
+    def submit(
+        self, script: str, run_dir: str, on_start: Callable[[str], None] | None = None
+    ) -> str:
+        """Run to the end, streaming output to the terminal and a new ``output*.log``.
+
+        ``on_start`` gets the job id as soon as the process exists, so ``hpc status``
+        and ``hpc cancel`` work while it runs. The id is ``local-PID-START``: START is
+        the process's start time (clock ticks since boot, /proc/PID/stat), so a later
+        cancel can tell the run from an unrelated process that reused the pid.
+        """
+        from hpc.runs import create_free
+
+        log = create_free(Path(run_dir), "output", ".log")  # a resumed run keeps older logs
         with log.open("wb") as sink:
+            # Its own session: `hpc cancel` signals the whole job (srun-like), not only bash.
             proc = subprocess.Popen(
-                self.submit_command(script), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+                self.submit_command(script), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
+            job_id = f"local-{proc.pid}-{_start_ticks(proc.pid)}"
+            if on_start is not None:
+                on_start(job_id)
             assert proc.stdout is not None
             out = sys.stdout.buffer if hasattr(sys.stdout, "buffer") else None
-            for chunk in iter(lambda: proc.stdout.read1(65536), b""):  # type: ignore[union-attr]
-                sink.write(chunk)
-                if out is not None:
-                    out.write(chunk)
-                    out.flush()
-                else:
-                    sys.stdout.write(chunk.decode(errors="replace"))
+            try:
+                for chunk in iter(lambda: proc.stdout.read1(65536), b""):  # type: ignore[union-attr]
+                    sink.write(chunk)
+                    if out is not None:
+                        out.write(chunk)
+                        out.flush()
+                    else:
+                        sys.stdout.write(chunk.decode(errors="replace"))
+            except KeyboardInterrupt:  # Ctrl-C no longer reaches the job's own session
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGINT)
+                proc.wait()
+                raise
             self.returncode = proc.wait()
-        return f"local-{proc.pid}"
+        return job_id
 
     def status(self, job_id: str) -> str:
-        """RUNNING while the process lives; a finished one is known from its run dir."""
-        pid = _pid(job_id)
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return "UNKNOWN"
-        except PermissionError:
-            return "RUNNING"
-        return "RUNNING"
+        """RUNNING while the very process of the job lives; a finished one from its run dir."""
+        return "RUNNING" if _alive(*_parse(job_id)) else "UNKNOWN"
 
     def cancel(self, job_id: str) -> None:
-        """SIGTERM to the job's process if it still runs."""
-        try:
-            os.kill(_pid(job_id), signal.SIGTERM)
-        except ProcessLookupError:
-            raise UserError(f"job: {job_id!r} is not running; allowed: a running local job") from None
+        """SIGTERM to the job's process, only if that pid is still the job's process."""
+        pid, start = _parse(job_id)
+        if not _alive(pid, start):
+            raise UserError(f"job: {job_id!r} is not running (finished, or its pid now belongs "
+                            "to another process); allowed: a running local job")  # fmt: skip
+        os.killpg(pid, signal.SIGTERM)  # the job's session leader: every process of the job
 
 
-def _pid(job_id: str) -> int:
-    text = job_id.removeprefix("local-")
-    if not text.isdigit():
-        raise UserError(f"job: {job_id!r} is not a local job id; allowed: local-PID")
-    return int(text)
+def _parse(job_id: str) -> tuple[int, int | None]:
+    """(pid, start ticks) of ``local-PID-START``; older ``local-PID`` ids have no start."""
+    parts = job_id.removeprefix("local-").split("-")
+    if not job_id.startswith("local-") or not all(p.isdigit() for p in parts) or len(parts) > 2:
+        raise UserError(f"job: {job_id!r} is not a local job id; allowed: local-PID-START")
+    return int(parts[0]), int(parts[1]) if len(parts) == 2 else None
+
+
+def _start_ticks(pid: int) -> int:
+    """Field 22 of /proc/PID/stat (after the command name, which may hold spaces)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except OSError:
+        return 0
+    return int(stat[stat.rfind(")") + 2 :].split()[19])
+
+
+def _alive(pid: int, start: int | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    # Without a recorded start time the pid alone proves nothing: treat as gone.
+    return start is not None and _start_ticks(pid) == start

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 from hpc.schedulers import SchedulerError, last_line, run
 
@@ -85,8 +86,8 @@ class PBS:
                 return line.strip()
         raise SchedulerError(f"qsub: no job id in its answer: {last_line(stdout)!r}")
 
-    def submit(self, script: str, run_dir: str) -> str:
-        """Submit and return the job id."""
+    def submit(self, script: str, run_dir: str, on_start: Any = None) -> str:
+        """Submit and return the job id (``on_start`` is for local runs, which block)."""
         proc = run(self.submit_command(script))
         if proc.returncode != 0:
             raise SchedulerError(f"qsub refused the job (exit {proc.returncode}): {last_line(proc.stderr or proc.stdout)}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from hpc.schedulers import SchedulerError, last_line, run
 
@@ -53,8 +54,8 @@ class Slurm:
                 return match.group(1)
         raise SchedulerError(f"sbatch: no job id in its answer: {last_line(stdout)!r}")
 
-    def submit(self, script: str, run_dir: str) -> str:
-        """Submit and return the job id."""
+    def submit(self, script: str, run_dir: str, on_start: Any = None) -> str:
+        """Submit and return the job id (``on_start`` is for local runs, which block)."""
         proc = run(self.submit_command(script))
         if proc.returncode != 0:
             raise SchedulerError(f"sbatch refused the job (exit {proc.returncode}): {last_line(proc.stderr or proc.stdout)}")
@@ -91,5 +92,6 @@ class Slurm:
     def cancel(self, job_id: str) -> None:
         """``scancel ID``."""
         proc = run(["scancel", job_id])
-        if proc.returncode != 0:
+        # scancel exits 0 for an unknown job id and says so on stderr only.
+        if proc.returncode != 0 or "error" in (proc.stderr or "").lower():
             raise SchedulerError(f"scancel {job_id} failed (exit {proc.returncode}): {last_line(proc.stderr or proc.stdout)}")

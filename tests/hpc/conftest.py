@@ -12,14 +12,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _private_cache(tmp_path_factory: pytest.TempPathFactory):
-    """Parsed-YAML and template caches go to a temporary folder, not ~/.cache."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HPC_DDP_CACHE", str(tmp_path_factory.mktemp("hpc-cache")))
-        yield
-
-
 def make_job(cluster: str, **overrides: Any) -> Any:
     """A resolved Job from flag-style overrides, independent of $PBS_ACCOUNT and friends."""
     from hpc.cli import build_job

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -72,7 +73,7 @@ def test_walltime_format(bad: str) -> None:
 
 def test_walltime_forms() -> None:
     assert parse_walltime("168:00:00") == 168 * 3600
-    assert parse_walltime(5400) == 5400  # YAML's reading of an unquoted 1:30:00
+    assert parse_walltime(5400) == 5400  # seconds, from the Python API
     assert format_walltime(90061) == "25:01:01"
     assert make_job("slurm", command=CMD, walltime="30:00:00").walltime == 30 * 3600
 
@@ -192,22 +193,55 @@ def test_trailing_newlines_never_pass_a_check() -> None:
             JobSpec.from_mapping({**data, "command": CMD})
 
 
-def test_yaml_cache_follows_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_item7_a_same_size_edit_in_the_same_second_is_read(tmp_path: Path) -> None:
+    """No stat-keyed cache can serve the old spec (mtime ticks are 1 s on NFS/Lustre)."""
     from hpc._util import load_yaml
 
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("HPC_DDP_CACHE", str(cache))
     path = tmp_path / "s.yaml"
-    path.write_text("nodes: 2\nwalltime: 1:30:00\n")
-    assert load_yaml(path, "spec") == {"nodes": 2, "walltime": 5400}
-    assert len(list((cache / "yaml").iterdir())) == 1
-    assert load_yaml(path, "spec") == {"nodes": 2, "walltime": 5400}  # from the cache
-    path.write_text("nodes: 16\n")
-    assert load_yaml(path, "spec") == {"nodes": 16}
-    path.write_text("when: 2024-01-01\n1: int key\n")  # not JSON-exact: parsed, not cached
-    assert load_yaml(path, "spec")[1] == "int key"
-    assert len(list((cache / "yaml").iterdir())) == 2
-    monkeypatch.setenv("HPC_DDP_CACHE", "off")
-    path.write_text("nodes: 3\n")
+    path.write_text("nodes: 2\n")
+    assert load_yaml(path, "spec") == {"nodes": 2}
+    st = path.stat()
+    path.write_text("nodes: 3\n")  # same size
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # same mtime, as `cp -p` leaves it
     assert load_yaml(path, "spec") == {"nodes": 3}
-    assert len(list((cache / "yaml").iterdir())) == 2
+
+
+
+
+def test_item6_unquoted_walltime_is_read_as_written_or_refused(tmp_path: Path) -> None:
+    from hpc._util import load_yaml
+
+    path = tmp_path / "s.yaml"
+    path.write_text("walltime: 1:30:00\nother: 1:00\n")
+    data = load_yaml(path, "spec")
+    assert data == {"walltime": "1:30:00", "other": "1:00"}  # text, not YAML 1.1's base 60
+    assert parse_walltime(data["walltime"]) == 5400
+    with pytest.raises(UserError, match="not a walltime; allowed: HH:MM:SS"):
+        parse_walltime(data["other"])  # one hour to a person, one minute to SLURM and PBS
+
+
+def test_item6_duplicate_key_in_a_spec_is_refused(tmp_path: Path) -> None:
+    from hpc._util import load_yaml
+
+    path = tmp_path / "s.yaml"
+    path.write_text("nodes: 2\nwalltime: '01:00:00'\nnodes: 16\n")
+    with pytest.raises(UserError, match=r"line 3: duplicate key 'nodes' \(first at line 1\)"):
+        load_yaml(path, "spec")
+
+
+def test_item15_alias_bomb_in_a_spec_fails_fast(tmp_path: Path) -> None:
+    import time
+
+    from hpc._util import load_yaml
+
+    text = 'a: &a ["x","x","x","x","x","x","x","x","x"]\n'
+    prev = "a"
+    for name in "bcdefghi":
+        text += f"{name}: &{name} [" + ", ".join([f"*{prev}"] * 9) + "]\n"
+        prev = name
+    path = tmp_path / "bomb.yaml"
+    path.write_text("description: hello\n" + text)
+    t0 = time.monotonic()
+    with pytest.raises(UserError, match="aliases are expanded"):
+        load_yaml(path, "spec")
+    assert time.monotonic() - t0 < 1.0
