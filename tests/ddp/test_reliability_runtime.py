@@ -257,3 +257,21 @@ def test_item18_bad_config_file_is_one_line_exit_2(case, content, expected, tmp_
     assert not (tmp_path / "checkpoints").exists()
 
 
+
+
+@pytest.mark.parametrize(
+    "assignment, expected",
+    [
+        ("model.n_heads=3", "does not divide"),
+        ("model.d_model=-8", "allowed: a size >= 0"),
+        ("model.dropout=1.5", "a probability"),
+    ],
+)
+def test_item18_recipe_model_values_out_of_range_are_one_line(assignment, expected, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddp", "uniref50", "--set", "training.max_steps=1", assignment],
+        env=_launch.base_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], proc.stderr

@@ -116,7 +116,24 @@ def resolve(
     cfg = cfg.with_values(values).override(list(sets))
     check_free_section(cfg, "model", recipe.DEFAULTS.get("model", {}))
     check_free_section(cfg, "recipe", recipe.DEFAULTS.get("recipe", {}))
+    check_model_values(cfg.model)
     return cfg
+
+
+def check_model_values(model: dict[str, Any]) -> None:
+    """Sizes are never negative, dropouts are probabilities, heads divide the width.
+
+    Caught here with one line instead of deep inside ``nn.Module`` construction."""
+    for key, value in model.items():
+        if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+            raise ConfigError(f"model.{key}: {value}; allowed: a size >= 0")
+        if "dropout" in key and isinstance(value, int | float) and not 0 <= value < 1:
+            raise ConfigError(f"model.{key}: {value}; allowed: a probability in [0, 1)")
+    d, h = model.get("d_model"), model.get("n_heads")
+    if isinstance(d, int) and isinstance(h, int):
+        if d < 1 or h < 1 or d % h:
+            raise ConfigError(f"model.n_heads: {h} does not divide model.d_model: {d}; "
+                              "allowed: d_model a positive multiple of n_heads")  # fmt: skip
 
 
 def _merge(base: dict[str, Any], raw: dict[str, Any]) -> None:
