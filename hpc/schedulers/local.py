@@ -107,5 +107,11 @@ def _alive(pid: int, start: int | None) -> bool:
         return False
     except PermissionError:
         pass
-    # Without a recorded start time the pid alone proves nothing: treat as gone.
-    return start is not None and _start_ticks(pid) == start
+    # Without a recorded start time the pid alone proves nothing: treat as gone. The
+    # job was started as a session leader, which an unrelated process reusing the pid
+    # (within the same 10 ms start-time tick) almost never is.
+    try:
+        leader = os.getsid(pid) == pid
+    except OSError:
+        return False
+    return start is not None and leader and _start_ticks(pid) == start

@@ -14,20 +14,7 @@ import pytest
 
 from hpc.cli import main
 from tests.hpc.conftest import REPO
-
-
-@pytest.fixture(autouse=True)
-def _no_account_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("PBS_ACCOUNT", "SBATCH_ACCOUNT", "SLURM_ACCOUNT", "HPC_ACCOUNT"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.chdir(REPO)
-
-
-def _one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("hpc: error: "), err
-    return lines[0]
+from tests.hpc.test_cli import _no_account_env, _one_error_line  # noqa: F401 - autouse fixture
 
 
 # ---- item 3: cancel never signals a recycled pid --------------------------------------
