@@ -369,7 +369,7 @@ def export_final(model: torch.nn.Module, directory: str | Path, config_yaml: str
 
 # ---- one live run per directory ----------------------------------------------------------
 LOCK = ".lock"
-LOCK_STALE_S = 600.0
+LOCK_STALE_S = 180.0
 """A lock whose owner has not refreshed it for this long belongs to a dead run."""
 
 
@@ -380,7 +380,7 @@ class DirLock:
     each other's checkpoints and overwrite each other's files; the second one stops with
     one line naming the owner instead. The owner refreshes the file's mtime every minute
     from a daemon thread, so a lock left by a run that died (node failure, ``kill -9``)
-    goes stale after :data:`LOCK_STALE_S`; on the same host a dead pid frees it at once,
+    goes stale after :data:`LOCK_STALE_S` (three missed refreshes); on the same host a dead pid frees it at once,
     and a requeued job (same SLURM/PBS job id) takes its own lock back.
     """
 

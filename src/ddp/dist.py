@@ -148,7 +148,8 @@ def _init(
         os.environ.update(info.torchrun_vars())  # for libraries that read env:// themselves
         tdist.init_process_group(
             backend=choice.backend,
-            store=rendezvous_store(info, limit),
+            # The prefix torch's own init_method path adds: keys never meet an agent's.
+            store=tdist.PrefixStore("default_pg", rendezvous_store(info, limit)),
             rank=info.rank,
             world_size=info.world_size,
             timeout=limit,

@@ -186,6 +186,10 @@ class Trainer:
             raise
         except BaseException as exc:
             if ctx.world_size > 1:
+                if self._lock is not None:  # _die skips `finally`: free the directory now
+                    with contextlib.suppress(Exception):
+                        ckpt.wait_pending(timeout=30)
+                    self._lock.release()
                 _die(ctx.rank, exc)
             raise
         finally:
