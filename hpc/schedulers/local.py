@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from hpc.errors import UserError
 
@@ -53,6 +54,7 @@ class Local:
                 on_start(job_id)
             assert proc.stdout is not None
             out = sys.stdout.buffer if hasattr(sys.stdout, "buffer") else None
+            old = _forward_signals(proc.pid)  # Ctrl-C and kills reach the job's session
             try:
                 for chunk in iter(lambda: proc.stdout.read1(65536), b""):  # type: ignore[union-attr]
                     sink.write(chunk)
@@ -61,12 +63,11 @@ class Local:
                         out.flush()
                     else:
                         sys.stdout.write(chunk.decode(errors="replace"))
-            except KeyboardInterrupt:  # Ctrl-C no longer reaches the job's own session
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGINT)
-                proc.wait()
-                raise
-            self.returncode = proc.wait()
+                rc = proc.wait()
+                self.returncode = 128 - rc if rc < 0 else rc  # killed by N: 128+N, as a shell says
+            finally:
+                for signum, handler in old.items():
+                    signal.signal(signum, handler)
         return job_id
 
     def status(self, job_id: str) -> str:
@@ -80,6 +81,24 @@ class Local:
             raise UserError(f"job: {job_id!r} is not running (finished, or its pid now belongs "
                             "to another process); allowed: a running local job")  # fmt: skip
         os.killpg(pid, signal.SIGTERM)  # the job's session leader: every process of the job
+
+
+def _forward_signals(pgid: int) -> dict[int, Any]:
+    """Pass SIGINT, SIGTERM and SIGHUP on to the job's process group while it runs.
+
+    The job has its own session (so ``hpc cancel`` can signal all of it), which also
+    means a terminal's Ctrl-C no longer reaches it directly. Forwarding keeps the job's
+    own reaction (the trainer checkpoints on SIGTERM) and ``hpc run`` waits for it."""
+
+    def forward(signum: int, frame: Any) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signum)
+
+    old: dict[int, Any] = {}
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        with contextlib.suppress(ValueError):  # not the main thread: nothing to forward
+            old[signum] = signal.signal(signum, forward)
+    return old
 
 
 def _parse(job_id: str) -> tuple[int, int | None]:

@@ -190,3 +190,31 @@ def test_item17_status_and_cancel_work_while_hpc_run_runs(tmp_path, monkeypatch)
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_item3_hpc_run_passes_sigterm_on_to_the_whole_job(tmp_path):
+    """The local job has its own session (so cancel reaches all of it); a signal to
+    `hpc run` itself is passed on, and the exit is 128+N as a shell reports it."""
+    import signal
+
+    from tests.support.polling import wait_until
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
+    proc = subprocess.Popen([sys.executable, "-m", "hpc", "run", "--runs-dir", "runs", "--",
+                             "bash", "-c", "sleep 60; echo never"], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        records: list[Path] = []
+
+        def started() -> bool:
+            records[:] = list((tmp_path / "runs").glob("*/run.json"))
+            return bool(records) and bool(json.loads(records[0].read_text()).get("job_id"))
+
+        wait_until(started, timeout=30, what="the run to record its job id")
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM and "never" not in out
+    rec = json.loads(records[0].read_text())
+    assert rec["exit_code"] == 143 and rec["state"] == "FAILED"
