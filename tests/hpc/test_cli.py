@@ -99,8 +99,14 @@ def test_submit_dry_run_prints_script_and_command(capsys: pytest.CaptureFixture[
 
 
 def test_submit_writes_a_run_dir_and_never_overwrites(fake_bin, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import time as _time
+
+    from hpc import runs
+
     fake_bin("sbatch", 'echo "4242;cl"')
     monkeypatch.chdir(tmp_path)
+    frozen = _time.localtime()  # both submissions in the same second, whatever they take
+    monkeypatch.setattr(runs.time, "localtime", lambda secs=None: frozen)
     argv = ["submit", "--cluster", "slurm", "--name", "t", "--runs-dir", "runs", "--", "echo", "a b"]
     assert main(argv) == 0
     assert main(argv) == 0  # same second: a suffix, not an overwrite
