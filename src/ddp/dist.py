@@ -39,8 +39,8 @@ class Context:
     rank: int
     local_rank: int
     world_size: int
-    local_world_size: int
-    node_rank: int
+    local_world_size: int | None  # None: the launcher does not say (see ddp.env)
+    node_rank: int | None
     device: torch.device
     backend: str
     launcher: str
@@ -164,6 +164,8 @@ def _init(
         info.rank, info.world_size, info.local_rank,
     )  # fmt: skip
     log.info("Using device: %s", choice.device)
+    for note in info.notes if info.rank == 0 else ():  # the same on every rank: say it once
+        log.warning("%s", note)
     log.debug("launcher=%s backend=%s master=%s:%d", info.launcher, choice.backend,
               info.master_addr, info.master_port)  # fmt: skip
     return _CONTEXT

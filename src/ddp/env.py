@@ -3,32 +3,59 @@
 Every launcher tells a process its rank in its own variables. ``detect()`` reads
 them in a fixed priority order and returns one :class:`DistEnv`:
 
-1. ``DDP_LAUNCHER`` forces a detector by name (``single`` included).
-2. ``torchrun`` (and ``torch.distributed.launch``): RANK / WORLD_SIZE / LOCAL_RANK.
-   Checked first, so torchrun started inside a SLURM or PBS job wins.
+1. ``DDP_LAUNCHER`` forces a detector by name (``single`` included); no guard below
+   second-guesses a forced choice.
+2. ``torchrun``: RANK / WORLD_SIZE / LOCAL_RANK (torchrun, ``torch.distributed.launch
+   --use-env``, or a wrapper that exports them). Checked first, so torchrun started
+   inside a SLURM or PBS job wins. Real torchrun always adds TORCHELASTIC_RUN_ID;
+   without it the values are trusted only while they agree with the scheduler's own
+   launcher (see *stale variables* below).
 3. ``legacy``: ``torch.distributed.launch`` without ``--use-env`` passes
    ``--local_rank=N`` / ``--local-rank=N`` on the command line, RANK/WORLD_SIZE in env.
 4. ``pals``: Aurora/Polaris PALS ``mpiexec`` (PALS_RANKID, PALS_LOCAL_RANKID,
-   PMI_RANK, PMI_SIZE, PMI_LOCAL_RANK).
-5. ``openmpi``: OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}.
-6. ``mpich``: MPICH hydra (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS).
-7. ``slurm``: a task started by ``srun`` (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
-   SLURM_NODEID, SLURM_STEP_ID). A SLURM *batch shell* running python without
-   srun while SLURM_NTASKS > 1 is refused: it would wait forever for ranks that
-   never start.
-8. ``single``: no launcher; world size 1.
+   PALS_LOCAL_SIZE, PALS_NODEID, PMI_RANK, PMI_SIZE, PMI_LOCAL_RANK, PMI_LOCAL_SIZE).
+   Under ``--pmi=pmix`` PMI_SIZE may be absent: the world is then the node count of
+   PBS_NODEFILE times the ranks per node (``--ppn``), and the log says so.
+5. ``lsf``: IBM LSF ``jsrun`` (JSM_NAMESPACE_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE; hosts
+   from LSB_DJOB_RANKFILE, whose first line is the launch node; port from LSB_JOBID).
+   Before ``openmpi`` because Spectrum MPI under jsrun also sets OMPI_* variables.
+6. ``openmpi``: OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}.
+7. ``mvapich``: MVAPICH's ``mpirun_rsh`` (MV2_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}).
+8. ``mpich``: MPICH hydra (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS).
+9. ``slurm``: a task started by ``srun`` (SLURM_PROCID, SLURM_STEP_NUM_TASKS,
+   SLURM_LOCALID, SLURM_NODEID, SLURM_STEP_ID). A SLURM *batch shell* running python
+   without srun while SLURM_NTASKS > 1 is refused: it would wait forever for ranks
+   that never start.
+10. ``single``: no launcher; world size 1.
 
-Master address: MASTER_ADDR if set, else the first host of PBS_NODEFILE, else
-the first host of the SLURM node list, else ``localhost``. When derived from a
-host list, ``DDP_MASTER_ADDR_SUFFIX`` is appended (Aurora's high-speed network
+Never training alone by mistake:
+
+- *Stale variables*: RANK/WORLD_SIZE without TORCHELASTIC_RUN_ID (left in a shell,
+  exported by an outer wrapper) that contradict what srun, PALS or an MPI launcher
+  says about this very process stop every rank with one line naming both values.
+- *Unknown launchers*: when detection answers world size 1 while any launcher's
+  size variable (PMI_SIZE, OMPI_COMM_WORLD_SIZE, ...) says more than one process,
+  the rank stops instead of training alone and writing the same checkpoints as
+  its peers.
+
+Rank layout: local rank and ranks per node come from the launcher's own per-node
+variables. Where a launcher gives none, they are derived from the job's host list
+(PBS_NODEFILE, the LSF rank file, the SLURM node list) only when every fact agrees
+with block placement, the default of mpiexec/PALS (``--ppn``) and jsrun; otherwise
+``local_world_size`` (and ``node_rank`` if nothing names it) is ``None``: not
+known, said once in the log, never guessed differently on different nodes.
+
+Master address: MASTER_ADDR if set, else the first host of PBS_NODEFILE, the LSF
+rank file or the SLURM node list, else ``localhost``. When derived from a host list,
+``DDP_MASTER_ADDR_SUFFIX`` replaces the host's domain (Aurora's high-speed network
 names, e.g. ``.hsn.cm.aurora.alcf.anl.gov``).
 
-Master port: MASTER_PORT if set, else derived from the job id
-(SLURM_JOB_ID, PBS_JOBID, Open MPI's job id) as ``20000 + id % 9000``, so every
-rank computes the same port in 20000-28999 (below Linux's ephemeral range), and
-two jobs sharing a node rarely collide. A single-node MPI run with no job id
-uses its launcher proxy's pid (the common parent of all its ranks) the same way;
-otherwise 29500.
+Master port: MASTER_PORT if set, else derived from the job id (SLURM_JOB_ID,
+PBS_JOBID, Open MPI's job id, LSB_JOBID) as ``20000 + id % 9000``, so every rank
+computes the same port in 20000-28999 (below Linux's ephemeral range), and two
+jobs sharing a node rarely collide. A single-node MPI run with no job id uses its
+launcher proxy's pid (the common parent of all its ranks) the same way; otherwise
+29500.
 """
 
 from __future__ import annotations
@@ -41,6 +68,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 from ddp.errors import ConfigError
+from ddp.hostlist import expand_nodelist, job_hosts, parse_tasks_per_node, short, unique
+
+__all__ = ["DETECTORS", "DistEnv", "detect", "expand_nodelist"]
 
 DEFAULT_PORT = 29500
 PORT_BASE = 20000
@@ -49,105 +79,68 @@ PORT_SPAN = 9000
 
 @dataclass(frozen=True)
 class DistEnv:
-    """What a process knows about its place in the job, launcher-independent."""
+    """What a process knows about its place in the job, launcher-independent.
+
+    ``local_world_size`` and ``node_rank`` are ``None`` when the launcher does not
+    say and the layout cannot be derived without guessing; ``notes`` carries the
+    one-line explanations rank 0 logs once.
+    """
 
     rank: int
     local_rank: int
     world_size: int
-    local_world_size: int
-    node_rank: int
+    local_world_size: int | None
+    node_rank: int | None
     master_addr: str
     master_port: int
     launcher: str
+    notes: tuple[str, ...] = ()
 
     @property
-    def num_nodes(self) -> int:
+    def num_nodes(self) -> int | None:
+        """Nodes running ranks of this launch (torchrun's GROUP_WORLD_SIZE), if known."""
+        if self.local_world_size is None:
+            return None
         return max(1, -(-self.world_size // max(1, self.local_world_size)))
 
-    def torchrun_vars(self) -> dict[str, str]:
-        """The variables torchrun would have set for this process (``env://`` init reads them)."""
-        return {
+    def torchrun_vars(self, full: bool = False) -> dict[str, str]:
+        """The variables torchrun would have set for this process.
+
+        The default set is what ``env://`` initialisation reads. ``full=True`` adds
+        the rest of what torch's elastic agent exports (``local_elastic_agent.py``),
+        so that ``torch.distributed.is_torchelastic_launched()`` is true and scripts
+        reading GROUP_WORLD_SIZE or ROLE_* run unchanged. Values that are not known
+        (see the class docstring) are left out rather than guessed.
+        """
+        out = {
             "RANK": str(self.rank),
             "LOCAL_RANK": str(self.local_rank),
             "WORLD_SIZE": str(self.world_size),
-            "LOCAL_WORLD_SIZE": str(self.local_world_size),
-            "GROUP_RANK": str(self.node_rank),
-            "NODE_RANK": str(self.node_rank),
             "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(self.master_port),
         }
+        if self.local_world_size is not None:
+            out["LOCAL_WORLD_SIZE"] = str(self.local_world_size)
+        if self.node_rank is not None:
+            out["GROUP_RANK"] = str(self.node_rank)
+            out["NODE_RANK"] = str(self.node_rank)  # not torchrun's; Lightning reads it
+        if not full:
+            return out
+        if self.num_nodes is not None:
+            out["GROUP_WORLD_SIZE"] = str(self.num_nodes)
+        out.update(
+            ROLE_RANK=str(self.rank),
+            ROLE_WORLD_SIZE=str(self.world_size),
+            ROLE_NAME="default",
+            TORCHELASTIC_RESTART_COUNT="0",
+            TORCHELASTIC_MAX_RESTARTS="0",
+            # No agent hosts a store: rank 0 does, as under torchrun's static rendezvous.
+            TORCHELASTIC_USE_AGENT_STORE="False",
+        )
+        return out
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
-
-
-# --------------------------------------------------------------------------- host lists
-
-
-def _expand_item(item: str) -> list[str]:
-    """Expand one host expression with any number of bracket groups (cartesian product)."""
-    m = re.search(r"\[([^\]]*)\]", item)
-    if m is None:
-        if "[" in item or "]" in item:
-            raise ConfigError(f"node list: unbalanced brackets in {item!r}")
-        return [item]
-    head, body, tail = item[: m.start()], m.group(1), item[m.end() :]
-    values: list[str] = []
-    for part in body.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        if "-" in part:
-            lo, hi = part.split("-", 1)
-            if not (lo.isdigit() and hi.isdigit()) or int(lo) > int(hi):
-                raise ConfigError(f"node list: bad range {part!r} in {item!r}")
-            width = len(lo)
-            values.extend(str(i).zfill(width) for i in range(int(lo), int(hi) + 1))
-        else:
-            values.append(part)
-    return [head + v + rest for v in values for rest in _expand_item(tail)]
-
-
-def expand_nodelist(nodelist: str) -> list[str]:
-    """Expand a SLURM compressed host list, e.g. ``nid[001002-001004,001010],login1``.
-
-    Zero padding is kept (``nid[08-10]`` -> nid08, nid09, nid10), several bracket
-    groups in one name expand as a product, and commas inside brackets do not
-    split hosts.
-    """
-    items: list[str] = []
-    depth = 0
-    start = 0
-    for i, ch in enumerate(nodelist):
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-            if depth < 0:
-                raise ConfigError(f"node list: unbalanced brackets in {nodelist!r}")
-        elif ch == "," and depth == 0:
-            items.append(nodelist[start:i])
-            start = i + 1
-    if depth != 0:
-        raise ConfigError(f"node list: unbalanced brackets in {nodelist!r}")
-    items.append(nodelist[start:])
-    hosts: list[str] = []
-    for item in items:
-        item = item.strip()
-        if item:
-            hosts.extend(_expand_item(item))
-    return hosts
-
-
-def _parse_tasks_per_node(spec: str) -> list[int]:
-    """Expand SLURM_TASKS_PER_NODE (``2(x3),1``) into one count per node."""
-    counts: list[int] = []
-    for part in spec.split(","):
-        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
-        if not m:
-            raise ConfigError(f"SLURM_TASKS_PER_NODE: cannot parse {spec!r}")
-        counts.extend([int(m.group(1))] * int(m.group(2) or 1))
-    return counts
 
 
 # --------------------------------------------------------------------------- helpers
@@ -166,49 +159,37 @@ def _int(env: Mapping[str, str], *names: str) -> int | None:
     return None
 
 
+def job_id(env: Mapping[str, str]) -> str | None:
+    """The scheduler's id of this job, as the scheduler writes it."""
+    for name in ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "OMPI_MCA_ess_base_jobid"):
+        if env.get(name):
+            return env[name]
+    return None
+
+
 def _job_id_number(env: Mapping[str, str]) -> int | None:
     for name in ("SLURM_JOB_ID", "PBS_JOBID", "OMPI_MCA_ess_base_jobid", "LSB_JOBID"):
-        raw = env.get(name, "")
-        m = re.match(r"\d+", raw)
+        m = re.match(r"\d+", env.get(name, ""))
         if m:
             return int(m.group(0))
     return None
 
 
-def _first_host(env: Mapping[str, str]) -> str | None:
-    nodefile = env.get("PBS_NODEFILE")
-    if nodefile:
-        try:
-            with open(nodefile, encoding="utf-8") as fh:
-                for line in fh:
-                    if line.strip():
-                        return line.strip()
-        except OSError as exc:
-            raise ConfigError(f"PBS_NODEFILE={nodefile!r} cannot be read: {exc.strerror}") from None
-    for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
-        if env.get(name):
-            hosts = expand_nodelist(env[name])
-            if hosts:
-                return hosts[0]
-    return None
-
-
 def _master(
-    env: Mapping[str, str], multi_node: bool, launcher: str, local_pid_ok: bool
+    env: Mapping[str, str], hosts: list[str], multi_node: bool, launcher: str, local_pid_ok: bool
 ) -> tuple[str, int]:
     addr = env.get("MASTER_ADDR")
     if not addr:
-        host = _first_host(env)
-        if host is not None:
+        if hosts:
             suffix = env.get("DDP_MASTER_ADDR_SUFFIX", "")
             # Node files may hold full names (x4415c6s5b0n0.hostmgmt2415.cm...): the site
             # suffix replaces the domain, it is not appended to it.
-            addr = host.split(".")[0] + suffix if suffix else host
+            addr = short(hosts[0]) + suffix if suffix else hosts[0]
         elif multi_node:
             raise ConfigError(
                 f"{launcher}: the job spans several nodes but MASTER_ADDR is not set and there "
-                "is no PBS_NODEFILE or SLURM node list to take it from; export MASTER_ADDR=<host "
-                "of rank 0>"
+                "is no PBS_NODEFILE, LSF rank file or SLURM node list to take it from; export "
+                "MASTER_ADDR=<host of rank 0>"
             )
         else:
             addr = "localhost"
@@ -233,6 +214,61 @@ def _legacy_local_rank(argv: Sequence[str]) -> int | None:
     return None
 
 
+def _hostname() -> str:
+    return short(socket.gethostname())
+
+
+def _layout(
+    hosts: list[str],
+    launcher: str,
+    rank: int,
+    world: int,
+    local_rank: int | None,
+    local_world: int | None,
+    node_rank: int | None,
+) -> tuple[int, int | None, int | None, tuple[str, ...]]:
+    """(local rank, ranks per node, node rank, notes), the same on every node.
+
+    The launcher's own per-node variables win. Without a local size:
+
+    - one host in the job's host list: every rank is on it;
+    - several hosts and no local rank either: block placement (rank // ppn on node
+      rank // ppn, the default of mpiexec ``--ppn``, PALS and jsrun) when the world
+      divides evenly over the hosts and this rank's host agrees; otherwise no rank
+      can know its device, so it stops with one line;
+    - several hosts and a local rank: the ranks per node stay unknown on every
+      rank (a per-rank guess would differ between nodes), said once in the log.
+    """
+    if local_world is not None:
+        if local_rank is None:
+            local_rank = rank % local_world
+        if node_rank is None:
+            node_rank = rank // local_world
+        return local_rank, local_world, node_rank, ()
+    nodes = [short(h) for h in unique(hosts)]
+    here = _hostname()
+    host_index = nodes.index(here) if here in nodes else None
+    if len(nodes) == 1 and local_rank in (None, rank) and node_rank in (None, 0):
+        return rank, world, 0, ()
+    if local_rank is None:
+        ppn = world // len(nodes) if nodes and world % len(nodes) == 0 else 0
+        if ppn and host_index in (None, rank // ppn) and node_rank in (None, rank // ppn):
+            return rank % ppn, ppn, rank // ppn, ()
+        raise ConfigError(
+            f"{launcher}: this rank's local rank is not set and the placement of {world} ranks "
+            f"over {len(nodes) or 'an unknown number of'} node(s) cannot be derived; launch "
+            "with the same number of ranks on every node of the job (--ppn) or export LOCAL_RANK"
+        )
+    if node_rank is None:
+        node_rank = host_index
+    note = (
+        f"{launcher}: the launcher does not say how many ranks run per node; LOCAL_WORLD_SIZE"
+        + ("" if node_rank is not None else " and GROUP_RANK")
+        + " are left unset instead of guessed"
+    )
+    return local_rank, None, node_rank, (note,)
+
+
 def _build(
     env: Mapping[str, str],
     launcher: str,
@@ -244,6 +280,7 @@ def _build(
     rank_var: str,
     world_var: str,
     local_pid_ok: bool = False,
+    notes: tuple[str, ...] = (),
 ) -> DistEnv:
     """Fill the gaps a launcher leaves and check the values agree with each other."""
     if rank is None:
@@ -258,19 +295,24 @@ def _build(
         raise ConfigError(
             f"{launcher}: {rank_var}={rank} is not below {world_var}={world}; allowed: 0..{world - 1}"
         )
-    if local_rank is None:
-        local_rank = rank if local_world in (None, world) else rank % local_world
-    if local_world is None:
-        local_world = world if local_rank == rank else local_rank + 1
-    if not 0 <= local_rank < max(local_world, 1):
+    # The host list is read only when needed: a stale PBS_NODEFILE must not break a
+    # launch whose layout and master are fully given.
+    hosts = job_hosts(env) if local_world is None or not env.get("MASTER_ADDR") else []
+    local_rank, local_world, node_rank, more = _layout(
+        hosts, launcher, rank, world, local_rank, local_world, node_rank
+    )
+    if local_world is not None and not 0 <= local_rank < max(local_world, 1):
         raise ConfigError(
             f"{launcher}: local rank {local_rank} is not below the local world size {local_world}"
         )
-    if node_rank is None:
-        node_rank = rank // local_world if local_world else 0
-    multi_node = local_world < world
-    addr, port = _master(env, multi_node, launcher, local_pid_ok)
-    return DistEnv(rank, local_rank, world, local_world, node_rank, addr, port, launcher)
+    if local_world is not None:
+        multi_node = local_world < world
+    else:
+        multi_node = local_rank != rank or len(unique(hosts)) > 1
+    addr, port = _master(env, hosts, multi_node, launcher, local_pid_ok)
+    return DistEnv(
+        rank, local_rank, world, local_world, node_rank, addr, port, launcher, notes + more
+    )
 
 
 # --------------------------------------------------------------------------- detectors
@@ -303,8 +345,8 @@ def _legacy(env: Mapping[str, str], argv: Sequence[str]) -> DistEnv | None:
     if local is None:
         return None
     return _build(
-        env, "legacy", _int(env, "RANK"), _int(env, "WORLD_SIZE"), local, None,
-        _int(env, "GROUP_RANK", "NODE_RANK"), "RANK", "WORLD_SIZE",
+        env, "legacy", _int(env, "RANK"), _int(env, "WORLD_SIZE"), local,
+        _int(env, "LOCAL_WORLD_SIZE"), _int(env, "GROUP_RANK", "NODE_RANK"), "RANK", "WORLD_SIZE",
     )  # fmt: skip
 
 
@@ -330,33 +372,56 @@ def _pals(env: Mapping[str, str], argv: Sequence[str]) -> DistEnv | None:
         return None
     if "PMI_SIZE" not in env and _in_srun_step(env, "PALS_RANKID"):
         return None  # Slurm's cray_shasta plugin (Perlmutter, Frontier): a plain srun task
-    rank_local = _int(env, "PALS_LOCAL_RANKID", "PMI_LOCAL_RANK")
+    rank = _int(env, "PALS_RANKID", "PMI_RANK", "PMIX_RANK")
     local_world = _int(env, "PALS_LOCAL_SIZE", "PMI_LOCAL_SIZE")
-    if local_world is None and env.get("PBS_NODEFILE"):
-        # No local size exported: PBS gives one line per node, so guess an even spread,
-        # never below what this rank's own local rank proves.
-        world = _int(env, "PMI_SIZE")
-        try:
-            with open(env["PBS_NODEFILE"], encoding="utf-8") as fh:
-                nodes = sum(1 for line in fh if line.strip())
-        except OSError:
-            nodes = 0
-        if world and nodes:
-            local_world = max(-(-world // nodes), (rank_local or 0) + 1)
+    world = _int(env, "PMI_SIZE")
+    notes: tuple[str, ...] = ()
+    if world is None and local_world is not None and env.get("PBS_NODEFILE"):
+        # `mpiexec --pmi=pmix` (ALCF users' Aurora scripts) exports no PMI_SIZE; PALS
+        # places --ppn ranks on every node of the job, so the node file gives the rest.
+        nodes = len(unique(job_hosts(env)))
+        world = nodes * local_world
+        notes = (
+            f"pals: PMI_SIZE is not set (PMIx); world size {world} = {nodes} node(s) in "
+            f"PBS_NODEFILE x {local_world} ranks per node (mpiexec must use every node "
+            "with the same --ppn)",
+        )
     return _build(
-        env, "pals", _int(env, "PALS_RANKID", "PMI_RANK"), _int(env, "PMI_SIZE"),
-        rank_local, local_world, _int(env, "PALS_NODEID"), "PMI_RANK", "PMI_SIZE",
-        local_pid_ok=True,
+        env, "pals", rank, world, _int(env, "PALS_LOCAL_RANKID", "PMI_LOCAL_RANK"), local_world,
+        _int(env, "PALS_NODEID"), "PALS_RANKID" if "PALS_RANKID" in env else "PMI_RANK",
+        "PMI_SIZE", local_pid_ok=True, notes=notes,
+    )  # fmt: skip
+
+
+def _lsf(env: Mapping[str, str], argv: Sequence[str]) -> DistEnv | None:
+    if "JSM_NAMESPACE_RANK" not in env:
+        return None
+    return _build(
+        env, "lsf", _int(env, "JSM_NAMESPACE_RANK"), _int(env, "JSM_NAMESPACE_SIZE"),
+        _int(env, "JSM_NAMESPACE_LOCAL_RANK"), _int(env, "JSM_NAMESPACE_LOCAL_SIZE"), None,
+        "JSM_NAMESPACE_RANK", "JSM_NAMESPACE_SIZE",
     )  # fmt: skip
 
 
 def _openmpi(env: Mapping[str, str], argv: Sequence[str]) -> DistEnv | None:
     if "OMPI_COMM_WORLD_RANK" not in env:
         return None
+    # OMPI_COMM_WORLD_NODE_RANK is the rank among this node's processes of *all* jobs,
+    # not a node index, so the node rank is derived from the local size.
     return _build(
         env, "openmpi", _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE"),
         _int(env, "OMPI_COMM_WORLD_LOCAL_RANK"), _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE"),
         None, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", local_pid_ok=True,
+    )  # fmt: skip
+
+
+def _mvapich(env: Mapping[str, str], argv: Sequence[str]) -> DistEnv | None:
+    if "MV2_COMM_WORLD_RANK" not in env:
+        return None
+    return _build(
+        env, "mvapich", _int(env, "MV2_COMM_WORLD_RANK"), _int(env, "MV2_COMM_WORLD_SIZE"),
+        _int(env, "MV2_COMM_WORLD_LOCAL_RANK"), _int(env, "MV2_COMM_WORLD_LOCAL_SIZE"), None,
+        "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", local_pid_ok=True,
     )  # fmt: skip
 
 
@@ -376,15 +441,18 @@ def _mpich(env: Mapping[str, str], argv: Sequence[str]) -> DistEnv | None:
 _SLURM_NON_TASK_STEPS = ("4294967294", "4294967295", "batch", "extern")
 
 
+def _slurm_step(env: Mapping[str, str]) -> bool:
+    """True in a task of an srun step (not the batch shell, not the extern step)."""
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
+    return step is not None and step not in _SLURM_NON_TASK_STEPS and "SLURM_PROCID" in env
+
+
 def _slurm(env: Mapping[str, str], argv: Sequence[str]) -> DistEnv | None:
     if "SLURM_JOB_ID" not in env and "SLURM_JOBID" not in env:
         return None
     # srun exports the step's own task count; the job's SLURM_NTASKS is the fallback.
     ntasks = _int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
-    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
-    # The batch shell and the extern step carry reserved ids where a SLURM exports them.
-    in_step = step is not None and step not in _SLURM_NON_TASK_STEPS
-    if not in_step or "SLURM_PROCID" not in env:
+    if not _slurm_step(env):
         if ntasks is not None and ntasks > 1:
             raise ConfigError(
                 f"slurm: this is the batch shell of a job with SLURM_NTASKS={ntasks}, but "
@@ -396,7 +464,7 @@ def _slurm(env: Mapping[str, str], argv: Sequence[str]) -> DistEnv | None:
     local_world = None
     tpn = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
     if tpn:
-        counts = _parse_tasks_per_node(tpn)
+        counts = parse_tasks_per_node(tpn)
         if node_id is not None and node_id < len(counts):
             local_world = counts[node_id]
     return _build(
@@ -418,11 +486,76 @@ DETECTORS: dict[str, Detector] = {
     "torchrun": _torchrun,
     "legacy": _legacy,
     "pals": _pals,
+    "lsf": _lsf,
     "openmpi": _openmpi,
+    "mvapich": _mvapich,
     "mpich": _mpich,
     "slurm": _slurm,
     "single": _single,
 }
+
+#: Launchers a process manager starts every rank of (as opposed to RANK/WORLD_SIZE
+#: that anyone can export); their answer is the one a stale RANK must agree with.
+_SCHEDULED = ("pals", "lsf", "openmpi", "mvapich", "mpich", "slurm")
+
+#: Variables in which a launcher says how many processes it started (in all, or on
+#: this node). Any of them above 1 means this process is not alone.
+_SIZE_VARS = (
+    "WORLD_SIZE", "LOCAL_WORLD_SIZE", "PMI_SIZE", "PMI_LOCAL_SIZE", "PALS_LOCAL_SIZE",
+    "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_SIZE",
+    "MV2_COMM_WORLD_LOCAL_SIZE", "JSM_NAMESPACE_SIZE", "JSM_NAMESPACE_LOCAL_SIZE",
+    "MPI_LOCALNRANKS",
+)  # fmt: skip
+
+
+def _scheduler_view(env: Mapping[str, str], args: Sequence[str]) -> DistEnv | None:
+    """What the process manager itself says about this process, if anything."""
+    for name in _SCHEDULED:
+        try:
+            found = DETECTORS[name](env, args)
+        except ConfigError:
+            return None  # its own variables are incomplete: nothing reliable to compare
+        if found is not None:
+            return found
+    return None
+
+
+def _check_not_stale(found: DistEnv, env: Mapping[str, str], args: Sequence[str]) -> None:
+    """RANK/WORLD_SIZE without torchrun's TORCHELASTIC_RUN_ID must fit the scheduler's view."""
+    if found.launcher not in ("torchrun", "legacy") or "TORCHELASTIC_RUN_ID" in env:
+        return
+    sched = _scheduler_view(env, args)
+    if sched is None:
+        return
+    # A launcher nested in each scheduler task (torch.distributed.launch under
+    # `srun -n 1`, pytorch-ignite's case 2) starts k = WORLD_SIZE / tasks workers per
+    # task, block-placed: then RANK // k is the task's own rank. Anything else is stale.
+    per_task, rest = divmod(found.world_size, sched.world_size)
+    if per_task >= 1 and rest == 0 and found.rank // per_task == sched.rank:
+        return
+    raise ConfigError(
+        f"stale launcher variables: RANK={found.rank} WORLD_SIZE={found.world_size} (no "
+        f"TORCHELASTIC_RUN_ID, so not set by torchrun) contradict {sched.launcher}, which "
+        f"started this process as rank {sched.rank} of {sched.world_size}; unset RANK, "
+        f"LOCAL_RANK and WORLD_SIZE before launching, or set DDP_LAUNCHER={sched.launcher} "
+        "(or torchrun) to choose"
+    )
+
+
+def _check_not_alone(env: Mapping[str, str]) -> None:
+    """A world of 1 while some launcher says there are more processes: refuse."""
+    names = list(_SIZE_VARS)
+    if _slurm_step(env):
+        names.append("SLURM_STEP_NUM_TASKS")
+    for name in names:
+        raw = env.get(name, "")
+        if raw.strip().isdigit() and int(raw) > 1:
+            raise ConfigError(
+                f"{name}={raw} says this job has more than one process, but no launcher's "
+                "rank variables were found, so this process would train alone and write the "
+                "same checkpoints as its peers; launch with a supported launcher (torchrun, "
+                "srun, mpiexec, jsrun, mpirun_rsh) or set DDP_LAUNCHER to choose one"
+            )
 
 
 def detect(environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None) -> DistEnv:
@@ -430,7 +563,7 @@ def detect(environ: Mapping[str, str] | None = None, argv: Sequence[str] | None 
 
     ``environ`` defaults to ``os.environ`` and ``argv`` to ``sys.argv`` (read only
     for the legacy ``--local_rank`` flag). Raises :class:`ConfigError` with one
-    clear line for inconsistent or incomplete launcher variables.
+    clear line for inconsistent, incomplete, stale or unrecognised launcher variables.
     """
     env = os.environ if environ is None else environ
     args = sys.argv[1:] if argv is None else argv
@@ -448,10 +581,9 @@ def detect(environ: Mapping[str, str] | None = None, argv: Sequence[str] | None 
     for detector in DETECTORS.values():
         found = detector(env, args)
         if found is not None:
-            return found
-    raise AssertionError("the single-process detector always answers")
-
-
-def hostname() -> str:
-    """This host's short name, as launchers and node files usually write it."""
-    return socket.gethostname().split(".")[0]
+            break
+    assert found is not None, "the single-process detector always answers"
+    _check_not_stale(found, env, args)
+    if found.world_size == 1:
+        _check_not_alone(env)
+    return found

@@ -43,6 +43,12 @@ def records(out: Path, world: int) -> list[dict]:
     return recs
 
 
+def assert_torchrun_like(recs: list[dict], nodes: int) -> None:
+    """ddp.exec gave the script torchrun's environment: elastic launch, GROUP_WORLD_SIZE."""
+    assert all(r["elastic"] for r in recs), "is_torchelastic_launched() was False"
+    assert {r["group_world_size"] for r in recs} == {nodes}
+
+
 def assert_consistent(recs: list[dict]) -> None:
     """All ranks ended with the same weights and reduce_mean gave the true mean of rank+1."""
     world = len(recs)

@@ -133,8 +133,8 @@ def test_master_addr_suffix_and_pbs_nodefile(tmp_path):
     nodefile = tmp_path / "nodes"
     nodefile.write_text("x4102c5s0b0n0\nx4102c5s1b0n0\n")
     env = {"PMI_RANK": "0", "PMI_SIZE": "24", "PMI_LOCAL_RANK": "0", "PALS_RANKID": "0",
-           "PALS_LOCAL_RANKID": "0", "PBS_NODEFILE": str(nodefile), "PBS_JOBID": "1.x",
-           "DDP_MASTER_ADDR_SUFFIX": ".hsn.cm.aurora.alcf.anl.gov"}
+           "PALS_LOCAL_RANKID": "0", "PALS_LOCAL_SIZE": "12", "PBS_NODEFILE": str(nodefile),
+           "PBS_JOBID": "1.x", "DDP_MASTER_ADDR_SUFFIX": ".hsn.cm.aurora.alcf.anl.gov"}
     got = detect(env, argv=[])
     assert got.master_addr == "x4102c5s0b0n0.hsn.cm.aurora.alcf.anl.gov"
     assert got.local_world_size == 12 and got.num_nodes == 2
@@ -236,11 +236,14 @@ def test_aurora_full_node_names_take_the_site_suffix(tmp_path):
 
 
 def test_pals_partial_node_without_local_size(tmp_path):
-    """mpiexec -n 4 --ppn 4 in a 2-node job: the even-spread guess must not undercut."""
+    """mpiexec -n 4 --ppn 4 in a 2-node job, no local size exported: rank 3 knows its
+    local rank and node, but not how many ranks share the node; an even-spread guess
+    (2) would differ from what other ranks could guess, so it stays unknown."""
     nodefile = tmp_path / "nodes"
     nodefile.write_text("a\nb\n")
     env = {"PMI_RANK": "3", "PMI_SIZE": "4", "PMI_LOCAL_RANK": "3", "PALS_RANKID": "3",
            "PALS_LOCAL_RANKID": "3", "PALS_NODEID": "0", "PBS_NODEFILE": str(nodefile),
            "PBS_JOBID": "1.x"}
     got = detect(env, argv=[])
-    assert (got.local_rank, got.local_world_size, got.node_rank) == (3, 4, 0)
+    assert (got.local_rank, got.local_world_size, got.node_rank) == (3, None, 0)
+    assert "LOCAL_WORLD_SIZE" not in got.torchrun_vars() and got.notes

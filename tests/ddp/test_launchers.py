@@ -14,6 +14,7 @@ from tests.ddp.launch_utils import (
     ROOT,
     SCRIPTS,
     assert_consistent,
+    assert_torchrun_like,
     clean_env,
     free_port,
     records,
@@ -102,6 +103,7 @@ def test_exec_runs_plain_script_under_mpich(tmp_path):
     recs = records(tmp_path, 2)
     assert_consistent(recs)
     assert [r["local_rank"] for r in recs] == [0, 1]
+    assert_torchrun_like(recs, nodes=1)
 
 
 @pytest.mark.mpi
@@ -110,7 +112,9 @@ def test_exec_runs_plain_script_under_openmpi(tmp_path):
     cmd = [mpiexec, "--oversubscribe", "-n", "2", PY, "-m", "ddp.exec", "--", PY, PLAIN,
            str(tmp_path)]
     run(cmd, clean_env(**OMPI_ROOT))
-    assert_consistent(records(tmp_path, 2))
+    recs = records(tmp_path, 2)
+    assert_consistent(recs)
+    assert_torchrun_like(recs, nodes=1)
 
 
 @pytest.mark.mpi

@@ -13,7 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.ddp.launch_utils import PY, SCRIPTS, assert_consistent, clean_env, records
+from tests.ddp.launch_utils import (
+    PY,
+    SCRIPTS,
+    assert_consistent,
+    assert_torchrun_like,
+    clean_env,
+    records,
+)
 from tests.support.pals import pbs_env
 
 TINY = str(SCRIPTS / "tiny_ddp.py")
@@ -51,6 +58,21 @@ def test_srun_across_two_nodes_with_exec(slurm_cluster, tmp_path):
     recs = records(tmp_path, 2)
     assert_consistent(recs)
     assert [r["local_rank"] for r in recs] == [0, 0]  # one task on each node
+    assert_torchrun_like(recs, nodes=2)
+
+
+@pytest.mark.slurm
+def test_stale_rank_variables_before_srun_stop_the_job(slurm_cluster, tmp_path):
+    """`RANK=0 LOCAL_RANK=0 WORLD_SIZE=1` left in the shell must not make `srun -n 2` two
+    jobs of one rank each (each would train alone and write the same checkpoints)."""
+    body = ("export RANK=0 LOCAL_RANK=0 WORLD_SIZE=1\n"
+            f"srun --kill-on-bad-exit=1 {PY} {TINY} {tmp_path}")
+    job = slurm_cluster.submit(_batch(tmp_path / "job.sh", body, "-n 2", "-N 1"))
+    assert slurm_cluster.wait(job, timeout=120) == "FAILED"
+    log = slurm_cluster.output_path(job).read_text()
+    assert "stale launcher variables: RANK=0 WORLD_SIZE=1" in log, log
+    assert "rank 1 of 2" in log and "Traceback" not in log
+    assert not list(tmp_path.glob("rank*.json")), "a rank trained anyway"
 
 
 @pytest.mark.slurm
@@ -85,4 +107,6 @@ def test_exec_under_pals(pals_mpiexec, tmp_path):
            "--", PY, PLAIN, str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert_consistent(records(tmp_path, 2))
+    recs = records(tmp_path, 2)
+    assert_consistent(recs)
+    assert_torchrun_like(recs, nodes=1)

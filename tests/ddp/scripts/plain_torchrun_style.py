@@ -1,7 +1,8 @@
 """An unmodified torchrun-style script: no ddp import, ``init_method="env://"``.
 
 Run through ``python -m ddp.exec --`` it must work under srun, MPICH, PALS and
-Open MPI. Writes ``rank<N>.json`` (weights digest, all-reduce result) into argv[1].
+Open MPI. Writes ``rank<N>.json`` (weights digest, all-reduce result, GROUP_WORLD_SIZE
+and ``is_torchelastic_launched()``) into argv[1].
 """
 
 import hashlib
@@ -31,6 +32,9 @@ def main() -> None:
     flat = torch.cat([p.detach().flatten() for p in model.module.parameters()])
     Path(sys.argv[1], f"rank{rank}.json").write_text(json.dumps({
         "rank": rank, "world_size": world, "local_rank": int(os.environ["LOCAL_RANK"]),
+        # What torchrun-launched scripts (TorchX's examples) read; KeyError if missing.
+        "group_world_size": int(os.environ["GROUP_WORLD_SIZE"]),
+        "elastic": dist.is_torchelastic_launched(),
         "digest": hashlib.sha256(repr(flat.tolist()).encode()).hexdigest(),
         "reduce_mean": t.item() / world,
     }))
