@@ -56,25 +56,52 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: Path, write: Callable[[Any], None], durable: bool = True) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            write(fh)
-            fh.flush()
-            if durable:
-                os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
+class _Staged:
+    """A file written under a temp name in its final directory, made visible by commit().
+
+    Same directory, so ``os.replace`` is atomic; ``commit`` fsyncs the file, renames it
+    and fsyncs the directory so the rename itself survives a crash. Every atomic write
+    here (checkpoints, their digests, ``latest``, the export) goes through this class.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, self.tmp = tempfile.mkstemp(
+            prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent
+        )
+        self.fh = os.fdopen(fd, "wb")
+
+    def commit(self, durable: bool = True) -> None:
         try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+            try:
+                self.fh.flush()
+                if durable:
+                    os.fsync(self.fh.fileno())
+            finally:
+                self.fh.close()
+            os.replace(self.tmp, self.path)
+        except BaseException:
+            self.discard()
+            raise
+        if durable:
+            _fsync_dir(self.path.parent)
+
+    def discard(self) -> None:
+        with contextlib.suppress(OSError):
+            self.fh.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.tmp)
+
+
+def _atomic_write(path: Path, write: Callable[[Any], None], durable: bool = True) -> None:
+    staged = _Staged(path)
+    try:
+        write(staged.fh)
+    except BaseException:
+        staged.discard()
         raise
-    if durable:
-        _fsync_dir(path.parent)
+    staged.commit(durable)
 
 
 def atomic_save(obj: Any, path: str | Path, durable: bool = True) -> None:
@@ -172,21 +199,44 @@ class _Digesting:
         self.fh.flush()
 
 
-_pending: threading.Thread | None = None
-_pending_error: list[BaseException] = []
+class PendingSave:
+    """A checkpoint whose bytes are written; the rest of its save may still be running.
 
+    The fsync, the rename into place, the ``latest`` update and pruning run in a thread
+    when the save was started with ``background=True``, so the disk flush overlaps
+    training. :meth:`wait` joins it and raises what it failed with (one ConfigError line
+    for a write error), once.
+    """
 
-def wait_pending(timeout: float | None = None) -> None:
-    """Block until a background checkpoint finalize is done (at most ``timeout`` seconds);
-    re-raise its error."""
-    global _pending
-    if _pending is not None:
-        _pending.join(timeout)
-        if _pending.is_alive():
-            return
-        _pending = None
-    if _pending_error:
-        raise _pending_error.pop()
+    def __init__(self, path: Path, finalize: Callable[[], None], background: bool) -> None:
+        self.path = path
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(
+                target=self._run, args=(finalize,), name="ddp-checkpoint", daemon=False
+            )
+            self._thread.start()
+        else:
+            self._run(finalize)
+
+    def _run(self, finalize: Callable[[], None]) -> None:
+        try:
+            finalize()
+        except BaseException as exc:  # reported by wait()
+            self._error = exc
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once finished (raising its error, if any); False if still running."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                return False
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+        return True
 
 
 def save_checkpoint(
@@ -194,31 +244,36 @@ def save_checkpoint(
     directory: str | Path,
     step: int,
     keep_last: int = 2,
-    background: bool = False,
 ) -> Path:
-    """Write ``step_<N>.pt``, then move ``latest`` to it, then prune old ones.
+    """Write ``step_<N>.pt`` durably, move ``latest`` to it and prune old ones; its path."""
+    pending = begin_save(state, directory, step, keep_last, background=False)
+    pending.wait()
+    return pending.path
 
-    Call on one rank only (the trainer uses rank 0). With ``background=True`` only
-    the serialisation (the part a bare ``torch.save`` also pays) blocks; fsync, rename,
-    the ``latest`` update and pruning run in a thread, so the disk flush overlaps
-    training. ``latest`` still moves only after the file is durable; call
-    :func:`wait_pending` before exiting (the next save waits for it too).
+
+def begin_save(
+    state: dict[str, Any],
+    directory: str | Path,
+    step: int,
+    keep_last: int = 2,
+    background: bool = False,
+) -> PendingSave:
+    """Serialise ``state`` to ``step_<N>.pt`` (digest computed as it is written), then
+    finalize: digest file, fsync, rename, ``latest``, pruning. Call on one rank only.
+
+    Only the serialisation (what a bare ``torch.save`` also pays) blocks the caller;
+    with ``background=True`` the finalize runs in a thread (:class:`PendingSave`).
+    ``latest`` moves only after the checkpoint file is durable.
     """
-    wait_pending()
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     path = step_path(directory, step)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
-    fh = os.fdopen(fd, "wb")
-    out = _Digesting(fh)
+    staged = _Staged(path)
+    out = _Digesting(staged.fh)
     try:
         torch.save({"format": FORMAT_VERSION, **state}, out)
-        fh.flush()
+        staged.fh.flush()  # a full disk shows here, in the caller, not in the thread
     except BaseException as exc:
-        with contextlib.suppress(OSError):
-            fh.close()
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        staged.discard()
         err = out.error or (exc if isinstance(exc, OSError) else None)
         if err is not None:
             raise _write_error(directory, path.name, err) from None
@@ -226,39 +281,27 @@ def save_checkpoint(
 
     def finalize() -> None:
         try:
-            try:
-                os.fsync(fh.fileno())
-            finally:
-                fh.close()
             # The digest lands first: a checkpoint is never visible without one.
             atomic_write_text(out.sha.hexdigest() + "\n", _digest_path(path))
-            os.replace(tmp, path)
-            _fsync_dir(directory)
+            staged.commit()
             atomic_write_text(path.name + "\n", directory / LATEST)
-            for old in list_checkpoints(directory)[:-keep_last]:
-                if old != path:
-                    for gone in (old, _digest_path(old)):
-                        with contextlib.suppress(FileNotFoundError):
-                            gone.unlink()
-            for stale in directory.glob(".step_*.tmp"):  # left by a writer killed mid-save
-                if str(stale) != tmp:
+        except OSError as exc:
+            staged.discard()
+            raise _write_error(directory, path.name, exc) from None
+        except BaseException:
+            staged.discard()
+            raise
+        for old in list_checkpoints(directory)[:-keep_last]:
+            if old != path:
+                for gone in (old, _digest_path(old)):
                     with contextlib.suppress(FileNotFoundError):
-                        stale.unlink()
-        except BaseException as exc:  # reported by wait_pending()
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            _pending_error.append(
-                _write_error(directory, path.name, exc) if isinstance(exc, OSError) else exc
-            )
+                        gone.unlink()
+        for stale in directory.glob(".step_*.tmp"):  # left by a writer killed mid-save
+            if str(stale) != staged.tmp:
+                with contextlib.suppress(FileNotFoundError):
+                    stale.unlink()
 
-    if background:
-        global _pending
-        _pending = threading.Thread(target=finalize, name="ddp-checkpoint", daemon=False)
-        _pending.start()
-    else:
-        finalize()
-        wait_pending()
-    return path
+    return PendingSave(path, finalize, background)
 
 
 def _write_error(directory: Path, name: str, exc: OSError) -> Exception:

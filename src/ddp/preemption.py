@@ -1,4 +1,17 @@
-"""Preemption signals: a flag for the training loop, and a watchdog for a rank that cannot act.
+"""Preemption: signals, the ranks' agreement to stop, the exit and the requeue.
+
+The pieces, in the order a preemption meets them (modelled on Lightning's
+SignalConnector; the checkpoint itself is the Checkpointer's):
+
+- :class:`SignalWatch`: a handler that only sets a flag, and a watchdog for a rank that
+  cannot act (below);
+- :class:`Vote`: every rank learns, at the same step, whether any rank got a signal,
+  over a CPU side channel so the hot loop never waits for the device;
+- :func:`requeue`: SLURM's ``scontrol requeue`` after the preemption checkpoint (a PBS
+  job's rerun belongs to the PBS job environment, not here);
+- :class:`Preempted`: the exit (75, ``EX_TEMPFAIL``) once the checkpoint is durable.
+
+Signals and the watchdog:
 
 The loop acts on a signal at a step boundary (one consistent checkpoint, exit 75). That
 needs the main thread to run Python: a Python signal handler only runs between bytecodes
@@ -24,6 +37,7 @@ import faulthandler
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -31,6 +45,89 @@ from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("ddp")
+
+PREEMPTED_EXIT_CODE = 75
+"""Exit status of a run that stopped on a preemption signal after saving a checkpoint."""
+
+
+class Preempted(SystemExit):
+    """Raised by ``Trainer.fit`` after the preemption checkpoint is saved."""
+
+    def __init__(self) -> None:
+        super().__init__(PREEMPTED_EXIT_CODE)
+
+
+class Vote:
+    """Whether any rank got a preemption signal, known on every rank at the same step.
+
+    Every ``every`` steps each rank writes its flag into a CPU tensor and starts an
+    asynchronous MAX all_reduce on ``ddp.dist.cpu_group()``, a Gloo group of its own
+    (never queued behind DDP's gradient buckets). The vote started at step s is read
+    at step s + ``every``, the same step on every rank, so all ranks stop together. By
+    then the one-float collective finished long ago: ``is_completed()`` is tried first
+    and ``wait()`` covers only a late one (counted in ``late``). Nothing here reads a
+    device tensor, so the loop never makes the host wait for the GPU.
+    """
+
+    def __init__(self, every: int, world_size: int, group: Any = None) -> None:
+        import torch
+
+        self.every = every
+        self.distributed = world_size > 1
+        self.group = group
+        self._buf = (torch.zeros(1), torch.zeros(1))  # CPU, double-buffered
+        self._cur = 0
+        self._work: Any = None
+        self.late = 0
+
+    @property
+    def buffers(self) -> tuple[Any, Any]:
+        """The CPU tensors the vote travels in (tests check they never sit on a device)."""
+        return self._buf
+
+    def step(self, step: int, flagged: bool) -> bool:
+        """At an optimizer step boundary: True when the ranks agreed to stop now."""
+        if not self.every or step % self.every:
+            return False
+        if self.settle():
+            return True
+        self._cur ^= 1
+        buf = self._buf[self._cur]
+        buf.fill_(1.0 if flagged else 0.0)
+        if not self.distributed:
+            return flagged
+        import torch.distributed as tdist
+
+        self._work = tdist.all_reduce(
+            buf, op=tdist.ReduceOp.MAX, group=self.group, async_op=True
+        )
+        return False
+
+    def settle(self) -> bool:
+        """Finish the vote in flight (before a save, or leaving the epoch): True = stop."""
+        if self._work is None:
+            return False
+        if not self._work.is_completed():
+            self.late += 1
+        self._work.wait()
+        self._work = None
+        return bool(self._buf[self._cur].numpy()[0])  # a CPU view: no device sync
+
+
+def requeue(enabled: bool) -> None:
+    """Rank 0, after the preemption checkpoint: ``scontrol requeue $SLURM_JOB_ID``.
+
+    ``enabled`` is ``preemption.requeue``; ``DDP_REQUEUE=1`` (exported by ``hpc render``
+    for a spec with ``requeue: true``) turns it on too. Outside SLURM it does nothing.
+    """
+    job = os.environ.get("SLURM_JOB_ID")
+    if not (enabled or os.environ.get("DDP_REQUEUE") == "1") or not job:
+        return
+    try:
+        subprocess.run(["scontrol", "requeue", job], check=True, timeout=60)
+        log.warning("requeued SLURM job %s", job)
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.error("scontrol requeue %s failed: %s", job, exc)
 
 STUCK_S = 5.0
 """Seconds the main thread has to run the Python handler before it counts as stuck."""

@@ -1,0 +1,288 @@
+"""The Checkpointer: one object that owns a run's checkpoints.
+
+It owns the state keys (the trainer never builds a checkpoint dict), the directory lock,
+the background save and its errors, keep-last pruning, the resume lookup, restoring
+every piece of state, the checks that a checkpoint fits this run, and the final export.
+The file format itself (atomic writes, digests, ``latest``) is :mod:`ddp.checkpoint`.
+Modelled on torchtitan's ``CheckpointManager``; every method that touches other ranks
+says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import ddp
+from ddp import checkpoint as ckpt
+from ddp.config import TrainConfig
+from ddp.dist import Context
+from ddp.errors import ConfigError, TrainingDiverged
+
+log = logging.getLogger("ddp")
+
+
+@dataclass
+class LoopState:
+    """Where the loop is and what it trains with: what a checkpoint captures."""
+
+    phase: int
+    epoch: int
+    batch: int  # micro-batches done in this epoch
+    n_batches: int  # micro-batches per epoch on this rank
+    phase_start: int  # global step at which this phase began
+    opt: torch.optim.Optimizer
+    sched: Any
+    scaler: Any  # torch.amp.GradScaler for fp16, else None
+
+    def after_batches(self) -> tuple[int, int]:
+        """The position after the batches done so far: a finished epoch is the next
+        one's start (an evaluation still owed is saved as (epoch, n_batches) instead)."""
+        if self.batch >= self.n_batches:
+            return self.epoch + 1, 0
+        return self.epoch, self.batch
+
+
+class Checkpointer:
+    """Saves and restores one run's state in ``config.checkpoint.dir`` (None: off)."""
+
+    def __init__(self, config: TrainConfig, ctx: Context) -> None:
+        self.config = config
+        self.ctx = ctx
+        self.dir = config.checkpoint.dir
+        self._lock: ckpt.DirLock | None = None
+        self._pending: ckpt.PendingSave | None = None
+        self.resumed_from = ""
+
+    # ---- lifetime -----------------------------------------------------------------------
+    def open(self) -> None:
+        """Collective: rank 0 locks the directory; every rank stops with its line if not.
+
+        Also the early check that the directory is writable at all: a read-only one is
+        reported now, not after the first epoch's work."""
+        if not self.dir:
+            return
+        error = None
+        if self.ctx.is_main:
+            try:
+                self._lock = ckpt.DirLock.acquire(self.dir)
+            except ConfigError as exc:
+                error = str(exc)
+        error = ddp.broadcast_object(error)
+        if error:
+            raise ConfigError(error)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Finish a background save (raising its error); at most ``timeout`` seconds."""
+        if self._pending is not None and self._pending.wait(timeout):
+            self._pending = None
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish the last save (never leave one half-finalized), then free the directory."""
+        with contextlib.suppress(Exception):
+            self.wait(timeout)
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    # ---- resume -------------------------------------------------------------------------
+    def load(self) -> dict[str, Any] | None:
+        """Collective: the checkpoint to resume from (``checkpoint.resume``), or None."""
+        c = self.config.checkpoint
+        if c.resume == "none" or (c.resume == "auto" and not self.dir):
+            return None
+        if c.resume == "auto":
+            path = None
+            if self.ctx.is_main:
+                found = ckpt.load_latest(self.dir)  # type: ignore[arg-type]
+                path = str(found[0]) if found else None
+            path = ddp.broadcast_object(path)
+        else:
+            path = c.resume
+        if path is None:
+            return None
+        state = ckpt.load_checkpoint(path)
+        log.info("resuming from %s (step %d)", path, state["global_step"])
+        self.resumed_from = path
+        check_resumable(state.get("config") or {}, self.config.to_dict(), path)
+        return state
+
+    def restore_model(self, state: dict[str, Any], model: torch.nn.Module) -> None:
+        """This rank's RNG streams (same world size only) and the weights."""
+        rngs = state.get("rng") or []
+        world = self.ctx.world_size
+        if state.get("world_size") == world and len(rngs) == world:
+            ckpt.set_rng_state(rngs[self.ctx.rank], self.ctx.device)
+        else:
+            log.warning("checkpoint from world size %s: RNG states not restored",
+                        state.get("world_size"))  # fmt: skip
+        load_model(ddp.unwrap(model), state["model"], self.resumed_from)
+
+    def restore_loop(self, state: dict[str, Any], loop: LoopState, base_lr: float) -> None:
+        """Optimizer, schedule and scaler, then the config's new values on top."""
+        loop.opt.load_state_dict(state["optimizer"])
+        loop.sched.load_state_dict(state["scheduler"])
+        apply_new_hyperparameters(loop.opt, loop.sched, base_lr, self.config)
+        if loop.scaler is not None and state.get("scaler"):
+            loop.scaler.load_state_dict(state["scaler"])
+        loop.epoch, loop.batch = state["epoch"], state["batches_in_epoch"]
+
+    # ---- save ---------------------------------------------------------------------------
+    def save(
+        self, loop: LoopState, model: torch.nn.Module, global_step: int, at: tuple[int, int]
+    ) -> None:
+        """Collective: every rank's RNG to rank 0, which writes in the background.
+
+        ``at`` is the (epoch, micro-batch) a resumed run starts from."""
+        if not self.dir:
+            return
+        gathered = ddp.all_gather_object((ckpt.rng_state(self.ctx.device), finite(model)))
+        if not all(ok for _, ok in gathered):
+            raise diverged(global_step, "the weights are not finite (nan/inf)")
+        if self.ctx.is_main:
+            t0 = time.perf_counter()
+            epoch, batch = at
+            state = {
+                "model": ckpt.model_state(model),
+                "optimizer": loop.opt.state_dict(),
+                "scheduler": loop.sched.state_dict(),
+                "scaler": loop.scaler.state_dict() if loop.scaler is not None else None,
+                "phase": loop.phase,
+                "epoch": epoch,
+                "batches_in_epoch": batch,
+                "global_step": global_step,
+                "phase_start_step": loop.phase_start,
+                "world_size": self.ctx.world_size,
+                "rng": [rng for rng, _ in gathered],
+                "config": self.config.to_dict(),
+            }
+            self.wait()  # one save in flight at a time; its error surfaces here
+            c = self.config.checkpoint
+            self._pending = ckpt.begin_save(state, self.dir, global_step, c.keep_last, True)
+            log.info("saved %s in %.2fs (fsync continues in the background)",
+                     self._pending.path, time.perf_counter() - t0)  # fmt: skip
+        ddp.barrier()
+
+    def export(self, model: torch.nn.Module, global_step: int) -> str | None:
+        """Collective: ``final/model.pt`` for single-device inference (``save_final``)."""
+        c = self.config.checkpoint
+        self.wait()
+        if not (self.dir and c.save_final):
+            return None
+        if not all(ddp.all_gather_object(finite(model))):
+            raise diverged(global_step, "the weights are not finite (nan/inf)")
+        path = None
+        if self.ctx.is_main:
+            path = str(ckpt.export_final(model, self.dir, self.config.to_yaml()))
+        ddp.barrier()
+        return path
+
+
+# ---- checks on weights and on a checkpoint ------------------------------------------------
+def finite(model: torch.nn.Module) -> bool:
+    """Whether this rank's weights are all finite (one host sync: checkpoints only)."""
+    params = [p.detach() for p in ddp.unwrap(model).parameters()]
+    if not params:
+        return True
+    return bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
+
+
+def diverged(step: int, what: str) -> TrainingDiverged:
+    """The error that stops a diverged run: nothing is saved from its weights.
+
+    Stopping, not skipping, follows Keras' TerminateOnNaN and Lightning's former
+    ``terminate_on_nan``: a NaN rarely heals, and a skipped step hides the cause.
+    """
+    return TrainingDiverged(
+        f"step {step}: {what}: training diverged; nothing was saved from these weights and "
+        "the earlier checkpoints are kept. Lower optim.lr, set optim.grad_clip, or check "
+        "the data"
+    )
+
+
+# Keys whose change makes the saved data position or optimizer state meaningless.
+_FIXED_ON_RESUME = ("optim.name", "training.batch_size", "training.accum", "training.seed",
+                    "training.shuffle", "training.drop_last")  # fmt: skip
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_resumable(old: dict[str, Any], new: dict[str, Any], path: str) -> None:
+    """Stop on a change the checkpoint cannot carry; log every other changed key.
+
+    A resumed run either applies a new value (optimizer hyper-parameters, the schedule,
+    more epochs: :func:`apply_new_hyperparameters`) and says so, or stops with one
+    line; it never mixes old and new silently.
+    """
+    before, after = _flat(old), _flat(new)
+    changed = [k for k in after if k in before and before[k] != after[k]]
+    for key in changed:
+        if key in _FIXED_ON_RESUME:
+            raise ConfigError(
+                f"{key}: {after[key]!r} differs from {before[key]!r} in the checkpoint "
+                f"{path!r}, which cannot continue with it; allowed: the checkpoint's value, "
+                "or a fresh checkpoint.dir / checkpoint.resume=none"
+            )
+    for key in changed:
+        if key != "checkpoint.resume":
+            log.warning("resume: %s changed %r -> %r; the new value applies", key,
+                        before[key], after[key])  # fmt: skip
+
+
+def apply_new_hyperparameters(opt: Any, sched: Any, base_lr: float, cfg: TrainConfig) -> None:
+    """Make the config's optimizer values win over the ones restored from the checkpoint.
+
+    ``opt.load_state_dict`` brings back the saved lr, weight decay and betas, and the
+    scheduler its saved base LR; without this a new ``optim.lr`` would be printed at
+    start-up and then ignored. Unchanged values are left untouched (bit-exact resume).
+    """
+    o = cfg.optim
+    want: dict[str, Any] = {"weight_decay": o.weight_decay}
+    if o.name == "sgd":
+        want["momentum"] = o.momentum
+    else:
+        want["betas"] = (o.betas[0], o.betas[1])
+    for group in opt.param_groups:
+        for key, value in want.items():
+            if key in group and group[key] != value:
+                group[key] = value
+    if any(b != base_lr for b in sched.base_lrs):
+        sched.base_lrs = [base_lr for _ in sched.base_lrs]
+        factor = sched.lr_lambdas[0](sched.last_epoch)
+        for group in opt.param_groups:
+            group["initial_lr"] = base_lr
+            group["lr"] = base_lr * factor
+        sched._last_lr = [g["lr"] for g in opt.param_groups]
+
+
+def load_model(model: torch.nn.Module, saved: dict[str, Any], path: str) -> None:
+    """``load_state_dict`` with one line naming the first mismatch, not torch's 40."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(saved))
+    extra = sorted(set(saved) - set(own))
+    shapes = [k for k in own if k in saved and tuple(own[k].shape) != tuple(saved[k].shape)]
+    if missing or extra or shapes:
+        if shapes:
+            k = shapes[0]
+            what = (f"{k!r} is {tuple(saved[k].shape)} in the checkpoint and "
+                    f"{tuple(own[k].shape)} in this model")  # fmt: skip
+        else:
+            what = f"keys missing {missing[:3]}, unexpected {extra[:3]}"
+        raise ConfigError(
+            f"checkpoint {path!r} was saved from a different model ({what}); allowed: the "
+            "same model settings, or a fresh checkpoint.dir / checkpoint.resume=none"
+        )
+    model.load_state_dict(saved)

@@ -1,0 +1,174 @@
+"""Where the trainer's numbers go: the console (a progress bar or plain lines),
+TensorBoard and W&B, behind one small interface.
+
+Only rank 0 logs; the other ranks get an empty :class:`Loggers`. A writer whose package
+is missing is skipped with a warning, never a failure: the run matters more than its plots.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any, Protocol
+
+from ddp.config import TrainConfig
+
+log = logging.getLogger("ddp")
+
+
+class Writer(Protocol):
+    """A metrics sink: scalars by name at a global step."""
+
+    def log(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+class Loggers:
+    """The console plus every configured writer, for one rank (empty off rank 0)."""
+
+    def __init__(self, config: TrainConfig, main: bool) -> None:
+        self.config = config
+        self.main = main
+        self.writers: list[Writer] = open_writers(config) if main else []
+        self._bar: _Progress | None = None
+        self.last: dict[str, float] = {}
+
+    def start_phase(self, name: str, total: int, done: int) -> None:
+        """A progress bar (or plain lines) for ``total`` optimizer steps, ``done`` already."""
+        self.end_phase()
+        self._bar = _Progress(self.main, self.config.logging.progress, total, name)
+        self._bar.advance_to(done)
+
+    def end_phase(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def train(self, metrics: dict[str, float], step: int, phase_step: int, epoch: int) -> None:
+        """A log point's rank-averaged metrics (every rank calls; rank 0 reports)."""
+        self.last = metrics
+        if not self.main:
+            return
+        if self._bar is not None:
+            self._bar.update(phase_step, metrics)
+            if self._bar.plain:
+                log.info("step %d epoch %d %s", step, epoch + 1,
+                         " ".join(f"{k}={fmt(v)}" for k, v in metrics.items()))  # fmt: skip
+        self._emit({f"train/{k}": v for k, v in metrics.items()}, step)
+
+    def eval(self, metrics: dict[str, float], step: int, epoch: int | None = None) -> None:
+        if not self.main:
+            return
+        if epoch is not None:
+            log.info("epoch %d %s", epoch + 1,
+                     " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))  # fmt: skip
+        self._emit(metrics, step)
+
+    def close(self) -> None:
+        self.end_phase()
+        for w in self.writers:
+            try:
+                w.close()
+            except Exception as exc:  # a writer's flush must not hide the run's result
+                log.warning("closing %s failed: %s", type(w).__name__, exc)
+        self.writers = []
+
+    def _emit(self, metrics: dict[str, float], step: int) -> None:
+        for w in self.writers:
+            w.log(metrics, step)
+
+
+def open_writers(config: TrainConfig) -> list[Writer]:
+    """TensorBoard (``<checkpoint.dir>/tensorboard``) and W&B, as configured."""
+    out: list[Writer] = []
+    lg = config.logging
+    if lg.tensorboard:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            logdir = os.path.join(config.checkpoint.dir or ".", "tensorboard")
+            out.append(TensorBoard(SummaryWriter(logdir)))
+        except ImportError:
+            log.warning("logging.tensorboard: tensorboard is not installed; skipping")
+    if lg.wandb.project and lg.wandb.mode != "disabled":
+        try:
+            import wandb
+
+            run = wandb.init(project=lg.wandb.project, mode=lg.wandb.mode,
+                             config=config.to_dict())  # fmt: skip
+            out.append(WandB(run))
+        except ImportError:
+            log.warning("logging.wandb: wandb is not installed; skipping")
+    return out
+
+
+class TensorBoard:
+    def __init__(self, writer: Any) -> None:
+        self.w = writer
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for k, v in metrics.items():
+            self.w.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self.w.close()
+
+
+class WandB:
+    def __init__(self, run: Any) -> None:
+        self.run = run
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class _Progress:
+    """Rank-0 progress: a rich bar on a TTY, plain log lines otherwise."""
+
+    def __init__(self, main: bool, mode: str, total: int, name: str) -> None:
+        self.bar = None
+        if mode == "auto":
+            mode = "bar" if sys.stdout.isatty() else "plain"
+        self.plain = main and mode == "plain"
+        if main and mode == "bar":
+            from rich.progress import (
+                BarColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+
+            self.bar = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total}"),
+                TextColumn("loss {task.fields[loss]}"),
+                TextColumn("{task.fields[sps]} samples/s"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+            )
+            self.bar.start()
+            self.task = self.bar.add_task(name, total=total, loss="-", sps="-")
+
+    def advance_to(self, step: int) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step)
+
+    def update(self, step: int, metrics: dict[str, float]) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step, loss=f"{metrics['loss']:.4f}",
+                            sps=f"{metrics['samples_per_s']:.0f}")  # fmt: skip
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()

@@ -1,0 +1,53 @@
+"""The hot loop makes no host-device synchronisation between log points (issue 12).
+
+Two real Gloo ranks with the Trainer's defaults (preemption signals installed, the vote
+every step), checkpoints off and log points far apart; every host read of a tensor's
+value during 10 steady-state steps is counted (see ``_sync_worker``). On a GPU each
+such read would make the host wait for the device. The preemption vote's buffers are
+read (that is the vote), but they are CPU tensors by construction.
+"""
+
+from __future__ import annotations
+
+import json
+
+from tests.ddp import _launch
+
+WORKER = "tests/ddp/_sync_worker.py"
+
+
+def test_no_host_reads_between_log_points(tmp_path):
+    spec = {
+        "out": str(tmp_path), "n": 512, "start": 3, "stop": 13,
+        "config": {
+            "training": {"batch_size": 4, "epochs": 1, "max_steps": 20},
+            "optim": {"name": "sgd", "lr": 0.01},
+            "checkpoint": {"dir": None},
+            "logging": {"every_n_steps": 1000, "progress": "off"},
+        },
+    }  # fmt: skip
+    results = _launch.run([WORKER, json.dumps(spec)], world=2, timeout=120)
+    for rank, (rc, out, err) in enumerate(results):
+        assert rc == 0, f"rank {rank}: {out[-2000:]}\n{err[-3000:]}"
+    for rank in range(2):
+        rec = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert rec["reads"] == 0, rec["where"]
+        assert rec["vote_on_cpu"]
+        assert rec["vote_reads"] >= 9, "the preemption vote did not run every step"
+
+
+def test_the_counter_sees_a_read(tmp_path):
+    """The same harness counts a step function that reads its loss (so it can fail)."""
+    spec = {
+        "out": str(tmp_path), "n": 512, "start": 3, "stop": 13,
+        "config": {
+            "training": {"batch_size": 4, "epochs": 1, "max_steps": 20},
+            "optim": {"name": "sgd", "lr": 0.01},
+            "checkpoint": {"dir": None},
+            "logging": {"every_n_steps": 5, "progress": "off"},  # two log points inside
+        },
+    }  # fmt: skip
+    results = _launch.run([WORKER, json.dumps(spec)], world=2, timeout=120)
+    assert all(rc == 0 for rc, _, _ in results), results
+    rec = json.loads((tmp_path / "rank0.json").read_text())
+    assert rec["reads"] >= 2  # each log point reads the window's sums once
