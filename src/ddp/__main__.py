@@ -11,8 +11,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ddp.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ddp.config import TrainConfig
+    from ddp.recipes import Recipe
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -53,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("a recipe name is required (see --list)")
         recipe = recipes.get(pre.recipe)
         parser = _parser()
-        recipes.add_flags(parser.add_argument_group(f"{pre.recipe} flags"), recipe)  # type: ignore[arg-type]
+        recipes.add_flags(parser, recipe)
         args = parser.parse_args(argv)
         config = recipes.resolve(recipe, args.config, args.set, args)
         if args.print_config:
@@ -67,15 +72,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-def _train(recipe: object, config: object) -> int:
+def _train(recipe: Recipe, config: TrainConfig) -> int:
     import ddp
     from ddp.trainer import Trainer
 
-    ddp.init(backend=config.ddp.backend, device=config.ddp.device,  # type: ignore[attr-defined]
-             timeout=config.ddp.timeout_s)  # type: ignore[attr-defined]
-    built = recipe.build(config)  # type: ignore[attr-defined]
+    ddp.init(backend=config.ddp.backend, device=config.ddp.device, timeout=config.ddp.timeout_s)
+    built = recipe.build(config)
     trainer = Trainer(
-        built.model, built.train_data, config, built.step_fn,  # type: ignore[arg-type]
+        built.model, built.train_data, config, built.step_fn,
         built.eval_data, built.eval_fn, built.collate_fn,
     )  # fmt: skip
     summary = trainer.fit()
