@@ -431,7 +431,8 @@ def cmd_scale(args: argparse.Namespace, command: list[str] | None) -> int:
 
     rows = scale_table(args.gpus, args.rule, args.base_lr, args.base_warmup, args.batch_size, args.accum,
                        args.base_gpus)
-    table = Table(title=f"scaling rule {args.rule}: batch {args.batch_size} x accum {args.accum} per GPU")
+    tuned = f", base lr and warmup tuned at {args.base_gpus} GPUs" if args.base_gpus != 1 else ""
+    table = Table(title=f"scaling rule {args.rule}: batch {args.batch_size} x accum {args.accum} per GPU{tuned}")
     for col in ("GPUs", "effective batch", "factor", "lr", "warmup"):
         table.add_column(col, justify="right")
     for r in rows:

@@ -109,6 +109,20 @@ def test_bad_rules_refused_alike(rule: str, capsys: pytest.CaptureFixture[str]) 
     assert len(err) == 1 and err[0].startswith(f"hpc: error: rule: {rule!r}"), err
 
 
+def test_hpc_scale_base_gpus_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--base-gpus`` is TrainConfig's ``scaling.base_world_size``: same numbers."""
+    rows = _hpc_scale_rows(capsys, "--gpus", "8", "--rule", "cap:2", "--base-lr", "1e-3",
+                           "--base-warmup", "100", "--base-gpus", "2")  # fmt: skip
+    cfg = TrainConfig.from_dict({
+        "optim": {"lr": 1e-3, "warmup_steps": 100},
+        "scaling": {"rule": "cap:2", "base_world_size": 2, "scale_warmup": True},
+    })  # fmt: skip
+    assert sorted(rows) == [1, 2, 4, 8]
+    for gpus, (_, lr, warmup) in rows.items():
+        assert lr == pytest.approx(cfg.scaled_lr(gpus)) and warmup == cfg.scaled_warmup(gpus)
+    assert rows[8][1:] == (2e-3, 200)
+
+
 def test_hpc_scale_bad_base_gpus_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert hpc_main(["scale", "--gpus", "8", "--base-lr", "1e-4", "--base-gpus", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
