@@ -95,11 +95,14 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     if want("scale"):
         p = sub.add_parser("scale", parents=[common], help="lr / warmup / effective batch for 1..N GPUs")
         p.add_argument("--gpus", type=int, required=True)
-        p.add_argument("--rule", default="linear", help="linear, sqrt or cap:N")
+        p.add_argument("--rule", default="linear",
+                       help="none, linear, sqrt or cap:N (factor min(gpus/base-gpus, N), N >= 1)")
         p.add_argument("--base-lr", type=float, required=True)
         p.add_argument("--base-warmup", type=int, default=0)
         p.add_argument("--batch-size", type=int, default=1)
         p.add_argument("--accum", type=int, default=1)
+        p.add_argument("--base-gpus", type=int, default=1,
+                       help="GPU count base-lr was tuned at (scaling.base_world_size)")
         p.set_defaults(func=cmd_scale)
     return parser
 
@@ -426,8 +429,10 @@ def cmd_scale(args: argparse.Namespace, command: list[str] | None) -> int:
 
     from hpc.scale import table as scale_table
 
-    rows = scale_table(args.gpus, args.rule, args.base_lr, args.base_warmup, args.batch_size, args.accum)
-    table = Table(title=f"scaling rule {args.rule}: batch {args.batch_size} x accum {args.accum} per GPU")
+    rows = scale_table(args.gpus, args.rule, args.base_lr, args.base_warmup, args.batch_size, args.accum,
+                       args.base_gpus)
+    tuned = f", base lr and warmup tuned at {args.base_gpus} GPUs" if args.base_gpus != 1 else ""
+    table = Table(title=f"scaling rule {args.rule}: batch {args.batch_size} x accum {args.accum} per GPU{tuned}")
     for col in ("GPUs", "effective batch", "factor", "lr", "warmup"):
         table.add_column(col, justify="right")
     for r in rows:

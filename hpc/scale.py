@@ -1,17 +1,25 @@
 """Hyperparameter scaling with the number of GPUs (``hpc scale``).
 
 The rules users apply by hand today: ``linear`` (lr and warmup times the GPU
-count), ``sqrt`` (times its square root, for very large batches) and ``cap:N``
-(linear up to N, then flat). The effective batch is always
-``batch_size * accum * gpus``.
+count), ``sqrt`` (times its square root, for very large batches), ``cap:N``
+(linear until the factor reaches N, then flat; N >= 1) and ``none``. The
+effective batch is always ``batch_size * accum * gpus``.
+
+The arithmetic is not here: it is :mod:`ddp.scaling`, the module the trainer's
+``TrainConfig`` uses, so this table and the job's log line cannot disagree.
+``ddp.scaling`` imports only the standard library, and it is imported inside
+the functions below, so ``import hpc`` still pulls neither ``ddp`` nor torch.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hpc.errors import UserError
+
+if TYPE_CHECKING:
+    from ddp.scaling import Rule
 
 
 @dataclass(frozen=True)
@@ -25,22 +33,15 @@ class Row:
     warmup: int
 
 
-def parse_rule(rule: str) -> tuple[str, int | None]:
-    """'linear' | 'sqrt' | 'cap:N' -> (kind, cap)."""
-    if rule in ("linear", "sqrt"):
-        return rule, None
-    if rule.startswith("cap:") and rule[4:].isdigit() and int(rule[4:]) >= 1:
-        return "cap", int(rule[4:])
-    raise UserError(f"rule: {rule!r} is not a scaling rule; allowed: linear, sqrt, cap:N (N >= 1)")
+def parse_rule(rule: str) -> Rule:
+    """'none' | 'linear' | 'sqrt' | 'cap:N' -> the shared Rule; a UserError otherwise."""
+    from ddp.scaling import ScalingRuleError
+    from ddp.scaling import parse_rule as parse
 
-
-def factor(kind: str, cap: int | None, gpus: int) -> float:
-    """How much lr and warmup grow at ``gpus`` GPUs."""
-    if kind == "linear":
-        return float(gpus)
-    if kind == "sqrt":
-        return math.sqrt(gpus)
-    return float(min(gpus, cap or gpus))
+    try:
+        return parse(rule)
+    except ScalingRuleError as exc:
+        raise UserError(f"rule: {exc}") from None
 
 
 def gpu_counts(gpus: int) -> list[int]:
@@ -57,17 +58,27 @@ def gpu_counts(gpus: int) -> list[int]:
 
 
 def table(
-    gpus: int, rule: str, base_lr: float, base_warmup: int, batch_size: int, accum: int
+    gpus: int, rule: str, base_lr: float, base_warmup: int, batch_size: int, accum: int,
+    base_gpus: int = 1,
 ) -> list[Row]:
-    """The scaled lr, warmup and effective batch for 1..gpus GPUs, doubling."""
-    for name, value in (("base-warmup", base_warmup), ("batch-size", batch_size), ("accum", accum)):
+    """The scaled lr, warmup and effective batch for 1..gpus GPUs, doubling.
+
+    ``base_gpus`` is the GPU count ``base_lr`` and ``base_warmup`` were tuned at
+    (``scaling.base_world_size`` in the trainer's config).
+    """
+    from ddp import scaling
+
+    for name, value in (("base-warmup", base_warmup), ("batch-size", batch_size),
+                        ("accum", accum), ("base-gpus", base_gpus)):  # fmt: skip
         if value < (0 if name == "base-warmup" else 1):
-            raise UserError(f"{name}: {value} is not allowed; allowed: a whole number >= 1")
+            low = 0 if name == "base-warmup" else 1
+            raise UserError(f"{name}: {value} is not allowed; allowed: a whole number >= {low}")
     if not base_lr > 0:
         raise UserError(f"base-lr: {base_lr} is not allowed; allowed: a number > 0")
-    kind, cap = parse_rule(rule)
+    parsed = parse_rule(rule)
     rows = []
     for n in gpu_counts(gpus):
-        f = factor(kind, cap, n)
-        rows.append(Row(n, batch_size * accum * n, f, base_lr * f, round(base_warmup * f)))
+        f = parsed.factor(n, base_gpus)
+        rows.append(Row(n, scaling.effective_batch(batch_size, accum, n), f,
+                        scaling.scaled_lr(base_lr, f), scaling.scaled_warmup(base_warmup, f)))  # fmt: skip
     return rows

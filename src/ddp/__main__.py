@@ -1,9 +1,11 @@
 """``python -m ddp RECIPE [--config FILE] [--set section.key=value ...] [recipe flags]``.
 
 Runs the same way as one process, under torchrun, mpiexec or srun: ``ddp.init()``
-works out the launcher. User mistakes (ConfigError) end with one stderr line
-``ddp: error: ...`` and exit code 2; a preempted run exits with
-``ddp.trainer.PREEMPTED_EXIT_CODE`` (75) after saving its checkpoint.
+works out the launcher. User mistakes (ConfigError, and command-line errors such as
+an unknown flag) end with one stderr line ``ddp: error: ...`` and exit code 2; a
+preempted run exits with ``ddp.trainer.PREEMPTED_EXIT_CODE`` (75) after saving its
+checkpoint. ``python -m ddp RECIPE --help`` lists the recipe's own flags and the common
+ones, each with the config key it sets and the value that key has without it.
 """
 
 from __future__ import annotations
@@ -11,15 +13,28 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, NoReturn
 
 from ddp.errors import ConfigError
 
+if TYPE_CHECKING:
+    from ddp.config import TrainConfig
+    from ddp.recipes import Recipe
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are ConfigErrors: one ``ddp: error:`` line, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(message)
+
+
+def _parser(add_help: bool = True) -> _Parser:
+    p = _Parser(
         prog="python -m ddp",
         description="Train a recipe with DDP under any launcher.",
-        epilog="Recipe flags: python -m ddp RECIPE --help",
+        epilog="Recipe flags, their config keys and defaults: python -m ddp RECIPE --help",
+        add_help=add_help,
     )
     p.add_argument("recipe", nargs="?", help="recipe name (see --list)")
     p.add_argument("--list", action="store_true", help="list recipes and exit")
@@ -33,13 +48,18 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _wants_help(argv: Sequence[str]) -> bool:
+    return any(a in ("-h", "--help") for a in argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from ddp import recipes
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    pre, _ = _parser().parse_known_args(argv)
-    debug = pre.debug
+    debug = "--debug" in argv
     try:
+        # Without -h: the recipe's own parser (built below) answers --help, with its flags.
+        pre, _ = _parser(add_help=False).parse_known_args(argv)
         if pre.list:
             for name in recipes.names():
                 try:
@@ -49,12 +69,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{name:10s} {about}")
             return 0
         if not pre.recipe:
-            _parser().print_usage(sys.stderr)
+            if _wants_help(argv):
+                _parser().print_help()
+                return 0
             raise ConfigError("a recipe name is required (see --list)")
         recipe = recipes.get(pre.recipe)
         parser = _parser()
-        recipes.add_flags(parser.add_argument_group(f"{pre.recipe} flags"), recipe)  # type: ignore[arg-type]
-        args = parser.parse_args(argv)
+        shown = _help_config(recipe, pre.config, pre.set) if _wants_help(argv) else None
+        recipes.add_flags(parser, recipe, shown)
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as exc:  # --help printed; usage errors raise ConfigError instead
+            return int(exc.code or 0)
         config = recipes.resolve(recipe, args.config, args.set, args)
         if args.print_config:
             print(config.to_yaml(), end="")
@@ -67,15 +93,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-def _train(recipe: object, config: object) -> int:
+def _help_config(recipe: Recipe, config_file: str | None, sets: list[str]) -> TrainConfig:
+    """The values --help shows as defaults: recipe defaults <- --config <- --set.
+
+    Help should still come when the file or a --set is broken, so those fall back
+    to the recipe's own defaults (the real run reports the error).
+    """
+    from ddp import recipes
+
+    try:
+        return recipes.resolve(recipe, config_file, sets)
+    except ConfigError:
+        return recipes.resolve(recipe)
+
+
+def _train(recipe: Recipe, config: TrainConfig) -> int:
     import ddp
     from ddp.trainer import Trainer
 
-    ddp.init(backend=config.ddp.backend, device=config.ddp.device,  # type: ignore[attr-defined]
-             timeout=config.ddp.timeout_s)  # type: ignore[attr-defined]
-    built = recipe.build(config)  # type: ignore[attr-defined]
+    ddp.init(backend=config.ddp.backend, device=config.ddp.device, timeout=config.ddp.timeout_s)
+    built = recipe.build(config)
     trainer = Trainer(
-        built.model, built.train_data, config, built.step_fn,  # type: ignore[arg-type]
+        built.model, built.train_data, config, built.step_fn,
         built.eval_data, built.eval_fn, built.collate_fn,
     )  # fmt: skip
     summary = trainer.fit()

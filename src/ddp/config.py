@@ -17,7 +17,6 @@ import dataclasses
 import difflib
 import math
 import os
-import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from ddp import yaml_io
+from ddp import scaling, yaml_io
 from ddp.errors import ConfigError
 
 _SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP", "SIGCONT", "SIGXCPU")
@@ -62,7 +61,10 @@ class OptimConfig:
 
 @dataclass
 class ScalingConfig:
-    """How LR (and optionally warmup) follow the world size: ``none|linear|sqrt|cap:N``."""
+    """How LR (and optionally warmup) follow the world size: ``none|linear|sqrt|cap:N``.
+
+    ``cap:N`` caps the factor ``world / base_world_size`` at N (see :mod:`ddp.scaling`).
+    """
 
     rule: str = "none"
     base_world_size: int = 1
@@ -205,41 +207,35 @@ class TrainConfig:
         return TrainConfig.from_dict(data)
 
     # ---- derived values -----------------------------------------------------------
+    # The arithmetic is ddp.scaling's, the same that `hpc scale` prints.
     def scale_factor(self, world_size: int) -> float:
         return scale_factor(self.scaling.rule, world_size, self.scaling.base_world_size)
 
     def scaled_lr(self, world_size: int, lr: float | None = None) -> float:
-        return (self.optim.lr if lr is None else lr) * self.scale_factor(world_size)
+        base = self.optim.lr if lr is None else lr
+        return scaling.scaled_lr(base, self.scale_factor(world_size))
 
     def scaled_warmup(self, world_size: int) -> int:
         if not self.scaling.scale_warmup:
             return self.optim.warmup_steps
-        return int(round(self.optim.warmup_steps * self.scale_factor(world_size)))
+        return scaling.scaled_warmup(self.optim.warmup_steps, self.scale_factor(world_size))
 
     def effective_batch(self, world_size: int) -> int:
-        return self.training.batch_size * self.training.accum * world_size
+        t = self.training
+        return scaling.effective_batch(t.batch_size, t.accum, world_size)
 
 
 # ---- scaling rules -------------------------------------------------------------------
-_CAP = re.compile(r"^cap:(\d+(?:\.\d+)?)$")
-
-
 def scale_factor(rule: str, world_size: int, base_world_size: int = 1) -> float:
     """LR multiplier for ``world_size`` ranks relative to ``base_world_size``.
 
-    ``linear``: w/b; ``sqrt``: sqrt(w/b); ``cap:N``: min(w/b, N); ``none``: 1.
+    ``linear``: w/b; ``sqrt``: sqrt(w/b); ``cap:N``: min(w/b, N), N >= 1; ``none``: 1.
+    One implementation for the trainer and ``hpc scale``: :mod:`ddp.scaling`.
     """
-    ratio = world_size / base_world_size
-    if rule == "none":
-        return 1.0
-    if rule == "linear":
-        return ratio
-    if rule == "sqrt":
-        return math.sqrt(ratio)
-    m = _CAP.match(rule)
-    if m:
-        return min(ratio, float(m.group(1)))
-    raise ConfigError(f"scaling.rule: {rule!r} is not one of none, linear, sqrt, cap:N")
+    try:
+        return scaling.scale_factor(rule, world_size, base_world_size)
+    except scaling.ScalingRuleError as exc:
+        raise ConfigError(f"scaling.rule: {exc}") from None
 
 
 # ---- parsing helpers -----------------------------------------------------------------
@@ -440,10 +436,12 @@ def _validate(obj: Any, where: str) -> None:
     elif isinstance(obj, ScalingConfig):
         if obj.base_world_size < 1:
             bad("base_world_size", obj.base_world_size, "an integer >= 1")
-        if obj.rule not in ("none", "linear", "sqrt") and not _CAP.match(obj.rule):
-            close = difflib.get_close_matches(obj.rule, ["none", "linear", "sqrt", "cap:N"], n=1)
+        try:
+            scaling.parse_rule(obj.rule)
+        except scaling.ScalingRuleError:
+            close = difflib.get_close_matches(obj.rule, list(scaling.RULES), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            bad("rule", obj.rule, f"none, linear, sqrt or cap:N{hint}")
+            bad("rule", obj.rule, f"none, linear, sqrt or cap:N with N >= 1{hint}")
     elif isinstance(obj, MemoryConfig):
         f = obj.max_memory_fraction
         if f is not None and not 0 < f <= 1:

@@ -39,10 +39,11 @@ from torch.utils.data import Dataset
 
 from ddp.config import TrainConfig
 from ddp.errors import ConfigError
-from ddp.recipes import Built, Flag
+from ddp.recipes import Built, Flag, seeded_model
 
 log = logging.getLogger("ddp")
 
+NAME = "crowdbt"
 DESCRIPTION = "Crowd-BT quality scorer: tiny CNN + per-annotator reliability on noisy pairs"
 
 BACKBONES = ("tiny_cnn",)
@@ -73,12 +74,10 @@ FLAGS = [
     Flag("--backbone", "model.backbone", str, "tiny_cnn (efficientnet_* names map to it)"),
     Flag("--input-size", "model.input_size", int, "image side in pixels"),
     Flag("--data-source", "recipe.data_source", str, "synthetic (generated at build)"),
-    Flag("--output-dir", "checkpoint.dir", str, "checkpoints and final model go here"),
     Flag("--distributed", "recipe.distributed", bool, "accepted; the launcher decides"),
     Flag("--world-size", "recipe.world_size", int, "checked against the launched ranks"),
     Flag("--local_rank", "recipe.local_rank", int, "set by torch.distributed.launch; unused"),
     Flag("--local-rank", "recipe.local_rank", int, "set by torch.distributed.launch; unused"),
-    Flag("--backend", "ddp.backend", str, "auto, nccl, gloo, xccl, ccl, mpi"),
 ]
 
 
@@ -228,9 +227,8 @@ def datasets(config: TrainConfig) -> tuple[PairDataset, EvalPairs, torch.Tensor,
 
 def make_model(config: TrainConfig) -> CrowdBT:
     m = config.model
-    with torch.random.fork_rng():
-        torch.manual_seed(config.training.seed)  # same initial weights on every rank
-        return CrowdBT(len(config.recipe["annotators"]), m["channels"], m["eta_init"])
+    n = len(config.recipe["annotators"])
+    return seeded_model(config.training.seed, lambda: CrowdBT(n, m["channels"], m["eta_init"]))
 
 
 def build(config: TrainConfig) -> Built:

@@ -42,10 +42,11 @@ from torch.utils.data import Dataset
 
 from ddp.config import TrainConfig
 from ddp.errors import ConfigError
-from ddp.recipes import Built, Flag
+from ddp.recipes import Built, Flag, seeded_model
 
 log = logging.getLogger("ddp")
 
+NAME = "distill"
 DESCRIPTION = "embedding distillation: frozen teacher -> small student, 2 phases, proj or MRL"
 
 DEFAULTS: dict[str, Any] = {
@@ -82,14 +83,12 @@ FLAGS = [
     Flag("--phase2_epochs", "phases.1.epochs", int, "phase 2 epochs"),
     Flag("--phase1_lr", "phases.0.lr", float, "phase 1 learning rate"),
     Flag("--phase2_lr", "phases.1.lr", float, "phase 2 learning rate"),
-    Flag("--output_dir", "checkpoint.dir", str, "checkpoints and final model go here"),
     Flag("--max_samples_phase1", "phases.0.max_samples", int, "max training samples in phase 1"),
     Flag("--max_samples_phase2", "phases.1.max_samples", int, "max training samples in phase 2"),
     Flag("--skip_phase1", "phases.0.skip", bool, "skip phase 1 (true/false)"),
     Flag("--skip_phase2", "phases.1.skip", bool, "skip phase 2 (true/false)"),
     Flag("--save_to_artifacts", "recipe.save_to_artifacts", bool, "export for inference at the end"),
     Flag("--artifacts_dir", "recipe.artifacts_dir", str, "where --save_to_artifacts writes"),
-    Flag("--backend", "ddp.backend", str, "auto, nccl, gloo, xccl, ccl, mpi"),
 ]
 
 PAD = 0
@@ -134,13 +133,15 @@ class Encoder(nn.Module):
 
 def make_teacher(m: dict[str, Any], seed: int) -> Encoder:
     """The fixed teacher: same weights on every rank and in every run with this seed."""
-    with torch.random.fork_rng():  # leave the caller's RNG stream untouched
-        torch.manual_seed(seed)
+
+    def make() -> Encoder:
         t = Encoder(m["vocab_size"], m["teacher_emb_dim"], m["teacher_hidden"], m["teacher_dim"])
         nn.init.normal_(t.emb.weight, std=1.0)
         for layer in (t.mlp[0], t.mlp[2]):  # zero biases: similarities centred on 0
             nn.init.zeros_(layer.bias)
-    return t.requires_grad_(False).eval()
+        return t
+
+    return seeded_model(seed, make).requires_grad_(False).eval()
 
 
 class DistillDataset(Dataset):
@@ -255,9 +256,7 @@ def datasets(config: TrainConfig) -> tuple[DistillDataset, DistillDataset, Disti
 
 
 def make_student(config: TrainConfig) -> Student:
-    with torch.random.fork_rng():
-        torch.manual_seed(config.training.seed)  # same initial weights on every rank
-        return Student(config.model)
+    return seeded_model(config.training.seed, lambda: Student(config.model))
 
 
 def build(config: TrainConfig) -> Built:

@@ -22,9 +22,10 @@ from torch.utils.data import Dataset
 
 from ddp.config import TrainConfig
 from ddp.errors import ConfigError
-from ddp.recipes import DATA_DIR, Built, Flag
+from ddp.recipes import DATA_DIR, Built, Flag, seeded_model
 from ddp.recipes._common import BOS, EOS, PAD, TinyTransformer, encode
 
+NAME = "dpo"
 DESCRIPTION = "DPO: small policy LM vs frozen reference on preference pairs (JSON)"
 
 DEFAULTS: dict[str, Any] = {
@@ -40,12 +41,10 @@ DEFAULTS: dict[str, Any] = {
 FLAGS = [
     Flag("--train_data", "recipe.train_data", str, "JSON pairs (default: the shipped ones)"),
     Flag("--val_data", "recipe.val_data", str, "JSON validation pairs (default: split off)"),
-    Flag("--output_dir", "checkpoint.dir", str, "checkpoints and final model go here"),
     Flag("--batch_size", "training.batch_size", int, "batch size per rank"),
     Flag("--num_epochs", "training.epochs", int, "epochs"),
     Flag("--learning_rate", "optim.lr", float, "learning rate"),
     Flag("--beta", "recipe.beta", float, "DPO temperature"),
-    Flag("--backend", "ddp.backend", str, "auto, nccl, gloo, xccl, ccl, mpi"),
 ]
 
 
@@ -137,10 +136,13 @@ def build(config: TrainConfig) -> Built:
     else:
         n_val = int(len(pairs) * r["val_fraction"])
         val, pairs = pairs[:n_val], pairs[n_val:]
-    torch.manual_seed(config.training.seed)  # same policy (and reference) on every rank
-    policy = TinyTransformer(
-        m["d_model"], m["n_layers"], m["n_heads"], m["max_len"], m["dropout"], causal=True
-    )
-    model = DPOModel(policy, float(r["beta"]))
+
+    def make() -> DPOModel:
+        policy = TinyTransformer(
+            m["d_model"], m["n_layers"], m["n_heads"], m["max_len"], m["dropout"], causal=True
+        )
+        return DPOModel(policy, float(r["beta"]))  # the reference: a copy, so equal too
+
+    model = seeded_model(config.training.seed, make)
     val_ds = PairDataset(val, m["max_len"]) if val else None
     return Built(model, PairDataset(pairs, m["max_len"]), val_ds, None, None)

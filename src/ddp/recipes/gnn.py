@@ -38,10 +38,11 @@ from torch.utils.data import Dataset
 
 from ddp.config import TrainConfig
 from ddp.errors import ConfigError
-from ddp.recipes import Built, Flag
+from ddp.recipes import Built, Flag, seeded_model
 
 log = logging.getLogger("ddp")
 
+NAME = "gnn"
 DESCRIPTION = "GNN graph classification (plain-torch message passing) on generated graphs"
 N_CLASSES = 3
 
@@ -62,10 +63,8 @@ FLAGS = [
     Flag("--lr", "optim.lr", float, "learning rate (scaled by scaling.rule)"),
     Flag("--hidden", "model.hidden", int, "hidden width"),
     Flag("--layers", "model.layers", int, "message-passing layers"),
-    Flag("--output-dir", "checkpoint.dir", str, "checkpoints and final model go here"),
     Flag("--wandb-project", "logging.wandb.project", str, "W&B project (rank 0 logs only)"),
     Flag("--run-name", "recipe.run_name", str, "run name (recorded in the config)"),
-    Flag("--backend", "ddp.backend", str, "auto, nccl, gloo, xccl, ccl, mpi"),
 ]
 
 
@@ -212,9 +211,7 @@ def make_model(config: TrainConfig) -> GNN:
     m = config.model
     if m["hidden"] < 1 or m["layers"] < 1:
         raise ConfigError(f"model.hidden/layers: {m['hidden']}/{m['layers']}; expected >= 1")
-    with torch.random.fork_rng():
-        torch.manual_seed(config.training.seed)  # same initial weights on every rank
-        return GNN(m["hidden"], m["layers"], m["dropout"])
+    return seeded_model(config.training.seed, lambda: GNN(m["hidden"], m["layers"], m["dropout"]))
 
 
 @torch.no_grad()
@@ -226,7 +223,7 @@ def accuracy(model: GNN, data: GraphDataset) -> float:
                  .float().mean())  # fmt: skip
 
 
-def eval_fn(model: GNN, data: dict[str, torch.Tensor]) -> dict[str, Any]:
+def eval_fn(model: nn.Module, data: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Per-graph means plus ``n`` = graphs in the batch: the Trainer sums mean * n and n."""
     out = model(data)
     return {"loss": out["loss"], "acc": out["acc"], "n": data["y"].shape[0]}

@@ -19,9 +19,10 @@ from torch.utils.data import Dataset
 
 from ddp.config import TrainConfig
 from ddp.errors import ConfigError
-from ddp.recipes import DATA_DIR, Built, Flag
+from ddp.recipes import DATA_DIR, Built, Flag, seeded_model
 from ddp.recipes._common import MASK, PAD, TinyTransformer, encode
 
+NAME = "uniref50"
 DESCRIPTION = "protein masked-diffusion LM (absorbing state) on a FASTA file"
 
 DEFAULTS: dict[str, Any] = {
@@ -37,12 +38,10 @@ DEFAULTS: dict[str, Any] = {
 
 FLAGS = [
     Flag("--datafile", "recipe.data", str, "FASTA file (default: the shipped tiny one)"),
-    Flag("--work_dir", "checkpoint.dir", str, "checkpoints and final model go here"),
+    Flag("--work_dir", "checkpoint.dir", str, "the seed's name for --output_dir"),
     Flag("--batch_size", "training.batch_size", int, "batch size per rank"),
     Flag("--epochs", "training.epochs", int, "epochs"),
     Flag("--lr", "optim.lr", float, "base learning rate (scaled by scaling.rule)"),
-    Flag("--max_steps", "training.max_steps", int, "stop after this many optimizer steps"),
-    Flag("--backend", "ddp.backend", str, "auto, nccl, gloo, xccl, ccl, mpi"),
 ]
 
 
@@ -110,11 +109,10 @@ def build(config: TrainConfig) -> Built:
     n_eval = int(len(seqs) * r["eval_fraction"])
     train = ProteinDataset(seqs[n_eval:], m["max_len"])
     evals = ProteinDataset(seqs[:n_eval], m["max_len"]) if n_eval else None
-    torch.manual_seed(config.training.seed)  # same initial weights on every rank
-    model = TinyTransformer(
+    model = seeded_model(config.training.seed, lambda: TinyTransformer(
         m["d_model"], m["n_layers"], m["n_heads"], m["max_len"], m["dropout"],
         time_conditioned=True,
-    )  # fmt: skip
+    ))  # fmt: skip
     t_min = float(r["t_min"])
     eval_seed = int(r["eval_seed"])
 

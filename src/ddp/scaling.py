@@ -1,0 +1,94 @@
+"""The one LR/warmup scaling rule, shared by the trainer's config and ``hpc scale``.
+
+Both sides must print and apply the same numbers: a user reads the table from
+``hpc scale`` on the login node and expects the job's log line (``TrainConfig``)
+to say the same. So the rule lives here once, and this module imports nothing but
+the standard library: ``hpc`` (which must never pull torch) imports it lazily
+inside its functions, and ``ddp.config`` imports it at the top. ``import ddp``
+itself does not import torch either (``tests/test_imports.py``), so that lazy
+import costs ``hpc scale`` no torch.
+
+Rules, for ``world`` ranks (GPUs) relative to ``base`` ranks (the world size the
+base LR and warmup were tuned for; 1 in the seed guides):
+
+* ``none``: factor 1;
+* ``linear``: ``world / base`` (same LR per sample as the batch grows);
+* ``sqrt``: ``sqrt(world / base)`` (for very large batches);
+* ``cap:N``: ``min(world / base, N)`` with N a number >= 1: linear until the
+  factor reaches N, then flat. With ``base = 1`` that is "linear up to N GPUs";
+  seed 004's 8-GPU configuration (lr 5e-5 x 6, warmup 5000 x 6) is ``cap:6``.
+  N caps the *factor*, not the GPU count, so a run tuned at ``base`` ranks never
+  gets more than N times its tuned LR, whatever ``base`` is.
+
+The scaled LR is ``lr * factor``; the scaled warmup is ``round(warmup * factor)``
+(Python's round, so 2.5 steps gives 2); the effective batch is
+``batch_size * accum * world``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+RULES = ("none", "linear", "sqrt", "cap:N")
+_CAP = re.compile(r"^cap:(\d+(?:\.\d+)?)$")
+
+
+class ScalingRuleError(ValueError):
+    """A rule or size that no caller can apply; each side prefixes its own field name."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A parsed rule: ``kind`` is none, linear, sqrt or cap; ``cap`` is N for cap."""
+
+    kind: str
+    cap: float | None = None
+
+    def factor(self, world_size: int, base_world_size: int = 1) -> float:
+        """How much lr (and warmup) grow at ``world_size`` ranks."""
+        if world_size < 1:
+            raise ScalingRuleError(f"{world_size} ranks; allowed: a whole number >= 1")
+        if base_world_size < 1:
+            raise ScalingRuleError(f"base world size {base_world_size}; allowed: >= 1")
+        ratio = world_size / base_world_size
+        if self.kind == "none":
+            return 1.0
+        if self.kind == "linear":
+            return ratio
+        if self.kind == "sqrt":
+            return math.sqrt(ratio)
+        assert self.cap is not None  # parse_rule sets it for kind "cap"
+        return min(ratio, self.cap)
+
+
+def parse_rule(text: str) -> Rule:
+    """``'none' | 'linear' | 'sqrt' | 'cap:N'`` (N >= 1, may be fractional) -> Rule."""
+    if text in ("none", "linear", "sqrt"):
+        return Rule(text)
+    m = _CAP.match(text)
+    if m and float(m.group(1)) >= 1:
+        return Rule("cap", float(m.group(1)))
+    raise ScalingRuleError(
+        f"{text!r} is not a scaling rule; allowed: none, linear, sqrt, cap:N (N >= 1)"
+    )
+
+
+def scale_factor(rule: str, world_size: int, base_world_size: int = 1) -> float:
+    """The LR multiplier of ``rule`` for ``world_size`` ranks relative to ``base_world_size``."""
+    return parse_rule(rule).factor(world_size, base_world_size)
+
+
+def scaled_lr(lr: float, factor: float) -> float:
+    return lr * factor
+
+
+def scaled_warmup(warmup_steps: int, factor: float) -> int:
+    """Warmup grows with the factor so it covers the same number of samples."""
+    return int(round(warmup_steps * factor))
+
+
+def effective_batch(batch_size: int, accum: int, world_size: int) -> int:
+    """Samples per optimizer step over all ranks."""
+    return batch_size * accum * world_size
