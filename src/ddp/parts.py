@@ -148,6 +148,17 @@ def make_optimizer(config: TrainConfig, model: torch.nn.Module, lr: float) -> to
     )
 
 
+def grad_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
+    """Gradients are reduced across ranks only when ``sync`` (the last micro-batch of an
+    accumulation group): DDP's ``no_sync()``, FSDP2's ``set_requires_gradient_sync``."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+    if not sync and hasattr(model, "no_sync"):  # DDP
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager[Any]:
     """No context at all in fp32 (nothing to pay per step), else torch.autocast."""
     if precision == "fp32":

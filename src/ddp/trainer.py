@@ -19,19 +19,18 @@ job prints ``rank N failed: ...`` and ends that process at once (:func:`ddp.part
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
 import ddp
-from ddp import parts
+from ddp import fsdp, parts
 from ddp.checkpointer import Checkpointer, LoopState, diverged
 from ddp.config import TrainConfig
 from ddp.dist import Context, cpu_group
@@ -172,11 +171,19 @@ class Trainer:
         torch.manual_seed(t.seed + ctx.rank)  # per-rank streams (dropout, masks); DDP syncs weights
         model = self.model.to(ctx.device)
         parts.apply_memory_options(cfg, model, ctx.device)
-        self.wrapped = ddp.wrap(
-            model, find_unused_parameters=d.find_unused_parameters,
-            gradient_as_bucket_view=d.gradient_as_bucket_view, static_graph=d.static_graph,
-            bucket_cap_mb=d.bucket_cap_mb,
-        )  # fmt: skip
+        if d.strategy == "fsdp":
+            self.wrapped = ddp.wrap(
+                model, "fsdp", blocks=d.fsdp_blocks, cpu_offload=d.cpu_offload,
+                reshard_after_forward=d.reshard_after_forward,
+                mixed_precision=d.fsdp_mixed_precision,
+                activation_checkpointing=d.activation_checkpointing,
+            )  # fmt: skip
+        else:
+            self.wrapped = ddp.wrap(
+                model, find_unused_parameters=d.find_unused_parameters,
+                gradient_as_bucket_view=d.gradient_as_bucket_view, static_graph=d.static_graph,
+                bucket_cap_mb=d.bucket_cap_mb,
+            )  # fmt: skip
         world = ctx.world_size
         factor, warmup = cfg.scale_factor(world), cfg.scaled_warmup(world)
         log.info(
@@ -233,7 +240,7 @@ class Trainer:
         scaler = torch.amp.GradScaler(ctx.device.type) if cfg.precision == "fp16" else None
         loop = LoopState(pi, 0, 0, n_batches, start, opt, sched, scaler)
         if resume is not None:
-            self.checkpointer.restore_loop(resume, loop, phase.lr * factor)  # type: ignore[union-attr]
+            self.checkpointer.restore_loop(resume, loop, phase.lr * factor, self.wrapped)  # type: ignore[union-attr]
         self.loggers.start_phase(phase.name, total, self.global_step - start)  # type: ignore[union-attr]
         return loader, loop
 
@@ -312,8 +319,7 @@ class Trainer:
         """Forward and backward of one micro-batch; gradients sync only on the last one."""
         model = self.wrapped
         batch = self._move(batch)
-        no_sync = not last_in_group and self.ctx.world_size > 1
-        with model.no_sync() if no_sync else contextlib.nullcontext():  # type: ignore[operator]
+        with parts.grad_sync(model, last_in_group):
             with parts.autocast(self.config.precision, self.ctx.device):
                 loss = win.add(self.step_fn(model, batch))
             scaled = loss / group if group != 1 else loss
@@ -384,15 +390,13 @@ class Trainer:
         fn = self.eval_fn or self.step_fn
         sums: dict[str, torch.Tensor] = {}
         count = 0.0
-        for batch in loader:
-            if self._signal is not None:
-                break  # act within a batch, not after the whole pass (SLURM's KillWait: 30 s)
+        for batch, weight in self._eval_batches(loader, fsdp.is_sharded(model)):
             batch = self._move(batch)
             with parts.autocast(self.config.precision, ctx.device):
                 out = fn(model, batch)
             metrics = out if isinstance(out, dict) else {"loss": out}
             nb = metrics.get("n")
-            nb = parts.batch_len(batch) if nb is None else float(nb)
+            nb = (parts.batch_len(batch) if nb is None else float(nb)) * weight
             for k, v in metrics.items():
                 if k != "n":
                     v = torch.as_tensor(v, device=ctx.device).detach().double()
@@ -412,6 +416,37 @@ class Trainer:
             return {}  # partial: the caller saves and exits
         total = vec[-2] or 1.0
         return {f"eval_{k}": vec[i] / total for i, k in enumerate(keys)}
+
+    def _eval_batches(self, loader: DataLoader, lockstep: bool) -> Iterator[tuple[Any, float]]:
+        """(batch, weight) pairs; stops at the next batch once a preemption signal came.
+
+        Under FSDP every forward is a collective, so ranks go in lockstep: as many
+        batches as the rank with the most (the others repeat a batch of theirs with
+        weight 0, adding nothing) and one agreement per batch on stopping (a CPU
+        all_reduce; evaluation is not the hot loop)."""
+        if not lockstep:
+            for batch in loader:
+                if self._signal is not None:
+                    return  # act within a batch, not after the pass (SLURM's KillWait: 30 s)
+                yield batch, 1.0
+            return
+        n = max(ddp.all_gather_object(len(loader)))
+        it, pad = iter(loader), None
+        for _ in range(n):
+            flag = torch.tensor([float(self._signal is not None)])
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX,
+                                         group=cpu_group())  # fmt: skip
+            if flag.numpy()[0]:
+                return
+            batch = next(it, None)
+            if batch is not None:
+                pad = pad if pad is not None else batch
+                yield batch, 1.0
+            else:
+                if pad is None:  # this rank's shard is empty: borrow the set's first sample
+                    pad = next(iter(DataLoader(Subset(self.eval_data, [0]), batch_size=1,  # type: ignore[arg-type]
+                                               collate_fn=self.collate_fn)))  # fmt: skip
+                yield pad, 0.0
 
     # ---- preemption -------------------------------------------------------------------------
     def _install_signals(self) -> None:
