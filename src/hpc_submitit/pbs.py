@@ -481,7 +481,7 @@ class PBSJobEnvironment(_job_environment.JobEnvironment):
         script = paths.folder / f"{job_id}_requeue.pbs"
         script.write_text(text)
         workdir = os.environ.get("PBS_O_WORKDIR") or None
-        out = subprocess.run(["qsub", str(script)], capture_output=True, text=True, cwd=workdir,
+        out = subprocess.run([pbs_client("qsub"), str(script)], capture_output=True, text=True, cwd=workdir,
                              timeout=QSTAT_TIMEOUT_S, check=True).stdout
         from hpc.schedulers.pbs import PBS
 
@@ -491,6 +491,26 @@ class PBSJobEnvironment(_job_environment.JobEnvironment):
         logger.get_logger().info(
             f"Requeued job {job_id} as PBS job {new_id} ({countdown} remaining timeouts)"
         )
+
+
+def pbs_client(name: str, conf: str | None = None) -> str:
+    """The PBS client ``name``: ``$PBS_EXEC/bin/name`` from ``/etc/pbs.conf``, else PATH's.
+
+    Why not PATH first: a job's PATH is its login shell's. A PBS install keeps its
+    clients in ``$PBS_EXEC/bin`` (``/opt/pbs/bin``), which only a site's login profile
+    adds, and another ``qsub`` may come first (Debian's ``slurm-wlm-torque`` installs
+    ``/usr/bin/qsub``, a wrapper over sbatch). Both happened on the real test server: a
+    rank requeueing its job ran the SLURM wrapper. Every PBS host has ``/etc/pbs.conf``
+    (or ``$PBS_CONF_FILE``) naming ``PBS_EXEC``; without one, PATH decides.
+    """
+    path = Path(conf or os.environ.get("PBS_CONF_FILE") or "/etc/pbs.conf")
+    try:
+        match = re.search(r"^\s*PBS_EXEC\s*=\s*(\S+)", path.read_text(), re.M)
+    except OSError:
+        match = None
+    if match and os.access(os.path.join(match.group(1), "bin", name), os.X_OK):
+        return os.path.join(match.group(1), "bin", name)
+    return shutil.which(name) or name
 
 
 def requeue_script(text: str, job_id: str) -> str:
