@@ -292,6 +292,8 @@ def test_preempted_job_checkpoints_and_resumes_bitwise_in_its_rerun(
 # --- plain qsub of the checked-in Aurora script, and every profile's directives --------
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # 24 ranks on 2 cores: about 2 minutes
 def test_plain_qsub_of_checked_in_aurora_script(
     openpbs: OpenPBS, lmod_frameworks: Path, tmp_path: Path,
 ) -> None:

@@ -21,11 +21,14 @@ Preemption and timeouts. PBS has no ``--signal=USR2@90`` and no ``scontrol reque
 
 - The job script exports ``SUBMITIT_PBS_DEADLINE`` (start + walltime - delay) and
   each rank arms a timer that sends itself the preemption signal (USR2) then; the
-  batch shell and ``mpiexec`` ignore that signal (``trap '' USR2``), so ``qsig -s USR2``
-  (``PBSJob._interrupt``) reaches the ranks without killing the launcher.
+  batch shell and ``mpiexec`` ignore that signal (``trap '' USR2``). The timer is the
+  only reliable source: ``qsig -s USR2`` (``PBSJob._interrupt``) goes to the job's
+  session, where on a real OpenPBS 23.06 server the login shell that PBS runs the
+  script from dies of it (PBS then reports the job finished, substate 92, Exit_status
+  0) and MPICH hydra's ranks, in sessions of their own, never see it.
 - On the signal, rank 0 checkpoints a ``submitit.helpers.Checkpointable`` as submitit
   does, then ``_requeue`` submits a copy of the same script with ``qsub`` (from the
-  compute node: qsub must be available there, as it is on ALCF systems). The copy
+  compute node: ``$PBS_EXEC/bin/qsub`` of ``/etc/pbs.conf``, see ``pbs_client``). The copy
   exports ``SUBMITIT_PBS_JOB_ID`` so the new PBS job reads and writes the files of
   the original submitit job id, and the new PBS id is appended to
   ``FOLDER/<id>_pbs_ids``; ``PBSJob`` follows that file, so ``job.result()`` waits
@@ -386,10 +389,12 @@ class PBSJob(core.Job[core.R]):
         (subprocess.check_call if check else subprocess.call)(argv, shell=False)
 
     def _interrupt(self, timeout: bool = False) -> None:
-        """Send the preemption signal to the job's processes (for tests), as ``qsig -s USR2``.
+        """Send the preemption signal to the job's processes, as ``qsig -s USR2``.
 
         ``timeout`` is accepted for submitit's signature; on PBS the ranks tell a
-        timeout from a preemption by the time they have run (submitit's rule).
+        timeout from a preemption by the time they have run (submitit's rule). Caution:
+        on the real server this ends the job instead (see the module docstring); the
+        tests preempt through the ranks' timer and ``qrerun``.
         """
         sig = "SIG" + PBSJobEnvironment.USR_SIG
         subprocess.check_call(["qsig", "-s", sig, self.scheduler_id])
