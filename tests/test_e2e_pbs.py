@@ -349,3 +349,14 @@ def test_every_pbs_profile_renders_directives_the_server_accepts(
         finally:
             openpbs.run("qdel", job_id)
         assert openpbs.wait_letter(job_id, "F")["substate"] == 91
+
+
+def test_wrapper_says_where_to_get_openpbs_when_shared_is_absent(tmp_path: Path) -> None:
+    """A checkout without ../shared/pbs: one message naming the folder, exit 3 (no traceback,
+    nothing started); the fixture turns that into a skip (a failure under CI=true)."""
+    proc = subprocess.run(["bash", str(ROOT / "scripts/openpbs.sh"), "start"], capture_output=True,
+                          text=True, timeout=60, env=dict(os.environ, OPENPBS_SHARED=str(tmp_path)),
+                          check=False)
+    assert proc.returncode == 3, proc.stderr
+    assert f"no {tmp_path}/setup-openpbs.sh" in proc.stderr
+    assert "<checkout>/../shared/pbs" in proc.stderr and proc.stdout == ""

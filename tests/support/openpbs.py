@@ -131,7 +131,11 @@ def reap(job_ids: list[str]) -> list[int]:
     (seen on this server). A site's cgroup hook (or PALS) ends them; here the tests do,
     finding them by the ``PBS_JOBID`` in their environment.
     """
-    seqs = {j.split(".")[0].split("[")[0] for j in job_ids if j}
+    def key(job_id: str) -> tuple[str, str]:  # 12[3].srv and 12[].srv -> ("12", "srv")
+        head, _, server = job_id.partition(".")
+        return head.split("[")[0], server
+
+    seqs = {key(j) for j in job_ids if j}
     killed = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit() or int(proc.name) == os.getpid():
@@ -142,7 +146,7 @@ def reap(job_ids: list[str]) -> list[int]:
             continue
         ids = [e[len(b"PBS_JOBID="):].decode(errors="replace") for e in env
                if e.startswith(b"PBS_JOBID=")]
-        if ids and ids[0].split(".")[0].split("[")[0] in seqs:
+        if ids and key(ids[0]) in seqs:
             try:
                 os.kill(int(proc.name), signal.SIGKILL)
                 killed.append(int(proc.name))
