@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 from tests.support import netns, slurm
-from tests.support.openpbs import lmod_frameworks, openpbs, pbs_job_venv
+from tests.support.openpbs import lmod_frameworks, openpbs, openpbs_server, pbs_job_venv
 from tests.support.pals import PALS_DIR, RANK_WRAPPER, SHIM
 from tests.support.parts import require, require_exe
 
-__all__ = ["lmod_frameworks", "netns_pair", "openpbs", "pals_mpiexec", "pbs_job_venv",
-           "slurm_cluster"]
+__all__ = ["lmod_frameworks", "netns_pair", "openpbs", "openpbs_server", "pals_mpiexec",
+           "pbs_job_venv", "slurm_cluster"]
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,6 @@ import signal
 import subprocess
 import venv
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -195,17 +194,6 @@ def site_modules(venv_dir: Path, tag: str) -> Iterator[Path]:
             folder.rmdir()
 
 
-@contextmanager
-def pbs_path() -> Iterator[None]:
-    """``/opt/pbs/bin`` first on this process's PATH while the block runs."""
-    old = os.environ.get("PATH", "")
-    os.environ["PATH"] = f"{PBS_BIN}{os.pathsep}{old}"
-    try:
-        yield
-    finally:
-        os.environ["PATH"] = old
-
-
 def wait_final(status: Any, timeout: float, what: str) -> str:
     """Poll ``status()`` (a normalized state) until it is final; return it."""
     seen: list[str] = []
@@ -227,8 +215,8 @@ def python_of(venv_dir: Path) -> str:
 
 
 @pytest.fixture(scope="session")
-def openpbs() -> Iterator[OpenPBS]:
-    """The running server, started if needed; ``/opt/pbs/bin`` first on PATH meanwhile.
+def openpbs_server() -> OpenPBS:
+    """The running server, started once per session if needed.
 
     Skips with the reason on a machine without ../shared/pbs (or not root); under
     CI=true that fails instead (tests/support/parts.py).
@@ -236,8 +224,15 @@ def openpbs() -> Iterator[OpenPBS]:
     require(WRAPPER.is_file(), f"{WRAPPER} is missing")
     reason = ensure_started()
     require(reason is None, reason or "")
-    with pbs_path():
-        yield OpenPBS()
+    return OpenPBS()
+
+
+@pytest.fixture
+def openpbs(openpbs_server: OpenPBS, monkeypatch: pytest.MonkeyPatch) -> OpenPBS:
+    """The server, with ``/opt/pbs/bin`` first on PATH for this test only: later tests
+    that mean Debian's ``/usr/bin/qsub`` (the slurm-wlm-torque smoke test) still get it."""
+    monkeypatch.setenv("PATH", f"{PBS_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    return openpbs_server
 
 
 @pytest.fixture(scope="session")
