@@ -29,7 +29,7 @@ def normalize(state: str, exit_status: int | None = None, substate: str | None =
     ``qdel`` apart: a running job deleted by ``qdel`` ends with substate 91 and
     Exit_status 271 (256+SIGTERM) *or* 0 or the script's own code (143 from a shell
     that traps TERM), depending on how fast the script dies (seen on OpenPBS 23.06,
-    tests/hpc/data/qstat-deleted-*.json). Within substate 93 (failed) Exit_status -29
+    tests/hpc/data/openpbs/*deleted*.json). Within substate 93 (failed) Exit_status -29
     still says the walltime killed it. Without a substate (``qstat -f`` of servers that
     hide it, Torque) Exit_status alone decides, as before.
     """
