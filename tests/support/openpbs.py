@@ -177,6 +177,10 @@ def site_modules(venv_dir: Path, tag: str) -> Iterator[Path]:
     """Write the ``frameworks`` modulefile (Lmod, Lua) into the site folder; yield it."""
     folder = LMOD_SITE / "frameworks"
     folder.mkdir(parents=True, exist_ok=True)
+    # A session that was killed leaves its file behind; `module load frameworks` takes the
+    # highest version, which could be that stale one (its venv gone): remove ours first.
+    for stale in folder.glob("hpc-ddp-test*.lua"):
+        stale.unlink(missing_ok=True)
     path = folder / f"{tag}.lua"
     path.write_text(
         "-- hpc-ddp tests: stands for ALCF's `frameworks` module (a Python with torch).\n"
@@ -246,4 +250,4 @@ def lmod_frameworks(pbs_job_venv: Path) -> Iterator[Path]:
     """Lmod installed and a ``frameworks`` modulefile that activates ``pbs_job_venv``."""
     require(LMOD_INIT.is_file(), f"Lmod is not installed ({LMOD_INIT}; apt-get install lmod)")
     require(os.access(LMOD_SITE.parent, os.W_OK), f"{LMOD_SITE} is not writable (not root?)")
-    yield from site_modules(pbs_job_venv, f"hpc-ddp-test-{os.getpid()}")
+    yield from site_modules(pbs_job_venv, "hpc-ddp-test")
