@@ -12,9 +12,8 @@ a CPU tensor over a Gloo group (:class:`~ddp.preemption.Vote`), and nothing is r
 back from the device except every ``logging.every_n_steps`` and at checkpoints. (fp16
 is the exception torch imposes: GradScaler reads its overflow flag every step.)
 
-Exit codes: a preempted run saves one consistent checkpoint and raises
-:class:`~ddp.preemption.Preempted` (exit 75). A failure on one rank of a multi-rank
-job prints ``rank N failed: ...`` and ends that process at once (:func:`ddp.parts.die`).
+Exit codes: a preempted run saves one checkpoint and exits 75 (``Preempted``); a rank
+that fails prints ``rank N failed: ...`` and ends at once (:func:`ddp.parts.die`).
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -390,7 +389,8 @@ class Trainer:
         fn = self.eval_fn or self.step_fn
         sums: dict[str, torch.Tensor] = {}
         count = 0.0
-        for batch, weight in self._eval_batches(loader, fsdp.is_sharded(model)):
+        pad, lockstep = Subset(self.eval_data, [0]), fsdp.is_sharded(model)  # type: ignore[arg-type]
+        for batch, weight in parts.eval_batches(loader, lockstep, self._stopping, pad):
             batch = self._move(batch)
             with parts.autocast(self.config.precision, ctx.device):
                 out = fn(model, batch)
@@ -417,37 +417,6 @@ class Trainer:
         total = vec[-2] or 1.0
         return {f"eval_{k}": vec[i] / total for i, k in enumerate(keys)}
 
-    def _eval_batches(self, loader: DataLoader, lockstep: bool) -> Iterator[tuple[Any, float]]:
-        """(batch, weight) pairs; stops at the next batch once a preemption signal came.
-
-        Under FSDP every forward is a collective, so ranks go in lockstep: as many
-        batches as the rank with the most (the others repeat a batch of theirs with
-        weight 0, adding nothing) and one agreement per batch on stopping (a CPU
-        all_reduce; evaluation is not the hot loop)."""
-        if not lockstep:
-            for batch in loader:
-                if self._signal is not None:
-                    return  # act within a batch, not after the pass (SLURM's KillWait: 30 s)
-                yield batch, 1.0
-            return
-        n = max(ddp.all_gather_object(len(loader)))
-        it, pad = iter(loader), None
-        for _ in range(n):
-            flag = torch.tensor([float(self._signal is not None)])
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX,
-                                         group=cpu_group())  # fmt: skip
-            if flag.numpy()[0]:
-                return
-            batch = next(it, None)
-            if batch is not None:
-                pad = pad if pad is not None else batch
-                yield batch, 1.0
-            else:
-                if pad is None:  # this rank's shard is empty: borrow the set's first sample
-                    pad = next(iter(DataLoader(Subset(self.eval_data, [0]), batch_size=1,  # type: ignore[arg-type]
-                                               collate_fn=self.collate_fn)))  # fmt: skip
-                yield pad, 0.0
-
     # ---- preemption -------------------------------------------------------------------------
     def _install_signals(self) -> None:
         p = self.config.preemption
@@ -458,6 +427,9 @@ class Trainer:
 
     def _on_signal(self, signum: int) -> None:
         self._signal = signum  # only a flag: the loop acts at the step boundary
+
+    def _stopping(self) -> bool:
+        return self._signal is not None
 
     def _settle_vote(self, loop: LoopState) -> None:
         """Finish a vote in flight before saving or leaving the epoch (ranks agree here)."""
