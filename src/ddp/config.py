@@ -135,6 +135,9 @@ class LoggingConfig:
     tensorboard: bool = False
     wandb: WandbConfig = field(default_factory=WandbConfig)
     progress: str = field(default="auto", metadata={"choices": ("auto", "bar", "plain", "off")})
+    # metrics.jsonl (one line per log point and evaluation, rank 0). "auto": in the run
+    # directory `hpc submit` made ($HPC_RUN_DIR), else in checkpoint.dir; a path; or null.
+    metrics_file: str | None = "auto"
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Where the trainer's numbers go: the console (a progress bar or plain lines),
-TensorBoard and W&B, behind one small interface.
+``metrics.jsonl``, TensorBoard and W&B, behind one small interface.
 
 Only rank 0 logs; the other ranks get an empty :class:`Loggers`. A writer whose package
 is missing is skipped with a warning, never a failure: the run matters more than its plots.
@@ -7,9 +7,12 @@ is missing is skipped with a warning, never a failure: the run matters more than
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+import time
+from pathlib import Path
 from typing import Any, Protocol
 
 from ddp.config import TrainConfig
@@ -29,6 +32,58 @@ def fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
+class MetricsFile:
+    """``metrics.jsonl``: one JSON object per log point (``"kind": "train"``) and per
+    evaluation (``"eval"``), flushed at once so a running job's file can be read.
+
+    A resumed run first drops the lines past the step it resumes from (it logs those
+    steps again), so the file never holds a step twice. Lines a killed run left half
+    written are dropped the same way.
+    """
+
+    def __init__(self, path: Path, resume_step: int) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            kept = []
+            for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+                    if rec["step"] <= resume_step:
+                        kept.append(line)
+            from ddp.checkpoint import atomic_write_text
+
+            atomic_write_text("".join(k + "\n" for k in kept), path)
+        self._fh = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+
+    def write(self, kind: str, step: int, epoch: int | None, metrics: dict[str, float]) -> None:
+        rec = {"kind": kind, "step": step, "epoch": epoch, "time": round(time.time(), 3)}
+        rec.update({k: v for k, v in metrics.items() if isinstance(v, int | float)})
+        self._fh.write(json.dumps(rec, allow_nan=True) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def metrics_path(config: TrainConfig) -> Path | None:
+    """Where ``logging.metrics_file`` puts metrics.jsonl (None: nowhere)."""
+    choice = config.logging.metrics_file
+    if choice is None or choice == "":
+        return None
+    if choice != "auto":
+        return Path(choice)
+    run_dir = os.environ.get("HPC_RUN_DIR")
+    if run_dir:
+        return Path(run_dir) / "metrics.jsonl"
+    if config.checkpoint.dir:
+        return Path(config.checkpoint.dir) / "metrics.jsonl"
+    return None
+
+
 class Loggers:
     """The console plus every configured writer, for one rank (empty off rank 0)."""
 
@@ -37,7 +92,14 @@ class Loggers:
         self.main = main
         self.writers: list[Writer] = open_writers(config) if main else []
         self._bar: _Progress | None = None
+        self._metrics: MetricsFile | None = None
         self.last: dict[str, float] = {}
+
+    def open_metrics(self, resume_step: int) -> None:
+        """Start metrics.jsonl (rank 0), keeping what a resumed run already logged."""
+        path = metrics_path(self.config)
+        if self.main and path is not None:
+            self._metrics = MetricsFile(path, resume_step)
 
     def start_phase(self, name: str, total: int, done: int) -> None:
         """A progress bar (or plain lines) for ``total`` optimizer steps, ``done`` already."""
@@ -61,6 +123,8 @@ class Loggers:
                 log.info("step %d epoch %d %s", step, epoch + 1,
                          " ".join(f"{k}={fmt(v)}" for k, v in metrics.items()))  # fmt: skip
         self._emit({f"train/{k}": v for k, v in metrics.items()}, step)
+        if self._metrics is not None:
+            self._metrics.write("train", step, epoch, metrics)
 
     def eval(self, metrics: dict[str, float], step: int, epoch: int | None = None) -> None:
         if not self.main:
@@ -69,9 +133,14 @@ class Loggers:
             log.info("epoch %d %s", epoch + 1,
                      " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))  # fmt: skip
         self._emit(metrics, step)
+        if self._metrics is not None:
+            self._metrics.write("eval", step, epoch, metrics)
 
     def close(self) -> None:
         self.end_phase()
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
         for w in self.writers:
             try:
                 w.close()

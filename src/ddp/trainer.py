@@ -131,6 +131,7 @@ class Trainer:
         if state is not None:
             self.global_step = state["global_step"]
             ckpt.restore_model(state, self.wrapped)
+        self.loggers.open_metrics(self.global_step)  # type: ignore[union-attr]
         t_start = time.perf_counter()
         summary: dict[str, Any] = {"steps": 0, "train_loss": float("nan")}
         eval_metrics: dict[str, float] = {}
@@ -362,6 +363,7 @@ class Trainer:
         metrics["samples_per_s"] = samples / dt if dt else 0
         metrics["step_time_s"] = dt / max(1, step - win.step0)
         metrics["lr"] = loop.opt.param_groups[0]["lr"]
+        metrics["memory_mb"] = parts.peak_memory_mb(self.ctx.device)  # allocator stats: no sync
         self.last_metrics = metrics
         self.loggers.train(metrics, step, step - loop.phase_start, loop.epoch)  # type: ignore[union-attr]
         win.reset(step)
