@@ -187,3 +187,26 @@ def test_fasta_is_prepared_once(tmp_path: Path, monkeypatch) -> None:
     src.write_text(src.read_text() + ">new\nAAAA\n")  # a changed file is prepared again
     fasta.resolve_store(src)
     assert len(calls) == 2 and TokenStore(tmp_path / "a.fasta.tokens").n_seqs == 31
+
+
+def test_uniref50_trains_two_ranks_from_a_synthetic_fasta(tmp_path: Path) -> None:
+    """The recipe on 2 Gloo ranks from a generated FASTA: rank 0 prepares the store beside
+    it once (the other rank waits), both train from it; a second start prepares nothing."""
+    src = tmp_path / "uniref50_synthetic.fasta"
+    gen = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_fasta.py"), "--size", "2M",
+                          "--fasta", str(src)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert gen.returncode == 0, gen.stderr
+    args = ["-m", "ddp", "uniref50", "--datafile", str(src), "--max_steps", "6",
+            "--set", "logging.every_n_steps=3", "logging.progress=plain"]  # fmt: skip
+    from tests.ddp import _launch
+
+    for attempt in range(2):
+        out = tmp_path / f"run{attempt}"
+        results = _launch.run([*args, "--output_dir", str(out)], world=2, timeout=240)
+        for rank, (rc, o, e) in enumerate(results):
+            assert rc == 0, f"rank {rank}: {o[-2000:]}\n{e[-3000:]}"
+        log = "".join(o + e for _, o, e in results)
+        assert log.count("preparing ") == (1 if attempt == 0 else 0), log[-3000:]
+        assert "world=2 effective batch=32" in log and (out / "final" / "model.pt").is_file()
+    store = TokenStore(tmp_path / "uniref50_synthetic.fasta.tokens", fasta.TOKENIZER)
+    assert store.n_seqs > 5000
