@@ -79,13 +79,13 @@ def test_id_hash_depends_on_the_id_only(tmp_path: Path) -> None:
 
 def test_split_is_a_deterministic_partition(tmp_path: Path) -> None:
     store = write_store(tmp_path / "s", ([i % 7] * (i % 5) for i in range(5000)), "t", 7)
-    tr, ev = store.split(0.1)
+    tr, ev = (a.to_numpy() for a in store.split(0.1))
     both = np.concatenate([tr, ev])
     assert sorted(both.tolist()) == list(range(5000))
     assert 350 < len(ev) < 650  # about 10%
-    tr2, ev2 = TokenStore(tmp_path / "s", "t").split(0.1)  # cached files, same answer
+    tr2, ev2 = (a.to_numpy() for a in TokenStore(tmp_path / "s", "t").split(0.1))  # cached
     assert np.array_equal(ev, ev2) and np.array_equal(tr, tr2)
-    assert not np.array_equal(store.split(0.1, salt=1)[1][:50], ev[:50])
+    assert not np.array_equal(store.split(0.1, salt=1)[1].to_numpy()[:50], ev[:50])
 
 
 def test_writer_is_atomic(tmp_path: Path) -> None:
@@ -96,6 +96,7 @@ def test_writer_is_atomic(tmp_path: Path) -> None:
 
 
 def test_dataset_crops_pads_and_pickles_as_a_path(tmp_path: Path) -> None:
+    """Reads stay exact-size (pread, only max_len tokens) and survive pickling (spawn)."""
     store = write_store(tmp_path / "s", [[1, 2, 3, 4, 5], [6], []], "t", 10)
     ds = TokenDataset(store, 3, pad=0, indices=store.split(0.0)[0])
     assert [ds[i].tolist() for i in range(3)] == [[1, 2, 3], [6, 0, 0], [0, 0, 0]]
@@ -210,3 +211,23 @@ def test_uniref50_trains_two_ranks_from_a_synthetic_fasta(tmp_path: Path) -> Non
         assert "world=2 effective batch=32" in log and (out / "final" / "model.pt").is_file()
     store = TokenStore(tmp_path / "uniref50_synthetic.fasta.tokens", fasta.TOKENIZER)
     assert store.n_seqs > 5000
+
+
+def test_random_reads_do_not_grow_resident_memory(tmp_path: Path) -> None:
+    """3000 random samples of a 64 MB store: resident memory stays within a few MB (a
+    memory-mapped read would map a large page-cache folio per touch and grow by ~100 MB)."""
+    n, length = 1_000_000, 64
+    with StoreWriter(tmp_path / "s", "t", 25) as w:
+        for _ in range(4):
+            w.add_flat(np.full(n * length // 4, 7, np.uint8), np.full(n // 4, length))
+    store = TokenStore(tmp_path / "s", "t")
+    ds = TokenDataset(store, 32, indices=store.split(0.01)[0])
+
+    def rss() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+
+    ds[0]
+    before = rss()
+    for i in np.random.default_rng(0).integers(0, len(ds), 3000):
+        assert ds[int(i)][0] == 7
+    assert rss() - before < 8 << 20, (rss() - before) / 2**20
