@@ -28,3 +28,4 @@ bench: install
 	$(PYTHON) bench/render_vs_peers.py
 	$(PYTHON) bench/trainer_vs_loop.py
 	$(PYTHON) bench/checkpoint_save.py
+	$(PYTHON) bench/data_scale.py

@@ -172,6 +172,9 @@ class StoreWriter:
                 "source": self.source, **self.extra,
             }  # fmt: skip
             (self._tmp / HEADER).write_text(json.dumps(header, indent=1) + "\n")
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(self._tmp, 0o777 & ~umask)  # mkdtemp's 0700 would hide it from the group
             for name in (*FILES, HEADER):
                 with open(self._tmp / name, "rb+") as fh:
                     os.fsync(fh.fileno())
