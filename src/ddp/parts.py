@@ -86,6 +86,9 @@ def phases(config: TrainConfig) -> list[Phase]:
 class ResumableSampler(DistributedSampler):
     """DistributedSampler that can start ``start`` samples into this rank's epoch order.
 
+    Kept for scripts that want DistributedSampler's exact order; the Trainer uses
+    :class:`GlobalOrderSampler`, whose position means the same on any world size.
+
     The order itself is DistributedSampler's (seed + epoch), so skipping the first
     ``start`` indices gives exactly the batches an uninterrupted run would still see.
     """

@@ -231,3 +231,13 @@ def test_random_reads_do_not_grow_resident_memory(tmp_path: Path) -> None:
     for i in np.random.default_rng(0).integers(0, len(ds), 3000):
         assert ds[int(i)][0] == 7
     assert rss() - before < 8 << 20, (rss() - before) / 2**20
+
+
+def test_a_store_published_meanwhile_by_another_writer_wins(tmp_path: Path) -> None:
+    """Two jobs preparing the same FASTA at once: the second rename finds the first's
+    whole store and keeps it; no temporary directory is left behind."""
+    with StoreWriter(tmp_path / "s", "t", 10) as w:
+        w.add([1, 2])
+        write_store(tmp_path / "s", [[3]], "t", 10)  # the other job, finishing first
+    assert TokenStore(tmp_path / "s", "t").n_seqs == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["s"]

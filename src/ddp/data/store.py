@@ -184,7 +184,14 @@ class StoreWriter:
                 os.replace(self._tmp, self.out)
                 shutil.rmtree(old, ignore_errors=True)
             else:
-                os.replace(self._tmp, self.out)
+                try:
+                    os.replace(self._tmp, self.out)
+                except OSError:
+                    if not (self.out / HEADER).is_file():
+                        raise
+                    # Another process (a second job on the same FASTA) published the same
+                    # store first: theirs is as good as ours.
+                    shutil.rmtree(self._tmp, ignore_errors=True)
         except BaseException:
             shutil.rmtree(self._tmp, ignore_errors=True)
             raise
