@@ -139,3 +139,25 @@ def test_sampler_positions_partition_the_epoch_from_any_start(n: int, world: int
             got += mine
         rest = Counter(got)
         assert set(rest) >= set(full[start:]) and sum(rest.values()) - (n - start) < world
+
+
+def test_resume_with_accumulation_on_three_ranks(tmp_path: Path) -> None:
+    """accum 2: the saved position (16 samples) is no whole step of 3 ranks (24): the
+    resumed run starts its micro-batch count at 0 with 16 samples behind it."""
+    _run(_spec(tmp_path, tmp_path / "ck", tmp_path / "a", accum=2, max_steps=1), world=2)
+    state = torch.load(tmp_path / "ck" / "step_000000001.pt", weights_only=False)
+    assert state["samples_in_epoch"] == 16
+    _run(_spec(tmp_path, tmp_path / "ck", tmp_path / "b", accum=2), world=3)
+    before, after = _seen(tmp_path / "a"), _seen(tmp_path / "b")
+    _check_epoch(before[0] + after[0], 0, 3)
+    _check_epoch(after[1], 1, 3)
+
+
+def test_derived_rng_streams_are_deterministic_and_differ_by_rank() -> None:
+    from ddp.checkpointer import derive_rng
+
+    draws = []
+    for rank in (0, 1, 0):
+        derive_rng(7, 100, rank)
+        draws.append(torch.rand(3).tolist())
+    assert draws[0] == draws[2] and draws[0] != draws[1]
