@@ -260,6 +260,12 @@ def cmd_submit(args: argparse.Namespace, command: list[str] | None) -> int:
     from hpc.render import render
 
     job = build_job(args.spec, _overrides(args, command), run_here=args.local)
+    if job.spec.python is None:
+        # The job runs with the Python this command runs from, on every scheduler (qsub,
+        # unlike sbatch, passes no environment): see hpc.spec.submitting_python.
+        from hpc.spec import submitting_python
+
+        job.spec.python = submitting_python(os.environ)
     text = render(job, regenerate=_regen_command(args, command), templates=args.templates)
     sched = schedulers.get(job.cluster.scheduler)
     suffix = job.cluster.script_suffix

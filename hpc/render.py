@@ -116,7 +116,8 @@ def context(job: Job, regenerate: str | None = None, script: str | None = None) 
         "modules": [*cluster.modules, *spec.modules],
         "site_setup": list(cluster.setup),
         "setup": list(spec.setup),
-        "python": spec.python or {},
+        # ``python: site`` (no environment of ours) renders like no ``python:`` at all
+        "python": spec.python if isinstance(spec.python, dict) else {},
         "env": env,
         "preamble": preamble,
         "script": script or "SCRIPT",

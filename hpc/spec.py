@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +67,7 @@ class JobSpec(Record):
     env: dict[str, str]
     modules: list[str]
     setup: list[str]
-    python: dict[str, str] | None
+    python: dict[str, str] | str | None
     output_dir: str
     signal: str | None
     requeue: bool
@@ -269,18 +271,53 @@ def _env(value: Any) -> dict[str, str]:
     return out
 
 
-def _python(value: Any) -> dict[str, str] | None:
+def _python(value: Any) -> dict[str, str] | str | None:
+    """``python:`` of a spec: ``{venv: PATH}``, ``{conda: NAME}``, ``site`` or absent.
+
+    ``site`` says: use the Python the profile's ``module load``/``setup`` lines give
+    the job, record nothing at submit time (see :func:`submitting_python`).
+    """
     if value is None:
         return None
+    if value == "site":
+        return "site"
     if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in ("venv", "conda"):
         raise UserError(
-            f"python: {value!r} is not allowed; allowed: {{venv: PATH}} or {{conda: NAME}}"
+            f"python: {value!r} is not allowed; allowed: {{venv: PATH}}, {{conda: NAME}} or site"
         )
     kind, where = next(iter(value.items()))
     if not isinstance(where, str) or not where or "\0" in where:
         raise UserError(f"python.{kind}: {where!r} is not allowed; allowed: a non-empty string")
     # A quoted '~/venv' is not expanded by the shell: expand it here.
     return {str(kind): os.path.expanduser(where) if kind == "venv" else where}
+
+
+def submitting_python(
+    environ: Mapping[str, str], prefix: str | None = None, base_prefix: str | None = None,
+) -> dict[str, str] | None:
+    """The Python environment ``hpc submit`` runs from, for the job to activate.
+
+    Why: ``sbatch`` exports the submitting shell's environment but ``qsub`` passes only
+    ``PBS_O_*`` variables, so on PBS a job's ``python`` is the login shell's and
+    ``python -m ddp.exec`` fails with ``No module named ddp``. Recording the
+    environment at submit time makes a job run with the same Python on every
+    scheduler. In order: an activated virtual environment (``$VIRTUAL_ENV``), the
+    virtual environment of the interpreter running ``hpc`` (not activated, e.g.
+    ``~/venv/bin/hpc``), an activated conda environment (``$CONDA_PREFIX``); None
+    for a system Python (nothing to activate: the job's ``python`` is the login
+    shell's, as before). The caller uses it only when the spec has no ``python:``.
+    """
+    prefix = sys.prefix if prefix is None else prefix
+    base_prefix = sys.base_prefix if base_prefix is None else base_prefix
+    venv = environ.get("VIRTUAL_ENV", "")
+    if venv and os.path.isfile(os.path.join(venv, "bin", "activate")):
+        return {"venv": venv}
+    if prefix != base_prefix and os.path.isfile(os.path.join(prefix, "bin", "activate")):
+        return {"venv": prefix}
+    conda = environ.get("CONDA_PREFIX", "")
+    if conda and os.path.isdir(os.path.join(conda, "conda-meta")):
+        return {"conda": conda}
+    return None
 
 
 def _path(value: str, key: str) -> str:

@@ -16,32 +16,44 @@ _STATES = {
     "R": "RUNNING", "E": "RUNNING", "B": "RUNNING",
 }
 # Exit_status values PBS sets itself (negative JOB_EXEC_* codes, 256+signal for kills).
-_WALLTIME_KILLED = {-29}
-_CANCEL_CODES = {271, 265}  # SIGTERM / SIGKILL from qdel
-# Substates of finished jobs (pbs_ifl.h JOB_SUBSTATE_*): 91 terminated, 92 finished, 93 failed.
-_SUBSTATES = {"91": "CANCELLED", "92": "COMPLETED", "93": "FAILED"}
+_WALLTIME_KILLED = {-29}  # JOB_EXEC_KILL_WALLTIME
+_CANCEL_CODES = {271, 265}  # SIGTERM / SIGKILL from qdel (only read when there is no substate)
+# Substates of finished jobs (job.h JOB_SUBSTATE_*): 91 terminated, 92 finished, 93 failed.
+_TERMINATED, _FINISHED, _FAILED = "91", "92", "93"
 
 
 def normalize(state: str, exit_status: int | None = None, substate: str | None = None) -> str:
-    """PBS job_state letter (+ Exit_status, else substate, once finished) -> a normalized state.
+    """PBS job_state letter (+ substate, then Exit_status, once finished) -> a normalized state.
 
-    A job deleted while queued never gets an Exit_status; its substate says how it ended.
+    The substate decides first because the real server's Exit_status cannot tell a
+    ``qdel`` apart: a running job deleted by ``qdel`` ends with substate 91 and
+    Exit_status 271 (256+SIGTERM) *or* 0 or the script's own code (143 from a shell
+    that traps TERM), depending on how fast the script dies (seen on OpenPBS 23.06,
+    tests/hpc/data/openpbs/*deleted*.json). Within substate 93 (failed) Exit_status -29
+    still says the walltime killed it. Without a substate (``qstat -f`` of servers that
+    hide it, Torque) Exit_status alone decides, as before.
     """
     state = state.strip().upper()[:1]
     if state in _STATES:
         return _STATES[state]
-    if state in ("F", "X"):
-        if exit_status is None:
-            by_sub = _SUBSTATES.get(str(substate or "").strip())
-            return by_sub or ("COMPLETED" if state == "X" else "UNKNOWN")
-        if exit_status == 0:
-            return "COMPLETED"
-        if exit_status in _WALLTIME_KILLED:
-            return "TIMEOUT"
-        if exit_status in _CANCEL_CODES:
-            return "CANCELLED"
-        return "FAILED"
-    return "UNKNOWN"
+    if state not in ("F", "X"):
+        return "UNKNOWN"
+    sub = str(substate if substate is not None else "").strip()
+    if sub == _TERMINATED:
+        return "CANCELLED"
+    if sub == _FINISHED:
+        return "COMPLETED"
+    if sub == _FAILED:
+        return "TIMEOUT" if exit_status in _WALLTIME_KILLED else "FAILED"
+    if exit_status is None:
+        return "COMPLETED" if state == "X" else "UNKNOWN"
+    if exit_status == 0:
+        return "COMPLETED"
+    if exit_status in _WALLTIME_KILLED:
+        return "TIMEOUT"
+    if exit_status in _CANCEL_CODES:
+        return "CANCELLED"
+    return "FAILED"
 
 
 def parse_qstat_json(text: str, job_id: str) -> str:

@@ -39,8 +39,14 @@ log = logging.getLogger("ddp")
 
 LATEST = "latest"
 DIGEST_SUFFIX = ".sha256"
-_STEP_RE = re.compile(r"^step_(\d+)\.pt\Z")
+_STEP_RE = re.compile(r"^step_(\d+)(\.pt)?\Z")  # a file, or a sharded checkpoint's directory
+META = "meta.pt"  # in a sharded checkpoint: everything but the shards (ddp.checkpointer)
 FORMAT_VERSION = 2  # 2: sha256 sidecar, RNG states as plain values (weights_only loads)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or new file in ``path`` durable (best effort where unsupported)."""
+    _fsync_dir(path)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -114,6 +120,20 @@ def atomic_save(obj: Any, path: str | Path, durable: bool = True) -> None:
     _atomic_write(Path(path), lambda fh: torch.save(obj, fh), durable)
 
 
+def atomic_save_digested(obj: Any, path: str | Path) -> None:
+    """``torch.save`` to ``path`` atomically, with its ``.sha256`` file landing first."""
+    path = Path(path)
+    staged = _Staged(path)
+    out = _Digesting(staged.fh)
+    try:
+        torch.save(obj, out)
+        atomic_write_text(out.sha.hexdigest() + "\n", _digest_path(path))
+    except BaseException:
+        staged.discard()
+        raise
+    staged.commit()
+
+
 def atomic_write_text(text: str, path: str | Path, durable: bool = True) -> None:
     _atomic_write(Path(path), lambda fh: fh.write(text.encode()), durable)
 
@@ -165,17 +185,40 @@ def step_path(directory: str | Path, step: int) -> Path:
     return Path(directory) / f"step_{step:09d}.pt"
 
 
+def sharded_path(directory: str | Path, step: int) -> Path:
+    return Path(directory) / f"step_{step:09d}"
+
+
+def _is_checkpoint(p: Path) -> bool:
+    """A ``step_N.pt`` file, or a ``step_N`` directory holding its meta file."""
+    if p.is_symlink():
+        return False
+    return p.is_file() if p.suffix == ".pt" else (p / META).is_file()
+
+
 def list_checkpoints(directory: str | Path) -> list[Path]:
-    """``step_*.pt`` files, oldest first."""
+    """``step_*.pt`` files and sharded ``step_*`` directories, oldest first."""
     d = Path(directory)
     if not d.is_dir():
         return []
     found = [
         (int(m.group(1)), p)
         for p in d.iterdir()
-        if (m := _STEP_RE.match(p.name)) and not p.is_symlink()
+        if (m := _STEP_RE.match(p.name)) and _is_checkpoint(p)
     ]
     return [p for _, p in sorted(found)]
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint file with its digest, or a sharded checkpoint's directory."""
+    if path.is_dir() and not path.is_symlink():
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    for gone in (path, _digest_path(path)):
+        with contextlib.suppress(FileNotFoundError):
+            gone.unlink()
 
 
 class _Digesting:
@@ -291,17 +334,20 @@ def begin_save(
         except BaseException:
             staged.discard()
             raise
-        for old in list_checkpoints(directory)[:-keep_last]:
-            if old != path:
-                for gone in (old, _digest_path(old)):
-                    with contextlib.suppress(FileNotFoundError):
-                        gone.unlink()
+        prune(directory, keep_last, path)
         for stale in directory.glob(".step_*.tmp"):  # left by a writer killed mid-save
             if str(stale) != staged.tmp:
                 with contextlib.suppress(FileNotFoundError):
                     stale.unlink()
 
     return PendingSave(path, finalize, background)
+
+
+def prune(directory: Path, keep_last: int, newest: Path) -> None:
+    """Keep the ``keep_last`` newest checkpoints (never ``newest``)."""
+    for old in list_checkpoints(directory)[:-keep_last]:
+        if old != newest:
+            remove_checkpoint(old)
 
 
 def _write_error(directory: Path, name: str, exc: OSError) -> Exception:
@@ -319,7 +365,23 @@ def _digest_path(path: Path) -> Path:
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:
-    """Load one checkpoint, checked; raises ValueError naming what is wrong with it."""
+    """Load one checkpoint, checked; raises ValueError naming what is wrong with it.
+
+    For a sharded checkpoint (a directory) this is its meta file, after every shard's
+    digest was checked; ``"sharded"`` then names the directory the shards are read from.
+    """
+    if path.is_dir() and not path.is_symlink():
+        obj = read_checkpoint(path / META)
+        for name, digest in (obj.get("shards") or {}).items():
+            shard = path / name
+            if not _SHARD_RE.match(name) or shard.is_symlink() or not shard.is_file():
+                raise ValueError(f"misses its shard {name}")
+            if sha256_file(shard) != digest:
+                raise ValueError(f"has a damaged shard {name} (digest mismatch)")
+        if not obj.get("shards"):
+            raise ValueError("lists no shards")
+        obj["sharded"] = str(path)
+        return obj
     if path.is_symlink():
         raise ValueError("is a symbolic link; checkpoints are plain files")
     try:
@@ -347,6 +409,19 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     return obj
 
 
+#: What a sharded checkpoint's shard files may be called: torch.distributed.checkpoint's
+#: per-rank data files and its metadata file (nothing with a path in it).
+_SHARD_RE = re.compile(r"^(__\d+_\d+\.distcp|\.metadata)\Z")
+
+
+def sha256_file(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
 def _readable(path: Path) -> dict[str, Any] | None:
     try:
         return read_checkpoint(path)
@@ -364,9 +439,8 @@ def find_latest(directory: str | Path) -> Path | None:
     except (OSError, UnicodeDecodeError):
         name = ""
     # Only a checkpoint name in this directory: never an absolute path, '..' or a link.
-    if _STEP_RE.match(name) and (directory / name).is_file():
-        if not (directory / name).is_symlink():
-            return directory / name
+    if _STEP_RE.match(name) and _is_checkpoint(directory / name):
+        return directory / name
     elif name:
         log.warning("%s names %r, not a checkpoint of this directory; ignored", pointer, name)
     found = list_checkpoints(directory)
@@ -386,24 +460,39 @@ def load_latest(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
     return None
 
 
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Load the checkpoint a user named; any problem is one ConfigError line."""
+def load_checkpoint(path: str | Path, verify_shards: bool = True) -> dict[str, Any]:
+    """Load the checkpoint a user named; any problem is one ConfigError line.
+
+    ``verify_shards=False`` reads a sharded checkpoint's meta file only (the other ranks,
+    once rank 0 has checked every shard)."""
     try:
-        return read_checkpoint(Path(path))
+        p = Path(path)
+        if not verify_shards and p.is_dir() and not p.is_symlink():
+            obj = read_checkpoint(p / META)
+            obj["sharded"] = str(p)
+            return obj
+        return read_checkpoint(p)
     except ValueError as exc:
         from ddp.errors import ConfigError
 
         raise ConfigError(f"checkpoint.resume: {str(path)!r} {exc}") from None
 
 
-def export_final(model: torch.nn.Module, directory: str | Path, config_yaml: str) -> Path:
+def export_final(
+    model: torch.nn.Module,
+    directory: str | Path,
+    config_yaml: str,
+    state: dict[str, torch.Tensor] | None = None,
+) -> Path:
     """Write ``<dir>/final/model.pt`` (plain CPU state_dict) and ``final/config.yaml``.
 
     The state dict has no ``module.`` prefix and only tensors, so
-    ``torch.load(path, weights_only=True)`` loads it into the bare model class.
+    ``torch.load(path, weights_only=True)`` loads it into the bare model class. A
+    sharded model's full ``state`` is gathered by the caller (a collective).
     """
     final = Path(directory) / "final"
-    state = {k: v.detach().to("cpu").clone() for k, v in model_state(model).items()}
+    source = model_state(model) if state is None else state
+    state = {k: v.detach().to("cpu").clone() for k, v in source.items()}
     path = final / "model.pt"
     atomic_save(state, path)
     atomic_write_text(config_yaml, final / "config.yaml")

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 import ddp
 from ddp import checkpoint as ckpt
+from ddp import fsdp, sharded
 from ddp.config import TrainConfig
 from ddp.dist import Context
 from ddp.errors import ConfigError, TrainingDiverged
@@ -106,28 +109,38 @@ class Checkpointer:
 
     # ---- resume -------------------------------------------------------------------------
     def load(self) -> dict[str, Any] | None:
-        """Collective: the checkpoint to resume from (``checkpoint.resume``), or None."""
+        """Collective: the checkpoint to resume from (``checkpoint.resume``), or None.
+
+        Rank 0 finds and checks it (every shard's digest, for a sharded one); the
+        others then read it, or only its meta file."""
         c = self.config.checkpoint
         if c.resume == "none" or (c.resume == "auto" and not self.dir):
             return None
-        if c.resume == "auto":
-            path = None
-            if self.ctx.is_main:
-                found = ckpt.load_latest(self.dir)  # type: ignore[arg-type]
-                path = str(found[0]) if found else None
-            path = ddp.broadcast_object(path)
-        else:
-            path = c.resume
+        path, error = None, None
+        if self.ctx.is_main:
+            try:
+                if c.resume == "auto":
+                    found = ckpt.load_latest(self.dir)  # type: ignore[arg-type]
+                    path = str(found[0]) if found else None
+                else:
+                    ckpt.load_checkpoint(c.resume)
+                    path = c.resume
+            except ConfigError as exc:
+                error = str(exc)
+        path, error = ddp.broadcast_object((path, error))
+        if error:
+            raise ConfigError(error)
         if path is None:
             return None
-        state = ckpt.load_checkpoint(path)
+        state = ckpt.load_checkpoint(path, verify_shards=False)
         log.info("resuming from %s (step %d)", path, state["global_step"])
         self.resumed_from = path
         check_resumable(state.get("config") or {}, self.config.to_dict(), path)
         return state
 
     def restore_model(self, state: dict[str, Any], model: torch.nn.Module) -> None:
-        """This rank's RNG streams (same world size only) and the weights."""
+        """Collective for sharded checkpoints: this rank's RNG streams (same world size
+        only) and the weights (resharded to this world size)."""
         rngs = state.get("rng") or []
         world = self.ctx.world_size
         if state.get("world_size") == world and len(rngs) == world:
@@ -137,11 +150,19 @@ class Checkpointer:
             log.info("checkpoint from world size %s, running on %d: RNG streams derived from "
                      "(training.seed %d, step %d, rank)", state.get("world_size"), world,
                      self.config.training.seed, state["global_step"])  # fmt: skip
-        load_model(ddp.unwrap(model), state["model"], self.resumed_from)
+        if "sharded" in state:
+            sharded.load_model(Path(state["sharded"]), model)
+        else:
+            load_model(ddp.unwrap(model), state["model"], self.resumed_from)
 
-    def restore_loop(self, state: dict[str, Any], loop: LoopState, base_lr: float) -> None:
+    def restore_loop(
+        self, state: dict[str, Any], loop: LoopState, base_lr: float, model: torch.nn.Module
+    ) -> None:
         """Optimizer, schedule and scaler, then the config's new values on top."""
-        loop.opt.load_state_dict(state["optimizer"])
+        if "sharded" in state:
+            sharded.load_optimizer(Path(state["sharded"]), model, loop.opt, state)
+        else:
+            loop.opt.load_state_dict(state["optimizer"])
         loop.sched.load_state_dict(state["scheduler"])
         apply_new_hyperparameters(loop.opt, loop.sched, base_lr, self.config)
         if loop.scaler is not None and state.get("scaler"):
@@ -165,29 +186,72 @@ class Checkpointer:
         gathered = ddp.all_gather_object((ckpt.rng_state(self.ctx.device), finite(model)))
         if not all(ok for _, ok in gathered):
             raise diverged(global_step, "the weights are not finite (nan/inf)")
+        if self.config.ddp.strategy == "fsdp":
+            self._save_sharded(loop, model, global_step, at, [rng for rng, _ in gathered])
+            return
         if self.ctx.is_main:
             t0 = time.perf_counter()
-            epoch, batch = at
             state = {
                 "model": ckpt.model_state(model),
                 "optimizer": loop.opt.state_dict(),
-                "scheduler": loop.sched.state_dict(),
-                "scaler": loop.scaler.state_dict() if loop.scaler is not None else None,
-                "phase": loop.phase,
-                "epoch": epoch,
-                "batches_in_epoch": batch,
-                "samples_in_epoch": loop.samples_done(at),  # any world size resumes here
-                "global_step": global_step,
-                "phase_start_step": loop.phase_start,
-                "world_size": self.ctx.world_size,
-                "rng": [rng for rng, _ in gathered],
-                "config": self.config.to_dict(),
+                **self._common(loop, global_step, at, [rng for rng, _ in gathered]),
             }
             self.wait()  # one save in flight at a time; its error surfaces here
             c = self.config.checkpoint
             self._pending = ckpt.begin_save(state, self.dir, global_step, c.keep_last, True)
             log.info("saved %s in %.2fs (fsync continues in the background)",
                      self._pending.path, time.perf_counter() - t0)  # fmt: skip
+        ddp.barrier()
+
+    def _common(
+        self, loop: LoopState, global_step: int, at: tuple[int, int], rngs: list[Any]
+    ) -> dict[str, Any]:
+        """What every checkpoint holds besides the model and optimizer state."""
+        epoch, batch = at
+        return {
+            "scheduler": loop.sched.state_dict(),
+            "scaler": loop.scaler.state_dict() if loop.scaler is not None else None,
+            "phase": loop.phase,
+            "epoch": epoch,
+            "batches_in_epoch": batch,
+            "samples_in_epoch": loop.samples_done(at),  # any world size resumes here
+            "global_step": global_step,
+            "phase_start_step": loop.phase_start,
+            "world_size": self.ctx.world_size,
+            "rng": rngs,
+            "config": self.config.to_dict(),
+        }
+
+    def _save_sharded(self, loop: LoopState, model: torch.nn.Module, global_step: int,
+                      at: tuple[int, int], rngs: list[Any]) -> None:  # fmt: skip
+        """Collective: every rank's shards into ``.step_N.tmp``, then rank 0 adds the meta
+        file (with every shard's digest), renames the directory and moves ``latest``."""
+        t0 = time.perf_counter()
+        directory = Path(self.dir)  # type: ignore[arg-type]
+        final = ckpt.sharded_path(directory, global_step)
+        tmp = directory / f".{final.name}.tmp"
+        if self.ctx.is_main:
+            self.wait()
+            ckpt.remove_checkpoint(tmp)  # left by a run killed mid-save
+            directory.mkdir(parents=True, exist_ok=True)
+        ddp.barrier()
+        extra = sharded.save(tmp, model, loop.opt)
+        mine = {f.name: ckpt.sha256_file(f) for f in tmp.glob(f"__{self.ctx.rank}_*.distcp")}
+        digests: dict[str, str] = {}
+        for part in ddp.all_gather_object(mine):
+            digests.update(part)
+        if self.ctx.is_main:
+            digests[".metadata"] = ckpt.sha256_file(tmp / ".metadata")
+            meta = {**self._common(loop, global_step, at, rngs), **extra, "shards": digests,
+                    "format": ckpt.FORMAT_VERSION}  # fmt: skip
+            ckpt.atomic_save_digested(meta, tmp / ckpt.META)
+            ckpt.remove_checkpoint(final)  # a checkpoint of the same step from an older run
+            os.replace(tmp, final)
+            ckpt.fsync_dir(directory)
+            ckpt.atomic_write_text(final.name + "\n", directory / ckpt.LATEST)
+            ckpt.prune(directory, self.config.checkpoint.keep_last, final)
+            log.info("saved %s (%d shards) in %.2fs", final, len(digests) - 1,
+                     time.perf_counter() - t0)  # fmt: skip
         ddp.barrier()
 
     def export(self, model: torch.nn.Module, global_step: int) -> str | None:
@@ -198,9 +262,10 @@ class Checkpointer:
             return None
         if not all(ddp.all_gather_object(finite(model))):
             raise diverged(global_step, "the weights are not finite (nan/inf)")
+        full = fsdp.full_state_dict(model) if fsdp.is_sharded(model) else None  # collective
         path = None
         if self.ctx.is_main:
-            path = str(ckpt.export_final(model, self.dir, self.config.to_yaml()))
+            path = str(ckpt.export_final(model, self.dir, self.config.to_yaml(), full))
         ddp.barrier()
         return path
 
@@ -223,7 +288,7 @@ def derive_rng(seed: int, step: int, rank: int) -> None:
 # ---- checks on weights and on a checkpoint ------------------------------------------------
 def finite(model: torch.nn.Module) -> bool:
     """Whether this rank's weights are all finite (one host sync: checkpoints only)."""
-    params = [p.detach() for p in ddp.unwrap(model).parameters()]
+    params = fsdp.local_tensors(ddp.unwrap(model))
     if not params:
         return True
     return bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
@@ -244,7 +309,7 @@ def diverged(step: int, what: str) -> TrainingDiverged:
 
 # Keys whose change makes the saved data position or optimizer state meaningless.
 _FIXED_ON_RESUME = ("optim.name", "training.batch_size", "training.accum", "training.seed",
-                    "training.shuffle", "training.drop_last")  # fmt: skip
+                    "training.shuffle", "training.drop_last", "ddp.strategy")  # fmt: skip
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -90,6 +90,14 @@ class DDPConfig:
     # Collective timeout. None: $DDP_TIMEOUT, else 1800 s. Precedence, highest first:
     # ddp.init(timeout=...) in a script > this key (config file, --set) > DDP_TIMEOUT.
     timeout_s: float | None = None
+    # ddp: a full replica per rank. fsdp: FSDP2 shards parameters, gradients and optimizer
+    # state over the ranks (ddp.fsdp); the options below apply to fsdp only.
+    strategy: str = field(default="ddp", metadata={"choices": ("ddp", "fsdp")})
+    fsdp_blocks: list[str] | None = None  # class name or module names; None: layer stacks
+    reshard_after_forward: bool = True
+    fsdp_mixed_precision: str = field(default="none", metadata={"choices": ("none", "bf16")})
+    cpu_offload: bool = False
+    activation_checkpointing: bool = False
 
 
 @dataclass

@@ -362,13 +362,26 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
-def wrap(model: torch.nn.Module, **ddp_options: Any) -> torch.nn.Module:
-    """Move ``model`` to this rank's device; wrap it in DDP when the world is larger than 1."""
+def wrap(
+    model: torch.nn.Module, strategy: str = "ddp", **options: Any
+) -> torch.nn.Module:
+    """Move ``model`` to this rank's device; when the world is larger than 1, wrap it in
+    DDP (``strategy="ddp"``, ``options`` go to DistributedDataParallel) or shard it with
+    FSDP2 (``strategy="fsdp"``, ``options`` go to :func:`ddp.fsdp.shard`: blocks,
+    reshard_after_forward, mixed_precision, cpu_offload, activation_checkpointing)."""
+    if strategy not in ("ddp", "fsdp"):
+        raise ConfigError(f"strategy: {strategy!r} is not a strategy; allowed: ddp, fsdp")
     ctx = _CONTEXT or init()
     model = model.to(ctx.device)
     if not _distributed():
         return model
+    if strategy == "fsdp":
+        from ddp.fsdp import shard
+
+        return shard(model, ctx.device, ctx.world_size, **options)
     from torch.nn.parallel import DistributedDataParallel
+
+    ddp_options = options
 
     if ctx.device.type in ("cuda", "xpu"):
         ddp_options.setdefault("device_ids", [ctx.device.index or 0])

@@ -261,6 +261,17 @@ def make_optimizer(config: TrainConfig, model: torch.nn.Module, lr: float) -> to
     )
 
 
+def grad_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
+    """Gradients are reduced across ranks only when ``sync`` (the last micro-batch of an
+    accumulation group): DDP's ``no_sync()``, FSDP2's ``set_requires_gradient_sync``."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+    if not sync and hasattr(model, "no_sync"):  # DDP
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager[Any]:
     """No context at all in fp32 (nothing to pay per step), else torch.autocast."""
     if precision == "fp32":
@@ -323,3 +334,43 @@ def die(rank: int, exc: BaseException) -> None:
         sys.stderr.flush()
     finally:
         os._exit(code)
+
+
+def eval_batches(
+    loader: Any, lockstep: bool, stop: Callable[[], bool], pad: Any
+) -> Iterator[tuple[Any, float]]:
+    """(batch, weight) pairs of one evaluation pass; ends early once ``stop()`` is true
+    (a preemption signal: act within a batch, not after the pass; SLURM's KillWait is 30 s).
+
+    Under FSDP every forward is a collective, so ranks go in ``lockstep``: as many
+    batches as the rank with the most (the others repeat a batch of theirs with weight
+    0, adding nothing; a rank with no batch at all borrows the first sample of ``pad``,
+    a one-sample dataset) and one agreement per batch on stopping (a CPU all_reduce on
+    the control group; evaluation is not the hot loop).
+    """
+    if not lockstep:
+        for batch in loader:
+            if stop():
+                return
+            yield batch, 1.0
+        return
+    import torch.distributed as tdist
+    from torch.utils.data import DataLoader
+
+    import ddp
+
+    n = max(ddp.all_gather_object(len(loader)))
+    it, spare = iter(loader), None
+    for _ in range(n):
+        flag = torch.tensor([1.0 if stop() else 0.0])
+        tdist.all_reduce(flag, op=tdist.ReduceOp.MAX, group=ddp.dist.cpu_group())
+        if flag.numpy()[0]:
+            return
+        batch = next(it, None)
+        if batch is not None:
+            spare = batch if spare is None else spare
+            yield batch, 1.0
+            continue
+        if spare is None:
+            spare = next(iter(DataLoader(pad, batch_size=1, collate_fn=loader.collate_fn)))
+        yield spare, 0.0

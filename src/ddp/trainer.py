@@ -12,14 +12,12 @@ a CPU tensor over a Gloo group (:class:`~ddp.preemption.Vote`), and nothing is r
 back from the device except every ``logging.every_n_steps`` and at checkpoints. (fp16
 is the exception torch imposes: GradScaler reads its overflow flag every step.)
 
-Exit codes: a preempted run saves one consistent checkpoint and raises
-:class:`~ddp.preemption.Preempted` (exit 75). A failure on one rank of a multi-rank
-job prints ``rank N failed: ...`` and ends that process at once (:func:`ddp.parts.die`).
+Exit codes: a preempted run saves one checkpoint and exits 75 (``Preempted``); a rank
+that fails prints ``rank N failed: ...`` and ends at once (:func:`ddp.parts.die`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import random
@@ -31,7 +29,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
 import ddp
-from ddp import parts
+from ddp import fsdp, parts
 from ddp.checkpointer import Checkpointer, LoopState, diverged
 from ddp.config import TrainConfig
 from ddp.dist import Context, cpu_group
@@ -172,11 +170,19 @@ class Trainer:
         torch.manual_seed(t.seed + ctx.rank)  # per-rank streams (dropout, masks); DDP syncs weights
         model = self.model.to(ctx.device)
         parts.apply_memory_options(cfg, model, ctx.device)
-        self.wrapped = ddp.wrap(
-            model, find_unused_parameters=d.find_unused_parameters,
-            gradient_as_bucket_view=d.gradient_as_bucket_view, static_graph=d.static_graph,
-            bucket_cap_mb=d.bucket_cap_mb,
-        )  # fmt: skip
+        if d.strategy == "fsdp":
+            self.wrapped = ddp.wrap(
+                model, "fsdp", blocks=d.fsdp_blocks, cpu_offload=d.cpu_offload,
+                reshard_after_forward=d.reshard_after_forward,
+                mixed_precision=d.fsdp_mixed_precision,
+                activation_checkpointing=d.activation_checkpointing,
+            )  # fmt: skip
+        else:
+            self.wrapped = ddp.wrap(
+                model, find_unused_parameters=d.find_unused_parameters,
+                gradient_as_bucket_view=d.gradient_as_bucket_view, static_graph=d.static_graph,
+                bucket_cap_mb=d.bucket_cap_mb,
+            )  # fmt: skip
         world = ctx.world_size
         factor, warmup = cfg.scale_factor(world), cfg.scaled_warmup(world)
         log.info(
@@ -234,7 +240,7 @@ class Trainer:
         loop = LoopState(pi, 0, 0, n_batches, start, opt, sched, scaler,
                          per_batch=t.batch_size * ctx.world_size)  # fmt: skip
         if resume is not None:
-            self.checkpointer.restore_loop(resume, loop, phase.lr * factor)  # type: ignore[union-attr]
+            self.checkpointer.restore_loop(resume, loop, phase.lr * factor, self.wrapped)  # type: ignore[union-attr]
         self.loggers.start_phase(phase.name, total, self.global_step - start)  # type: ignore[union-attr]
         return loader, loop
 
@@ -314,8 +320,7 @@ class Trainer:
         """Forward and backward of one micro-batch; gradients sync only on the last one."""
         model = self.wrapped
         batch = self._move(batch)
-        no_sync = not last_in_group and self.ctx.world_size > 1
-        with model.no_sync() if no_sync else contextlib.nullcontext():  # type: ignore[operator]
+        with parts.grad_sync(model, last_in_group):
             with parts.autocast(self.config.precision, self.ctx.device):
                 loss = win.add(self.step_fn(model, batch))
             scaled = loss / group if group != 1 else loss
@@ -386,15 +391,14 @@ class Trainer:
         fn = self.eval_fn or self.step_fn
         sums: dict[str, torch.Tensor] = {}
         count = 0.0
-        for batch in loader:
-            if self._signal is not None:
-                break  # act within a batch, not after the whole pass (SLURM's KillWait: 30 s)
+        pad, lockstep = Subset(self.eval_data, [0]), fsdp.is_sharded(model)  # type: ignore[arg-type]
+        for batch, weight in parts.eval_batches(loader, lockstep, self._stopping, pad):
             batch = self._move(batch)
             with parts.autocast(self.config.precision, ctx.device):
                 out = fn(model, batch)
             metrics = out if isinstance(out, dict) else {"loss": out}
             nb = metrics.get("n")
-            nb = parts.batch_len(batch) if nb is None else float(nb)
+            nb = (parts.batch_len(batch) if nb is None else float(nb)) * weight
             for k, v in metrics.items():
                 if k != "n":
                     v = torch.as_tensor(v, device=ctx.device).detach().double()
@@ -425,6 +429,9 @@ class Trainer:
 
     def _on_signal(self, signum: int) -> None:
         self._signal = signum  # only a flag: the loop acts at the step boundary
+
+    def _stopping(self) -> bool:
+        return self._signal is not None
 
     def _settle_vote(self, loop: LoopState) -> None:
         """Finish a vote in flight before saving or leaving the epoch (ranks agree here)."""

@@ -21,11 +21,14 @@ Preemption and timeouts. PBS has no ``--signal=USR2@90`` and no ``scontrol reque
 
 - The job script exports ``SUBMITIT_PBS_DEADLINE`` (start + walltime - delay) and
   each rank arms a timer that sends itself the preemption signal (USR2) then; the
-  batch shell and ``mpiexec`` ignore that signal (``trap '' USR2``), so ``qsig -s USR2``
-  (``PBSJob._interrupt``) reaches the ranks without killing the launcher.
+  batch shell and ``mpiexec`` ignore that signal (``trap '' USR2``). The timer is the
+  only reliable source: ``qsig -s USR2`` (``PBSJob._interrupt``) goes to the job's
+  session, where on a real OpenPBS 23.06 server the login shell that PBS runs the
+  script from dies of it (PBS then reports the job finished, substate 92, Exit_status
+  0) and MPICH hydra's ranks, in sessions of their own, never see it.
 - On the signal, rank 0 checkpoints a ``submitit.helpers.Checkpointable`` as submitit
   does, then ``_requeue`` submits a copy of the same script with ``qsub`` (from the
-  compute node: qsub must be available there, as it is on ALCF systems). The copy
+  compute node: ``$PBS_EXEC/bin/qsub`` of ``/etc/pbs.conf``, see ``pbs_client``). The copy
   exports ``SUBMITIT_PBS_JOB_ID`` so the new PBS job reads and writes the files of
   the original submitit job id, and the new PBS id is appended to
   ``FOLDER/<id>_pbs_ids``; ``PBSJob`` follows that file, so ``job.result()`` waits
@@ -386,10 +389,12 @@ class PBSJob(core.Job[core.R]):
         (subprocess.check_call if check else subprocess.call)(argv, shell=False)
 
     def _interrupt(self, timeout: bool = False) -> None:
-        """Send the preemption signal to the job's processes (for tests), as ``qsig -s USR2``.
+        """Send the preemption signal to the job's processes, as ``qsig -s USR2``.
 
         ``timeout`` is accepted for submitit's signature; on PBS the ranks tell a
-        timeout from a preemption by the time they have run (submitit's rule).
+        timeout from a preemption by the time they have run (submitit's rule). Caution:
+        on the real server this ends the job instead (see the module docstring); the
+        tests preempt through the ranks' timer and ``qrerun``.
         """
         sig = "SIG" + PBSJobEnvironment.USR_SIG
         subprocess.check_call(["qsig", "-s", sig, self.scheduler_id])
@@ -481,7 +486,7 @@ class PBSJobEnvironment(_job_environment.JobEnvironment):
         script = paths.folder / f"{job_id}_requeue.pbs"
         script.write_text(text)
         workdir = os.environ.get("PBS_O_WORKDIR") or None
-        out = subprocess.run(["qsub", str(script)], capture_output=True, text=True, cwd=workdir,
+        out = subprocess.run([pbs_client("qsub"), str(script)], capture_output=True, text=True, cwd=workdir,
                              timeout=QSTAT_TIMEOUT_S, check=True).stdout
         from hpc.schedulers.pbs import PBS
 
@@ -491,6 +496,26 @@ class PBSJobEnvironment(_job_environment.JobEnvironment):
         logger.get_logger().info(
             f"Requeued job {job_id} as PBS job {new_id} ({countdown} remaining timeouts)"
         )
+
+
+def pbs_client(name: str, conf: str | None = None) -> str:
+    """The PBS client ``name``: ``$PBS_EXEC/bin/name`` from ``/etc/pbs.conf``, else PATH's.
+
+    Why not PATH first: a job's PATH is its login shell's. A PBS install keeps its
+    clients in ``$PBS_EXEC/bin`` (``/opt/pbs/bin``), which only a site's login profile
+    adds, and another ``qsub`` may come first (Debian's ``slurm-wlm-torque`` installs
+    ``/usr/bin/qsub``, a wrapper over sbatch). Both happened on the real test server: a
+    rank requeueing its job ran the SLURM wrapper. Every PBS host has ``/etc/pbs.conf``
+    (or ``$PBS_CONF_FILE``) naming ``PBS_EXEC``; without one, PATH decides.
+    """
+    path = Path(conf or os.environ.get("PBS_CONF_FILE") or "/etc/pbs.conf")
+    try:
+        match = re.search(r"^\s*PBS_EXEC\s*=\s*(\S+)", path.read_text(), re.M)
+    except OSError:
+        match = None
+    if match and os.access(os.path.join(match.group(1), "bin", name), os.X_OK):
+        return os.path.join(match.group(1), "bin", name)
+    return shutil.which(name) or name
 
 
 def requeue_script(text: str, job_id: str) -> str:

@@ -1,7 +1,8 @@
 """One rank of a small, deterministic Trainer run, driven by a JSON spec (argv[1]).
 
 Spec keys: config (TrainConfig mapping), n (train samples), eval_n, dropout,
-out (rank 0 saves {"state", "summary"} there), fail_rank/fail_step (raise there),
+out (rank 0 saves {"state", "summary"} there), summary (rank 0 writes the summary's
+numbers there as JSON), fail_rank/fail_step (raise there),
 wait_signal_step + ready_dir (write <rank>.pid at that step, then spin until a
 preemption signal arrives, at most wait_timeout seconds (30), so a test can signal
 every rank mid-epoch).
@@ -60,6 +61,9 @@ def main() -> None:
         make_model(spec.get("dropout", 0.0)), make_data(spec.get("n", 64)), cfg, step, eval_data
     )
     summary = trainer.fit()
+    if ddp.get_context().is_main and spec.get("summary"):
+        with open(spec["summary"], "w") as fh:
+            json.dump({k: v for k, v in summary.items() if isinstance(v, int | float)}, fh)
     if ddp.get_context().is_main and spec.get("out"):
         torch.save({"state": trainer.model.state_dict(), "summary": summary}, spec["out"])
     ddp.shutdown()

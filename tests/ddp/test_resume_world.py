@@ -115,7 +115,7 @@ def test_old_checkpoint_without_sample_count_resumes_at_the_same_position() -> N
         loop = LoopState(0, 0, 0, 10, 0, opt, sched, None, per_batch=4 * world)
         state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "epoch": 1,
                  "batches_in_epoch": batches, "world_size": saved_world}  # fmt: skip
-        Checkpointer(cfg, ctx).restore_loop(state, loop, 0.1)
+        Checkpointer(cfg, ctx).restore_loop(state, loop, 0.1, model)
         assert loop.epoch == 1
         assert loop.samples_done() == batches * saved_world * 4  # the same global position
         assert (loop.batch, loop.base) == want

@@ -1,4 +1,4 @@
-"""pytest plugin with the real-part fixtures: SLURM cluster, PALS shim, network namespaces.
+"""pytest plugin with the real-part fixtures: SLURM cluster, OpenPBS, PALS shim, network namespaces.
 
 Registered from tests/conftest.py (``pytest_plugins = ["tests.support.fixtures"]``) or
 ``-p tests.support.fixtures``. Every fixture goes through ``parts.require``: a missing
@@ -14,10 +14,12 @@ from pathlib import Path
 import pytest
 
 from tests.support import netns, slurm
+from tests.support.openpbs import lmod_frameworks, openpbs, openpbs_server, pbs_job_venv
 from tests.support.pals import PALS_DIR, RANK_WRAPPER, SHIM
 from tests.support.parts import require, require_exe
 
-__all__ = ["netns_pair", "pals_mpiexec", "slurm_cluster"]
+__all__ = ["lmod_frameworks", "netns_pair", "openpbs", "openpbs_server", "pals_mpiexec",
+           "pbs_job_venv", "slurm_cluster"]
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,166 @@
+"""Sharded checkpoints for FSDP models, through ``torch.distributed.checkpoint`` (DCP).
+
+Layout (one directory per checkpoint, beside the ``step_N.pt`` files of DDP runs)::
+
+    step_000000120/
+        __0_0.distcp __1_0.distcp ...   every rank's shards of model and optimizer state
+        .metadata                       DCP's index of the shards
+        meta.pt  meta.pt.sha256         rank 0: everything else, and every shard's digest
+
+Every rank writes its own shards into ``.step_N.tmp`` (collectively), then rank 0 adds
+the meta file and renames the directory into place; ``latest`` moves after that, so a
+``kill -9`` at any moment leaves ``latest`` on a complete checkpoint (a ``.tmp``
+directory is ignored and removed by the next save). DCP reshards on load, so a run
+resumes on any number of ranks.
+
+Checkpoints are untrusted input. DCP itself unpickles its ``.metadata`` file and
+``torch.load``\\ s non-tensor values with ``weights_only=False``; here only tensors go
+through DCP (non-tensor optimizer values travel in ``meta.pt``, which loads with
+``weights_only=True``), the metadata is read with an unpickler that builds DCP's own
+metadata classes and nothing else, and the load planner refuses pickled values.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+# ---- only tensors through DCP --------------------------------------------------------------
+
+
+def split(tree: Any) -> tuple[Any, Any]:
+    """(tensor leaves, other leaves) of a nested dict, each keeping the dict structure."""
+    if isinstance(tree, dict):
+        tensors, others = {}, {}
+        for k, v in tree.items():
+            t, o = split(v)
+            if t is not None:
+                tensors[k] = t
+            if o is not None:
+                others[k] = o
+        return tensors or None, others or None
+    if isinstance(tree, torch.Tensor):
+        return tree, None
+    return None, tree
+
+
+def merge(tensors: Any, others: Any) -> Any:
+    """Inverse of :func:`split`."""
+    if tensors is None:
+        return others
+    if others is None:
+        return tensors
+    out = dict(tensors)
+    for k, v in others.items():
+        out[k] = merge(out.get(k), v)
+    return out
+
+
+# ---- safe reading of DCP's metadata ----------------------------------------------------------
+
+_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata",)
+_ALLOWED = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata classes, torch dtypes and sizes; refuses every other global."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _ALLOWED_MODULES or (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refused global {module}.{name} in DCP metadata")
+
+
+def _reader(path: Path) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            with open(Path(self.path) / ".metadata", "rb") as fh:
+                metadata = _MetadataUnpickler(io.BytesIO(fh.read())).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(path))
+
+
+def _planner() -> Any:
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class TensorsOnly(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            raise pickle.UnpicklingError(
+                f"checkpoint holds a pickled value at {read_item.dest_index.fqn}; refused"
+            )
+
+    return TensorsOnly()
+
+
+# ---- save and load ---------------------------------------------------------------------------
+
+
+def state(model: nn.Module, opt: torch.optim.Optimizer | None) -> tuple[dict, dict | None]:
+    """Model and optimizer state dicts keyed by parameter names (sharded tensors)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if opt is None:
+        return get_model_state_dict(model), None
+    return get_state_dict(model, opt)
+
+
+def save(directory: Path, model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """Collective: every rank writes its shards into ``directory``; returns what must go
+    into the meta file (the optimizer's non-tensor values and param groups)."""
+    import torch.distributed.checkpoint as dcp
+
+    msd, osd = state(model, opt)
+    assert osd is not None
+    opt_tensors, opt_other = split(osd.get("state", {}))
+    dcp.save({"model": msd, "optim": opt_tensors or {}}, checkpoint_id=str(directory))
+    return {"optim_other": opt_other, "param_groups": osd.get("param_groups")}
+
+
+def load_model(directory: Path, model: nn.Module) -> None:
+    """Collective: the model's shards from ``directory``, resharded to this world size."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    msd, _ = state(model, None)
+    box = {"model": msd}
+    dcp.load(box, storage_reader=_reader(directory), planner=_planner())
+    set_model_state_dict(model, box["model"])
+
+
+def load_optimizer(
+    directory: Path, model: nn.Module, opt: torch.optim.Optimizer, meta: dict[str, Any]
+) -> None:
+    """Collective: the optimizer's shards, with its non-tensor values from ``meta``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    _, osd = state(model, opt)
+    assert osd is not None
+    tensors, _ = split(osd.get("state", {}))
+    box = {"optim": tensors or {}}
+    dcp.load(box, storage_reader=_reader(directory), planner=_planner())
+    full = {"state": merge(box["optim"], meta.get("optim_other")) or {},
+            "param_groups": meta.get("param_groups") or osd.get("param_groups")}  # fmt: skip
+    set_optimizer_state_dict(model, opt, full)
