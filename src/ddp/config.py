@@ -143,7 +143,12 @@ class PreemptionConfig:
     # true: rank 0 runs `scontrol requeue $SLURM_JOB_ID` after the preemption checkpoint;
     # DDP_REQUEUE=1 (exported by `hpc render` for a spec with `requeue: true`) does the same.
     requeue: bool = False
-    check_every_n_steps: int = 1  # ranks agree on the flag with one tiny all_reduce
+    # Ranks agree on the flag with one tiny CPU all_reduce (ddp.preemption.Vote), at most
+    # every check_every_n_steps steps and about every check_interval_s seconds: the steps
+    # between votes follow the step time measured at log points, the same on every rank.
+    # A signal is acted on within about two intervals. check_interval_s 0: every step.
+    check_every_n_steps: int = 1
+    check_interval_s: float = 0.25
     # After SIGTERM a rank that has not finished within grace_s seconds (or whose main
     # thread does not respond within 5 s: stuck in a collective) prints its stacks and
     # exits 143 (ddp.preemption). Below torchrun's and SLURM's 30 s kill delay; 0 = off.
@@ -480,6 +485,8 @@ def _validate(obj: Any, where: str) -> None:
                 bad("signals", s, f"signal names among {', '.join(_SIGNALS)}{hint}")
         if obj.check_every_n_steps < 1:
             bad("check_every_n_steps", obj.check_every_n_steps, "an integer >= 1")
+        if not 0 <= obj.check_interval_s <= 10:
+            bad("check_interval_s", obj.check_interval_s, "seconds in [0, 10]")
         if not 0 <= obj.grace_s < math.inf:
             bad("grace_s", obj.grace_s, "a finite number of seconds >= 0 (0 = no watchdog)")
     elif isinstance(obj, PhaseConfig):

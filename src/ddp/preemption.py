@@ -69,16 +69,30 @@ class Vote:
     device tensor, so the loop never makes the host wait for the GPU.
     """
 
-    def __init__(self, every: int, world_size: int, group: Any = None) -> None:
+    def __init__(
+        self, every: int, world_size: int, group: Any = None, interval_s: float = 0.0
+    ) -> None:
         import torch
 
         self.every = every
+        self.base = every
+        self.interval_s = interval_s
         self.distributed = world_size > 1
         self.group = group
         self._buf = (torch.zeros(1), torch.zeros(1))  # CPU, double-buffered
         self._cur = 0
         self._work: Any = None
         self.late = 0
+
+    def pace(self, step_time_s: float) -> None:
+        """Space votes about ``interval_s`` apart, given a step time every rank agrees on
+        (the mean from a log point's collective: all ranks change pace at the same step).
+
+        On a small machine each vote's Gloo thread competes with the ranks' compute; one
+        vote every ``interval_s`` seconds keeps that cost negligible at any step time.
+        """
+        if self.base and self.interval_s and step_time_s > 0:
+            self.every = max(self.base, min(10_000, int(self.interval_s / step_time_s)))
 
     @property
     def buffers(self) -> tuple[Any, Any]:
@@ -102,6 +116,24 @@ class Vote:
             buf, op=tdist.ReduceOp.MAX, group=self.group, async_op=True
         )
         return False
+
+    def final(self, flagged: bool) -> bool:
+        """The vote in flight, then a blocking one on the current flags: True = stop.
+
+        For the points every rank reaches at the same step anyway (an epoch's end,
+        max_steps), so that a signal between paced votes is acted on there."""
+        if not self.every:
+            return False
+        if self.settle():
+            return True
+        if not self.distributed:
+            return flagged
+        import torch
+        import torch.distributed as tdist
+
+        flag = torch.tensor([1.0 if flagged else 0.0])
+        tdist.all_reduce(flag, op=tdist.ReduceOp.MAX, group=self.group)
+        return bool(flag.numpy()[0])
 
     def settle(self) -> bool:
         """Finish the vote in flight (before a save, or leaving the epoch): True = stop."""

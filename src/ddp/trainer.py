@@ -350,13 +350,15 @@ class Trainer:
     def _log_point(self, win: parts.LossWindow, loop: LoopState, step: int) -> None:
         """One collective for every logged metric, then rank 0 reports."""
         names = ["loss", *sorted(win.extra)]
+        dt = time.perf_counter() - win.t0
         vec = torch.stack([win.loss.float(), *(win.extra[k].float() for k in names[1:])])
-        vec = ddp.reduce_mean(vec / max(1, win.micro)).tolist()
+        vec = torch.cat([vec / max(1, win.micro), vec.new_tensor([dt])])
+        *vec, mean_dt = ddp.reduce_mean(vec).tolist()  # the wall time too: the same on all ranks
         if not math.isfinite(vec[0]) and self.config.precision != "fp16":
             # fp16's GradScaler skips overflowing steps by design; its weights are checked
             # before every save instead.
             raise diverged(step, f"the mean loss since step {win.step0} is {vec[0]}")
-        dt = time.perf_counter() - win.t0
+        self._vote.pace(mean_dt / max(1, step - win.step0))  # type: ignore[union-attr]
         metrics = dict(zip(names, vec, strict=True))
         samples = win.micro * self.config.training.batch_size * self.ctx.world_size
         metrics["samples_per_s"] = samples / dt if dt else 0
@@ -425,7 +427,7 @@ class Trainer:
         self._signals = SignalWatch(p.signals, self._on_signal, self.ctx.rank, p.grace_s)
         self._signals.install()
         every = p.check_every_n_steps if self._signals.installed else 0
-        self._vote = Vote(every, self.ctx.world_size, cpu_group())
+        self._vote = Vote(every, self.ctx.world_size, cpu_group(), p.check_interval_s)
 
     def _on_signal(self, signum: int) -> None:
         self._signal = signum  # only a flag: the loop acts at the step boundary
@@ -434,8 +436,9 @@ class Trainer:
         return self._signal is not None
 
     def _settle_vote(self, loop: LoopState) -> None:
-        """Finish a vote in flight before saving or leaving the epoch (ranks agree here)."""
-        if self._vote.settle():  # type: ignore[union-attr]
+        """At max_steps or the epoch's end (the same step on every rank): finish the vote
+        in flight and take one more, so a signal is never left for a later epoch."""
+        if self._vote.final(self._signal is not None):  # type: ignore[union-attr]
             self._preempt(loop)
 
     def _preempt(self, loop: LoopState) -> None:

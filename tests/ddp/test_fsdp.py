@@ -34,6 +34,7 @@ def _cfg(ck: Path, strategy: str = "fsdp", **training: object) -> dict:
         "ddp": {"strategy": strategy, "fsdp_blocks": ["0", "3"]},
         "checkpoint": {"dir": str(ck)},
         "logging": {"every_n_steps": 5, "progress": "plain"},
+        "preemption": {"check_interval_s": 0},
     }  # fmt: skip
 
 

@@ -30,6 +30,7 @@ def _config(tmp_path: Path, **extra: dict) -> dict:
         "logging": {"every_n_steps": 1, "progress": "plain"},
         "checkpoint": {"dir": str(tmp_path / "ckpt"), "keep_last": 5},
         "ddp": {"timeout_s": 120},
+        "preemption": {"check_interval_s": 0},  # a vote every step: signals act mid-epoch
     }
     for section, values in extra.items():
         cfg.setdefault(section, {}).update(values)

@@ -25,6 +25,7 @@ def _cfg(tmp: Path | None, **sections: dict) -> dict:
         "optim": {"name": "sgd", "lr": 0.1},
         "checkpoint": {"dir": str(tmp) if tmp else None},
         "logging": {"every_n_steps": 3, "progress": "plain"},
+        "preemption": {"check_interval_s": 0},  # a vote every step: signals act mid-epoch
     }
     for name, values in sections.items():
         cfg.setdefault(name, {}).update(values)

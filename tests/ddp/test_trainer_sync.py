@@ -51,3 +51,22 @@ def test_the_counter_sees_a_read(tmp_path):
     assert all(rc == 0 for rc, _, _ in results), results
     rec = json.loads((tmp_path / "rank0.json").read_text())
     assert rec["reads"] >= 2  # each log point reads the window's sums once
+
+
+def test_votes_are_paced_by_step_time_and_a_signal_still_acts():
+    """One process: after a log point measures fast steps, votes are spaced ~interval apart;
+    a flag raised between paced votes is still acted on at the epoch's end (final)."""
+    from ddp.preemption import Vote
+
+    vote = Vote(1, world_size=1, interval_s=0.25)
+    assert vote.every == 1
+    vote.pace(0.001)  # 1 ms steps
+    assert vote.every == 250
+    assert not vote.step(10, flagged=True)  # not a vote step: nothing is read
+    assert vote.final(flagged=True)  # the epoch's end decides
+    vote.pace(1.0)  # slow steps: never fewer than check_every_n_steps
+    assert vote.every == 1
+    off = Vote(1, world_size=1, interval_s=0.0)
+    off.pace(0.001)
+    assert off.every == 1
+    assert not Vote(0, world_size=1).final(flagged=True)  # no signals installed: no vote
