@@ -29,3 +29,4 @@ bench: install
 	$(PYTHON) bench/trainer_vs_loop.py
 	$(PYTHON) bench/checkpoint_save.py
 	$(PYTHON) bench/fsdp_vs_ddp.py
+	$(PYTHON) bench/data_scale.py

@@ -42,6 +42,20 @@ class LoopState:
     opt: torch.optim.Optimizer
     sched: Any
     scaler: Any  # torch.amp.GradScaler for fp16, else None
+    per_batch: int = 1  # samples one micro-batch of the whole job takes (batch x world)
+    base: int = 0  # samples of the epoch consumed before micro-batch 0 of this run's count
+
+    def samples_done(self, at: tuple[int, int] | None = None) -> int:
+        """Samples consumed in the epoch's global order (all ranks together) at micro-batch
+        ``at`` = (epoch, batch), default now: the position a checkpoint records."""
+        epoch, batch = at if at is not None else (self.epoch, self.batch)
+        return (self.base if epoch == self.epoch else 0) + batch * self.per_batch
+
+    def seek(self, samples: int, accum: int) -> None:
+        """Continue at ``samples`` into the epoch, on this run's world size: whole
+        optimizer steps of this world size as micro-batches, the rest as ``base``."""
+        self.batch = samples // (self.per_batch * accum) * accum
+        self.base = samples - self.batch * self.per_batch
 
     def after_batches(self) -> tuple[int, int]:
         """The position after the batches done so far: a finished epoch is the next
@@ -132,8 +146,10 @@ class Checkpointer:
         if state.get("world_size") == world and len(rngs) == world:
             ckpt.set_rng_state(rngs[self.ctx.rank], self.ctx.device)
         else:
-            log.warning("checkpoint from world size %s: RNG states not restored",
-                        state.get("world_size"))  # fmt: skip
+            derive_rng(self.config.training.seed, state["global_step"], self.ctx.rank)
+            log.info("checkpoint from world size %s, running on %d: RNG streams derived from "
+                     "(training.seed %d, step %d, rank)", state.get("world_size"), world,
+                     self.config.training.seed, state["global_step"])  # fmt: skip
         if "sharded" in state:
             sharded.load_model(Path(state["sharded"]), model)
         else:
@@ -151,7 +167,12 @@ class Checkpointer:
         apply_new_hyperparameters(loop.opt, loop.sched, base_lr, self.config)
         if loop.scaler is not None and state.get("scaler"):
             loop.scaler.load_state_dict(state["scaler"])
-        loop.epoch, loop.batch = state["epoch"], state["batches_in_epoch"]
+        loop.epoch = state["epoch"]
+        samples = state.get("samples_in_epoch")
+        if samples is None:  # written before samples_in_epoch: micro-batches of its world
+            world = state.get("world_size") or self.ctx.world_size
+            samples = state["batches_in_epoch"] * world * self.config.training.batch_size
+        loop.seek(samples, self.config.training.accum)
 
     # ---- save ---------------------------------------------------------------------------
     def save(
@@ -193,6 +214,7 @@ class Checkpointer:
             "phase": loop.phase,
             "epoch": epoch,
             "batches_in_epoch": batch,
+            "samples_in_epoch": loop.samples_done(at),  # any world size resumes here
             "global_step": global_step,
             "phase_start_step": loop.phase_start,
             "world_size": self.ctx.world_size,
@@ -246,6 +268,21 @@ class Checkpointer:
             path = str(ckpt.export_final(model, self.dir, self.config.to_yaml(), full))
         ddp.barrier()
         return path
+
+
+def derive_rng(seed: int, step: int, rank: int) -> None:
+    """Seed python, numpy and torch (every device) from (seed, step, rank): the streams of
+    a run resumed on another world size, where saved per-rank states do not map."""
+    import hashlib
+    import random
+
+    import numpy as np
+
+    digest = hashlib.blake2b(f"ddp-rng/{seed}/{step}/{rank}".encode(), digest_size=8).digest()
+    value = int.from_bytes(digest, "little") >> 1
+    random.seed(value)
+    np.random.seed(value % 2**32)
+    torch.manual_seed(value)
 
 
 # ---- checks on weights and on a checkpoint ------------------------------------------------

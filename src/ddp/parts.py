@@ -6,6 +6,7 @@ Trainer (``ddp.trainer``) reads as the loop itself.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import os
 import sys
@@ -15,8 +16,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DistributedSampler, Sampler
 
 from ddp.config import TrainConfig
 from ddp.errors import ConfigError
@@ -84,6 +86,9 @@ def phases(config: TrainConfig) -> list[Phase]:
 class ResumableSampler(DistributedSampler):
     """DistributedSampler that can start ``start`` samples into this rank's epoch order.
 
+    Kept for scripts that want DistributedSampler's exact order; the Trainer uses
+    :class:`GlobalOrderSampler`, whose position means the same on any world size.
+
     The order itself is DistributedSampler's (seed + epoch), so skipping the first
     ``start`` indices gives exactly the batches an uninterrupted run would still see.
     """
@@ -99,6 +104,114 @@ class ResumableSampler(DistributedSampler):
 
     def __len__(self) -> int:
         return max(0, self.num_samples - self.start)
+
+
+class GlobalOrderSampler(Sampler[int]):
+    """Each epoch's samples in one global order, the same for every world size; a
+    position in it is a plain sample count, so a run resumes on any number of ranks.
+
+    The order is a pseudo-random permutation of ``range(n)`` keyed by (seed, epoch)
+    (identity without ``shuffle``), computed on the fly by a Feistel network with cycle
+    walking: no index list is ever built, so memory does not grow with the dataset.
+
+    Consumption: a micro-batch of the whole job takes the next ``world * batch_size``
+    positions of the order (a chunk); rank ``r`` takes chunk positions ``r, r + world,
+    ...`` (DistributedSampler's striding, within the chunk). ``start`` is the number of
+    positions consumed before this run's first micro-batch of the epoch: after a resume
+    on another world size it need not be a multiple of the new chunk. The last, partial
+    chunk is padded to a multiple of ``world`` with the first positions of the epoch's
+    order (at most ``world - 1`` samples seen twice in an epoch, as DistributedSampler
+    does), or cut down to one with ``drop_last`` (at most ``world - 1`` unseen).
+    """
+
+    def __init__(self, n: int, num_replicas: int, rank: int, batch_size: int,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:  # fmt: skip
+        self.n, self.world, self.rank, self.batch_size = n, num_replicas, rank, batch_size
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.epoch = 0
+        self.start = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    @property
+    def num_samples(self) -> int:
+        """Samples per rank in a whole epoch (DistributedSampler's ``num_samples``)."""
+        return self._per_rank(self.n)
+
+    def _per_rank(self, remaining: int) -> int:
+        chunk = self.world * self.batch_size
+        full, rest = divmod(max(0, remaining), chunk)
+        tail = rest // self.world if self.drop_last else -(-rest // self.world)
+        return full * self.batch_size + tail
+
+    def batches_left(self) -> int:
+        """This rank's micro-batches from ``start`` to the epoch's end."""
+        return -(-self._per_rank(self.n - self.start) // self.batch_size)
+
+    def __len__(self) -> int:
+        return self._per_rank(self.n - self.start)
+
+    def positions(self, block: int = 1 << 16) -> Iterator[np.ndarray]:
+        """This rank's positions in the epoch's global order, from ``start``, in blocks."""
+        w, b, n = self.world, self.batch_size, self.n
+        p = min(self.start, n)
+        chunk = w * b
+        full, rest = divmod(n - p, chunk)
+        inner = self.rank + w * np.arange(b, dtype=np.int64)
+        per = max(1, block // b)
+        for c0 in range(0, full, per):
+            c = np.arange(c0, min(full, c0 + per), dtype=np.int64)
+            yield (p + c[:, None] * chunk + inner[None, :]).ravel()
+        if rest:
+            keep = (rest // w) * w if self.drop_last else -(-rest // w) * w
+            tail = p + full * chunk + np.arange(self.rank, keep, w, dtype=np.int64)
+            yield tail % n  # padding: the first positions of the epoch's order again
+
+    def order(self, pos: np.ndarray) -> np.ndarray:
+        """Sample indices at global positions ``pos`` of this epoch's order."""
+        if not self.shuffle:
+            return pos
+        return feistel_permute(pos, self.n, _round_keys(self.seed, self.epoch))
+
+    def __iter__(self) -> Iterator[int]:
+        for pos in self.positions():
+            yield from self.order(pos).tolist()
+
+
+def _round_keys(seed: int, epoch: int, rounds: int = 4) -> list[int]:
+    digest = hashlib.blake2b(f"ddp-order/{seed}/{epoch}".encode(), digest_size=8 * rounds)
+    return [int.from_bytes(digest.digest()[8 * i : 8 * i + 8], "little") for i in range(rounds)]
+
+
+def feistel_permute(x: np.ndarray, n: int, keys: list[int]) -> np.ndarray:
+    """A bijection of ``range(n)`` evaluated at ``x`` (vectorised): a balanced Feistel
+    network over the smallest even power of two >= n, cycle-walking values >= n back
+    into range (each walk ends because the network is a bijection of the larger
+    domain). Expected walks per value: below 4."""
+    if n <= 1:
+        return np.zeros_like(x)
+    half = max(1, ((n - 1).bit_length() + 1) // 2)
+    mask = np.uint64((1 << half) - 1)
+    keyv = [np.uint64(k) for k in keys]
+
+    def net(v: np.ndarray) -> np.ndarray:
+        left, right = v >> np.uint64(half), v & mask
+        with np.errstate(over="ignore"):
+            for k in keyv:
+                f = (right + k) * np.uint64(0x9E3779B97F4A7C15)
+                f ^= f >> np.uint64(29)
+                f *= np.uint64(0xBF58476D1CE4E5B9)
+                f ^= f >> np.uint64(32)
+                left, right = right, left ^ (f & mask)
+        return (left << np.uint64(half)) | right
+
+    y = net(x.astype(np.uint64))
+    out_of_range = y >= np.uint64(n)
+    while out_of_range.any():
+        y[out_of_range] = net(y[out_of_range])
+        out_of_range = y >= np.uint64(n)
+    return y.astype(np.int64)
 
 
 def batch_len(batch: Any) -> int:

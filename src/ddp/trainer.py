@@ -218,8 +218,8 @@ class Trainer:
         data = self.train_data
         if phase.max_samples is not None and phase.max_samples < len(data):  # type: ignore[arg-type]
             data = Subset(data, range(phase.max_samples))
-        sampler = parts.ResumableSampler(data, num_replicas=ctx.world_size, rank=ctx.rank,
-                                         shuffle=t.shuffle, seed=t.seed, drop_last=t.drop_last)  # fmt: skip
+        sampler = parts.GlobalOrderSampler(len(data), ctx.world_size, ctx.rank, t.batch_size,  # type: ignore[arg-type]
+                                           t.shuffle, t.seed, t.drop_last)  # fmt: skip
         loader = DataLoader(
             data, batch_size=t.batch_size, sampler=sampler, num_workers=cfg.data.num_workers,
             pin_memory=cfg.data.pin_memory, collate_fn=self.collate_fn,
@@ -238,7 +238,8 @@ class Trainer:
             opt, parts.lr_lambda(warmup, total, cfg.optim.schedule, cfg.optim.min_lr_ratio)
         )
         scaler = torch.amp.GradScaler(ctx.device.type) if cfg.precision == "fp16" else None
-        loop = LoopState(pi, 0, 0, n_batches, start, opt, sched, scaler)
+        loop = LoopState(pi, 0, 0, n_batches, start, opt, sched, scaler,
+                         per_batch=t.batch_size * ctx.world_size)  # fmt: skip
         if resume is not None:
             self.checkpointer.restore_loop(resume, loop, phase.lr * factor, self.wrapped)  # type: ignore[union-attr]
         self.loggers.start_phase(phase.name, total, self.global_step - start)  # type: ignore[union-attr]
@@ -249,16 +250,17 @@ class Trainer:
                    ) -> tuple[float, bool, dict[str, float]]:  # fmt: skip
         """Epochs of one phase; (last mean loss, evaluated at the end, eval metrics)."""
         loader, loop = self._prepare_phase(pi, phase, factor, warmup, resume)
-        sampler: parts.ResumableSampler = loader.sampler  # type: ignore[assignment]
+        sampler: parts.GlobalOrderSampler = loader.sampler  # type: ignore[assignment]
         every = self.config.training.eval_every_n_epochs
         last_loss, evaluated = float("nan"), False
         try:
             for epoch in range(loop.epoch, phase.epochs):
                 sampler.set_epoch(epoch)
-                sampler.start = loop.batch * self.config.training.batch_size
+                sampler.start = loop.samples_done()  # in the epoch's global order
                 loop.epoch = epoch
+                loop.n_batches = loop.batch + sampler.batches_left()
                 loss = self._train_epoch(loader, loop)
-                loop.batch = 0
+                loop.batch = loop.base = 0
                 last_loss = last_loss if math.isnan(loss) else loss
                 if self._stop:
                     break

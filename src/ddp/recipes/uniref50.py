@@ -4,9 +4,14 @@ Forward process: each residue is replaced by ``<mask>`` with probability t,
 t ~ U(t_min, 1). The model sees the partly masked sequence and t and predicts
 the masked residues; the loss is the MDLM ELBO, sum over masked positions of
 CE / t, divided by the number of real residues (so it is per residue).
-Trained from a FASTA file; the shipped ``data/uniref50_tiny.fasta`` (made by
-``scripts/make_fasta.py``) has Markov + motif structure, so the loss falls
-within seconds on a CPU.
+Trained from a FASTA file through a memory-mapped token store (``ddp.data``):
+``--datafile`` takes the FASTA (prepared once into a store beside it, or in
+``recipe.cache_dir``) or a store made by ``python -m ddp.data prepare-fasta``, so
+memory per rank stays flat at UniRef50's real size. Sequences are cropped to
+``model.max_len`` (their first residues) and padded per sample. A sequence is held
+out for evaluation by a hash of its id (``recipe.eval_fraction``, ``split_salt``).
+The shipped ``data/uniref50_tiny.fasta`` (made by ``scripts/make_fasta.py``) has
+Markov + motif structure, so the loss falls within seconds on a CPU.
 """
 
 from __future__ import annotations
@@ -15,12 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset
 
+import ddp
 from ddp.config import TrainConfig
+from ddp.data import fasta
+from ddp.data.dataset import TokenDataset
+from ddp.data.store import TokenStore
 from ddp.errors import ConfigError
 from ddp.recipes import DATA_DIR, Built, Flag, seeded_model
-from ddp.recipes._common import MASK, PAD, TinyTransformer, encode
+from ddp.recipes._common import MASK, PAD, TinyTransformer
 
 NAME = "uniref50"
 DESCRIPTION = "protein masked-diffusion LM (absorbing state) on a FASTA file"
@@ -33,11 +41,13 @@ DEFAULTS: dict[str, Any] = {
     "checkpoint": {"dir": "runs/uniref50"},
     "logging": {"every_n_steps": 10},
     "model": {"d_model": 64, "n_layers": 2, "n_heads": 4, "max_len": 64, "dropout": 0.0},
-    "recipe": {"data": "", "eval_fraction": 0.1, "t_min": 0.05, "eval_seed": 1234},
+    "recipe": {"data": "", "cache_dir": "", "eval_fraction": 0.1, "split_salt": 0,
+               "t_min": 0.05, "eval_seed": 1234},  # fmt: skip
 }
 
 FLAGS = [
-    Flag("--datafile", "recipe.data", str, "FASTA file (default: the shipped tiny one)"),
+    Flag("--datafile", "recipe.data", str,
+         "FASTA file (.gz too) or its prepared token store (default: the shipped tiny one)"),
     Flag("--work_dir", "checkpoint.dir", str, "the seed's name for --output_dir"),
     Flag("--batch_size", "training.batch_size", int, "batch size per rank"),
     Flag("--epochs", "training.epochs", int, "epochs"),
@@ -46,11 +56,15 @@ FLAGS = [
 
 
 def read_fasta(path: str | Path) -> list[str]:
-    """Sequences of a FASTA file (headers dropped, wrapped lines joined)."""
+    """Sequences of a small FASTA file (headers dropped, wrapped lines joined).
+
+    For tests and small scripts only: training reads a token store
+    (:func:`ddp.data.fasta.resolve_store`), whose memory does not grow with the file.
+    """
     try:
         text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(f"recipe.data: cannot read FASTA {str(path)!r}: {exc.strerror}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"recipe.data: cannot read FASTA {str(path)!r}: {exc}") from None
     seqs: list[str] = []
     cur: list[str] = []
     for line in text.splitlines():
@@ -68,20 +82,38 @@ def read_fasta(path: str | Path) -> list[str]:
     return seqs
 
 
-class ProteinDataset(Dataset):
-    """Sequences cropped to ``max_len`` and right-padded with ``<pad>`` (one tensor)."""
+def open_data(config: TrainConfig) -> tuple[TokenDataset, TokenDataset | None]:
+    """Collective: (train, eval) datasets over the token store of ``recipe.data``.
 
-    def __init__(self, seqs: list[str], max_len: int) -> None:
-        self.tokens = torch.full((len(seqs), max_len), PAD, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids = encode(s)[:max_len]
-            self.tokens[i, : len(ids)] = torch.tensor(ids)
-
-    def __len__(self) -> int:
-        return self.tokens.shape[0]
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self.tokens[i]
+    A FASTA file is prepared into a store once (rank 0; see ``resolve_store``); the
+    evaluation split is a rule over sequence ids (``TokenStore.split``), so nothing
+    reads the whole file first. Rank 0 writes the split's index files before the
+    others open them.
+    """
+    m, r = config.model, config.recipe
+    if not 0 <= r["eval_fraction"] < 1:
+        raise ConfigError(f"recipe.eval_fraction: {r['eval_fraction']!r}; expected [0, 1)")
+    data = r["data"] or DATA_DIR / "uniref50_tiny.fasta"
+    shipped = not r["data"]
+    cache = r["cache_dir"] or (fasta.cache_dir() if shipped else None)
+    try:
+        path = fasta.resolve_store(data, cache)
+        error = None
+        if ddp.is_main_process():
+            try:
+                TokenStore(path, fasta.TOKENIZER).split(r["eval_fraction"], r["split_salt"])
+            except ConfigError as exc:
+                error = str(exc)
+        error = ddp.broadcast_object(error)
+        if error:
+            raise ConfigError(error)
+        store = TokenStore(path, fasta.TOKENIZER)
+    except ConfigError as exc:
+        raise ConfigError(f"recipe.data: {exc}") from None
+    train_idx, eval_idx = store.split(r["eval_fraction"], r["split_salt"])
+    train = TokenDataset(store, m["max_len"], PAD, train_idx)
+    evals = TokenDataset(store, m["max_len"], PAD, eval_idx) if len(eval_idx) else None
+    return train, evals
 
 
 def diffusion_loss(
@@ -102,13 +134,7 @@ def diffusion_loss(
 
 def build(config: TrainConfig) -> Built:
     m, r = config.model, config.recipe
-    path = r["data"] or DATA_DIR / "uniref50_tiny.fasta"
-    seqs = read_fasta(path)
-    if not 0 <= r["eval_fraction"] < 1:
-        raise ConfigError(f"recipe.eval_fraction: {r['eval_fraction']!r}; expected [0, 1)")
-    n_eval = int(len(seqs) * r["eval_fraction"])
-    train = ProteinDataset(seqs[n_eval:], m["max_len"])
-    evals = ProteinDataset(seqs[:n_eval], m["max_len"]) if n_eval else None
+    train, evals = open_data(config)
     model = seeded_model(config.training.seed, lambda: TinyTransformer(
         m["d_model"], m["n_layers"], m["n_heads"], m["max_len"], m["dropout"],
         time_conditioned=True,
