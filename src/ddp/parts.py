@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DistributedSampler, Sampler
+from torch.utils.data import Sampler
 
 from ddp.config import TrainConfig
 from ddp.errors import ConfigError
@@ -81,29 +81,6 @@ def phases(config: TrainConfig) -> list[Phase]:
               t.max_samples if p.max_samples is None else p.max_samples)
         for i, p in enumerate(config.phases)
     ]  # fmt: skip
-
-
-class ResumableSampler(DistributedSampler):
-    """DistributedSampler that can start ``start`` samples into this rank's epoch order.
-
-    Kept for scripts that want DistributedSampler's exact order; the Trainer uses
-    :class:`GlobalOrderSampler`, whose position means the same on any world size.
-
-    The order itself is DistributedSampler's (seed + epoch), so skipping the first
-    ``start`` indices gives exactly the batches an uninterrupted run would still see.
-    """
-
-    start: int = 0
-
-    def __iter__(self) -> Iterator[int]:
-        it = super().__iter__()
-        if self.start:
-            for _ in range(self.start):
-                next(it, None)
-        return it
-
-    def __len__(self) -> int:
-        return max(0, self.num_samples - self.start)
 
 
 class GlobalOrderSampler(Sampler[int]):
