@@ -135,7 +135,8 @@ class Checkpointer:
         state = ckpt.load_checkpoint(path, verify_shards=False)
         log.info("resuming from %s (step %d)", path, state["global_step"])
         self.resumed_from = path
-        check_resumable(state.get("config") or {}, self.config.to_dict(), path)
+        check_resumable(state.get("config") or {}, self.config.to_dict(), path,
+                        (state.get("world_size") or 1, self.ctx.world_size))  # fmt: skip
         return state
 
     def restore_model(self, state: dict[str, Any], model: torch.nn.Module) -> None:
@@ -322,16 +323,36 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def check_resumable(old: dict[str, Any], new: dict[str, Any], path: str) -> None:
+def check_resumable(
+    old: dict[str, Any], new: dict[str, Any], path: str, worlds: tuple[int, int] = (1, 1)
+) -> None:
     """Stop on a change the checkpoint cannot carry; log every other changed key.
 
     A resumed run either applies a new value (optimizer hyper-parameters, the schedule,
     more epochs: :func:`apply_new_hyperparameters`) and says so, or stops with one
-    line; it never mixes old and new silently.
+    line; it never mixes old and new silently. ``batch_size`` and ``accum`` may change
+    with the number of ranks (``worlds``: the checkpoint's, this run's) as long as
+    batch_size x accum x ranks stays the same: every optimizer step then takes the same
+    samples of the epoch's global order, so the run continues as if uninterrupted, up
+    to floating-point round-off (a PBS job's next submission often gets other nodes).
     """
     before, after = _flat(old), _flat(new)
     changed = [k for k in after if k in before and before[k] != after[k]]
+
+    def per_step(cfg: dict[str, Any], world: int) -> int:
+        return int(cfg.get("training.batch_size", 1)) * int(cfg.get("training.accum", 1)) * world
+
+    same_step = per_step(before, worlds[0]) == per_step(after, worlds[1])
     for key in changed:
+        if key in ("training.batch_size", "training.accum") and same_step:
+            continue
+        if key in ("training.batch_size", "training.accum"):
+            raise ConfigError(
+                f"{key}: {after[key]!r} differs from {before[key]!r} in the checkpoint "
+                f"{path!r}; allowed: batch_size x accum x ranks equal to the checkpoint's "
+                f"{per_step(before, worlds[0])} (now {per_step(after, worlds[1])} on "
+                f"{worlds[1]} ranks), or a fresh checkpoint.dir / checkpoint.resume=none"
+            )
         if key in _FIXED_ON_RESUME:
             raise ConfigError(
                 f"{key}: {after[key]!r} differs from {before[key]!r} in the checkpoint "

@@ -208,3 +208,25 @@ def test_recipes_run_with_fsdp(tmp_path: Path, recipe: str) -> None:
     assert (tmp_path / "step_000000003" / "meta.pt").is_file()
     state = torch.load(tmp_path / "final" / "model.pt", weights_only=True)
     assert all(isinstance(v, torch.Tensor) and type(v) is torch.Tensor for v in state.values())
+
+
+@pytest.mark.parametrize("world, batch", [(1, 4), (4, 1)])
+def test_resume_on_other_ranks_with_the_same_global_batch_continues_the_run(
+    tmp_path: Path, world: int, batch: int
+) -> None:
+    """2 ranks x batch 2 x accum 2 to step 10, then 1 rank x 4 (or 4 x 1) to step 20: the
+    same samples make every step, so the weights end as an uninterrupted 2-rank run's,
+    to fp32 round-off; a different global batch is refused with one line."""
+    full = {"config": _cfg(tmp_path / "full", max_steps=20), "n": 160}
+    _ok(_run(full, world=2))
+    part = {"config": _cfg(tmp_path / "part", max_steps=10), "n": 160}
+    _ok(_run(part, world=2))
+    part["config"]["training"].update(max_steps=20, batch_size=batch)
+    bad = json.loads(json.dumps(part))
+    bad["config"]["training"]["accum"] = 1
+    rc, out, err = _run(bad, world=world)[0]
+    assert rc != 0 and "batch_size x accum x ranks equal to the checkpoint's 8" in err, err
+    _ok(_run(part, world=world))
+    a, b = _final(tmp_path / "full"), _final(tmp_path / "part")
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6), (k, (a[k] - b[k]).abs().max())
