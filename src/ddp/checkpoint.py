@@ -46,10 +46,6 @@ FORMAT_VERSION = 2  # 2: sha256 sidecar, RNG states as plain values (weights_onl
 
 def fsync_dir(path: Path) -> None:
     """Make a rename or new file in ``path`` durable (best effort where unsupported)."""
-    _fsync_dir(path)
-
-
-def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:  # some filesystems refuse to open directories
@@ -91,7 +87,7 @@ class _Staged:
             self.discard()
             raise
         if durable:
-            _fsync_dir(self.path.parent)
+            fsync_dir(self.path.parent)
 
     def discard(self) -> None:
         with contextlib.suppress(OSError):

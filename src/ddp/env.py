@@ -159,16 +159,20 @@ def _int(env: Mapping[str, str], *names: str) -> int | None:
     return None
 
 
+#: Where schedulers and launchers put the job's id, in the order they are trusted.
+_JOB_ID_VARS = ("SLURM_JOB_ID", "PBS_JOBID", "OMPI_MCA_ess_base_jobid", "LSB_JOBID")
+
+
 def job_id(env: Mapping[str, str]) -> str | None:
     """The scheduler's id of this job, as the scheduler writes it."""
-    for name in ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "OMPI_MCA_ess_base_jobid"):
+    for name in _JOB_ID_VARS:
         if env.get(name):
             return env[name]
     return None
 
 
 def _job_id_number(env: Mapping[str, str]) -> int | None:
-    for name in ("SLURM_JOB_ID", "PBS_JOBID", "OMPI_MCA_ess_base_jobid", "LSB_JOBID"):
+    for name in _JOB_ID_VARS:
         m = re.match(r"\d+", env.get(name, ""))
         if m:
             return int(m.group(0))

@@ -16,16 +16,21 @@ from tests.ddp import _launch
 WORKER = "tests/ddp/_sync_worker.py"
 
 
-def test_no_host_reads_between_log_points(tmp_path):
-    spec = {
-        "out": str(tmp_path), "n": 512, "start": 3, "stop": 13,
+def _spec(out, log_every: int) -> dict:  # noqa: ANN001
+    """20 steps, checkpoints off; host reads counted from step 3 to step 13."""
+    return {
+        "out": str(out), "n": 512, "start": 3, "stop": 13,
         "config": {
             "training": {"batch_size": 4, "epochs": 1, "max_steps": 20},
             "optim": {"name": "sgd", "lr": 0.01},
             "checkpoint": {"dir": None},
-            "logging": {"every_n_steps": 1000, "progress": "off"},
+            "logging": {"every_n_steps": log_every, "progress": "off"},
         },
     }  # fmt: skip
+
+
+def test_no_host_reads_between_log_points(tmp_path):
+    spec = _spec(tmp_path, 1000)
     results = _launch.run([WORKER, json.dumps(spec)], world=2, timeout=120)
     for rank, (rc, out, err) in enumerate(results):
         assert rc == 0, f"rank {rank}: {out[-2000:]}\n{err[-3000:]}"
@@ -38,15 +43,7 @@ def test_no_host_reads_between_log_points(tmp_path):
 
 def test_the_counter_sees_a_read(tmp_path):
     """The same harness counts a step function that reads its loss (so it can fail)."""
-    spec = {
-        "out": str(tmp_path), "n": 512, "start": 3, "stop": 13,
-        "config": {
-            "training": {"batch_size": 4, "epochs": 1, "max_steps": 20},
-            "optim": {"name": "sgd", "lr": 0.01},
-            "checkpoint": {"dir": None},
-            "logging": {"every_n_steps": 5, "progress": "off"},  # two log points inside
-        },
-    }  # fmt: skip
+    spec = _spec(tmp_path, 5)  # two log points inside the counted steps
     results = _launch.run([WORKER, json.dumps(spec)], world=2, timeout=120)
     assert all(rc == 0 for rc, _, _ in results), results
     rec = json.loads((tmp_path / "rank0.json").read_text())
