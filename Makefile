@@ -20,6 +20,7 @@ test: install
 
 lint: install
 	ruff check .
+	PYTHONPATH=src:. lint-imports  # the layers (contracts in pyproject.toml)
 
 jobs: install
 	hpc render --all-jobs

@@ -15,9 +15,9 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    """``hpc.executor`` / ``hpc.distributed`` (hpc.python_api) load on first use, not at import."""
+    """``hpc.executor`` / ``hpc.distributed`` (hpc.executors) load on first use, not at import."""
     if name in ("executor", "distributed"):
-        from hpc import python_api
+        from hpc import executors
 
-        return getattr(python_api, name)
+        return getattr(executors, name)
     raise AttributeError(f"module 'hpc' has no attribute {name!r}")

@@ -10,7 +10,7 @@ import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from hpc.errors import UserError
 
@@ -37,43 +37,6 @@ def check_keys(data: dict[str, Any], allowed: Iterable[str], where: str) -> None
                 f"{where}: unknown key {key!r}{did_you_mean(key, allowed)}; "
                 f"allowed: {', '.join(sorted(allowed))}"
             )
-
-
-class Record:
-    """A plain attribute record with keyword construction and field equality.
-
-    Used instead of dataclasses because ``hpc render`` is timed against peers and
-    each ``@dataclass`` costs about a millisecond at import.
-    """
-
-    _defaults: ClassVar[dict[str, Any]] = {}
-
-    def __init__(self, **kwargs: Any) -> None:
-        unknown = set(kwargs) - set(self._defaults)
-        if unknown:
-            raise TypeError(f"{type(self).__name__}: unknown fields {sorted(unknown)}")
-        for name, default in self._defaults.items():
-            if name in kwargs:
-                value = kwargs[name]
-            elif default is REQUIRED:
-                raise TypeError(f"{type(self).__name__}: missing field {name!r}")
-            else:
-                value = type(default)(default) if isinstance(default, (list, dict)) else default
-            setattr(self, name, value)
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and all(
-            getattr(self, n) == getattr(other, n) for n in self._defaults
-        )
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        inner = ", ".join(f"{n}={getattr(self, n)!r}" for n in self._defaults)
-        return f"{type(self).__name__}({inner})"
-
-
-REQUIRED: Any = object()
 
 
 MAX_YAML_NODES = 100_000

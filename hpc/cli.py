@@ -1,8 +1,11 @@
-"""The ``hpc`` command: render, submit, run, status, cancel, clusters, doctor, scale.
+"""The ``hpc`` command: argument parsing and printing over the library in ``hpc.core``.
 
-User mistakes (``UserError``) become one stderr line ``hpc: error: ...`` and exit
-code 2; ``--debug`` adds the traceback. ``render`` and ``submit --dry-run`` import
+Commands: render, submit, run, status, cancel, clusters, doctor, scale. Every
+expected failure (``hpc.errors.HpcError``) becomes one stderr line ``hpc: error: ...``
+with its exit code: 2 for a user mistake, 3 for a scheduler that failed or could not
+be reached; ``--debug`` adds the traceback. ``render`` and ``submit --dry-run`` import
 neither torch, submitit nor rich, so they answer in a few tens of milliseconds.
+Nothing but ``hpc.__main__`` imports this module.
 
 The command to run comes after ``--``: ``hpc render --cluster aurora -- python train.py``.
 """
@@ -10,14 +13,14 @@ The command to run comes after ``--``: ``hpc render --cluster aurora -- python t
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
+from hpc import core
 from hpc._util import write_atomic
-from hpc.errors import UserError
+from hpc.errors import HpcError, UserError
 
 _OVERRIDES = (
     ("cluster", "--cluster"), ("nodes", "--nodes"), ("ppn", "--ppn"), ("walltime", "--walltime"),
@@ -164,46 +167,18 @@ def _regen_command(args: argparse.Namespace, command: list[str] | None) -> str:
     return shlex.join(words)
 
 
-def build_job(
-    spec_path: str | None, overrides: dict[str, Any], environ: dict[str, str] | None = None,
-    defer_account: bool = False, cwd: Path | None = None, run_here: bool = False,
-) -> Any:
-    """Spec file + overrides -> a resolved Job (all checks done, nothing written)."""
-    from hpc import cluster as clusters
-    from hpc.spec import load_spec, resolve
-
-    spec = load_spec(spec_path, overrides)
-    if run_here and spec.cluster != "local":
-        # ``hpc run`` of a cluster spec: same command, one node, one rank unless asked;
-        # site-only keys mean nothing here.
-        spec.cluster = "local"
-        spec.nodes = int(overrides.get("nodes") or 1)
-        spec.ppn = int(overrides["ppn"]) if str(overrides.get("ppn") or "").isdigit() else None
-        spec.queue = spec.account = spec.gpus_per_node = spec.filesystems = None
-        spec.launcher = "auto"
-    if spec.cluster is None:
-        raise UserError(
-            "cluster: missing; allowed: --cluster NAME or cluster: in the spec, one of "
-            + ", ".join(clusters.names(environ, cwd))
-        )
-    profile = clusters.load(spec.cluster, environ, cwd)
-    return resolve(spec, profile, os.environ if environ is None else environ, defer_account)
-
-
 # --- commands -----------------------------------------------------------------------
 
 
 def cmd_render(args: argparse.Namespace, command: list[str] | None) -> int:
     """Print or write the job script."""
-    from hpc.render import render
-
     if args.all_jobs:
         return _render_all(args, command)
     if args.check:
         raise UserError("--check: only with --all-jobs")
-    job = build_job(args.spec, _overrides(args, command), defer_account=args.no_account)
-    text = render(job, regenerate=_regen_command(args, command), templates=args.templates,
-                  script=args.output)
+    job = core.build_job(args.spec, _overrides(args, command), defer_account=args.no_account)
+    text = core.render_job(job, regenerate=_regen_command(args, command), templates=args.templates,
+                           script=args.output)
     if args.output:
         out = Path(args.output)
         write_atomic(out, text)
@@ -213,33 +188,12 @@ def cmd_render(args: argparse.Namespace, command: list[str] | None) -> int:
     return 0
 
 
-def render_all(jobs_dir: Path, templates: str | None = None) -> dict[Path, str]:
-    """Every ``jobs_dir/*.yaml`` rendered to ``jobs_dir/NAME.{pbs,slurm,sh}``.
-
-    Independent of the caller's environment (no account from ``$PBS_ACCOUNT``, no
-    user profiles): the checked-in scripts must be the same on every machine. A
-    missing account is left to the submit command (``qsub -A PROJECT``).
-    """
-    from hpc.render import render
-
-    specs = sorted(jobs_dir.glob("*.yaml"))
-    if not specs:
-        raise UserError(f"--jobs-dir: no *.yaml specs in {str(jobs_dir)!r}")
-    out: dict[Path, str] = {}
-    for path in specs:
-        job = build_job(str(path), {}, environ={}, defer_account=True)
-        target = path.with_suffix(job.cluster.script_suffix)
-        out[target] = render(job, regenerate="hpc render --all-jobs", templates=templates,
-                             script=str(target))
-    return out
-
-
 def _render_all(args: argparse.Namespace, command: list[str] | None) -> int:
     given = [flag for key, flag in _OVERRIDES if getattr(args, key) is not None]
     if given or command or args.spec or args.env or args.output:
         raise UserError(f"--all-jobs: renders the specs as they are; allowed: no spec, flags or command "
                         f"(got {', '.join(given) or 'a spec or command'})")
-    rendered = render_all(Path(args.jobs_dir), args.templates)
+    rendered = core.render_all(Path(args.jobs_dir), args.templates)
     stale = [p for p, text in rendered.items() if not p.is_file() or p.read_text(encoding="utf-8") != text]
     if args.check:
         if stale:
@@ -253,131 +207,33 @@ def _render_all(args: argparse.Namespace, command: list[str] | None) -> int:
 
 
 def cmd_submit(args: argparse.Namespace, command: list[str] | None) -> int:
-    """Render, write a run directory, submit; or with --dry-run only print."""
-    import time
-
-    from hpc import runs, schedulers
-    from hpc.render import render
-
-    job = build_job(args.spec, _overrides(args, command), run_here=args.local)
-    if job.spec.python is None:
-        # The job runs with the Python this command runs from, on every scheduler (qsub,
-        # unlike sbatch, passes no environment): see hpc.spec.submitting_python.
-        from hpc.spec import submitting_python
-
-        job.spec.python = submitting_python(os.environ)
-    text = render(job, regenerate=_regen_command(args, command), templates=args.templates)
-    sched = schedulers.get(job.cluster.scheduler)
-    suffix = job.cluster.script_suffix
-    runs_dir = Path(args.runs_dir)
-
+    """Render, write a run directory, submit; or with --dry-run print what would be submitted."""
+    job = core.build_job(args.spec, _overrides(args, command), run_here=args.local)
+    plan = core.plan_submit(job, Path(args.runs_dir), resume=args.resume,
+                            regenerate=_regen_command(args, command), templates=args.templates)
     if args.dry_run:
-        script = args.output or str(runs_dir / f"{job.name}-YYYYmmdd-HHMMSS" / f"job{suffix}")
-        sys.stdout.write(text)
-        sys.stdout.write(f"# submit: {shlex.join(sched.submit_command(script))}\n")
+        argv = plan.job.scheduler.submit_command(args.output) if args.output else plan.argv
+        sys.stdout.write(plan.text)
+        sys.stdout.write(f"# submit: {shlex.join(argv)}\n")
         return 0
-
-    if "%" in str(runs_dir.resolve()) and sched.name == "slurm":
-        raise UserError(f"--runs-dir: {str(runs_dir)!r} holds '%', which sbatch's --output "
-                        "expands as a file-name pattern; allowed: a path without %")  # fmt: skip
-    if args.resume:
-        found = runs.find(args.resume, runs_dir)
-        if found is None:
-            raise UserError(f"resume: {args.resume!r} is not a run directory (no run.json); "
-                            "allowed: a directory made by hpc submit, or its name under --runs-dir")
-        run_dir = found[0]
-    else:
-        run_dir = runs.new_run_dir(runs_dir, job.name)
-    # The job keeps its log in the run directory and learns where that is: the trainer's
-    # default checkpoint folder is $HPC_RUN_DIR/checkpoints, so a requeued job resumes there.
-    run_abs = str(run_dir.resolve())
-    if sched.name != "local":
-        job.spec.output_dir = run_abs
-    job.spec.env = {**job.spec.env, "HPC_RUN_DIR": run_abs}
-    text = render(job, regenerate=_regen_command(args, command), templates=args.templates)
-    import yaml
-
-    git = runs.git_info()
-    with runs.locked(run_dir):  # concurrent --resume calls: names and history stay whole
-        previous = runs.read_record(run_dir) if args.resume else None
-        script = runs.create_free(run_dir, "job", suffix, text)
-        runs.create_free(run_dir, "spec", ".yaml",
-                         yaml.safe_dump(job.to_dict(), sort_keys=False, allow_unicode=True))  # fmt: skip
-        argv = sched.submit_command(str(script))
-        record: dict[str, Any] = {
-            "name": job.name, "cluster": job.cluster.name, "scheduler": sched.name,
-            "script": str(script), "spec": job.spec.source, "submit_command": shlex.join(argv),
-            "cwd": os.getcwd(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "job_id": None,
-            **git,
-        }  # fmt: skip
-        if previous is not None:  # earlier submissions of this run, oldest first
-            earlier = previous.pop("submissions", [])
-            record["submissions"] = [*earlier, previous]
-        runs.write_record(run_dir, record)
-
-    def started(job_id: str) -> None:  # a local run records its id before it ends
-        runs.update_submission(run_dir, str(script), job_id=job_id, state="RUNNING")
-
-    try:
-        job_id = sched.submit(str(script), str(run_dir), on_start=started)
-    except UserError as exc:
-        runs.update_submission(run_dir, str(script), error=str(exc))
-        raise
-    changes: dict[str, Any] = {"job_id": job_id}
-    code = 0
-    if sched.name == "local":
-        code = int(getattr(sched, "returncode", 0) or 0)
-        changes.update(exit_code=code, state="COMPLETED" if code == 0 else "FAILED")
-    runs.update_submission(run_dir, str(script), **changes)
-    sys.stderr.write(f"run directory: {run_dir}\n")
-    if sched.name != "local":
-        sys.stdout.write(f"{job_id}\n")
-    return code
-
-
-def _locate(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None]:
-    """(job id, scheduler name, run record) for status and cancel."""
-    from hpc import runs, schedulers
-
-    if not args.id.strip() or any(c in args.id for c in ", \t\n"):
-        raise UserError(f"id: {args.id!r}; allowed: one run directory, run name or job id")
-    found = runs.find(args.id, Path(args.runs_dir))
-    if found is not None:
-        _, rec = found
-        if not rec.get("job_id"):
-            raise UserError(f"id: {args.id!r} names a run that has no job id (submit failed: "
-                            f"{rec.get('error', 'unknown')})")
-        return str(rec["job_id"]), str(rec["scheduler"]), rec
-    if args.cluster:
-        from hpc import cluster as clusters
-
-        return args.id, clusters.load(args.cluster).scheduler, None
-    name = schedulers.detect()
-    if name is None:
-        raise UserError(f"id: {args.id!r} is no run directory and neither squeue nor qstat is on PATH; "
-                        "allowed: a run directory, or --cluster NAME")
-    return args.id, name, None
+    done = core.submit(plan)
+    sys.stderr.write(f"run directory: {done.run_dir}\n")
+    if done.submission.exit_code is not None:  # ran here to the end
+        return done.submission.exit_code
+    sys.stdout.write(f"{done.submission.job_id}\n")
+    return 0
 
 
 def cmd_status(args: argparse.Namespace, command: list[str] | None) -> int:
     """Print ``JOBID STATE`` with the state normalized."""
-    from hpc import schedulers
-
-    job_id, sched_name, rec = _locate(args)
-    if rec is not None and sched_name == "local" and rec.get("state") not in (None, "RUNNING"):
-        state = str(rec["state"])
-    else:
-        state = schedulers.get(sched_name).status(job_id)
+    job_id, state = core.status(args.id, Path(args.runs_dir), args.cluster)
     sys.stdout.write(f"{job_id} {state}\n")
     return 0
 
 
 def cmd_cancel(args: argparse.Namespace, command: list[str] | None) -> int:
     """Cancel the job through its scheduler."""
-    from hpc import schedulers
-
-    job_id, sched_name, _ = _locate(args)
-    schedulers.get(sched_name).cancel(job_id)
+    job_id = core.cancel(args.id, Path(args.runs_dir), args.cluster)
     sys.stdout.write(f"{job_id} cancel requested\n")
     return 0
 
@@ -398,7 +254,7 @@ def cmd_clusters(args: argparse.Namespace, command: list[str] | None) -> int:
     from hpc._util import format_walltime
 
     table = Table(title="cluster profiles")
-    for col in ("name", "scheduler", "devices/node", "ppn", "backend", "account", "queues"):
+    for col in ("name", "scheduler", "devices/node", "ppn", "account", "queues"):
         table.add_column(col, no_wrap=col in ("name", "queues"))
     for c in clusters.load_all():
         queues = "\n".join(
@@ -408,7 +264,7 @@ def cmd_clusters(args: argparse.Namespace, command: list[str] | None) -> int:
             for q in c.queues.values()
         ) or "any"
         devices = f"{c.devices_per_node} {c.device}" if c.devices_per_node else c.device
-        table.add_row(c.name, c.scheduler, devices, str(c.ppn), c.backend,
+        table.add_row(c.name, c.scheduler, devices, str(c.ppn),
                       "required" if c.account_required else "optional", queues)
     _console().print(table)
     return 0
@@ -447,24 +303,8 @@ def cmd_scale(args: argparse.Namespace, command: list[str] | None) -> int:
     return 0
 
 
-def _fast_exit(code: int) -> None:
-    """End the process without the interpreter's teardown.
-
-    Tearing down the modules Jinja2 loads costs ~20 ms, a fifth of what ``hpc render``
-    takes; render and dry runs hold no resources that need it (files are closed,
-    nothing runs in the background), so flush the output and leave.
-    """
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except (BrokenPipeError, ValueError):  # a closed pipe (| head): nothing left to say
-        code = code or 1
-    os._exit(code)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hpc`` and ``python -m hpc``; returns the exit code."""
-    as_program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     command: list[str] | None = None
     if "--" in argv:
@@ -484,11 +324,8 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"command: missing; allowed: {', '.join(COMMANDS)}")
         if command is not None and args.command not in ("render", "submit", "run"):
             raise UserError(f"--: {args.command} takes no command after --")
-        code = int(args.func(args, command))
-        if as_program and (args.command == "render" or getattr(args, "dry_run", False)):
-            _fast_exit(code)
-        return code
-    except UserError as exc:
+        return int(args.func(args, command))
+    except HpcError as exc:
         if debug:
             import traceback
 

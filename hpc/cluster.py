@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpc import schedulers
 from hpc._util import (
-    REQUIRED,
-    Record,
     check_keys,
     did_you_mean,
     directive_value,
@@ -36,15 +36,13 @@ from hpc._util import (
 from hpc.errors import UserError
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "clusters"
-SCHEDULERS = ("pbs", "slurm", "local")
 DEVICES = ("xpu", "cuda", "rocm", "cpu", "auto")
 GPU_DIRECTIVES = ("none", "gpus-per-node", "gres", "ngpus")
 LAUNCHER_KINDS = ("mpiexec", "srun", "torchrun")
 MPIEXEC_FLAVORS = ("pals", "hydra")
-QUEUE_DIRECTIVES = ("queue", "partition", "qos")
 
 CLUSTER_KEYS = (
-    "description", "scheduler", "device", "devices_per_node", "ppn", "backend",
+    "description", "scheduler", "device", "devices_per_node", "ppn",
     "account_required", "account_env", "queue_directive", "queues", "max_nodes",
     "system", "place", "filesystems", "constraint", "gpu_directive", "gpus_per_node",
     "cpus_per_task", "launcher", "module_use", "modules", "setup", "env", "extends",
@@ -53,16 +51,15 @@ QUEUE_KEYS = ("nodes", "walltime", "bins", "description")
 LAUNCHER_KEYS = ("kind", "flavor", "cpu_bind", "depth", "args")
 
 
-class Queue(Record):
+@dataclass(frozen=True)
+class Queue:
     """One queue (PBS queue, SLURM partition or QOS) with its node and walltime limits."""
 
     name: str
     min_nodes: int
     max_nodes: int
-    max_walltime: int | None  # seconds; None = no limit known
-    bins: tuple[tuple[int, int, int], ...]  # (min nodes, max nodes, walltime) by job size
-    _defaults = {"name": REQUIRED, "min_nodes": REQUIRED, "max_nodes": REQUIRED,
-                 "max_walltime": None, "bins": ()}
+    max_walltime: int | None = None  # seconds; None = no limit known
+    bins: tuple[tuple[int, int, int], ...] = ()  # (min nodes, max nodes, walltime) by job size
 
     def walltime_limit(self, nodes: int) -> int | None:
         """The walltime limit for a job of ``nodes`` nodes (size bins first)."""
@@ -82,59 +79,50 @@ class Queue(Record):
         return f"{self.name} {self.min_nodes}-{self.max_nodes} nodes{limit}"
 
 
-class Launcher(Record):
+@dataclass(frozen=True)
+class Launcher:
     """How ranks are started: mpiexec (PALS or hydra flags), srun, or torchrun."""
 
     kind: str
-    flavor: str
-    cpu_bind: str | None
-    depth: int | None
-    args: tuple[str, ...]
-    _defaults = {"kind": REQUIRED, "flavor": "hydra", "cpu_bind": None, "depth": None, "args": ()}
+    flavor: str = "hydra"
+    cpu_bind: str | None = None
+    depth: int | None = None
+    args: tuple[str, ...] = ()
 
 
-class Cluster(Record):
+@dataclass(frozen=True)
+class Cluster:
     """A validated cluster profile."""
 
     name: str
     scheduler: str
-    description: str
-    device: str
-    devices_per_node: int | None
-    ppn: int
-    backend: str
-    account_required: bool
-    account_env: tuple[str, ...]
-    queue_directive: str
-    queues: dict[str, Queue]
-    max_nodes: int | None
-    system: str | None
-    place: str | None
-    filesystems: str | None
-    constraint: str | None
-    gpu_directive: str
-    gpus_per_node: int | None
-    cpus_per_task: int | None
     launcher: Launcher
-    module_use: tuple[str, ...]
-    modules: tuple[str, ...]
-    setup: tuple[str, ...]
-    env: dict[str, str]
-    sources: tuple[str, ...]
-    _defaults = {
-        "name": REQUIRED, "scheduler": REQUIRED, "description": "", "device": "auto",
-        "devices_per_node": None, "ppn": 1, "backend": "auto", "account_required": False,
-        "account_env": (), "queue_directive": "queue", "queues": {}, "max_nodes": None,
-        "system": None, "place": None, "filesystems": None, "constraint": None,
-        "gpu_directive": "none", "gpus_per_node": None, "cpus_per_task": None,
-        "launcher": REQUIRED, "module_use": (), "modules": (), "setup": (), "env": {},
-        "sources": (),
-    }
+    description: str = ""
+    device: str = "auto"
+    devices_per_node: int | None = None
+    ppn: int = 1
+    account_required: bool = False
+    account_env: tuple[str, ...] = ()
+    queue_directive: str = "queue"
+    queues: dict[str, Queue] = field(default_factory=dict)
+    max_nodes: int | None = None
+    system: str | None = None
+    place: str | None = None
+    filesystems: str | None = None
+    constraint: str | None = None
+    gpu_directive: str = "none"
+    gpus_per_node: int | None = None
+    cpus_per_task: int | None = None
+    module_use: tuple[str, ...] = ()
+    modules: tuple[str, ...] = ()
+    setup: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    sources: tuple[str, ...] = ()
 
     @property
     def script_suffix(self) -> str:
-        """File suffix of rendered scripts: .pbs, .slurm or .sh."""
-        return {"pbs": ".pbs", "slurm": ".slurm"}.get(self.scheduler, ".sh")
+        """File suffix of rendered scripts (the scheduler's: .pbs, .slurm or .sh)."""
+        return schedulers.get(self.scheduler).script_suffix
 
 
 def profile_dirs(environ: dict[str, str] | None = None, cwd: Path | None = None) -> list[Path]:
@@ -257,8 +245,7 @@ def _queues(data: Any, where: str) -> dict[str, Queue]:
     return queues
 
 
-def _launcher(data: Any, scheduler: str, where: str) -> Launcher:
-    default = {"pbs": "mpiexec", "slurm": "srun", "local": "torchrun"}[scheduler]
+def _launcher(data: Any, default: str, where: str) -> Launcher:
     data = data or {}
     if not isinstance(data, dict):
         raise UserError(f"{where}: launcher: allowed: a mapping with kind, flavor, cpu_bind, depth, args")
@@ -278,7 +265,8 @@ def load(name: str, environ: dict[str, str] | None = None, cwd: Path | None = No
     """Load, merge and validate the profile ``name``; unknown names get a suggestion."""
     data, sources = _raw(name, environ, cwd)
     where = f"cluster {name}"
-    scheduler = _choice(data, "scheduler", SCHEDULERS, "slurm", where)
+    scheduler = _choice(data, "scheduler", tuple(schedulers.names()), "slurm", where)
+    sched = schedulers.get(scheduler)
     for key in ("system", "place", "filesystems", "constraint"):
         if data.get(key) is not None:
             directive_value(data[key], f"{where}: {key}")
@@ -296,12 +284,10 @@ def load(name: str, environ: dict[str, str] | None = None, cwd: Path | None = No
         device=_choice(data, "device", DEVICES, "auto", where),
         devices_per_node=_int(data, "devices_per_node", where),
         ppn=_int(data, "ppn", where) or 1,
-        backend=str(data.get("backend", "auto")),
         account_required=bool(data.get("account_required", False)),
         account_env=_strings(data, "account_env", where),
         queue_directive=_choice(
-            data, "queue_directive", QUEUE_DIRECTIVES,
-            "partition" if scheduler == "slurm" else "queue", where,
+            data, "queue_directive", sched.queue_directives, sched.queue_directives[0], where
         ),
         queues=_queues(data.get("queues"), where),
         max_nodes=_int(data, "max_nodes", where),
@@ -312,7 +298,7 @@ def load(name: str, environ: dict[str, str] | None = None, cwd: Path | None = No
         gpu_directive=_choice(data, "gpu_directive", GPU_DIRECTIVES, "none", where),
         gpus_per_node=_int(data, "gpus_per_node", where),
         cpus_per_task=_int(data, "cpus_per_task", where),
-        launcher=_launcher(data.get("launcher"), scheduler, where),
+        launcher=_launcher(data.get("launcher"), sched.launchers[0], where),
         module_use=_strings(data, "module_use", where),
         modules=_strings(data, "modules", where),
         setup=_strings(data, "setup", where),

@@ -1,6 +1,7 @@
 """Launch lines: mpiexec (PALS or hydra), srun, torchrun per node, and this machine.
 
-Every word that comes from the user is shell-quoted here (``shlex.quote``); only
+Each scheduler's ``launch`` picks one of these builders. The builders return words;
+:func:`sh_join` quotes every word that comes from the user (``shlex.quote``); only
 the ``Raw`` fragments written in this module (``"$SLURM_JOB_ID"`` and the like)
 go into the script as they are.
 """
@@ -10,11 +11,14 @@ from __future__ import annotations
 import re
 import shlex
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-from hpc.spec import Job
+from hpc.spec import PYTHON
+
+if TYPE_CHECKING:
+    from hpc.job import Job
 
 _BARE_PYTHON = r"^python(3(\.\d+)?)?\Z"  # compiled on first use (re's cache)
-_ANY_PYTHON = r"^(.*/)?python(\d+(\.\d+)*)?\Z"  # compiled on first use (re's cache)
 
 
 class Raw(str):
@@ -28,7 +32,7 @@ def sh_join(words: Iterable[str]) -> str:
 
 def python_of(command: list[str]) -> str:
     """The interpreter to run ``ddp.exec`` with: the command's own, else ``python``."""
-    return command[0] if command and re.match(_ANY_PYTHON, command[0]) else "python"
+    return command[0] if command and re.match(PYTHON, command[0]) else "python"
 
 
 def wrapped(job: Job) -> list[str]:
@@ -121,15 +125,3 @@ def local(job: Job) -> list[str]:
         "torchrun", "--standalone", "--nnodes", "1", "--nproc_per_node", str(job.ppn),
         *torchrun_args(wrapped(job)),
     ]
-
-
-def launch(job: Job) -> tuple[list[str], str]:
-    """Shell lines to run before the launch (our own text) and the launch line itself."""
-    if job.cluster.scheduler == "local":
-        return [], sh_join(local(job))
-    if job.launcher == "mpiexec":
-        return [], sh_join(mpiexec(job))
-    if job.launcher == "torchrun":
-        preamble, words = torchrun_per_node(job)
-        return preamble, sh_join(words)
-    return [], sh_join(srun(job))

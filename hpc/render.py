@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpc._util import format_walltime
 from hpc.errors import UserError
-from hpc.spec import Job
 
-TEMPLATE_BY_SCHEDULER = {"pbs": "pbs.sh.j2", "slurm": "slurm.sh.j2", "local": "local.sh.j2"}
+if TYPE_CHECKING:
+    from hpc.job import Job
+
 _PKG = Path(__file__).resolve().parent
 
 
@@ -92,16 +93,18 @@ def slurm_time(seconds: int) -> str:
 
 
 def context(job: Job, regenerate: str | None = None, script: str | None = None) -> dict[str, Any]:
-    """Everything a template may use; the templates decide only the layout."""
-    from hpc import launchers
+    """Everything a template may use; the templates decide only the layout.
 
-    spec, cluster = job.spec, job.cluster
-    preamble, launch = launchers.launch(job)
+    The scheduler adds its own values (``Scheduler.template_values``: numbers computed
+    here, not in Jinja) and variables (``Scheduler.job_env``; the spec's own win).
+    """
+    from hpc.launchers import sh_join
+
+    spec, cluster, scheduler = job.spec, job.cluster, job.scheduler
+    preamble, launch = scheduler.launch(job)
     env = {**cluster.env, **spec.env}
-    if spec.requeue and cluster.scheduler == "slurm":
-        # `--requeue` alone never requeues a job that exits after its preemption signal:
-        # this tells the trainer to `scontrol requeue` itself once its checkpoint is saved.
-        env.setdefault("DDP_REQUEUE", "1")
+    for key, value in scheduler.job_env(job).items():
+        env.setdefault(key, value)
     source = spec.source or "command-line flags"
     return {
         "job": job,
@@ -121,7 +124,8 @@ def context(job: Job, regenerate: str | None = None, script: str | None = None) 
         "env": env,
         "preamble": preamble,
         "script": script or "SCRIPT",
-        "launch": launch,
+        "launch": sh_join(launch),
+        **scheduler.template_values(job),
     }
 
 
@@ -132,7 +136,7 @@ def render(
     """The job script for ``job``, from the template its scheduler names."""
     import jinja2
 
-    name = TEMPLATE_BY_SCHEDULER[job.cluster.scheduler]
+    name = job.scheduler.template
     env = environment(templates, cwd)
     try:
         template = env.get_template(name)

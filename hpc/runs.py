@@ -22,22 +22,45 @@ from hpc.errors import UserError
 RECORD = "run.json"
 
 
+def _run_dirs(runs_dir: Path, name: str, now: float | None) -> Iterator[Path]:
+    """``NAME-YYYYmmdd-HHMMSS``, then ``-2``, ``-3``, ... (the candidates, in order)."""
+    base = f"{name}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}"
+    for i in range(1, 1000):
+        yield runs_dir / (base if i == 1 else f"{base}-{i}")
+
+
+def free_run_dir(runs_dir: Path, name: str, now: float | None = None) -> Path:
+    """The directory :func:`new_run_dir` would create now (for a dry run: nothing is made)."""
+    for path in _run_dirs(runs_dir, name, now):
+        if not path.exists():
+            return path
+    raise UserError(f"runs-dir: too many runs named {name!r} in {str(runs_dir)!r}")
+
+
 def new_run_dir(runs_dir: Path, name: str, now: float | None = None) -> Path:
     """Create a fresh directory (``os.mkdir`` is atomic: two submissions never share one)."""
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
     try:
         runs_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"runs-dir: cannot create {str(runs_dir)!r}: {exc.strerror}") from None
-    base = f"{name}-{stamp}"
-    for i in range(1, 1000):
-        path = runs_dir / (base if i == 1 else f"{base}-{i}")
+    for path in _run_dirs(runs_dir, name, now):
         try:
             path.mkdir()
             return path
         except FileExistsError:
             continue
-    raise UserError(f"runs-dir: too many runs named {base!r} in {str(runs_dir)!r}")
+        except OSError as exc:
+            raise UserError(f"runs-dir: cannot create {str(path)!r}: {exc.strerror}") from None
+    raise UserError(f"runs-dir: too many runs named {name!r} in {str(runs_dir)!r}")
+
+
+def free_name(run_dir: Path, stem: str, suffix: str) -> Path:
+    """The name :func:`create_free` would take now (nothing is created)."""
+    for i in range(1, 1000):
+        path = run_dir / (f"{stem}{suffix}" if i == 1 else f"{stem}-{i}{suffix}")
+        if not path.exists():
+            return path
+    raise UserError(f"resume: too many submissions in {str(run_dir)!r}")
 
 
 def create_free(run_dir: Path, stem: str, suffix: str, text: str = "") -> Path:

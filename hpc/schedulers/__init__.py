@@ -1,52 +1,190 @@
-"""Schedulers behind one small interface: submit, status, cancel, parse ids.
+"""Schedulers behind one interface, found by name: ``hpc.schedulers.<name>`` is the module.
 
-``pbs.PBS``, ``slurm.Slurm`` and ``local.Local`` each provide::
+A scheduler is one module here that defines ``SCHEDULER``, a subclass of
+:class:`Scheduler`, plus its template (``templates/<name>.sh.j2``) and at least one
+cluster profile that names it. Everything that differs between PBS, SLURM and this
+machine lives in that module: the template and script suffix, the launchers it can
+start ranks with, the queue directive, the environment it adds to a job, its own
+checks, and submit/status/cancel through its command-line clients. Nothing outside
+the module branches on a scheduler's name.
 
-    submit_command(script) -> argv        # what ``--dry-run`` prints
-    submit(script, run_dir) -> job id     # runs the submit command
-    parse_job_id(stdout) -> job id
-    status(job_id) -> one of STATES
-    cancel(job_id) -> None
-
-States are normalized so that callers never see scheduler-specific letters.
+States are a :class:`JobState`, so callers never see scheduler-specific letters.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+import re
 import shutil
 import subprocess
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from hpc.errors import UserError
+from hpc.errors import SchedulerError, UserError
 
-STATES = ("PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "UNKNOWN")
+if TYPE_CHECKING:
+    from hpc.cluster import Cluster
+    from hpc.job import Job
+    from hpc.spec import JobSpec
 
-
-class SchedulerError(UserError):
-    """The scheduler refused or failed a request (its own message is included)."""
-
-
-class Scheduler(Protocol):
-    """The interface every scheduler module implements."""
-
-    name: str
-
-    def submit_command(self, script: str) -> list[str]: ...
-    def submit(self, script: str, run_dir: str, on_start: Any = None) -> str: ...
-    def parse_job_id(self, stdout: str) -> str: ...
-    def status(self, job_id: str) -> str: ...
-    def cancel(self, job_id: str) -> None: ...
+__all__ = ["STATES", "JobState", "Scheduler", "SchedulerError", "Submission", "detect", "get",
+           "last_line", "names", "run"]
 
 
-def run(argv: list[str], timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-    """Run a scheduler client; a missing executable is a SchedulerError, not a traceback."""
+class JobState(str, Enum):
+    """A job's state in words every scheduler maps to (a ``str``: prints and compares as text)."""
+
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    TIMEOUT = "TIMEOUT"
+    PREEMPTED = "PREEMPTED"
+    #: Ended, outcome unknown: the server no longer knows the job and keeps no history.
+    FINISHED = "FINISHED"
+    UNKNOWN = "UNKNOWN"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def ended(self) -> bool:
+        """True once the job will not run again by itself."""
+        return self in _ENDED
+
+
+_ENDED = {JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED, JobState.TIMEOUT,
+          JobState.FINISHED}
+STATES = tuple(s.value for s in JobState)
+
+
+@dataclass(frozen=True)
+class Submission:
+    """What a submit returned: the job id, and for a job that ran to the end here, its exit code."""
+
+    job_id: str
+    exit_code: int | None = None
+
+    @property
+    def state(self) -> JobState | None:
+        """COMPLETED/FAILED for a job that already ended (local runs), else None (ask status)."""
+        if self.exit_code is None:
+            return None
+        return JobState.COMPLETED if self.exit_code == 0 else JobState.FAILED
+
+
+class Scheduler:
+    """One batch system. Subclasses set the class attributes and the client methods."""
+
+    #: The profile's ``scheduler:`` value and this module's name.
+    name: ClassVar[str]
+    #: Suffix of rendered scripts (``.pbs``); the template is ``<name>.sh.j2``.
+    script_suffix: ClassVar[str] = ".sh"
+    #: Launcher kinds that can start ranks here; the first is a profile's default.
+    launchers: ClassVar[tuple[str, ...]]
+    #: The profile's ``queue_directive`` when it gives none, and the ones it may give.
+    queue_directives: ClassVar[tuple[str, ...]] = ("queue",)
+    #: The client whose presence on PATH says a login node has this scheduler, and the
+    #: order in which :func:`detect` asks (lower first); None: never detected.
+    client: ClassVar[str | None] = None
+    detect_order: ClassVar[int] = 100
+    #: True where submit runs the job here to the end: it writes the job's log into the
+    #: run directory itself and the record holds the final state; False where a
+    #: directive (``-o``/``--output``) sends the log there and the scheduler knows the state.
+    runs_here: ClassVar[bool] = False
+
+    @property
+    def template(self) -> str:
+        """The Jinja2 template this scheduler's scripts are rendered from."""
+        return f"{self.name}.sh.j2"
+
+    # --- what a job looks like here ----------------------------------------------
+
+    def check_spec(self, spec: JobSpec, cluster: Cluster) -> None:
+        """Refuse spec keys that mean nothing to this scheduler (UserError, one line)."""
+
+    def check_runs_dir(self, path: Path) -> None:
+        """Refuse a run directory this scheduler's directives cannot name."""
+
+    def job_env(self, job: Job) -> dict[str, str]:
+        """Variables this scheduler adds to every job (the spec's own win)."""
+        return {}
+
+    def template_values(self, job: Job) -> dict[str, Any]:
+        """Values computed for the template, so the template does no arithmetic."""
+        return {}
+
+    def launch(self, job: Job) -> tuple[list[str], list[str]]:
+        """Shell lines before the launch (our own text) and the launch words (quoted later)."""
+        raise NotImplementedError
+
+    # --- the clients ---------------------------------------------------------------
+
+    def submit_command(self, script: str) -> list[str]:
+        """The command that submits ``script`` (what ``--dry-run`` prints)."""
+        raise NotImplementedError
+
+    def parse_job_id(self, stdout: str) -> str:
+        """The job id in the submit command's answer."""
+        raise NotImplementedError
+
+    def submit(self, script: str, run_dir: str,
+               on_start: Callable[[str], None] | None = None) -> Submission:
+        """Submit ``script`` (``on_start`` gets the id of a job that runs here, as it starts)."""
+        argv = self.submit_command(script)
+        proc = run(argv)
+        if proc.returncode != 0:
+            raise SchedulerError(f"{argv[0]} refused the job (exit {proc.returncode}): "
+                                 f"{last_line(proc.stderr or proc.stdout)}")
+        return Submission(self.parse_job_id(proc.stdout))
+
+    def status(self, job_id: str) -> JobState:
+        """The job's state; UNKNOWN when the scheduler cannot say."""
+        raise NotImplementedError
+
+    def cancel(self, job_id: str) -> None:
+        """Ask the scheduler to end the job (SchedulerError when it refuses)."""
+        raise NotImplementedError
+
+
+_NAME = r"^[a-z][a-z0-9_]*\Z"
+
+
+def names() -> list[str]:
+    """Every scheduler module in this package, sorted."""
+    return sorted(m.name for m in pkgutil.iter_modules(__path__) if re.match(_NAME, m.name))
+
+
+def get(name: str) -> Scheduler:
+    """The scheduler a profile's ``scheduler:`` names (its module's ``SCHEDULER``)."""
+    known = names()
+    if name not in known:
+        from hpc._util import did_you_mean
+
+        raise UserError(f"scheduler: {name!r} is not known{did_you_mean(name, known)}; "
+                        f"allowed: {', '.join(known)}")
+    cls = importlib.import_module(f"{__name__}.{name}").SCHEDULER
+    return cls()
+
+
+def run(argv: list[str], timeout: float = 60.0,
+        env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run a scheduler client; a missing or hung client is a SchedulerError naming it."""
     if shutil.which(argv[0]) is None:
         raise SchedulerError(f"scheduler: {argv[0]} not found on PATH; allowed: run on a login node "
                              "that has it, or use --dry-run")
     try:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False,
+                              env=None if env is None else dict(env))
     except subprocess.TimeoutExpired:
         raise SchedulerError(f"scheduler: {' '.join(argv)} did not answer within {timeout:.0f} s") from None
+    except OSError as exc:
+        raise SchedulerError(f"scheduler: {' '.join(argv)} could not run: {exc.strerror}") from None
 
 
 def last_line(text: str) -> str:
@@ -55,27 +193,11 @@ def last_line(text: str) -> str:
     return lines[-1] if lines else "(no message)"
 
 
-def get(name: str) -> Scheduler:
-    """The scheduler for a profile's ``scheduler`` value."""
-    if name == "pbs":
-        from hpc.schedulers.pbs import PBS
-
-        return PBS()
-    if name == "slurm":
-        from hpc.schedulers.slurm import Slurm
-
-        return Slurm()
-    if name == "local":
-        from hpc.schedulers.local import Local
-
-        return Local()
-    raise UserError(f"scheduler: {name!r} is not known; allowed: pbs, slurm, local")
-
-
 def detect() -> str | None:
-    """Which scheduler this login node has: SLURM first (a qstat may be SLURM's wrapper)."""
-    if shutil.which("squeue"):
-        return "slurm"
-    if shutil.which("qstat"):
-        return "pbs"
+    """Which scheduler this login node has, asking in each one's ``detect_order``
+    (SLURM first: Debian's slurm-wlm-torque installs a ``qstat`` wrapper over SLURM)."""
+    classes = [importlib.import_module(f"{__name__}.{n}").SCHEDULER for n in names()]
+    for cls in sorted(classes, key=lambda c: c.detect_order):
+        if cls.client and shutil.which(cls.client):
+            return str(cls.name)
     return None

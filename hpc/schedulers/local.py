@@ -9,18 +9,28 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpc.errors import UserError
+from hpc.schedulers import JobState, Scheduler, Submission
+
+if TYPE_CHECKING:
+    from hpc.job import Job
 
 
-class Local:
-    """Runs the rendered script with bash in the current directory."""
+class Local(Scheduler):
+    """Runs the rendered script with bash in the current directory, to the end."""
 
     name = "local"
+    script_suffix = ".sh"
+    launchers = ("torchrun",)
+    runs_here = True
 
-    def __init__(self) -> None:
-        self.returncode: int | None = None
+    def launch(self, job: Job) -> tuple[list[str], list[str]]:
+        """The command itself for one rank, else ``torchrun --standalone``."""
+        from hpc import launchers
+
+        return [], launchers.local(job)
 
     def submit_command(self, script: str) -> list[str]:
         """``bash SCRIPT``."""
@@ -32,7 +42,7 @@ class Local:
 
     def submit(
         self, script: str, run_dir: str, on_start: Callable[[str], None] | None = None
-    ) -> str:
+    ) -> Submission:
         """Run to the end, streaming output to the terminal and a new ``output*.log``.
 
         ``on_start`` gets the job id as soon as the process exists, so ``hpc status``
@@ -64,15 +74,15 @@ class Local:
                     else:
                         sys.stdout.write(chunk.decode(errors="replace"))
                 rc = proc.wait()
-                self.returncode = 128 - rc if rc < 0 else rc  # killed by N: 128+N, as a shell says
             finally:
                 for signum, handler in old.items():
                     signal.signal(signum, handler)
-        return job_id
+        # killed by signal N: 128+N, as a shell says
+        return Submission(job_id, exit_code=128 - rc if rc < 0 else rc)
 
-    def status(self, job_id: str) -> str:
+    def status(self, job_id: str) -> JobState:
         """RUNNING while the very process of the job lives; a finished one from its run dir."""
-        return "RUNNING" if _alive(*_parse(job_id)) else "UNKNOWN"
+        return JobState.RUNNING if _alive(*_parse(job_id)) else JobState.UNKNOWN
 
     def cancel(self, job_id: str) -> None:
         """SIGTERM to the job's process, only if that pid is still the job's process."""
@@ -134,3 +144,6 @@ def _alive(pid: int, start: int | None) -> bool:
     except OSError:
         return False
     return start is not None and leader and _start_ticks(pid) == start
+
+
+SCHEDULER = Local

@@ -1,14 +1,34 @@
-"""PBS Pro: qsub, qstat (JSON with a text fallback), qdel."""
+"""PBS Pro: qsub scripts, ranks started by mpiexec (PALS or hydra), and the one PBS client.
+
+The client (:func:`query` and its readers) is what both ``hpc status`` and the
+submitit PBS executor (``hpc.executors.pbs``) ask, so the two never disagree on a
+job. It reads ``qstat -x -f -F json`` leniently, falls back to ``qstat -f`` text and
+plain ``qstat``, understands job arrays (``123[].srv``, subjobs ``123[4].srv``) and
+the id forms submitit uses for them (``123[].srv_4``).
+"""
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Any
+import subprocess
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
-from hpc.schedulers import SchedulerError, last_line, run
+from hpc.schedulers import JobState, Scheduler, SchedulerError, last_line, run
+
+if TYPE_CHECKING:
+    from hpc.job import Job
+
+#: ``qstat`` answers within this many seconds, or the next form is tried.
+QSTAT_TIMEOUT_S = 60
+#: State of a job the server no longer knows (finished, no job history kept).
+GONE = JobState.FINISHED
 
 _JOB_ID = re.compile(r"^\d+(\[\d*\])?(\.[A-Za-z0-9_.-]+)?\Z")
+_SUBJOB = re.compile(r"^(?P<seq>\d+)\[(?P<index>\d+)\](?P<rest>.*)$")
+_SUBMITIT_ARRAY = re.compile(r"^(?P<parent>\d+\[\](?:\.[^_]*)?)_(?P<index>\d+)$")
+
 # job_state letters (PBS Pro reference guide); F/X are looked at with Exit_status.
 _STATES = {
     "Q": "PENDING", "H": "PENDING", "W": "PENDING", "T": "PENDING", "M": "PENDING",
@@ -22,7 +42,7 @@ _CANCEL_CODES = {271, 265}  # SIGTERM / SIGKILL from qdel (only read when there 
 _TERMINATED, _FINISHED, _FAILED = "91", "92", "93"
 
 
-def normalize(state: str, exit_status: int | None = None, substate: str | None = None) -> str:
+def normalize(state: str, exit_status: int | None = None, substate: str | None = None) -> JobState:
     """PBS job_state letter (+ substate, then Exit_status, once finished) -> a normalized state.
 
     The substate decides first because the real server's Exit_status cannot tell a
@@ -33,6 +53,10 @@ def normalize(state: str, exit_status: int | None = None, substate: str | None =
     still says the walltime killed it. Without a substate (``qstat -f`` of servers that
     hide it, Torque) Exit_status alone decides, as before.
     """
+    return JobState(_normalize(state, exit_status, substate))
+
+
+def _normalize(state: str, exit_status: int | None, substate: Any) -> str:
     state = state.strip().upper()[:1]
     if state in _STATES:
         return _STATES[state]
@@ -56,70 +80,282 @@ def normalize(state: str, exit_status: int | None = None, substate: str | None =
     return "FAILED"
 
 
-def parse_qstat_json(text: str, job_id: str) -> str:
-    """State from ``qstat -x -f -F json``."""
-    data = json.loads(text)
+
+def loads_qstat_json(text: str) -> dict[str, Any]:
+    """Parse ``qstat -F json`` leniently.
+
+    PBS Pro before 2021 writes job variables into ``Variable_List`` without escaping
+    backslashes (``PS1=\\u@\\h``) and with raw control characters, which strict JSON
+    refuses; such backslashes are doubled and control characters allowed.
+    """
+    try:
+        return json.loads(text, strict=False)
+    except ValueError:
+        fixed = re.sub(r'\\(?!["\\/bfnrtu])', r"\\\\", text)
+        fixed = re.sub(r"\\u(?![0-9a-fA-F]{4})", r"\\\\u", fixed)
+        return json.loads(fixed, strict=False)
+
+
+def _state(attrs: dict[str, Any]) -> JobState:
+    """Normalized state of one job from its attributes (job_state + Exit_status/substate)."""
+    letter = str(attrs.get("job_state", "")).strip().upper()[:1]
+    code = attrs.get("Exit_status")
+    try:
+        exit_status = None if code is None or str(code).strip() == "" else int(str(code).strip())
+    except ValueError:
+        exit_status = None
+    state = normalize(letter, exit_status, attrs.get("substate"))
+    return GONE if state == "UNKNOWN" and letter in ("F", "X") else state
+
+
+def submitit_id(pbs_id: str, attrs: dict[str, Any] | None = None) -> str:
+    """The id submitit uses for a PBS job: a subjob ``123[4].srv`` is ``123[].srv_4``.
+
+    submitit names array tasks ``ARRAY_INDEX`` (``JobPaths`` splits at the first
+    ``_``), so the subjob of array ``123[].srv`` with index 4 becomes ``123[].srv_4``.
+    """
+    match = _SUBJOB.match(pbs_id)
+    if match is None:
+        return pbs_id
+    parent = str((attrs or {}).get("array_id") or f"{match['seq']}[]{match['rest']}")
+    return f"{parent}_{match['index']}"
+
+
+def pbs_id(job_id: str) -> str:
+    """The PBS form of a submitit id: ``123[].srv_4`` is subjob ``123[4].srv``."""
+    match = _SUBMITIT_ARRAY.match(job_id)
+    if match is None:
+        return job_id
+    seq, rest = match["parent"].split("[]", 1)
+    return f"{seq}[{match['index']}]{rest}"
+
+
+def pbs_query_id(job_id: str) -> str:
+    """What to ask qstat for: the array (``123[].srv``) for a subjob id ``123[].srv_4``."""
+    match = _SUBMITIT_ARRAY.match(job_id)
+    return match["parent"] if match else job_id
+
+
+def _info(pbs_id: str, attrs: dict[str, Any]) -> dict[str, str]:
+    """The few attributes callers use, as strings (submitit's info dicts hold strings)."""
+    out = {"JobID": pbs_id, "State": _state(attrs).value}
+    for key in ("job_state", "substate", "Exit_status", "comment", "exec_host", "queue",
+                "Job_Name", "array_id", "array_index"):
+        if attrs.get(key) is not None:
+            out[key] = str(attrs[key])
+    return out
+
+
+def read_qstat_json(text: str | bytes) -> dict[str, dict[str, str]]:
+    """Info per job from ``qstat -x -f -F json [-t]``, keyed by PBS id and submitit id."""
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    data = loads_qstat_json(text)
     jobs = data.get("Jobs") or {}
-    info = jobs.get(job_id)
-    if info is None:  # the server may add its name: 123 -> 123.server
-        info = next((v for k, v in jobs.items() if k.split(".")[0] == job_id.split(".")[0]), None)
-    if info is None:
-        return "UNKNOWN"
-    exit_status = info.get("Exit_status")
-    return normalize(str(info.get("job_state", "")),
-                     None if exit_status in (None, "") else int(exit_status),
-                     info.get("substate"))  # fmt: skip
+    if not isinstance(jobs, dict):
+        raise ValueError("qstat JSON: 'Jobs' is not a mapping")
+    out: dict[str, dict[str, str]] = {}
+    for pbs_id, attrs in jobs.items():
+        if isinstance(attrs, dict):
+            info = _info(str(pbs_id), attrs)
+            out[str(pbs_id)] = info
+            out[submitit_id(str(pbs_id), attrs)] = info
+    return out
 
 
-def parse_qstat_text(text: str) -> str:
-    """State from ``qstat -f`` (``job_state = R``, ``Exit_status = 0``)."""
-    state = re.search(r"^\s*job_state\s*=\s*(\S+)", text, re.M)
-    code = re.search(r"^\s*Exit_status\s*=\s*(-?\d+)", text, re.M)
-    sub = re.search(r"^\s*substate\s*=\s*(\d+)", text, re.M)
-    if not state:
-        return "UNKNOWN"
-    return normalize(state.group(1), int(code.group(1)) if code else None,
-                     sub.group(1) if sub else None)  # fmt: skip
+def _join_continuations(text: str) -> list[str]:
+    """``qstat -f`` wraps long values onto lines that start with a tab: join them back."""
+    lines: list[str] = []
+    for raw in text.splitlines():
+        if raw.startswith("\t") and lines:
+            lines[-1] += raw[1:]
+        else:
+            lines.append(raw)
+    return lines
 
 
-class PBS:
-    """PBS Pro through its command-line clients."""
+def read_qstat_text(text: str) -> dict[str, dict[str, str]]:
+    """Info per job from ``qstat -f`` (blocks of ``Job Id: ID`` and ``    key = value``)."""
+    out: dict[str, dict[str, str]] = {}
+    pbs_id: str | None = None
+    attrs: dict[str, str] = {}
+
+    def flush() -> None:
+        if pbs_id is not None:
+            info = _info(pbs_id, attrs)
+            out[pbs_id] = info
+            out[submitit_id(pbs_id, attrs)] = info
+
+    for line in _join_continuations(text):
+        if line.startswith("Job Id:"):
+            flush()
+            pbs_id, attrs = line.split(":", 1)[1].strip(), {}
+        elif pbs_id is not None and " = " in line:
+            key, value = line.strip().split(" = ", 1)
+            attrs[key.strip()] = value.strip()
+    flush()
+    return out
+
+
+def read_qstat_plain(text: str) -> dict[str, dict[str, str]]:
+    """Info per job from plain ``qstat`` (a table; the S column is the state letter).
+
+    Long ids are cut to the column width and end in ``*``; they are kept as the
+    prefix they are, and matched by sequence number.
+    """
+    out: dict[str, dict[str, str]] = {}
+    for line in text.splitlines():
+        words = line.split()
+        if len(words) < 6 or not words[0][:1].isdigit():
+            continue
+        pbs_id, letter = words[0].rstrip("*"), words[-2]
+        state = normalize(letter) if letter not in ("F", "X") else GONE
+        info = {"JobID": pbs_id, "State": state.value, "job_state": letter, "queue": words[-1]}
+        out[pbs_id] = info
+        out[submitit_id(pbs_id)] = info
+    return out
+
+
+def _seq(job_id: str) -> str:
+    """The sequence number part of an id: ``123`` of ``123.srv``, ``123[4].srv`` or ``123[].srv_4``."""
+    match = re.match(r"^\d+", job_id)
+    return match.group(0) if match else job_id
+
+
+def _index(job_id: str) -> str | None:
+    """The array index in a subjob id (``123[4].srv``) or a submitit array id (``123[].srv_4``)."""
+    match = _SUBMITIT_ARRAY.match(job_id) or _SUBJOB.match(job_id)
+    return match["index"] if match else None
+
+
+def lookup(info: dict[str, dict[str, str]], job_id: str) -> dict[str, str] | None:
+    """The entry for ``job_id``: exact, else the same sequence number and array index
+    (qstat may print another form of the server name than qsub did, or cut the id)."""
+    if job_id in info:
+        return info[job_id]
+    for key, value in info.items():
+        if _seq(key) == _seq(job_id) and _index(key) == _index(job_id):
+            return value
+    return None
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess[str] | None:
+    """Run a PBS client; None when it is missing or hangs (the caller falls back)."""
+    try:
+        return run(argv, timeout=QSTAT_TIMEOUT_S)
+    except SchedulerError:
+        return None
+
+
+def _gone(stderr: str, ids: Iterable[str]) -> set[str]:
+    """Ids qstat says it does not know (any more), from its error lines."""
+    gone = set()
+    for line in stderr.splitlines():
+        if "Unknown Job Id" in line or "has finished" in line:
+            for job_id in ids:
+                if re.search(rf"(^|\D){re.escape(_seq(job_id))}(\D|$)", line):
+                    gone.add(job_id)
+    return gone
+
+
+def query(job_ids: Iterable[str]) -> dict[str, dict[str, str]]:
+    """States of ``job_ids`` (PBS or submitit ids) with the fallbacks a site may need.
+
+    1. ``qstat -x -f -F json [-t] IDS``: PBS Pro 19+ with job history.
+    2. ``qstat -x -f IDS``, then ``qstat -f IDS``: servers without ``-F json`` (older
+       PBS Pro; Torque, whose ``-x`` means XML and yields no ``Job Id:`` blocks).
+    3. ``qstat IDS``: anything with a qstat at all.
+
+    qstat exits non-zero when one id is unknown but still prints the others, so the
+    output is read whatever the exit code; ids it calls unknown or finished (no
+    history kept) get the state ``FINISHED``: done, outcome only in the job's files.
+    An answer that names none of the ids moves on to the next form.
+    """
+    ids = list(dict.fromkeys(job_ids))
+    query_ids = list(dict.fromkeys(pbs_query_id(j) for j in ids))
+    arrays = ["-t"] if any("[" in q for q in query_ids) else []
+    attempts: list[tuple[list[str], Callable[[str], dict[str, dict[str, str]]]]] = [
+        (["qstat", "-x", "-f", "-F", "json", *arrays, *query_ids], read_qstat_json),
+        (["qstat", "-x", "-f", *arrays, *query_ids], read_qstat_text),
+        (["qstat", "-f", *arrays, *query_ids], read_qstat_text),
+        (["qstat", *arrays, *query_ids], read_qstat_plain),
+    ]
+    for argv, reader in attempts:
+        proc = _run(argv)
+        if proc is None:
+            break
+        try:
+            info = reader(proc.stdout) if proc.stdout.strip() else {}
+        except (ValueError, AttributeError, TypeError):
+            continue
+        gone = _gone(proc.stderr, ids)
+        out: dict[str, dict[str, str]] = {}
+        for job_id in ids:
+            found = lookup(info, job_id)
+            if found is not None:
+                out[job_id] = found
+            elif job_id in gone:
+                out[job_id] = {"JobID": job_id, "State": GONE.value}
+        if out:
+            return out
+    return {}
+
+
+def state_of(info: dict[str, dict[str, str]], job_id: str) -> JobState:
+    """The state of ``job_id`` in a reader's answer (UNKNOWN when it is not there)."""
+    found = lookup(info, job_id)
+    return JobState(found["State"]) if found else JobState.UNKNOWN
+
+
+def parse_qstat_json(text: str, job_id: str) -> JobState:
+    """State of one job from ``qstat -x -f -F json``."""
+    return state_of(read_qstat_json(text), job_id)
+
+
+def parse_qstat_text(text: str) -> JobState:
+    """State of the (first) job in ``qstat -f`` text."""
+    info = read_qstat_text(text)
+    return JobState(next(iter(info.values()))["State"]) if info else JobState.UNKNOWN
+
+
+class PBS(Scheduler):
+    """PBS Pro: qsub scripts with ``#PBS`` directives; ranks started by mpiexec."""
 
     name = "pbs"
+    script_suffix = ".pbs"
+    launchers = ("mpiexec",)
+    queue_directives = ("queue",)
+    client = "qstat"
+    detect_order = 20
+
+    def launch(self, job: Job) -> tuple[list[str], list[str]]:
+        """``mpiexec`` with the profile's PALS or hydra flags."""
+        from hpc import launchers
+
+        return [], launchers.mpiexec(job)
 
     def submit_command(self, script: str) -> list[str]:
         """``qsub SCRIPT``: every setting is in the script's directives."""
         return ["qsub", script]
 
     def parse_job_id(self, stdout: str) -> str:
-        """qsub prints the id alone: ``123.server`` (or ``123``)."""
+        """qsub prints the id alone: ``123.server`` (or ``123``, ``123[].server`` for arrays)."""
         for line in stdout.splitlines():
             if _JOB_ID.match(line.strip()):
                 return line.strip()
         raise SchedulerError(f"qsub: no job id in its answer: {last_line(stdout)!r}")
 
-    def submit(self, script: str, run_dir: str, on_start: Any = None) -> str:
-        """Submit and return the job id (``on_start`` is for local runs, which block)."""
-        proc = run(self.submit_command(script))
-        if proc.returncode != 0:
-            raise SchedulerError(f"qsub refused the job (exit {proc.returncode}): {last_line(proc.stderr or proc.stdout)}")
-        return self.parse_job_id(proc.stdout)
-
-    def status(self, job_id: str) -> str:
-        """``qstat -x -f -F json``, else ``qstat -f`` (older servers, wrappers)."""
-        proc = run(["qstat", "-x", "-f", "-F", "json", job_id])
-        if proc.returncode == 0:
-            try:
-                return parse_qstat_json(proc.stdout, job_id)
-            except (ValueError, AttributeError, TypeError):
-                pass
-        proc = run(["qstat", "-f", job_id])
-        if proc.returncode == 0:
-            return parse_qstat_text(proc.stdout)
-        return "UNKNOWN"
+    def status(self, job_id: str) -> JobState:
+        """The state :func:`query` finds (JSON, then text, then plain qstat)."""
+        found = query([job_id]).get(job_id)
+        return JobState(found["State"]) if found else JobState.UNKNOWN
 
     def cancel(self, job_id: str) -> None:
         """``qdel ID``."""
         proc = run(["qdel", job_id])
         if proc.returncode != 0:
-            raise SchedulerError(f"qdel {job_id} failed (exit {proc.returncode}): {last_line(proc.stderr or proc.stdout)}")
+            raise SchedulerError(f"qdel {job_id} failed (exit {proc.returncode}): "
+                                 f"{last_line(proc.stderr or proc.stdout)}")
+
+
+SCHEDULER = PBS

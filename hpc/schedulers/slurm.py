@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from hpc.schedulers import SchedulerError, last_line, run
+from hpc.errors import UserError
+from hpc.schedulers import JobState, Scheduler, SchedulerError, last_line, run
+
+if TYPE_CHECKING:
+    from hpc.cluster import Cluster
+    from hpc.job import Job
+    from hpc.spec import JobSpec
 
 _JOB_ID = re.compile(r"^\d+(_\d+)?\Z")
 _MAP = {
@@ -21,10 +28,10 @@ _MAP = {
 }
 
 
-def normalize(state: str) -> str:
+def normalize(state: str) -> JobState:
     """SLURM state words (``CANCELLED by 0``, ``CD``-free long form) -> a normalized state."""
     word = state.strip().split()[0].rstrip("+").upper() if state.strip() else ""
-    return _MAP.get(word, "UNKNOWN")
+    return JobState(_MAP.get(word, "UNKNOWN"))
 
 
 def _first(text: str) -> str | None:
@@ -34,10 +41,50 @@ def _first(text: str) -> str | None:
     return None
 
 
-class Slurm:
-    """SLURM through its command-line clients."""
+class Slurm(Scheduler):
+    """SLURM: sbatch scripts, ranks started by srun (or one torchrun per node)."""
 
     name = "slurm"
+    script_suffix = ".slurm"
+    launchers = ("srun", "torchrun")
+    queue_directives = ("partition", "qos", "queue")
+    client = "squeue"
+    detect_order = 10
+
+    def check_spec(self, spec: JobSpec, cluster: Cluster) -> None:
+        """``filesystems`` is a PBS resource."""
+        if spec.filesystems is not None:
+            raise UserError(f"filesystems: {spec.filesystems!r} is a PBS resource; {cluster.name} is "
+                            "slurm; allowed: leave it out")
+
+    def check_runs_dir(self, path: Path) -> None:
+        """sbatch expands ``%`` in ``--output`` as a file-name pattern."""
+        if "%" in str(path.resolve()):
+            raise UserError(f"--runs-dir: {str(path)!r} holds '%', which sbatch's --output "
+                            "expands as a file-name pattern; allowed: a path without %")
+
+    def job_env(self, job: Job) -> dict[str, str]:
+        """``--requeue`` alone never requeues a job that exits after its preemption signal:
+        DDP_REQUEUE tells the trainer to ``scontrol requeue`` itself once its checkpoint is saved."""
+        return {"DDP_REQUEUE": "1"} if job.spec.requeue else {}
+
+    def template_values(self, job: Job) -> dict[str, Any]:
+        """Tasks and CPUs per task as sbatch must see them: one torchrun task per node holds
+        all of that node's ranks and their CPUs."""
+        per_node = job.launcher == "torchrun"
+        cpus = job.cpus_per_task
+        return {
+            "tasks_per_node": 1 if per_node else job.ppn,
+            "cpus_per_task": cpus * job.ppn if cpus and per_node else cpus,
+        }
+
+    def launch(self, job: Job) -> tuple[list[str], list[str]]:
+        """``srun`` per rank, or one ``torchrun`` per node through srun."""
+        from hpc import launchers
+
+        if job.launcher == "torchrun":
+            return launchers.torchrun_per_node(job)
+        return [], launchers.srun(job)
 
     def submit_command(self, script: str) -> list[str]:
         """``sbatch --parsable SCRIPT``: the id alone on stdout."""
@@ -54,14 +101,7 @@ class Slurm:
                 return match.group(1)
         raise SchedulerError(f"sbatch: no job id in its answer: {last_line(stdout)!r}")
 
-    def submit(self, script: str, run_dir: str, on_start: Any = None) -> str:
-        """Submit and return the job id (``on_start`` is for local runs, which block)."""
-        proc = run(self.submit_command(script))
-        if proc.returncode != 0:
-            raise SchedulerError(f"sbatch refused the job (exit {proc.returncode}): {last_line(proc.stderr or proc.stdout)}")
-        return self.parse_job_id(proc.stdout)
-
-    def status(self, job_id: str) -> str:
+    def status(self, job_id: str) -> JobState:
         """squeue while queued or running; then scontrol, then sacct (no accounting needed).
 
         ``scontrol show job`` knows a finished job for MinJobAge seconds and always its
@@ -87,7 +127,7 @@ class Slurm:
                 state = normalize(lines[-1])
                 if state != "UNKNOWN":
                     return state
-        return "UNKNOWN"
+        return JobState.UNKNOWN
 
     def cancel(self, job_id: str) -> None:
         """``scancel ID``."""
@@ -95,3 +135,6 @@ class Slurm:
         # scancel exits 0 for an unknown job id and says so on stderr only.
         if proc.returncode != 0 or "error" in (proc.stderr or "").lower():
             raise SchedulerError(f"scancel {job_id} failed (exit {proc.returncode}): {last_line(proc.stderr or proc.stdout)}")
+
+
+SCHEDULER = Slurm

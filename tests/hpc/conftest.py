@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def make_job(cluster: str, **overrides: Any) -> Any:
     """A resolved Job from flag-style overrides, independent of $PBS_ACCOUNT and friends."""
-    from hpc.cli import build_job
+    from hpc.core import build_job
 
     spec = overrides.pop("spec", None)
     return build_job(spec, {"cluster": cluster, **overrides}, environ={}, cwd=REPO)

@@ -126,10 +126,55 @@ def test_submit_writes_a_run_dir_and_never_overwrites(fake_bin, tmp_path: Path, 
     assert "sbatch --parsable runs/" in fake_bin.log.read_text()
 
 
+@pytest.mark.parametrize("cluster", ["slurm", "pbs", "local"])
+def test_dry_run_prints_byte_for_byte_the_script_submit_writes(
+    cluster: str, fake_bin, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The dry run shows the real run directory, ``-o`` and ``HPC_RUN_DIR``, not placeholders."""
+    import time as _time
+
+    from hpc import runs
+
+    fake_bin("sbatch", 'echo "77"')
+    fake_bin("qsub", 'echo "77.srv"')
+    monkeypatch.chdir(tmp_path)
+    frozen = _time.localtime()
+    monkeypatch.setattr(runs.time, "localtime", lambda secs=None: frozen)
+    argv = ["submit", "--cluster", cluster, "--name", "t", "--runs-dir", "runs", "--", "true"]
+    assert main([*argv[:1], "--dry-run", *argv[1:]]) == 0
+    printed = capsys.readouterr().out
+    script, _, submit_line = printed.rstrip("\n").rpartition("\n")
+    assert main(argv) == 0
+    capsys.readouterr()
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    (written,) = [p for p in run_dir.iterdir() if p.name.startswith("job.")]
+    assert written.read_text() == script + "\n"
+    assert f"HPC_RUN_DIR={run_dir.resolve()}" in script
+    assert submit_line.endswith(f"{run_dir.relative_to(tmp_path)}/{written.name}")
+
+
+def test_submit_to_a_name_taken_after_the_plan_renders_again(tmp_path: Path, fake_bin) -> None:
+    """Another submission takes the planned directory between plan and submit: the next
+    free name is used and the script names that one, never the other's."""
+    from hpc import core
+
+    fake_bin("sbatch", 'echo "5"')
+    job = core.build_job(None, {"cluster": "slurm", "name": "t", "command": ["true"]}, environ={})
+    plan = core.plan_submit(job, tmp_path / "runs", now=1_700_000_000, environ={})
+    plan.run_dir.mkdir(parents=True)  # the other submission
+    done = core.submit(plan)
+    assert done.run_dir != plan.run_dir and done.run_dir.name == plan.run_dir.name + "-2"
+    text = done.script.read_text()
+    assert f"export HPC_RUN_DIR={done.run_dir.resolve()}\n" in text
+    assert f"{plan.run_dir.resolve()}/" not in text
+
+
 def test_submit_failure_is_recorded_and_reported(fake_bin, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     fake_bin("qsub", 'echo "qsub: Unknown queue" >&2; exit 3')
     monkeypatch.chdir(tmp_path)
-    assert main(["submit", "--cluster", "pbs", "--runs-dir", "runs", "--", "true"]) == 2
+    # A scheduler's refusal is not a user mistake: its own exit code (3), naming the client.
+    assert main(["submit", "--cluster", "pbs", "--runs-dir", "runs", "--", "true"]) == 3
     assert "qsub refused the job (exit 3): qsub: Unknown queue" in _one_error_line(capsys)
     (run,) = (tmp_path / "runs").iterdir()
     assert "Unknown queue" in json.loads((run / "run.json").read_text())["error"]

@@ -2,7 +2,7 @@
 
 The JSON files in tests/hpc/data/openpbs/ are real ``qstat -x -f -F json`` answers (their
 README says how each was made). ``hpc status`` reads through ``hpc.schedulers.pbs`` and
-the submitit plugin through ``hpc_submitit.pbs``: they must give the same answer.
+the submitit plugin through ``hpc.executors.pbs``: they must give the same answer.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hpc.schedulers import pbs as pbs_mod
-from hpc_submitit import pbs as sp
+from hpc.schedulers import pbs as sp
 
 REAL = Path(__file__).parent / "data" / "openpbs"
 

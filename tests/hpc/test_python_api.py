@@ -17,9 +17,10 @@ import submitit
 import yaml
 
 import hpc
-from hpc import python_api
 from hpc.cli import main as cli_main
 from hpc.errors import UserError
+from hpc.executors import api, ranks
+from hpc.executors import params as exparams
 from tests.ddp.launch_utils import clean_env
 from tests.support.polling import wait_until
 
@@ -51,7 +52,7 @@ def test_import_hpc_stays_free_of_submitit_and_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=clean_env(), check=True,
                          capture_output=True, text=True).stdout
     assert out.split() == ["False", "False"]
-    assert hpc.executor is python_api.executor and hpc.distributed is python_api.distributed
+    assert hpc.executor is api.executor and hpc.distributed is ranks.distributed
 
 
 @pytest.mark.parametrize(("kwargs", "flags"), [
@@ -108,10 +109,10 @@ def test_slurm_parameters_from_the_frontier_profile(tmp_path: Path) -> None:
     from submitit.slurm.slurm import _make_sbatch_string
 
     value = "a b; $(touch pwned) 'q'"
-    job = python_api.resolve(None, {"cluster": "frontier", "account": "proj123", "nodes": 2,
+    job = api.resolve(None, {"cluster": "frontier", "account": "proj123", "nodes": 2,
                                     "walltime": "01:30:00", "env": {"X": value},
                                     "directives": ["--mail-type=END"], "requeue": True})
-    params = python_api.slurm_parameters(job)
+    params = exparams.slurm_parameters(job)
     assert params["srun_args"] == ["--gpus-per-task=1", "--gpu-bind=closest", "--cpus-per-task=7"]
     text = _make_sbatch_string(command="python -u -m submitit.core._submit F", folder=tmp_path,
                                **params)
@@ -128,23 +129,23 @@ def test_slurm_parameters_from_the_frontier_profile(tmp_path: Path) -> None:
 
 
 def test_slurm_qos_constraint_and_signal() -> None:
-    job = python_api.resolve(None, {"cluster": "perlmutter", "account": "m1_g", "queue": "debug",
+    job = api.resolve(None, {"cluster": "perlmutter", "account": "m1_g", "queue": "debug",
                                     "signal": "USR1@120"})
-    params = python_api.slurm_parameters(job)
+    params = exparams.slurm_parameters(job)
     assert params["qos"] == "debug" and "partition" not in params
     assert params["constraint"] == "gpu" and params["gpus_per_node"] == 4
     assert params["signal_delay_s"] == 120
     assert params["additional_parameters"]["signal"] == "USR1@120"
     assert "export SUBMITIT_PREEMPT_SIGNAL=USR1" in params["setup"]
     with pytest.raises(UserError, match="^directives: '-N 2' cannot be passed"):
-        python_api.slurm_parameters(python_api.resolve(None, {"cluster": "slurm",
+        exparams.slurm_parameters(api.resolve(None, {"cluster": "slurm",
                                                               "directives": ["-N 2"]}))
 
 
 def test_local_parameters() -> None:
-    job = python_api.resolve(None, {"cluster": "local", "ppn": 3, "walltime": "00:02:00",
+    job = api.resolve(None, {"cluster": "local", "ppn": 3, "walltime": "00:02:00",
                                     "env": {"A": "x y"}})
-    assert python_api.local_parameters(job) == {
+    assert exparams.local_parameters(job) == {
         "nodes": 1, "tasks_per_node": 3, "timeout_min": 2.0, "signal_delay_s": 90,
         "setup": ["export A='x y'"],
     }
@@ -177,24 +178,24 @@ def test_distributed_wrapper_pickles_and_forwards_checkpoint(monkeypatch: pytest
     wrapped = hpc.distributed(add)
     assert not hasattr(wrapped, "checkpoint")  # submitit would call it on preemption
     again = cloudpickle.loads(cloudpickle.dumps(wrapped))
-    assert isinstance(again, python_api.Distributed) and again(2, 3) == 5
+    assert isinstance(again, ranks.Distributed) and again(2, 3) == 5
     assert hpc.distributed(wrapped) is wrapped
     resumable = hpc.distributed(Resumable())
     delayed = resumable.checkpoint("m")  # type: ignore[attr-defined]
-    assert isinstance(delayed.function, python_api.Distributed)
+    assert isinstance(delayed.function, ranks.Distributed)
     assert delayed.function.fn.interrupted == 1 and delayed.args == ("m",)
 
 
 def test_rank_env_from_a_job_environment() -> None:
     env = SimpleNamespace(job_id="4242", global_rank=3, local_rank=1, num_tasks=4, num_nodes=2,
                           node=1, hostnames=["nodeA", "nodeB"])
-    assert python_api.rank_env(env) == {
+    assert ranks.rank_env(env) == {
         "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
         "GROUP_RANK": "1", "NODE_RANK": "1", "MASTER_ADDR": "nodeA", "MASTER_PORT": "24242",
     }
     one_node = SimpleNamespace(**{**vars(env), "num_nodes": 1, "node": 0, "hostnames": ["vm"]})
-    assert python_api.rank_env(one_node)["MASTER_ADDR"] == "127.0.0.1"
-    assert python_api.export_rank_env() == {}  # not inside a submitit job: nothing to add
+    assert ranks.rank_env(one_node)["MASTER_ADDR"] == "127.0.0.1"
+    assert ranks.export_rank_env() == {}  # not inside a submitit job: nothing to add
 
 
 # --- laptop executors (local, debug) -------------------------------------------------------

@@ -54,7 +54,7 @@ def _render(case: str) -> str:
 
 
 def _deferred(name: str, overrides: dict) -> object:
-    from hpc.cli import build_job
+    from hpc.core import build_job
 
     return build_job(None, {"cluster": name, **overrides}, environ={}, defer_account=True, cwd=REPO)
 
@@ -115,7 +115,7 @@ def test_plain_script_is_wrapped_and_recipe_is_not() -> None:
 
 
 def test_checked_in_jobs_are_up_to_date() -> None:
-    from hpc.cli import render_all
+    from hpc.core import render_all
 
     cwd = os.getcwd()
     os.chdir(REPO)  # specs name themselves relative to the repository root

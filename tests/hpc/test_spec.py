@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from hpc._util import format_walltime, job_name, parse_walltime
-from hpc.cli import build_job
+from hpc.core import build_job
 from hpc.errors import UserError
-from hpc.spec import JobSpec, default_name, is_ddp_command, load_spec, resolve
+from hpc.job import default_name, is_ddp_command, resolve
+from hpc.spec import JobSpec, load_spec
 from tests.hpc.conftest import REPO, make_job
 
 CMD = ["python", "-m", "ddp", "dpo"]

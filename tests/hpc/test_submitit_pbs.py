@@ -19,8 +19,10 @@ import submitit
 
 import hpc
 from hpc.cli import main as cli_main
-from hpc.errors import UserError
-from hpc_submitit import pbs as sp
+from hpc.errors import SchedulerError, UserError
+from hpc.executors import pbs as sp
+from hpc.executors import pbs_env as pbs_env_mod
+from hpc.schedulers import pbs as client
 from tests.support.openpbs import OpenPBS
 from tests.support.pals import pbs_env
 from tests.support.parts import require_exe
@@ -41,10 +43,10 @@ def wait_done(job: Any, timeout: float = 60) -> None:
 
 
 def test_queued_and_running_samples() -> None:
-    queued = sp.read_qstat_json((DATA / "qstat_queued.json").read_text())
+    queued = client.read_qstat_json((DATA / "qstat_queued.json").read_text())
     assert queued[AURORA_ID]["State"] == "PENDING"
     assert queued[AURORA_ID]["comment"].startswith("Not Running")
-    running = sp.read_qstat_json((DATA / "qstat_running.json").read_bytes())
+    running = client.read_qstat_json((DATA / "qstat_running.json").read_bytes())
     assert running[AURORA_ID]["State"] == "RUNNING"
     assert running[AURORA_ID]["exec_host"].startswith("x4102c5s0b0n0/0*208")
 
@@ -57,44 +59,44 @@ def test_queued_and_running_samples() -> None:
     (4104, "CANCELLED"),  # deleted before it ran: no Exit_status, substate 91
 ])
 def test_finished_jobs_from_history(seq: int, state: str) -> None:
-    info = sp.read_qstat_json((DATA / "qstat_history.json").read_text())
+    info = client.read_qstat_json((DATA / "qstat_history.json").read_text())
     assert info[f"{seq}.polaris-pbs-01.hsn.cm.polaris.alcf.anl.gov"]["State"] == state
 
 
 def test_array_subjobs_are_keyed_by_submitit_ids() -> None:
-    info = sp.read_qstat_json((DATA / "qstat_array.json").read_text())
+    info = client.read_qstat_json((DATA / "qstat_array.json").read_text())
     parent = "2000100[].aurora-pbs-0001.hostmgmt.cm.aurora.alcf.anl.gov"
     assert info[parent]["State"] == "RUNNING"  # B: begun
     states = [info[f"{parent}_{i}"]["State"] for i in range(4)]
     assert states == ["COMPLETED", "FAILED", "RUNNING", "PENDING"]
     # the PBS form of a subjob id answers too
     assert info["2000100[1].aurora-pbs-0001.hostmgmt.cm.aurora.alcf.anl.gov"]["State"] == "FAILED"
-    assert sp.pbs_query_id(f"{parent}_3") == parent
-    assert sp.submitit_id("12[3].srv") == "12[].srv_3" and sp.pbs_id("12[].srv_3") == "12[3].srv"
-    assert sp.pbs_id("12.srv") == "12.srv"
+    assert client.pbs_query_id(f"{parent}_3") == parent
+    assert client.submitit_id("12[3].srv") == "12[].srv_3" and client.pbs_id("12[].srv_3") == "12[3].srv"
+    assert client.pbs_id("12.srv") == "12.srv"
 
 
 def test_unescaped_backslashes_of_older_servers_are_tolerated() -> None:
-    info = sp.read_qstat_json((DATA / "qstat_bad_escapes.json").read_text())
+    info = client.read_qstat_json((DATA / "qstat_bad_escapes.json").read_text())
     assert info["881.pbs01"]["State"] == "RUNNING"
 
 
 def test_text_and_plain_fallback_formats() -> None:
-    text = sp.read_qstat_text((SAMPLES / "qstat_f.txt").read_text())
+    text = client.read_qstat_text((SAMPLES / "qstat_f.txt").read_text())
     assert text[AURORA_ID]["State"] == "RUNNING"
     assert text[AURORA_ID]["comment"].endswith("(x4102c5s1b0n0:ncpus=208)")  # wrapped line joined
     assert text["1234568.aurora-pbs-0001.hostmgmt.cm.aurora.alcf.anl.gov"]["State"] == "FAILED"
-    plain = sp.read_qstat_plain((SAMPLES / "qstat.txt").read_text())
-    assert sp.lookup(plain, AURORA_ID)["State"] == "RUNNING"  # id cut to 16 columns
-    assert sp.lookup(plain, "1234569.aurora-pbs-0001")["State"] == "PENDING"
-    assert sp.lookup(plain, "1234571.aurora") is None
+    plain = client.read_qstat_plain((SAMPLES / "qstat.txt").read_text())
+    assert client.lookup(plain, AURORA_ID)["State"] == "RUNNING"  # id cut to 16 columns
+    assert client.lookup(plain, "1234569.aurora-pbs-0001")["State"] == "PENDING"
+    assert client.lookup(plain, "1234571.aurora") is None
 
 
 def test_lookup_matches_other_forms_of_the_server_name() -> None:
-    info = sp.read_qstat_json((DATA / "qstat_running.json").read_text())
-    assert sp.lookup(info, "1234567.aurora-pbs-0001")["State"] == "RUNNING"
-    assert sp.lookup(info, "1234567")["State"] == "RUNNING"
-    assert sp.lookup(info, "7654321") is None
+    info = client.read_qstat_json((DATA / "qstat_running.json").read_text())
+    assert client.lookup(info, "1234567.aurora-pbs-0001")["State"] == "RUNNING"
+    assert client.lookup(info, "1234567")["State"] == "RUNNING"
+    assert client.lookup(info, "7654321") is None
 
 
 def test_query_falls_back_and_reads_unknown_ids(fake_bin: Any) -> None:
@@ -106,9 +108,9 @@ case "$*" in
   *-f*) printf '%s' '{sample}'; echo "qstat: Unknown Job Id 99.aurora-pbs-0001" >&2; exit 153 ;;
 esac
 exit 1""")
-    out = sp.query([AURORA_ID, "99.aurora-pbs-0001"])
+    out = client.query([AURORA_ID, "99.aurora-pbs-0001"])
     assert out[AURORA_ID]["State"] == "RUNNING"
-    assert out["99.aurora-pbs-0001"]["State"] == sp.GONE
+    assert out["99.aurora-pbs-0001"]["State"] == client.GONE
     calls = fake_bin.log.read_text().splitlines()
     assert calls[0].startswith("qstat -x -f -F json") and calls[1].startswith("qstat -x -f 1234567")
 
@@ -121,7 +123,7 @@ def test_job_environment_reads_pals_and_pbs(tmp_path: Path, monkeypatch: pytest.
     for key, value in {**env, "PALS_RANKID": "13", "PALS_LOCAL_RANKID": "1", "PMI_SIZE": "24",
                        "PALS_NODEID": "1", "SUBMITIT_EXECUTOR": "pbs"}.items():
         monkeypatch.setenv(key, value)
-    e = sp.PBSJobEnvironment()
+    e = pbs_env_mod.PBSJobEnvironment()
     assert (e.global_rank, e.local_rank, e.num_tasks, e.node, e.num_nodes) == (13, 1, 24, 1, 2)
     assert e.hostnames == ["x4102c5s0b0n0", "x4102c5s1b0n0"]
     assert e.job_id == env["PBS_JOBID"] and e.activated()
@@ -136,7 +138,7 @@ def test_job_environment_reads_pals_and_pbs(tmp_path: Path, monkeypatch: pytest.
 
 def test_requeue_script_drops_the_array_and_keeps_the_id() -> None:
     text = "#!/bin/bash\n# x\n#PBS -N a\n#PBS -J 0-3\n\nset -e\nmpiexec python\n"
-    out = sp.requeue_script(text, "12[].srv_2")
+    out = pbs_env_mod.requeue_script(text, "12[].srv_2")
     assert "#PBS -J" not in out
     lines = out.splitlines()
     assert lines.index("#PBS -N a") < lines.index(
@@ -203,7 +205,7 @@ def test_submit_gets_the_result(pbs: Path, capsys: pytest.CaptureFixture[str]) -
     script = job.paths.submission_file.read_text()
     assert "#PBS -N adder\n" in script and "#PBS -l select=1\n" in script
     assert f"#PBS -o {run_dir}/\n" in script
-    assert f"mpiexec -n 1 -ppn 1 {sys.executable} -u -m hpc_submitit.pbs {run_dir}" in script
+    assert f"mpiexec -n 1 -ppn 1 {sys.executable} -u -m hpc.executors.pbs {run_dir}" in script
     assert "INFO" in job.stdout()  # the rank's own log, as srun --output writes on SLURM
     assert (run_dir / f"{job.job_id}.OU").is_file()  # the batch shell's, from #PBS -o
     assert cli_main(["status", str(run_dir)]) == 0  # the run directory names the job
@@ -350,6 +352,6 @@ exec {openpbs.bin / "qstat"} "$@"\n""")
 
 def test_qsub_refusal_is_one_line(pbs: Path) -> None:
     ex = hpc.executor(cluster="pbs", folder=pbs / "jobs", queue="nosuchqueue")
-    with pytest.raises(UserError) as exc:
+    with pytest.raises(SchedulerError) as exc:
         ex.submit(add, 1, 2)
     assert str(exc.value) == "qsub refused the job (exit 170): qsub: Unknown queue"

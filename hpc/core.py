@@ -1,0 +1,259 @@
+"""The login side as a library: build, render, submit, status and cancel a job.
+
+``hpc.cli`` is argument parsing and printing over these functions, and the Python
+API (``hpc.executors``) builds its jobs through :func:`build_job` too, so a value
+is checked the same way wherever it comes from. Nothing here prints.
+
+Submitting is two steps so that a dry run shows exactly what a submission writes:
+:func:`plan_submit` decides the run directory and renders the script (no side
+effects), :func:`submit` creates the directory, writes the script, the resolved spec
+and ``run.json``, and calls the scheduler.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpc import runs
+from hpc.errors import UserError
+from hpc.job import Job, resolve
+from hpc.schedulers import JobState, Scheduler, Submission
+
+
+def build_job(
+    spec_path: str | None, overrides: dict[str, Any], environ: Mapping[str, str] | None = None,
+    defer_account: bool = False, cwd: Path | None = None, run_here: bool = False,
+) -> Job:
+    """Spec file + overrides -> a resolved Job (all checks done, nothing written).
+
+    ``run_here`` is ``hpc run`` of a cluster spec: the same command on this machine,
+    one node and one rank unless asked; the site-only keys mean nothing here.
+    """
+    from dataclasses import replace
+
+    from hpc import cluster as clusters
+    from hpc.spec import load_spec
+
+    environ = os.environ if environ is None else environ
+    spec = load_spec(spec_path, overrides)
+    if run_here and spec.cluster != "local":
+        ppn = str(overrides.get("ppn") or "")
+        spec = replace(spec, cluster="local", nodes=int(overrides.get("nodes") or 1),
+                       ppn=int(ppn) if ppn.isdigit() else None, queue=None, account=None,
+                       gpus_per_node=None, filesystems=None, launcher="auto")
+    if spec.cluster is None:
+        raise UserError(
+            "cluster: missing; allowed: --cluster NAME or cluster: in the spec, one of "
+            + ", ".join(clusters.names(dict(environ), cwd))
+        )
+    profile = clusters.load(spec.cluster, dict(environ), cwd)
+    return resolve(spec, profile, dict(environ), defer_account)
+
+
+def render_job(job: Job, regenerate: str | None = None, templates: str | None = None,
+               script: str | None = None) -> str:
+    """The job script (see :func:`hpc.render.render`)."""
+    from hpc.render import render
+
+    return render(job, regenerate=regenerate, templates=templates, script=script)
+
+
+def render_all(jobs_dir: Path, templates: str | None = None) -> dict[Path, str]:
+    """Every ``jobs_dir/*.yaml`` rendered to ``jobs_dir/NAME.{pbs,slurm,sh}``.
+
+    Independent of the caller's environment (no account from ``$PBS_ACCOUNT``, no
+    user profiles): the checked-in scripts must be the same on every machine. A
+    missing account is left to the submit command (``qsub -A PROJECT``).
+    """
+    specs = sorted(jobs_dir.glob("*.yaml"))
+    if not specs:
+        raise UserError(f"--jobs-dir: no *.yaml specs in {str(jobs_dir)!r}")
+    out: dict[Path, str] = {}
+    for path in specs:
+        job = build_job(str(path), {}, environ={}, defer_account=True)
+        target = path.with_suffix(job.cluster.script_suffix)
+        out[target] = render_job(job, regenerate="hpc render --all-jobs", templates=templates,
+                                 script=str(target))
+    return out
+
+
+# --- submitting ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A submission decided but not done: where it goes, the script, the submit command."""
+
+    job: Job
+    run_dir: Path
+    resume: bool
+    script: Path
+    text: str
+    argv: tuple[str, ...]
+    regenerate: str | None
+    templates: str | None
+    now: float
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The job's scheduler."""
+        return self.job.scheduler
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """A submission done: its run directory and what the scheduler answered."""
+
+    run_dir: Path
+    script: Path
+    submission: Submission
+
+
+def plan_submit(
+    job: Job, runs_dir: Path, resume: str | None = None, regenerate: str | None = None,
+    templates: str | None = None, environ: Mapping[str, str] | None = None,
+    now: float | None = None,
+) -> Plan:
+    """Decide the run directory and render the script that :func:`submit` will write.
+
+    The job runs with the Python this runs from unless the spec names one (see
+    :func:`hpc.spec.submitting_python`), keeps its log in the run directory where the
+    scheduler writes it, and learns where that is from ``HPC_RUN_DIR`` (the trainer's
+    default checkpoint folder is ``$HPC_RUN_DIR/checkpoints``, so a requeued or
+    resumed job continues there).
+    """
+    from hpc.spec import submitting_python
+
+    scheduler = job.scheduler
+    scheduler.check_runs_dir(runs_dir)
+    now = time.time() if now is None else now
+    if resume:
+        found = runs.find(resume, runs_dir)
+        if found is None:
+            raise UserError(f"resume: {resume!r} is not a run directory (no run.json); "
+                            "allowed: a directory made by hpc submit, or its name under --runs-dir")
+        run_dir = found[0]
+    else:
+        run_dir = runs.free_run_dir(runs_dir, job.name, now)
+    if job.spec.python is None:
+        job = job.with_spec(python=submitting_python(os.environ if environ is None else environ))
+    run_abs = str(run_dir.resolve())
+    job = job.with_spec(env={**job.spec.env, "HPC_RUN_DIR": run_abs})
+    if not scheduler.runs_here:  # the scheduler writes the log where the script says
+        job = job.with_spec(output_dir=run_abs)
+    script = runs.free_name(run_dir, "job", job.cluster.script_suffix)
+    return Plan(job=job, run_dir=run_dir, resume=bool(resume), script=script,
+                text=render_job(job, regenerate, templates),
+                argv=tuple(scheduler.submit_command(str(script))),
+                regenerate=regenerate, templates=templates, now=now)
+
+
+def submit(plan: Plan, on_start: Callable[[str], None] | None = None) -> Submitted:
+    """Create the run directory, write the script, spec and record, and submit.
+
+    A name taken since the plan was made (another submission in the same second) gets
+    the next free one, and the script is rendered again for it.
+    """
+    import yaml
+
+    job = plan.job
+    if plan.resume:
+        run_dir = plan.run_dir
+    else:
+        run_dir = runs.new_run_dir(plan.run_dir.parent, job.name, plan.now)
+    text = plan.text
+    if run_dir != plan.run_dir:
+        job = _moved(job, plan.run_dir, run_dir)
+        text = render_job(job, plan.regenerate, plan.templates)
+    scheduler = job.scheduler
+    git = runs.git_info()
+    with runs.locked(run_dir):  # concurrent --resume calls: names and history stay whole
+        previous = runs.read_record(run_dir) if plan.resume else None
+        script = runs.create_free(run_dir, "job", job.cluster.script_suffix, text)
+        runs.create_free(run_dir, "spec", ".yaml",
+                         yaml.safe_dump(job.to_dict(), sort_keys=False, allow_unicode=True))
+        argv = scheduler.submit_command(str(script))
+        record: dict[str, Any] = {
+            "name": job.name, "cluster": job.cluster.name, "scheduler": scheduler.name,
+            "script": str(script), "spec": job.spec.source, "submit_command": shlex.join(argv),
+            "cwd": os.getcwd(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "job_id": None,
+            **git,
+        }
+        if previous is not None:  # earlier submissions of this run, oldest first
+            earlier = previous.pop("submissions", [])
+            record["submissions"] = [*earlier, previous]
+        runs.write_record(run_dir, record)
+
+    def started(job_id: str) -> None:  # a local run records its id before it ends
+        runs.update_submission(run_dir, str(script), job_id=job_id, state="RUNNING")
+        if on_start is not None:
+            on_start(job_id)
+
+    try:
+        sub = scheduler.submit(str(script), str(run_dir), on_start=started)
+    except Exception as exc:
+        runs.update_submission(run_dir, str(script), error=str(exc))
+        raise
+    changes: dict[str, Any] = {"job_id": sub.job_id}
+    if sub.exit_code is not None:
+        changes.update(exit_code=sub.exit_code, state=str(sub.state))
+    runs.update_submission(run_dir, str(script), **changes)
+    return Submitted(run_dir=run_dir, script=script, submission=sub)
+
+
+def _moved(job: Job, old: Path, new: Path) -> Job:
+    """The job with its run directory paths pointed at ``new`` instead of ``old``."""
+    old_abs, new_abs = str(old.resolve()), str(new.resolve())
+    env = {k: (new_abs if v == old_abs else v) for k, v in job.spec.env.items()}
+    out = new_abs if job.spec.output_dir == old_abs else job.spec.output_dir
+    return job.with_spec(env=env, output_dir=out)
+
+
+# --- status and cancel ----------------------------------------------------------------
+
+
+def locate(ident: str, runs_dir: Path, cluster: str | None = None
+           ) -> tuple[str, Scheduler, dict[str, Any] | None]:
+    """(job id, its scheduler, the run record if ``ident`` names a run) for status/cancel."""
+    from hpc import schedulers
+
+    if not ident.strip() or any(c in ident for c in ", \t\n"):
+        raise UserError(f"id: {ident!r}; allowed: one run directory, run name or job id")
+    found = runs.find(ident, runs_dir)
+    if found is not None:
+        _, rec = found
+        if not rec.get("job_id"):
+            raise UserError(f"id: {ident!r} names a run that has no job id (submit failed: "
+                            f"{rec.get('error', 'unknown')})")
+        return str(rec["job_id"]), schedulers.get(str(rec["scheduler"])), rec
+    if cluster:
+        from hpc import cluster as clusters
+
+        return ident, schedulers.get(clusters.load(cluster).scheduler), None
+    name = schedulers.detect()
+    if name is None:
+        raise UserError(f"id: {ident!r} is no run directory and no scheduler client is on PATH; "
+                        "allowed: a run directory, or --cluster NAME")
+    return ident, schedulers.get(name), None
+
+
+def status(ident: str, runs_dir: Path, cluster: str | None = None) -> tuple[str, JobState]:
+    """The job's id and state; a job that ran here to the end answers from its record."""
+    job_id, scheduler, rec = locate(ident, runs_dir, cluster)
+    recorded = (rec or {}).get("state")
+    if scheduler.runs_here and recorded not in (None, "RUNNING"):
+        return job_id, JobState(str(recorded))
+    return job_id, scheduler.status(job_id)
+
+
+def cancel(ident: str, runs_dir: Path, cluster: str | None = None) -> str:
+    """Ask the job's scheduler to end it; returns the job id."""
+    job_id, scheduler, _ = locate(ident, runs_dir, cluster)
+    scheduler.cancel(job_id)
+    return job_id

@@ -1,0 +1,39 @@
+"""Submit Python functions, not scripts: ``hpc.executor`` and ``hpc.distributed``.
+
+``hpc.executor(cluster="aurora", nodes=2, queue="debug", account="proj")`` returns a
+submitit executor configured from the same cluster profile, the same job spec
+resolution and the same checks as ``hpc render`` / ``hpc submit``: a bad value raises
+the same one-line ``UserError`` the CLI prints. ``executor.submit(fn, *args)`` pickles
+the call; ``job.result()`` brings the return value back, ``job.cancel()`` cancels, and
+``executor.map_array(fn, items)`` submits one job array.
+
+- SLURM profiles -> ``submitit.SlurmExecutor`` (one srun task per rank);
+- PBS profiles -> ``hpc.executors.pbs.PBSExecutor`` (one mpiexec rank per rank);
+- ``local`` -> ``submitit.LocalExecutor`` (processes on this machine);
+- ``debug`` -> ``submitit.DebugExecutor`` (in this process, for a debugger).
+
+``hpc.distributed(fn)`` runs ``fn`` on every rank with the environment ``ddp.init()``
+needs. submitit starts one process per rank (srun tasks, mpiexec ranks, or the local
+executor's tasks); on SLURM and PBS ``ddp.env`` reads the launcher's own variables, and
+for the local executor, whose variables ddp does not know, the wrapper exports
+torchrun's (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) from submitit's
+``JobEnvironment``. submitit keeps every rank's return value: ``job.results()`` is the
+list by rank, and ``job.task(0).result()`` is rank 0's (``job.result()`` refuses jobs
+with several tasks).
+
+This package is the only part of ``hpc`` that imports submitit (``api`` and
+``params`` only when called; ``pbs`` and ``pbs_env`` are the submitit plugin), and
+nothing imports it but ``hpc.__init__``'s lazy ``hpc.executor``/``hpc.distributed``
+and submitit's plugin discovery, so ``import hpc`` stays cheap.
+
+Modules: ``api`` (``executor``, run directories), ``params`` (the job as each
+submitit executor's parameters), ``ranks`` (``distributed``: every rank's
+environment), ``pbs`` and ``pbs_env`` (the PBS plugin).
+"""
+
+from __future__ import annotations
+
+from hpc.executors.api import executor
+from hpc.executors.ranks import distributed
+
+__all__ = ["distributed", "executor"]
