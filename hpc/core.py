@@ -18,12 +18,13 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hpc import runs
 from hpc.errors import UserError
 from hpc.job import Job, resolve
-from hpc.schedulers import JobState, Scheduler, Submission
+
+if TYPE_CHECKING:
+    from hpc.schedulers import JobState, Scheduler, Submission
 
 
 def build_job(
@@ -128,6 +129,7 @@ def plan_submit(
     default checkpoint folder is ``$HPC_RUN_DIR/checkpoints``, so a requeued or
     resumed job continues there).
     """
+    from hpc import runs
     from hpc.spec import submitting_python
 
     scheduler = job.scheduler
@@ -161,6 +163,8 @@ def submit(plan: Plan, on_start: Callable[[str], None] | None = None) -> Submitt
     the next free one, and the script is rendered again for it.
     """
     import yaml
+
+    from hpc import runs
 
     job = plan.job
     if plan.resume:
@@ -221,7 +225,7 @@ def _moved(job: Job, old: Path, new: Path) -> Job:
 def locate(ident: str, runs_dir: Path, cluster: str | None = None
            ) -> tuple[str, Scheduler, dict[str, Any] | None]:
     """(job id, its scheduler, the run record if ``ident`` names a run) for status/cancel."""
-    from hpc import schedulers
+    from hpc import runs, schedulers
 
     if not ident.strip() or any(c in ident for c in ", \t\n"):
         raise UserError(f"id: {ident!r}; allowed: one run directory, run name or job id")
@@ -245,6 +249,8 @@ def locate(ident: str, runs_dir: Path, cluster: str | None = None
 
 def status(ident: str, runs_dir: Path, cluster: str | None = None) -> tuple[str, JobState]:
     """The job's id and state; a job that ran here to the end answers from its record."""
+    from hpc.schedulers import JobState
+
     job_id, scheduler, rec = locate(ident, runs_dir, cluster)
     recorded = (rec or {}).get("state")
     if scheduler.runs_here and recorded not in (None, "RUNNING"):

@@ -14,10 +14,8 @@ States are a :class:`JobState`, so callers never see scheduler-specific letters.
 from __future__ import annotations
 
 import importlib
-import pkgutil
 import re
 import shutil
-import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -27,6 +25,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from hpc.errors import SchedulerError, UserError
 
 if TYPE_CHECKING:
+    import subprocess
+
     from hpc.cluster import Cluster
     from hpc.job import Job
     from hpc.spec import JobSpec
@@ -157,7 +157,8 @@ _NAME = r"^[a-z][a-z0-9_]*\Z"
 
 def names() -> list[str]:
     """Every scheduler module in this package, sorted."""
-    return sorted(m.name for m in pkgutil.iter_modules(__path__) if re.match(_NAME, m.name))
+    here = Path(__file__).parent
+    return sorted(p.stem for p in here.glob("*.py") if re.match(_NAME, p.stem))
 
 
 def get(name: str) -> Scheduler:
@@ -175,6 +176,8 @@ def get(name: str) -> Scheduler:
 def run(argv: list[str], timeout: float = 60.0,
         env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run a scheduler client; a missing or hung client is a SchedulerError naming it."""
+    import subprocess
+
     if shutil.which(argv[0]) is None:
         raise SchedulerError(f"scheduler: {argv[0]} not found on PATH; allowed: run on a login node "
                              "that has it, or use --dry-run")
