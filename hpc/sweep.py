@@ -276,3 +276,56 @@ def set_args(task: SweepTask) -> list[str]:
 def task_dir(run_dir: Path, task: SweepTask) -> Path:
     """Where the task keeps its metrics, checkpoints and log: its ``HPC_RUN_DIR``."""
     return run_dir / task.dirname
+
+
+def shell(run_dir: Path, task: SweepTask) -> str:
+    """Bash that a job array's task ``eval``s to become its task (every value quoted).
+
+    Sets ``HPC_RUN_DIR`` to the task's directory (made here: the trainer's metrics and
+    checkpoints go there, so tasks never share them) and ``HPC_SWEEP_ARGS``, the array
+    to append to the trainer's command line: ``python -m ddp ... "${HPC_SWEEP_ARGS[@]}"``.
+    """
+    import shlex
+
+    path = task_dir(run_dir, task)
+    try:
+        path.mkdir(exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"sweep: cannot create {str(path)!r}: {exc.strerror}") from None
+    return (
+        f"export HPC_RUN_DIR={shlex.quote(str(path))}\n"
+        f"export HPC_SWEEP_INDEX={task.index}\n"
+        f"export HPC_SWEEP_LABEL={shlex.quote(task.label)}\n"
+        f"HPC_SWEEP_ARGS=({' '.join(shlex.quote(a) for a in set_args(task))})\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hpc.sweep shell RUN_DIR [--index N]``: what an array task evals::
+
+        task=$(python -m hpc.sweep shell "$HPC_RUN_DIR") || exit 2
+        eval "$task"
+
+    in two steps: ``eval "$(...)" || exit 2`` would not stop, since ``eval ""`` succeeds.
+
+    Run inside the job, so it imports nothing heavy; errors are one line on stderr, exit 2.
+    """
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m hpc.sweep")
+    parser.add_argument("action", choices=["shell"])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--index", default=None, help="array index (default: the scheduler's)")
+    args = parser.parse_args(argv)
+    try:
+        task = task_for(args.run_dir, args.index)
+        sys.stdout.write(shell(args.run_dir, task))
+    except UserError as exc:
+        sys.stderr.write(f"hpc sweep: error: {exc}\n")
+        return exc.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -210,3 +210,37 @@ def test_read_manifest_missing(tmp_path: Path):
 def test_sweep_task_is_plain_data():
     task = SweepTask(0, {"a": "1"}, "a=1", "000-a-1")
     assert task.overrides == {"a": "1"} and task._fields == ("index", "overrides", "label", "dirname")
+
+
+def test_array_task_evals_its_overrides_in_bash(tmp_path: Path):
+    """The whole runtime path: sweep.json -> a task's bash -> the trainer's argv."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run dir"
+    run.mkdir()
+    tasks = sweep.tasks_from_flags(["optim.lr=0.1,1e-3", "model.name=a b,$(touch pwned);'x'"])
+    sweep.write_manifest(run, tasks)
+    script = (
+        'task=$("$PY" -m hpc.sweep shell "$RUN") || exit 2\neval "$task"\n'
+        'printf "%s\\n" "$HPC_RUN_DIR" "$HPC_SWEEP_INDEX" "$HPC_SWEEP_LABEL" "${HPC_SWEEP_ARGS[@]}"\n'
+    )
+    env = {**os.environ, "PY": sys.executable, "RUN": str(run), "SLURM_ARRAY_TASK_ID": "3",
+           "PYTHONPATH": os.pathsep.join(sys.path)}  # fmt: skip
+    done = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, check=True)  # fmt: skip
+    task = tasks[3]
+    assert done.stdout.splitlines() == [
+        str(run / task.dirname), "3", task.label,
+        "--set", "optim.lr=1e-3", "model.name=$(touch pwned);'x'",
+    ]  # fmt: skip
+    assert (run / task.dirname).is_dir() and not (tmp_path / "pwned").exists()
+
+    env["SLURM_ARRAY_TASK_ID"] = "4"
+    bad = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True,
+                         text=True)  # fmt: skip
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.strip().splitlines() == [
+        f"hpc sweep: error: sweep: array index 4 is past the 4 tasks of "
+        f"{str(run / 'sweep.json')!r}; allowed: 0 to 3"
+    ]
