@@ -183,7 +183,11 @@ def _ids(subs: list[dict[str, Any]]) -> str:
 
 
 def follow(
-    path: Path, is_running: Callable[[], bool], out: TextIO, poll_s: float = 0.5
+    path: Path,
+    is_running: Callable[[], bool],
+    out: TextIO,
+    poll_s: float = 0.5,
+    settle_s: float = 0.0,
 ) -> None:
     """Print ``path`` and then what is appended to it until the job ends.
 
@@ -193,6 +197,10 @@ def follow(
     (rotation: a new inode at the path) is read to its end, then the new one from the
     start. Bytes are decoded incrementally, so a UTF-8 character split across two
     reads prints whole, and undecodable bytes print as U+FFFD instead of failing.
+
+    ``settle_s``: after the job ends, keep reading until the file has not grown for this
+    long. A scheduler may append its own last lines (SLURM's ``CANCELLED`` notice) after
+    the job's state changed, and a login node on NFS may see the last writes late.
     """
     fh = None
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -203,6 +211,7 @@ def follow(
             if fh is not None:
                 _drain(fh, decoder, out)
             if not running:
+                fh = _settle(path, fh, decoder, out, poll_s, settle_s)
                 out.write(decoder.decode(b"", final=True))
                 out.flush()
                 return
@@ -210,6 +219,21 @@ def follow(
     finally:
         if fh is not None:
             fh.close()
+
+
+def _settle(path: Path, fh: Any, decoder: codecs.IncrementalDecoder, out: TextIO,
+            poll_s: float, settle_s: float) -> Any:  # fmt: skip
+    """Read on until ``path`` has not grown for ``settle_s`` seconds; the handle read last."""
+    quiet_since = time.monotonic()
+    while time.monotonic() - quiet_since < settle_s:
+        time.sleep(min(poll_s, settle_s) or 0.01)
+        before = fh.tell() if fh is not None else -1
+        fh = _reopen_if_replaced(path, fh, decoder, out)
+        if fh is not None:
+            _drain(fh, decoder, out)
+            if fh.tell() != before:
+                quiet_since = time.monotonic()
+    return fh
 
 
 def _reopen_if_replaced(

@@ -53,7 +53,11 @@ class Series:
 
 @dataclass
 class RunSummary:
-    """One row of the summary table; None where the metric was never logged."""
+    """One row of the summary table; None where the metric was never logged.
+
+    ``wall_time_s`` is first to last logged time, so for a resumed run it includes the
+    time between its jobs (queue waits).
+    """
 
     label: str
     path: Path
@@ -91,7 +95,7 @@ def find_metrics(run_dir: Path, prefix: str = "") -> list[tuple[str, Path]]:
     taken as it is.
     """
     if run_dir.is_file():
-        return [(prefix + run_dir.parent.name, run_dir)]
+        return [(prefix + run_dir.resolve().parent.name, run_dir)]
     if not run_dir.is_dir():
         raise UserError(f"report: {str(run_dir)!r} is not a run directory or metrics file")
     from hpc import sweep
@@ -106,7 +110,7 @@ def find_metrics(run_dir: Path, prefix: str = "") -> list[tuple[str, Path]]:
                     break
         return found
     if (run_dir / METRICS).is_file():
-        return [(prefix.rstrip() or run_dir.name, run_dir / METRICS)]
+        return [(prefix.rstrip() or run_dir.resolve().name, run_dir / METRICS)]
     paths = sorted(run_dir.glob(f"*/{METRICS}")) or sorted(run_dir.glob(f"*/*/{METRICS}"))
     return [(prefix + str(p.parent.relative_to(run_dir)), p) for p in paths if p.is_file()]
 
@@ -195,7 +199,10 @@ def _add(rec: dict[str, Any], train: dict[str, dict[int, float]], evals: dict[in
     t = _number(rec.get("time"))
     if t is not None and math.isfinite(t):
         times.append(t)
-    if rec.get("kind", "train") == "eval":
+    kind = rec.get("kind", "train")
+    if kind not in ("train", "eval"):
+        return  # a kind this reader does not know: not plotted as training
+    if kind == "eval":
         for key in _EVAL_LOSS_KEYS:
             value = _number(rec.get(key))
             if value is not None:
@@ -331,7 +338,7 @@ def report(run_dirs: list[Path], out: Path | None = None, console: Any = None) -
         raise UserError("report: no run directory; allowed: one or more run directories")
     found: list[tuple[str, Path]] = []
     for run_dir in run_dirs:
-        prefix = f"{run_dir.name} " if len(run_dirs) > 1 and run_dir.is_dir() else ""
+        prefix = f"{Path(run_dir).resolve().name} " if len(run_dirs) > 1 and run_dir.is_dir() else ""
         found += find_metrics(Path(run_dir), prefix)
     if not found:
         names = ", ".join(repr(str(d)) for d in run_dirs)

@@ -215,6 +215,25 @@ def test_follow_job_ended_without_a_log(tmp_path: Path):
     assert out.getvalue() == "" and time.monotonic() - start < 5
 
 
+def test_follow_settles_for_lines_written_after_the_job_ended(tmp_path: Path):
+    import threading
+
+    log = tmp_path / "job.out"
+    log.write_text("job output\n")
+    late = threading.Timer(0.2, _append(log, b"slurmstepd: *** JOB 5 CANCELLED ***\n"))
+    late.start()
+    out = io.StringIO()
+    try:
+        logs.follow(log, lambda: False, out, poll_s=0.05, settle_s=1.0)
+    finally:
+        late.cancel()
+    assert out.getvalue() == "job output\nslurmstepd: *** JOB 5 CANCELLED ***\n"
+    out = io.StringIO()
+    start = time.monotonic()
+    logs.follow(log, lambda: False, out, poll_s=0.05)  # no settle: returns at once
+    assert time.monotonic() - start < 0.5 and out.getvalue().endswith("CANCELLED ***\n")
+
+
 def test_print_log(tmp_path: Path):
     log = _touch(tmp_path / "a.out", "done\n")
     out = io.StringIO()

@@ -158,9 +158,11 @@ def test_nan_and_inf_do_not_crash(tmp_path: Path):
 
 
 def test_a_step_logged_twice_keeps_the_last(tmp_path: Path):
-    recs = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}, {"step": 1, "loss": 1.0}]
+    recs = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}, {"step": 1, "loss": 1.0},
+            {"kind": "other", "step": 3, "loss": 9.0}, {"step": True, "loss": 9.0},
+            {"step": 2**60, "loss": 9.0}, {"step": 4, "loss": "9", "lr": None}]  # fmt: skip
     series = rpt.read_metrics(_write(tmp_path / "m.jsonl", recs), "r")
-    assert series.train["loss"] == [(1, 1.0), (2, 2.0)]
+    assert series.train == {"loss": [(1, 1.0), (2, 2.0)]}
 
 
 @pytest.mark.parametrize(
