@@ -238,3 +238,17 @@ def test_import_hpc_report_does_not_import_matplotlib_or_rich():
     code = "import sys, hpc.report; print(any(m.split('.')[0] in ('matplotlib', 'rich', 'torch') for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_lines_as_the_trainer_writes_them(tmp_path: Path):
+    """Copied from a real `python -m ddp dpo` run: recipes name their eval loss eval_loss."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(
+        '{"kind": "train", "step": 2, "epoch": 0, "time": 1795564643.435, "loss": 0.6934957504272461, "margin": -0.0006731867324560881, "reward_acc": 0.40625, "samples_per_s": 169.50446629926424, "step_time_s": 0.09439279300022463, "lr": 0.0006, "memory_mb": 330.78125}\n'
+        '{"kind": "train", "step": 4, "epoch": 0, "time": 1795564643.493, "loss": 0.686271071434021, "margin": 0.014029956422746181, "reward_acc": 0.71875, "samples_per_s": 557.9907978846751, "step_time_s": 0.028674308000518067, "lr": 0.001, "memory_mb": 332.24609375}\n'
+        '{"kind": "eval", "step": 4, "epoch": 0, "time": 1795564655.779, "eval_loss": 0.6634882688522339, "eval_margin": 0.06705265864729881, "eval_reward_acc": 0.59375}\n'
+    )
+    (row,) = rpt.report([tmp_path]).runs
+    assert (row.steps, row.last_loss, row.last_lr) == (4, 0.686271071434021, 0.001)
+    assert row.best_eval_loss == 0.6634882688522339
+    assert row.wall_time_s == pytest.approx(12.344)
