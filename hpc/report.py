@@ -1,0 +1,384 @@
+"""``hpc report RUN_DIR...``: plot and summarize what runs wrote to ``metrics.jsonl``.
+
+The trainer writes one JSON line per log point (``"kind": "train"``: loss, lr,
+samples_per_s, ...) and per evaluation (``"kind": "eval"``), flushed at once, so a
+running job's file can be read; its last line may then be half written. This module
+reads those files as untrusted text (a crafted or binary file is one line naming it,
+never a traceback), draws loss, eval loss, learning rate and throughput against step
+into one PNG (several runs or sweep tasks overlaid, one colour each) and prints a
+summary table.
+
+matplotlib and rich are imported inside the functions that use them: ``import hpc``
+stays fast, and matplotlib is needed only by this command (the ``report`` extra).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpc.errors import UserError
+
+METRICS = "metrics.jsonl"
+PNG = "report.png"
+MAX_LINE = 1 << 20
+"""Longest line read (a real one is a few hundred bytes)."""
+MAX_LEGEND = 20
+"""More series than this are drawn without a legend (a 1000-task sweep's would cover
+the plot); the summary table still names every one."""
+_EVAL_LOSS_KEYS = ("loss", "eval_loss", "val_loss")
+
+
+@dataclass
+class Series:
+    """One run's (or sweep task's) metrics, sorted by step, one point per step."""
+
+    label: str
+    path: Path
+    train: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    """metric name -> [(step, value)] from the train lines (loss, lr, samples_per_s, ...)."""
+    eval_loss: list[tuple[int, float]] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    color: str = ""
+    """The colour its lines were drawn in (hex), set by :func:`report`."""
+
+    def values(self, name: str) -> list[float]:
+        return [v for _, v in self.train.get(name, [])]
+
+
+@dataclass
+class RunSummary:
+    """One row of the summary table; None where the metric was never logged.
+
+    ``wall_time_s`` is first to last logged time, so for a resumed run it includes the
+    time between its jobs (queue waits).
+    """
+
+    label: str
+    path: Path
+    steps: int | None
+    last_loss: float | None
+    best_eval_loss: float | None
+    last_lr: float | None
+    mean_samples_per_s: float | None
+    wall_time_s: float | None
+
+
+@dataclass
+class ReportResult:
+    """What :func:`report` drew: the PNG, and per series its data and summary."""
+
+    png: Path
+    series: list[Series]
+    runs: list[RunSummary]
+
+    @property
+    def labels(self) -> list[str]:
+        return [s.label for s in self.series]
+
+
+# ---- finding metrics files --------------------------------------------------------------
+
+
+def find_metrics(run_dir: Path, prefix: str = "") -> list[tuple[str, Path]]:
+    """``(label, metrics.jsonl)`` pairs of one run directory, in a stable order.
+
+    A sweep's tasks are found through its ``sweep.json`` and labelled with their
+    overrides (tasks that have not started yet have no file and are left out);
+    otherwise the run's own file, else files one or two folders down (task folders,
+    ``checkpoints/``), labelled with their folder. A path to a ``.jsonl`` file is
+    taken as it is.
+    """
+    if run_dir.is_file():
+        return [(prefix + run_dir.resolve().parent.name, run_dir)]
+    if not run_dir.is_dir():
+        raise UserError(f"report: {str(run_dir)!r} is not a run directory or metrics file")
+    from hpc import sweep
+
+    if (run_dir / sweep.MANIFEST).is_file():
+        found = []
+        for task in sweep.read_manifest(run_dir):
+            task_dir = sweep.task_dir(run_dir, task)
+            for path in (task_dir / METRICS, task_dir / "checkpoints" / METRICS):
+                if path.is_file():
+                    found.append((prefix + task.label, path))
+                    break
+        return found
+    if (run_dir / METRICS).is_file():
+        return [(prefix.rstrip() or run_dir.resolve().name, run_dir / METRICS)]
+    paths = sorted(run_dir.glob(f"*/{METRICS}")) or sorted(run_dir.glob(f"*/*/{METRICS}"))
+    return [(prefix + str(p.parent.relative_to(run_dir)), p) for p in paths if p.is_file()]
+
+
+# ---- reading one file -------------------------------------------------------------------
+
+
+def _number(value: Any) -> float | None:
+    """A JSON number as float (inf/NaN kept); anything else (bools, text) is None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # an integer past a float's range
+        return math.inf if value > 0 else -math.inf
+
+
+def read_metrics(path: Path, label: str) -> Series:
+    """Parse one ``metrics.jsonl``.
+
+    Tolerated, because a live or resumed run writes them: blank lines, a half-written
+    last line, records without some keys (skipped per key), NaN/inf values, a step
+    logged twice (the last wins). Refused with one line naming the file: text that is
+    not UTF-8 or holds NUL bytes, an unreadable line before the last, a line that is
+    not a JSON object, a line past :data:`MAX_LINE` bytes.
+    """
+    train: dict[str, dict[int, float]] = {}
+    evals: dict[int, float] = {}
+    times: list[float] = []
+    where = f"report: {str(path)!r}"
+    try:
+        fh = open(path, "rb")  # noqa: SIM115 - closed below
+    except OSError as exc:
+        raise UserError(f"{where}: cannot read: {exc.strerror}") from None
+    with fh:
+        lines = _lines(fh, where)
+        bad: tuple[int, str] | None = None  # a bad line is fatal only if another follows
+        for number, raw in lines:
+            if b"\0" in raw:
+                raise UserError(f"{where} line {number}: holds NUL bytes (a binary file?); "
+                                "allowed: a metrics.jsonl the trainer wrote")  # fmt: skip
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise UserError(f"{where} line {number}: not UTF-8 text (byte {exc.start}); "
+                                "allowed: a metrics.jsonl the trainer wrote") from None  # fmt: skip
+            if not text.strip():
+                continue
+            if bad is not None:
+                raise UserError(f"{where} line {bad[0]}: {bad[1]}; allowed: a metrics.jsonl "
+                                "the trainer wrote (one JSON object a line)")  # fmt: skip
+            try:
+                rec = json.loads(text)
+            except (ValueError, RecursionError):
+                bad = (number, "not JSON")
+                continue
+            if not isinstance(rec, dict):
+                raise UserError(f"{where} line {number}: a JSON {type(rec).__name__}, not an "
+                                "object; allowed: a metrics.jsonl the trainer wrote")  # fmt: skip
+            _add(rec, train, evals, times)
+    return Series(
+        label=label, path=path,
+        train={k: sorted(v.items()) for k, v in train.items()},
+        eval_loss=sorted(evals.items()), times=times,
+    )  # fmt: skip
+
+
+def _lines(fh: Any, where: str) -> Any:
+    number = 0
+    while True:
+        raw = fh.readline(MAX_LINE + 1)
+        if not raw:
+            return
+        number += 1
+        if len(raw) > MAX_LINE:
+            raise UserError(f"{where} line {number}: longer than {MAX_LINE} bytes; "
+                            "allowed: a metrics.jsonl the trainer wrote")  # fmt: skip
+        yield number, raw
+
+
+def _add(rec: dict[str, Any], train: dict[str, dict[int, float]], evals: dict[int, float],
+         times: list[float]) -> None:  # fmt: skip
+    step = rec.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**53:
+        return  # no usable step: nothing to place on the x axis
+    t = _number(rec.get("time"))
+    if t is not None and math.isfinite(t):
+        times.append(t)
+    kind = rec.get("kind", "train")
+    if kind not in ("train", "eval"):
+        return  # a kind this reader does not know: not plotted as training
+    if kind == "eval":
+        for key in _EVAL_LOSS_KEYS:
+            value = _number(rec.get(key))
+            if value is not None:
+                evals[step] = value
+                break
+        return
+    for key, raw in rec.items():
+        value = _number(raw)
+        if value is not None and key not in ("step", "epoch", "time"):
+            train.setdefault(key, {})[step] = value
+
+
+# ---- summaries --------------------------------------------------------------------------
+
+
+def _finite(values: list[float]) -> list[float]:
+    return [v for v in values if math.isfinite(v)]
+
+
+def summarize(series: Series) -> RunSummary:
+    """One table row: last values as logged (NaN shows as nan), best and mean over finite."""
+    losses, lrs = series.values("loss"), series.values("lr")
+    steps = [s for points in series.train.values() for s, _ in points]
+    steps += [s for s, _ in series.eval_loss]
+    evals = _finite([v for _, v in series.eval_loss])
+    speeds = _finite(series.values("samples_per_s"))
+    return RunSummary(
+        label=series.label, path=series.path,
+        steps=max(steps) if steps else None,
+        last_loss=losses[-1] if losses else None,
+        best_eval_loss=min(evals) if evals else None,
+        last_lr=lrs[-1] if lrs else None,
+        mean_samples_per_s=sum(speeds) / len(speeds) if speeds else None,
+        wall_time_s=max(series.times) - min(series.times) if len(series.times) > 1 else None,
+    )  # fmt: skip
+
+
+def summary_table(rows: list[RunSummary]) -> Any:
+    """The summary as a ``rich.table.Table``."""
+    from rich.table import Table
+
+    table = Table(title="runs")
+    for name in ("run", "steps", "last loss", "best eval loss", "last lr", "samples/s", "wall time"):
+        table.add_column(name, justify="left" if name == "run" else "right")
+    for r in rows:
+        table.add_row(
+            r.label, _fmt(r.steps, "d"), _fmt(r.last_loss, ".4g"), _fmt(r.best_eval_loss, ".4g"),
+            _fmt(r.last_lr, ".3g"), _fmt(r.mean_samples_per_s, ".1f"), _duration(r.wall_time_s),
+        )  # fmt: skip
+    return table
+
+
+def _fmt(value: float | int | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+# ---- the figure -------------------------------------------------------------------------
+
+
+def _colors(n: int) -> list[str]:
+    from matplotlib import colormaps, colors
+
+    if n <= 10:
+        return [colors.to_hex(f"C{i}") for i in range(n)]
+    cmap = colormaps["viridis"]
+    return [colors.to_hex(cmap(i / max(1, n - 1))) for i in range(n)]
+
+
+def _xy(points: list[tuple[int, float]]) -> tuple[list[int], list[float]]:
+    """Steps and values with inf as NaN: a gap in the line, not a blown-up axis."""
+    return [s for s, _ in points], [v if math.isfinite(v) else math.nan for _, v in points]
+
+
+def plot(series: list[Series], png: Path) -> None:
+    """Draw the panels into ``png`` (written whole: temp file, then ``os.replace``)."""
+    try:
+        from matplotlib.figure import Figure  # no pyplot: no display, no global state (Agg)
+    except ImportError:
+        raise UserError("report: needs matplotlib; allowed: pip install 'hpc-ddp[report]' "
+                        "(or pip install matplotlib)") from None  # fmt: skip
+
+    fig = Figure(figsize=(9, 10), dpi=100, layout="constrained")
+    loss_ax, lr_ax, speed_ax = fig.subplots(3, 1, sharex=True)
+    for s, color in zip(series, _colors(len(series)), strict=True):
+        s.color = color
+        if s.train.get("loss"):
+            loss_ax.plot(*_xy(s.train["loss"]), color=color, lw=1.5, label=s.label)
+        if s.eval_loss:
+            loss_ax.plot(*_xy(s.eval_loss), color=color, lw=1.5, ls="--", marker="o", ms=3,
+                         label=f"{s.label} (eval)")  # fmt: skip
+        if s.train.get("lr"):
+            lr_ax.plot(*_xy(s.train["lr"]), color=color, lw=1.5, label=s.label)
+        if s.train.get("samples_per_s"):
+            speed_ax.plot(*_xy(s.train["samples_per_s"]), color=color, lw=1.5, label=s.label)
+    for ax, title in ((loss_ax, "loss (solid: train, dashed: eval)"),
+                      (lr_ax, "learning rate"), (speed_ax, "samples/s")):  # fmt: skip
+        ax.set_title(title, loc="left", fontsize=10)
+        ax.grid(True, alpha=0.3)
+    speed_ax.set_xlabel("step")
+    if len(series) <= MAX_LEGEND and loss_ax.get_legend_handles_labels()[0]:
+        loss_ax.legend(fontsize=8, loc="best")
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(prefix=f".{png.name}.", suffix=".tmp", dir=png.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fig.savefig(fh, format="png")
+        os.replace(tmp, png)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+# ---- the command ------------------------------------------------------------------------
+
+
+def report(run_dirs: list[Path], out: Path | None = None, console: Any = None) -> ReportResult:
+    """Read every run's metrics, draw ``report.png`` and return what was drawn.
+
+    ``out``: the PNG (a folder gets ``report.png`` in it); default ``report.png`` in the
+    first run directory. ``console``: a ``rich.console.Console`` to print the summary
+    table to (None: no table). Problems for the user are one-line ``UserError``s.
+    """
+    if not run_dirs:
+        raise UserError("report: no run directory; allowed: one or more run directories")
+    found: list[tuple[str, Path]] = []
+    for run_dir in run_dirs:
+        prefix = f"{Path(run_dir).resolve().name} " if len(run_dirs) > 1 and run_dir.is_dir() else ""
+        found += find_metrics(Path(run_dir), prefix)
+    if not found:
+        names = ", ".join(repr(str(d)) for d in run_dirs)
+        raise UserError(f"report: no {METRICS} in {names} (nor in its task or checkpoint "
+                        "folders); allowed: a run that has logged at least once")  # fmt: skip
+    series = [read_metrics(path, label) for label, path in _unique(found)]
+    if not any(s.train or s.eval_loss for s in series):
+        raise UserError(f"report: no metrics logged yet in {', '.join(str(s.path) for s in series)}")
+    png = _png_path(Path(run_dirs[0]), out)
+    try:
+        plot(series, png)
+    except OSError as exc:
+        raise UserError(f"report: cannot write {str(png)!r}: {exc.strerror}") from None
+    rows = [summarize(s) for s in series]
+    if console is not None:
+        console.print(summary_table(rows))
+        console.print(f"plot: {png}")
+    return ReportResult(png=png, series=series, runs=rows)
+
+
+def _unique(found: list[tuple[str, Path]]) -> list[tuple[str, Path]]:
+    """Labels made unique (two runs of one name in different folders), same file once."""
+    seen_paths: set[Path] = set()
+    counts: dict[str, int] = {}
+    result = []
+    for label, path in found:
+        if path.resolve() in seen_paths:
+            continue
+        seen_paths.add(path.resolve())
+        counts[label] = counts.get(label, 0) + 1
+        result.append((label if counts[label] == 1 else f"{label} ({counts[label]})", path))
+    return result
+
+
+def _png_path(first: Path, out: Path | None) -> Path:
+    if out is None:
+        return (first.parent if first.is_file() else first) / PNG
+    if out.is_dir():
+        return out / PNG
+    if not out.parent.is_dir():
+        raise UserError(f"report: folder {str(out.parent)!r} does not exist; "
+                        "allowed: a PNG path in an existing folder")  # fmt: skip
+    return out

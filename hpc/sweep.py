@@ -1,0 +1,331 @@
+"""Sweeps: ``--sweep KEY=V1,V2 [--sweep KEY2=...]`` as one job array.
+
+The submit side parses the flags, expands them to the cartesian product and writes
+``sweep.json`` into the run directory; each array task reads it back at runtime by its
+array index and runs the trainer with ``--set KEY=VALUE`` for its overrides, in its own
+task directory. Values stay strings: the trainer's ``--set`` parses and checks them,
+so a sweep value means exactly what the same ``--set`` on the command line would.
+
+The manifest is read inside a job from a shared file system, so it is treated as
+untrusted input: every field is checked and every problem is one line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from hpc.errors import UserError
+
+MANIFEST = "sweep.json"
+VERSION = 1
+MAX_TASKS = 1000
+"""Most tasks one sweep may expand to: past this a typo (an extra value list) is likelier
+than intent, and schedulers cap array sizes near here (SLURM's MaxArraySize default 1001)."""
+MAX_DIRNAME = 64
+MAX_VALUE = 256
+MAX_MANIFEST_BYTES = 4 * 1024 * 1024
+ARRAY_INDEX_VARS = ("SLURM_ARRAY_TASK_ID", "PBS_ARRAY_INDEX")
+"""Where a task finds its array index: SLURM, then PBS Pro/OpenPBS (both 0-based here:
+the array is submitted as ``0-(N-1)``)."""
+
+# A trainer config key: dotted names, as ``--set optim.lr=...`` takes them.
+_KEY = r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*\Z"
+_KEY_HELP = "a dotted config key such as optim.lr"
+
+
+class SweepTask(NamedTuple):
+    """One point of the sweep; ``index`` is its array index (0-based)."""
+
+    index: int
+    overrides: dict[str, str]
+    label: str
+    """``KEY=VALUE KEY2=VALUE2``: names the task in logs and report legends."""
+    dirname: str
+    """The task's directory under the run directory (safe on any file system)."""
+
+
+def parse(items: Iterable[str]) -> list[tuple[str, list[str]]]:
+    """``["optim.lr=0.1,0.01", ...]`` -> ``[("optim.lr", ["0.1", "0.01"]), ...]``, in order.
+
+    Refuses what would silently make a different sweep than meant: an empty key or
+    value list, an empty item (``0.1,,0.2``: a stray comma), a key or value given twice,
+    and more than :data:`MAX_TASKS` tasks in all (checked before anything is expanded).
+    """
+    parsed: list[tuple[str, list[str]]] = []
+    seen: set[str] = set()
+    for item in items:
+        key, sep, rest = str(item).partition("=")
+        key = key.strip()
+        if not sep:
+            raise UserError(f"--sweep {item!r}: no '='; allowed: KEY=V1,V2,... e.g. optim.lr=0.1,0.01")
+        if not key:
+            raise UserError(f"--sweep {item!r}: empty key; allowed: {_KEY_HELP}")
+        if not re.match(_KEY, key):
+            raise UserError(f"--sweep {item!r}: key {key!r} is not a config key; allowed: {_KEY_HELP}")
+        if key in seen:
+            raise UserError(f"--sweep {item!r}: key {key!r} given twice; allowed: each key once "
+                            "(list all its values in one --sweep)")  # fmt: skip
+        seen.add(key)
+        if not rest.strip():
+            raise UserError(f"--sweep {item!r}: no values; allowed: KEY=V1,V2,...")
+        values = [v.strip() for v in rest.split(",")]
+        for pos, value in enumerate(values, 1):
+            _check_value(value, f"--sweep {item!r}: value {pos}")
+        dup = next((v for i, v in enumerate(values) if v in values[:i]), None)
+        if dup is not None:
+            raise UserError(f"--sweep {item!r}: value {dup!r} given twice; allowed: distinct values")
+        parsed.append((key, values))
+    if not parsed:
+        raise UserError("--sweep: nothing to sweep; allowed: --sweep KEY=V1,V2,... (repeatable)")
+    total = math.prod(len(vs) for _, vs in parsed)
+    if total > MAX_TASKS:
+        sizes = " x ".join(str(len(vs)) for _, vs in parsed)
+        raise UserError(f"--sweep: {sizes} = {total} tasks; allowed: at most {MAX_TASKS}")
+    return parsed
+
+
+def _check_value(value: str, where: str) -> None:
+    if not value:
+        raise UserError(f"{where} is empty (a stray comma?); allowed: non-empty values")
+    if len(value) > MAX_VALUE:
+        raise UserError(f"{where} has {len(value)} characters; allowed: at most {MAX_VALUE}")
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise UserError(f"{where} {value!r} holds a control character; allowed: printable text")
+
+
+def expand(parsed: list[tuple[str, list[str]]]) -> list[SweepTask]:
+    """The cartesian product, the last key varying fastest (as nested loops would)."""
+    import itertools
+
+    keys = [k for k, _ in parsed]
+    tasks = []
+    for index, combo in enumerate(itertools.product(*(vs for _, vs in parsed))):
+        overrides = dict(zip(keys, combo, strict=True))
+        tasks.append(SweepTask(index, overrides, label(overrides), dirname(index, overrides)))
+    return tasks
+
+
+def tasks_from_flags(items: Iterable[str]) -> list[SweepTask]:
+    """``parse`` then ``expand``: what ``hpc submit --sweep ...`` needs."""
+    return expand(parse(items))
+
+
+def label(overrides: Mapping[str, str]) -> str:
+    """``optim.lr=0.1 training.batch_size=32``."""
+    return " ".join(f"{k}={v}" for k, v in overrides.items())
+
+
+def dirname(index: int, overrides: Mapping[str, str]) -> str:
+    """``003-lr-0.1_batch_size-32``: the index keeps names unique and sorted, the rest
+    is a readable hint cut to :data:`MAX_DIRNAME` characters.
+
+    Only ``[A-Za-z0-9._-]`` survive, so no path separator, no leading dot (the index
+    comes first) and nothing a shell or a scheduler's ``%`` patterns would read.
+    """
+    hint = "_".join(f"{k.rsplit('.', 1)[-1]}-{v}" for k, v in overrides.items())
+    hint = re.sub(r"[^A-Za-z0-9._-]+", "_", hint).strip("._-")
+    name = f"{index:03d}-{hint}" if hint else f"{index:03d}"
+    return name[:MAX_DIRNAME].rstrip("._-")
+
+
+def _safe_dirname(name: str) -> bool:
+    return (
+        0 < len(name) <= MAX_DIRNAME
+        and re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]*", name) is not None
+    )
+
+
+def check_max_parallel(value: Any, n_tasks: int) -> int:
+    """How many tasks may run at once (SLURM ``--array=0-N%M``): 1 .. number of tasks."""
+    text = str(value).strip()
+    if isinstance(value, bool) or not re.fullmatch(r"\d{1,6}", text):
+        raise UserError(f"--max-parallel: {str(value)!r} is not a number; "
+                        f"allowed: 1 to {n_tasks} (the number of tasks)")  # fmt: skip
+    number = int(text)
+    if not 1 <= number <= n_tasks:
+        raise UserError(f"--max-parallel: {number}; allowed: 1 to {n_tasks} (the number of tasks)")
+    return number
+
+
+def write_manifest(run_dir: Path, tasks: list[SweepTask], max_parallel: int | None = None) -> Path:
+    """Write ``run_dir/sweep.json`` all or nothing (mkstemp + ``os.replace``): a task
+    starting while a resubmission rewrites it reads the old or the new one, never half."""
+    from hpc._util import write_atomic
+
+    data: dict[str, Any] = {
+        "version": VERSION,
+        "max_parallel": max_parallel,
+        "tasks": [t._asdict() for t in tasks],
+    }
+    _check_manifest(data, run_dir / MANIFEST)  # what we write must read back
+    path = run_dir / MANIFEST
+    write_atomic(path, json.dumps(data, indent=2) + "\n", "sweep")
+    return path
+
+
+def read_manifest(run_dir: Path) -> list[SweepTask]:
+    """The tasks of ``run_dir/sweep.json``, each field checked; any problem is one line."""
+    path = run_dir / MANIFEST
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_MANIFEST_BYTES + 1)
+    except FileNotFoundError:
+        raise UserError(f"sweep: {str(path)!r} does not exist; allowed: a run directory "
+                        "made by hpc submit --sweep") from None  # fmt: skip
+    except OSError as exc:
+        raise UserError(f"sweep: cannot read {str(path)!r}: {exc.strerror}") from None
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise UserError(f"sweep: {str(path)!r} is over {MAX_MANIFEST_BYTES} bytes; "
+                        "allowed: a manifest written by hpc submit --sweep")  # fmt: skip
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"sweep: {str(path)!r} is not JSON ({reason})") from None
+    return _check_manifest(data, path)
+
+
+def _check_manifest(data: Any, path: Path) -> list[SweepTask]:
+    where = f"sweep: {str(path)!r}"
+    if not isinstance(data, dict):
+        raise UserError(f"{where} holds a {type(data).__name__}; allowed: a JSON object")
+    if data.get("version") != VERSION:
+        raise UserError(f"{where}: version {data.get('version')!r}; allowed: {VERSION}")
+    raw_tasks = data.get("tasks")
+    if not isinstance(raw_tasks, list) or not 1 <= len(raw_tasks) <= MAX_TASKS:
+        raise UserError(f"{where}: 'tasks' must be a list of 1 to {MAX_TASKS} tasks")
+    max_parallel = data.get("max_parallel")
+    if max_parallel is not None and (
+        type(max_parallel) is not int or not 1 <= max_parallel <= len(raw_tasks)
+    ):
+        raise UserError(f"{where}: max_parallel {max_parallel!r}; allowed: null or 1 "
+                        f"to {len(raw_tasks)}")  # fmt: skip
+    tasks: list[SweepTask] = []
+    names: set[str] = set()
+    fields = set(SweepTask._fields)
+    for pos, raw in enumerate(raw_tasks):
+        at = f"{where}: task {pos}"
+        if not isinstance(raw, dict) or set(raw) != fields:
+            raise UserError(f"{at} is not an object with exactly {', '.join(SweepTask._fields)}")
+        if type(raw["index"]) is not int or raw["index"] != pos:
+            raise UserError(f"{at}: index {raw['index']!r}; allowed: {pos} (its position)")
+        overrides = raw["overrides"]
+        if not isinstance(overrides, dict) or not overrides:
+            raise UserError(f"{at}: overrides must be a non-empty object of KEY: VALUE strings")
+        for key, value in overrides.items():
+            if not re.match(_KEY, key):
+                raise UserError(f"{at}: key {key!r}; allowed: {_KEY_HELP}")
+            if not isinstance(value, str):
+                raise UserError(f"{at}: {key} is a {type(value).__name__}; allowed: a string")
+            _check_value(value, f"{at}: {key}")
+        if not isinstance(raw["label"], str) or len(raw["label"]) > 4096:
+            raise UserError(f"{at}: label must be a string")
+        name = raw["dirname"]
+        if not isinstance(name, str) or not _safe_dirname(name):
+            raise UserError(f"{at}: dirname {name!r}; allowed: 1 to {MAX_DIRNAME} of "
+                            "[A-Za-z0-9._-], not starting with a dot")  # fmt: skip
+        if name in names:
+            raise UserError(f"{at}: dirname {name!r} is used twice; allowed: one per task")
+        names.add(name)
+        tasks.append(SweepTask(pos, dict(overrides), raw["label"], name))
+    return tasks
+
+
+def array_index(index: int | str | None = None, environ: Mapping[str, str] | None = None) -> int:
+    """The task's array index: ``index`` if given, else the scheduler's variable."""
+    env = os.environ if environ is None else environ
+    where = "--index"
+    if index is None:
+        for var in ARRAY_INDEX_VARS:
+            if env.get(var, "").strip():
+                index, where = env[var], f"${var}"
+                break
+        else:
+            raise UserError("sweep: no array index; allowed: --index N, or run as an array task "
+                            f"({' or '.join('$' + v for v in ARRAY_INDEX_VARS)} set)")  # fmt: skip
+    text = str(index).strip()
+    if isinstance(index, bool) or not re.fullmatch(r"\d{1,6}", text):
+        raise UserError(f"sweep: {where} {str(index)!r} is not an array index; "
+                        "allowed: a whole number >= 0")  # fmt: skip
+    return int(text)
+
+
+def task_for(
+    run_dir: Path, index: int | str | None = None, environ: Mapping[str, str] | None = None
+) -> SweepTask:
+    """This array task's entry of ``run_dir/sweep.json`` (see :func:`array_index`)."""
+    tasks = read_manifest(run_dir)
+    i = array_index(index, environ)
+    if i >= len(tasks):
+        raise UserError(f"sweep: array index {i} is past the {len(tasks)} tasks of "
+                        f"{str(run_dir / MANIFEST)!r}; allowed: 0 to {len(tasks) - 1}")  # fmt: skip
+    return tasks[i]
+
+
+def set_args(task: SweepTask) -> list[str]:
+    """The trainer arguments for ``task``: ``["--set", "K=V", "K2=V2"]`` (argv, no shell)."""
+    return ["--set", *(f"{k}={v}" for k, v in task.overrides.items())]
+
+
+def task_dir(run_dir: Path, task: SweepTask) -> Path:
+    """Where the task keeps its metrics, checkpoints and log: its ``HPC_RUN_DIR``."""
+    return run_dir / task.dirname
+
+
+def shell(run_dir: Path, task: SweepTask) -> str:
+    """Bash that a job array's task ``eval``s to become its task (every value quoted).
+
+    Sets ``HPC_RUN_DIR`` to the task's directory (made here: the trainer's metrics and
+    checkpoints go there, so tasks never share them) and ``HPC_SWEEP_ARGS``, the array
+    to append to the trainer's command line: ``python -m ddp ... "${HPC_SWEEP_ARGS[@]}"``.
+    """
+    import shlex
+
+    path = task_dir(run_dir, task)
+    try:
+        path.mkdir(exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"sweep: cannot create {str(path)!r}: {exc.strerror}") from None
+    return (
+        f"export HPC_RUN_DIR={shlex.quote(str(path))}\n"
+        f"export HPC_SWEEP_INDEX={task.index}\n"
+        f"export HPC_SWEEP_LABEL={shlex.quote(task.label)}\n"
+        f"HPC_SWEEP_ARGS=({' '.join(shlex.quote(a) for a in set_args(task))})\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hpc.sweep shell RUN_DIR [--index N]``: what an array task evals::
+
+        task=$(python -m hpc.sweep shell "$HPC_RUN_DIR") || exit 2
+        eval "$task"
+
+    in two steps: ``eval "$(...)" || exit 2`` would not stop, since ``eval ""`` succeeds.
+
+    Run inside the job, so it imports nothing heavy; errors are one line on stderr, exit 2.
+    """
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m hpc.sweep")
+    parser.add_argument("action", choices=["shell"])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--index", default=None, help="array index (default: the scheduler's)")
+    args = parser.parse_args(argv)
+    try:
+        task = task_for(args.run_dir, args.index)
+        sys.stdout.write(shell(args.run_dir, task))
+    except UserError as exc:
+        sys.stderr.write(f"hpc sweep: error: {exc}\n")
+        return exc.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,242 @@
+"""hpc logs: which file is a job's log, and following it while the job writes."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from hpc import logs, runs
+from hpc.errors import UserError
+
+
+def _record(run_dir: Path, scheduler: str, *job_ids: str, name: str = "train") -> None:
+    """A run record whose submissions have ``job_ids``, oldest first."""
+    subs = [{"name": name, "scheduler": scheduler, "job_id": j, "script": f"job-{i}"}
+            for i, j in enumerate(job_ids)]  # fmt: skip
+    record = dict(subs[-1])
+    if subs[:-1]:
+        record["submissions"] = subs[:-1]
+    runs.write_record(run_dir, record)
+
+
+def _touch(path: Path, text: str = "x\n", mtime: float | None = None) -> Path:
+    path.write_text(text)
+    if mtime is not None:
+        os.utime(path, (mtime, mtime))
+    return path
+
+
+def _error(fn, *args) -> str:
+    with pytest.raises(UserError) as info:
+        fn(*args)
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def test_slurm_resubmissions_latest_or_asked(tmp_path: Path):
+    _record(tmp_path, "slurm", "100", "101")
+    old = _touch(tmp_path / "train-100.out", mtime=2_000_000)
+    new = _touch(tmp_path / "train-101.out", mtime=1_000_000)  # latest job, older mtime
+    (tmp_path / "metrics.jsonl").write_text("{}\n")  # not a log
+    assert logs.find_log(tmp_path) == new  # the record's latest job, not the newest file
+    assert logs.find_log(tmp_path, "100") == old
+    assert "its jobs: 100, 101" in _error(logs.find_log, tmp_path, "7")
+    assert "not a job id" in _error(logs.find_log, tmp_path, "abc")
+    assert "empty job id" in _error(logs.find_log, tmp_path, " ")
+
+
+def test_slurm_pending_job_gives_the_path_it_will_write(tmp_path: Path):
+    _record(tmp_path, "slurm", "100", "101", name="my-job")
+    _touch(tmp_path / "my-job-100.out")
+    assert logs.find_log(tmp_path) == tmp_path / "my-job-101.out"
+
+
+def test_slurm_array_tasks(tmp_path: Path):
+    _record(tmp_path, "slurm", "500")
+    (tmp_path / "sweep.json").write_text("{}")
+    for task, mtime in ((0, 10), (1, 30), (2, 20)):
+        _touch(tmp_path / f"train-500_{task}.out", mtime=1_000_000 + mtime)
+    assert logs.find_log(tmp_path) == tmp_path / "train-500_1.out"  # latest written
+    assert logs.find_log(tmp_path, "500_2") == tmp_path / "train-500_2.out"
+    assert logs.find_log(tmp_path, "500_7") == tmp_path / "train-500_7.out"  # not started
+
+
+def test_slurm_array_not_started_waits_for_task_0(tmp_path: Path):
+    _record(tmp_path, "slurm", "500")
+    (tmp_path / "sweep.json").write_text("{}")
+    assert logs.find_log(tmp_path) == tmp_path / "train-500_0.out"
+
+
+def test_pbs_logs(tmp_path: Path):
+    _record(tmp_path, "pbs", "123.pbs01", "124[].pbs01")
+    first = _touch(tmp_path / "123.pbs01.OU")
+    assert logs.find_log(tmp_path, "123.pbs01") == first
+    assert logs.find_log(tmp_path, "123") == first
+    assert logs.find_log(tmp_path) == tmp_path / "124[0].pbs01.OU"  # the array, pending
+    task = _touch(tmp_path / "124[3].pbs01.OU")
+    assert logs.find_log(tmp_path) == task
+    assert logs.find_log(tmp_path, "124[3].pbs01") == task
+    assert logs.find_log(tmp_path, "124[5]") == tmp_path / "124[5].pbs01.OU"
+
+
+def test_local_logs_follow_submission_order(tmp_path: Path):
+    _record(tmp_path, "local", "local-11-1", "local-12-2")
+    one = _touch(tmp_path / "output.log")
+    two = _touch(tmp_path / "output-2.log")
+    assert logs.find_log(tmp_path) == two
+    assert logs.find_log(tmp_path, "local-11-1") == one
+    assert "not a job of" in _error(logs.find_log, tmp_path, "local-99-9")
+
+
+def test_folder_without_record(tmp_path: Path):
+    assert "no log file" in _error(logs.find_log, tmp_path)
+    _touch(tmp_path / "a-1.out", mtime=1_000_000)
+    newest = _touch(tmp_path / "a-2.out", mtime=1_000_100)
+    assert logs.find_log(tmp_path) == newest
+    assert "not a directory" in _error(logs.find_log, tmp_path / "nope")
+
+
+def test_locate(tmp_path: Path):
+    run = tmp_path / "train-20260101-000000"
+    run.mkdir()
+    _record(run, "slurm", "500")
+    assert logs.locate(str(run), tmp_path) == (run, None)
+    assert logs.locate(run.name, tmp_path) == (run, None)
+    assert logs.locate("500", tmp_path) == (run, "500")
+    assert logs.locate("500_3", tmp_path) == (run, "500_3")
+    assert "neither a run directory" in _error(logs.locate, "999", tmp_path)
+
+
+def test_locate_pbs_array_task(tmp_path: Path):
+    run = tmp_path / "r"
+    run.mkdir()
+    _record(run, "pbs", "124[].pbs01")
+    assert logs.locate("124[2].pbs01", tmp_path) == (run, "124[2].pbs01")
+
+
+# ---- follow -----------------------------------------------------------------------------
+
+WRITER = textwrap.dedent(
+    """
+    import sys, time
+    path, n = sys.argv[1], int(sys.argv[2])
+    time.sleep(0.3)  # the follower starts before the file exists
+    with open(path, "w") as fh:
+        for i in range(n):
+            fh.write(f"line {i} " + "x" * (i % 50) + "\\n")
+            fh.flush()
+            if i % 20 == 0:
+                time.sleep(0.02)
+        fh.write("last line, no newline")
+    """
+)
+
+
+@pytest.mark.timeout(60)
+def test_follow_a_real_process_until_it_ends(tmp_path: Path):
+    log = tmp_path / "job.out"
+    n = 400
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(log), str(n)])
+    out = io.StringIO()
+    try:
+        logs.follow(log, lambda: proc.poll() is None, out, poll_s=0.01)
+    finally:
+        proc.kill()
+        proc.wait()
+    expected = "".join(f"line {i} " + "x" * (i % 50) + "\n" for i in range(n))
+    assert out.getvalue() == expected + "last line, no newline"
+    assert proc.returncode == 0
+
+
+def _steps(*actions):
+    """An ``is_running`` that performs one action per poll, then says the job ended."""
+    pending = list(actions)
+
+    def is_running() -> bool:
+        if pending:
+            pending.pop(0)()
+            return True
+        return False
+
+    return is_running
+
+
+def _append(path: Path, data: bytes):
+    def act() -> None:
+        with open(path, "ab") as fh:
+            fh.write(data)
+
+    return act
+
+
+def test_follow_truncation_starts_over(tmp_path: Path):
+    log = tmp_path / "job.out"
+    out = io.StringIO()
+    logs.follow(log, _steps(
+        _append(log, b"one\ntwo\n"),
+        lambda: log.write_bytes(b""),  # copytruncate
+        _append(log, b"3\n"),
+    ), out, poll_s=0)  # fmt: skip
+    assert out.getvalue() == "one\ntwo\n3\n"
+
+
+def test_follow_rotation_prints_the_rest_of_the_old_file(tmp_path: Path):
+    log = tmp_path / "job.out"
+    out = io.StringIO()
+
+    def rotate() -> None:
+        _append(log, b"old tail\n")()  # written, not yet read, then moved away
+        log.rename(tmp_path / "job.out.1")
+        log.write_bytes(b"new 1\n")
+
+    logs.follow(log, _steps(_append(log, b"old 1\n"), rotate, _append(log, b"new 2\n")),
+                out, poll_s=0)  # fmt: skip
+    assert out.getvalue() == "old 1\nold tail\nnew 1\nnew 2\n"
+
+
+def test_follow_split_utf8_and_bad_bytes(tmp_path: Path):
+    log = tmp_path / "job.out"
+    out = io.StringIO()
+    logs.follow(log, _steps(_append(log, b"caf\xc3"), _append(log, b"\xa9 \xff\n")), out, poll_s=0)
+    assert out.getvalue() == "café \ufffd\n"
+
+
+def test_follow_job_ended_without_a_log(tmp_path: Path):
+    out = io.StringIO()
+    start = time.monotonic()
+    logs.follow(tmp_path / "never.out", _steps(lambda: None), out, poll_s=0.01)
+    assert out.getvalue() == "" and time.monotonic() - start < 5
+
+
+def test_follow_settles_for_lines_written_after_the_job_ended(tmp_path: Path):
+    import threading
+
+    log = tmp_path / "job.out"
+    log.write_text("job output\n")
+    late = threading.Timer(0.2, _append(log, b"slurmstepd: *** JOB 5 CANCELLED ***\n"))
+    late.start()
+    out = io.StringIO()
+    try:
+        logs.follow(log, lambda: False, out, poll_s=0.05, settle_s=1.0)
+    finally:
+        late.cancel()
+    assert out.getvalue() == "job output\nslurmstepd: *** JOB 5 CANCELLED ***\n"
+    out = io.StringIO()
+    start = time.monotonic()
+    logs.follow(log, lambda: False, out, poll_s=0.05)  # no settle: returns at once
+    assert time.monotonic() - start < 0.5 and out.getvalue().endswith("CANCELLED ***\n")
+
+
+def test_print_log(tmp_path: Path):
+    log = _touch(tmp_path / "a.out", "done\n")
+    out = io.StringIO()
+    logs.print_log(log, out)
+    assert out.getvalue() == "done\n"
+    assert "does not exist yet" in _error(logs.print_log, tmp_path / "b.out", out)
