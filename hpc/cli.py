@@ -53,7 +53,8 @@ def _job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", help="write the script here instead of printing it")
 
 
-COMMANDS = ("render", "submit", "run", "status", "cancel", "clusters", "doctor", "scale")
+COMMANDS = ("render", "submit", "run", "status", "cancel", "logs", "report", "clusters", "doctor",
+            "scale")
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -80,6 +81,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             p.add_argument("--resume", metavar="RUN_DIR",
                            help="submit again into an existing run directory (the job "
                                 "resumes from its checkpoints there; nothing is overwritten)")
+            p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
+                           help="one job array over every combination: each task runs with "
+                                "--set KEY=V in its own folder (repeat for more keys)")
+            p.add_argument("--max-parallel", type=int, metavar="N",
+                           help="with --sweep: at most N tasks at once (SLURM %%N, PBS -J ...%%N)")
             p.set_defaults(func=cmd_submit, local=name == "run")
     for name, fn in (("status", "cmd_status"), ("cancel", "cmd_cancel")):
         if want(name):
@@ -88,6 +94,19 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             p.add_argument("--cluster", help="cluster profile, to say which scheduler")
             p.add_argument("--runs-dir", default="runs")
             p.set_defaults(func=globals()[fn])
+    if want("logs"):
+        p = sub.add_parser("logs", parents=[common], help="print a job's log; -f follows it")
+        p.add_argument("id", help="run directory, its name under --runs-dir, or a job id")
+        p.add_argument("-f", "--follow", action="store_true",
+                       help="keep printing while the job runs; exit with its state's code")
+        p.add_argument("--runs-dir", default="runs")
+        p.set_defaults(func=cmd_logs)
+    if want("report"):
+        p = sub.add_parser("report", parents=[common],
+                           help="plots (PNG) and a summary table of runs' metrics.jsonl")
+        p.add_argument("run_dirs", nargs="+", help="run directories (a sweep's tasks overlay)")
+        p.add_argument("-o", "--output", help="PNG path or folder (default: the first run's)")
+        p.set_defaults(func=cmd_report)
     if want("clusters"):
         p = sub.add_parser("clusters", parents=[common], help="list cluster profiles")
         p.set_defaults(func=cmd_clusters)
@@ -209,8 +228,14 @@ def _render_all(args: argparse.Namespace, command: list[str] | None) -> int:
 def cmd_submit(args: argparse.Namespace, command: list[str] | None) -> int:
     """Render, write a run directory, submit; or with --dry-run print what would be submitted."""
     job = core.build_job(args.spec, _overrides(args, command), run_here=args.local)
+    tasks = None
+    if args.sweep:
+        from hpc.sweep import tasks_from_flags
+
+        tasks = tasks_from_flags(args.sweep)
     plan = core.plan_submit(job, Path(args.runs_dir), resume=args.resume,
-                            regenerate=_regen_command(args, command), templates=args.templates)
+                            regenerate=_regen_command(args, command), templates=args.templates,
+                            sweep=tasks, max_parallel=args.max_parallel)
     if args.dry_run:
         argv = plan.job.scheduler.submit_command(args.output) if args.output else plan.argv
         sys.stdout.write(plan.text)
@@ -225,9 +250,46 @@ def cmd_submit(args: argparse.Namespace, command: list[str] | None) -> int:
 
 
 def cmd_status(args: argparse.Namespace, command: list[str] | None) -> int:
-    """Print ``JOBID STATE`` with the state normalized."""
+    """Print ``JOBID STATE`` with the state normalized; a sweep adds a line per task."""
     job_id, state = core.status(args.id, Path(args.runs_dir), args.cluster)
     sys.stdout.write(f"{job_id} {state}\n")
+    for task_id, label, task_state in core.task_states(args.id, Path(args.runs_dir)):
+        sys.stdout.write(f"{task_id} {task_state} {label}\n")
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace, command: list[str] | None) -> int:
+    """Print the job's log; with -f follow it until the job ends (exit 0 if it completed)."""
+    from hpc import logs
+
+    runs_dir = Path(args.runs_dir)
+    run_dir, job = logs.locate(args.id, runs_dir)
+    path = logs.find_log(run_dir, job)
+    if not args.follow:
+        logs.print_log(path, sys.stdout)
+        return 0
+    ident = job or str(run_dir)
+    states: list[Any] = []
+
+    def running() -> bool:
+        states.append(core.status(ident, runs_dir)[1])
+        return not states[-1].ended and states[-1] != "UNKNOWN"
+
+    logs.follow(path, running, sys.stdout, settle_s=2.0)
+    final = states[-1] if states else None
+    sys.stderr.write(f"hpc: job ended: {final}\n")
+    code = core.exit_code(ident, runs_dir)  # known for a job that ran here
+    if code is not None:
+        return code
+    return 0 if final in (None, "COMPLETED") else 1
+
+
+def cmd_report(args: argparse.Namespace, command: list[str] | None) -> int:
+    """Plot the runs' metrics into a PNG and print a summary table."""
+    from hpc.report import report
+
+    report([Path(d) for d in args.run_dirs], Path(args.output) if args.output else None,
+           console=_console())
     return 0
 
 

@@ -25,6 +25,7 @@ from hpc.job import Job, resolve
 
 if TYPE_CHECKING:
     from hpc.schedulers import JobState, Scheduler, Submission
+    from hpc.sweep import SweepTask
 
 
 def build_job(
@@ -100,6 +101,8 @@ class Plan:
     regenerate: str | None
     templates: str | None
     now: float
+    #: A sweep's tasks (the job is an array of them); written as ``sweep.json`` on submit.
+    sweep: tuple[SweepTask, ...] = ()
 
     @property
     def scheduler(self) -> Scheduler:
@@ -119,7 +122,8 @@ class Submitted:
 def plan_submit(
     job: Job, runs_dir: Path, resume: str | None = None, regenerate: str | None = None,
     templates: str | None = None, environ: Mapping[str, str] | None = None,
-    now: float | None = None,
+    now: float | None = None, sweep: list[SweepTask] | None = None,
+    max_parallel: int | None = None,
 ) -> Plan:
     """Decide the run directory and render the script that :func:`submit` will write.
 
@@ -128,6 +132,10 @@ def plan_submit(
     scheduler writes it, and learns where that is from ``HPC_RUN_DIR`` (the trainer's
     default checkpoint folder is ``$HPC_RUN_DIR/checkpoints``, so a requeued or
     resumed job continues there).
+
+    A ``sweep`` makes the job an array of its tasks, each with its own ``--set``
+    overrides and folder (``hpc.sweep``); ``--resume`` of a sweep's run directory
+    submits the same array again, from its ``sweep.json``.
     """
     from hpc import runs
     from hpc.spec import submitting_python
@@ -143,6 +151,11 @@ def plan_submit(
         run_dir = found[0]
     else:
         run_dir = runs.free_run_dir(runs_dir, job.name, now)
+    tasks = _sweep_tasks(run_dir if resume else None, sweep, max_parallel)
+    if tasks:
+        from dataclasses import replace
+
+        job = replace(job, array_size=len(tasks), max_parallel=max_parallel)
     if job.spec.python is None:
         job = job.with_spec(python=submitting_python(os.environ if environ is None else environ))
     run_abs = str(run_dir.resolve())
@@ -153,7 +166,29 @@ def plan_submit(
     return Plan(job=job, run_dir=run_dir, resume=bool(resume), script=script,
                 text=render_job(job, regenerate, templates),
                 argv=tuple(scheduler.submit_command(str(script))),
-                regenerate=regenerate, templates=templates, now=now)
+                regenerate=regenerate, templates=templates, now=now, sweep=tuple(tasks))
+
+
+def _sweep_tasks(resumed: Path | None, sweep: list[SweepTask] | None,
+                 max_parallel: int | None) -> list[SweepTask]:
+    """The tasks of a new sweep, or of the sweep run directory being resumed."""
+    from hpc import sweep as sweeps
+
+    if resumed is not None and (resumed / sweeps.MANIFEST).is_file():
+        if sweep:
+            raise UserError("--sweep: the run directory holds a sweep already; allowed: "
+                            "--resume alone (the same tasks again) or a new run")
+        tasks = sweeps.read_manifest(resumed)
+    else:
+        tasks = list(sweep or [])
+    if sweep is not None and len(tasks) == 1:
+        raise UserError("--sweep: one task; allowed: two or more values (a single value "
+                        "is --set KEY=VALUE on the command)")
+    if max_parallel is not None:
+        if not tasks:
+            raise UserError("--max-parallel: only with --sweep")
+        sweeps.check_max_parallel(max_parallel, len(tasks))
+    return tasks
 
 
 def submit(plan: Plan, on_start: Callable[[str], None] | None = None) -> Submitted:
@@ -182,6 +217,10 @@ def submit(plan: Plan, on_start: Callable[[str], None] | None = None) -> Submitt
         script = runs.create_free(run_dir, "job", job.cluster.script_suffix, text)
         runs.create_free(run_dir, "spec", ".yaml",
                          yaml.safe_dump(job.to_dict(), sort_keys=False, allow_unicode=True))
+        if plan.sweep and not plan.resume:
+            from hpc.sweep import write_manifest
+
+            write_manifest(run_dir, list(plan.sweep), job.max_parallel)
         argv = scheduler.submit_command(str(script))
         record: dict[str, Any] = {
             "name": job.name, "cluster": job.cluster.name, "scheduler": scheduler.name,
@@ -189,6 +228,9 @@ def submit(plan: Plan, on_start: Callable[[str], None] | None = None) -> Submitt
             "cwd": os.getcwd(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "job_id": None,
             **git,
         }
+        if plan.sweep:  # a line per task: its index, overrides and folder
+            record["sweep"] = [{"index": t.index, "label": t.label, "dir": t.dirname}
+                               for t in plan.sweep]
         if previous is not None:  # earlier submissions of this run, oldest first
             earlier = previous.pop("submissions", [])
             record["submissions"] = [*earlier, previous]
@@ -256,6 +298,43 @@ def status(ident: str, runs_dir: Path, cluster: str | None = None) -> tuple[str,
     if scheduler.runs_here and recorded not in (None, "RUNNING"):
         return job_id, JobState(str(recorded))
     return job_id, scheduler.status(job_id)
+
+
+def exit_code(ident: str, runs_dir: Path) -> int | None:
+    """The exit code a run's record holds (jobs that ran here to the end), else None."""
+    from hpc import runs
+
+    found = runs.find(ident, runs_dir)
+    code = found[1].get("exit_code") if found else None
+    return code if isinstance(code, int) and not isinstance(code, bool) else None
+
+
+def task_states(ident: str, runs_dir: Path) -> list[tuple[str, str, JobState]]:
+    """(task id, label, state) of each task of a sweep run; empty for other runs.
+
+    Tasks that run here one after another have no ids of their own: their state is the
+    job's, from its record once it ended.
+    """
+    from hpc import runs
+
+    found = runs.find(ident, runs_dir)
+    rec = found[1] if found else {}
+    tasks = rec.get("sweep") or []
+    if not tasks or not rec.get("job_id"):
+        return []
+    job_id, scheduler, _ = locate(ident, runs_dir)
+    out = []
+    for task in tasks:
+        index = task.get("index") if isinstance(task, dict) else None
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise UserError(f"run: {ident!r}: run.json's sweep entry {task!r} has no index; "
+                            "allowed: a record written by hpc submit --sweep")
+        if scheduler.array_index_var is None:
+            out.append((job_id, str(task.get("label")), status(ident, runs_dir)[1]))
+        else:
+            tid = scheduler.task_id(job_id, index)
+            out.append((tid, str(task.get("label")), scheduler.status(tid)))
+    return out
 
 
 def cancel(ident: str, runs_dir: Path, cluster: str | None = None) -> str:

@@ -43,6 +43,10 @@ class Job:
     launcher: str
     wrapped: bool
     filesystems: str | None
+    #: A sweep: the job is an array of this many tasks (``hpc.sweep``), at most
+    #: ``max_parallel`` of them running at once (None: the scheduler's limit).
+    array_size: int | None = None
+    max_parallel: int | None = None
 
     @property
     def scheduler(self) -> Scheduler:

@@ -98,10 +98,15 @@ def context(job: Job, regenerate: str | None = None, script: str | None = None) 
     The scheduler adds its own values (``Scheduler.template_values``: numbers computed
     here, not in Jinja) and variables (``Scheduler.job_env``; the spec's own win).
     """
-    from hpc.launchers import sh_join
+    from hpc.launchers import Raw, python_of, sh_join
 
     spec, cluster, scheduler = job.spec, job.cluster, job.scheduler
     preamble, launch = scheduler.launch(job)
+    sweep = None
+    if job.array_size:  # each array task appends its own --set overrides (hpc.sweep)
+        launch = [*launch, Raw('"${HPC_SWEEP_ARGS[@]}"')]
+        sweep = {"python": python_of(spec.command), "index_var": scheduler.array_index_var,
+                 "last": job.array_size - 1}
     env = {**cluster.env, **spec.env}
     for key, value in scheduler.job_env(job).items():
         env.setdefault(key, value)
@@ -125,6 +130,7 @@ def context(job: Job, regenerate: str | None = None, script: str | None = None) 
         "preamble": preamble,
         "script": script or "SCRIPT",
         "launch": sh_join(launch),
+        "sweep": sweep,
         **scheduler.template_values(job),
     }
 

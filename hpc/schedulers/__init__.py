@@ -93,6 +93,10 @@ class Scheduler:
     #: order in which :func:`detect` asks (lower first); None: never detected.
     client: ClassVar[str | None] = None
     detect_order: ClassVar[int] = 100
+    #: The variable holding an array task's index inside the job (None: submit runs the
+    #: tasks one after another itself), and whether ``max_parallel`` can be expressed.
+    array_index_var: ClassVar[str | None] = None
+    array_throttle: ClassVar[bool] = False
     #: True where submit runs the job here to the end: it writes the job's log into the
     #: run directory itself and the record holds the final state; False where a
     #: directive (``-o``/``--output``) sends the log there and the scheduler knows the state.
@@ -118,6 +122,18 @@ class Scheduler:
     def template_values(self, job: Job) -> dict[str, Any]:
         """Values computed for the template, so the template does no arithmetic."""
         return {}
+
+    def array_spec(self, job: Job) -> str | None:
+        """The array's index range for the directive (``0-3``, with ``%N`` where the
+        scheduler throttles that way); None for a job that is no array."""
+        if not job.array_size:
+            return None
+        spec = f"0-{job.array_size - 1}"
+        return f"{spec}%{job.max_parallel}" if job.max_parallel and self.array_throttle else spec
+
+    def task_id(self, job_id: str, index: int) -> str:
+        """The id of one array task, as the scheduler's clients take it."""
+        return f"{job_id}_{index}"
 
     def launch(self, job: Job) -> tuple[list[str], list[str]]:
         """Shell lines before the launch (our own text) and the launch words (quoted later)."""

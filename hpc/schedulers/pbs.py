@@ -327,6 +327,19 @@ class PBS(Scheduler):
     queue_directives = ("queue",)
     client = "qstat"
     detect_order = 20
+    array_index_var = "PBS_ARRAY_INDEX"
+    # `-J 0-9%2` sets max_run_subjobs: seen accepted by OpenPBS 23.06 (the test server);
+    # older PBS Pro releases reject the suffix (unverified for ALCF's PBS Pro version).
+    array_throttle = True
+
+    def template_values(self, job: Job) -> dict[str, Any]:
+        """The array range for ``#PBS -J`` (a subjob's log is ``DIR/ID[i].server.OU``)."""
+        return {"array": self.array_spec(job)}
+
+    def task_id(self, job_id: str, index: int) -> str:
+        """Subjob ``index`` of array ``123[].server``: ``123[index].server``."""
+        seq, sep, rest = job_id.partition("[]")
+        return f"{seq}[{index}]{rest}" if sep else f"{job_id}[{index}]"
 
     def launch(self, job: Job) -> tuple[list[str], list[str]]:
         """``mpiexec`` with the profile's PALS or hydra flags."""

@@ -50,6 +50,8 @@ class Slurm(Scheduler):
     queue_directives = ("partition", "qos", "queue")
     client = "squeue"
     detect_order = 10
+    array_index_var = "SLURM_ARRAY_TASK_ID"
+    array_throttle = True  # --array=0-9%2
 
     def check_spec(self, spec: JobSpec, cluster: Cluster) -> None:
         """``filesystems`` is a PBS resource."""
@@ -76,6 +78,9 @@ class Slurm(Scheduler):
         return {
             "tasks_per_node": 1 if per_node else job.ppn,
             "cpus_per_task": cpus * job.ppn if cpus and per_node else cpus,
+            "array": self.array_spec(job),
+            # An array task's %j is its own id: name its log by the array's id and index.
+            "log_name": "%x-%A_%a.out" if job.array_size else "%x-%j.out",
         }
 
     def launch(self, job: Job) -> tuple[list[str], list[str]]:

@@ -39,13 +39,22 @@ CASES = {
                            command=["python", "train.py", "--epochs", "3"]),
     "aurora-script-noaccount": dict(cluster="aurora", nodes="4", command=["python", "train.py"]),
     "local-one-rank": dict(cluster="local", command=["python", "train.py", "it's"]),
+    # sweeps (hpc submit --sweep): job arrays whose tasks read their overrides at run time
+    "aurora-sweep": dict(RICH, cluster="aurora", nodes="2", account="proj", array_size=3,
+                         max_parallel=2),
+    "slurm-sweep": dict(RICH, cluster="slurm", nodes="1", ppn="2", array_size=4),
+    "local-sweep": dict(RICH, cluster="local", ppn="2", array_size=2),
 }
 
 
 def _render_with_suffix(case: str) -> tuple[str, str]:
+    from dataclasses import replace
+
     overrides = dict(CASES[case])
     name = overrides.pop("cluster", case)
+    array = {k: overrides.pop(k) for k in ("array_size", "max_parallel") if k in overrides}
     job = make_job(name, **overrides) if "noaccount" not in case else _deferred(name, overrides)
+    job = replace(job, **array)
     return render(job, regenerate=f"(golden test case {case})", cwd=REPO), job.cluster.script_suffix
 
 
