@@ -97,7 +97,8 @@ def context(job: Job, regenerate: str | None = None, script: str | None = None) 
 
     spec, cluster = job.spec, job.cluster
     preamble, launch = launchers.launch(job)
-    env = {**cluster.env, **spec.env}
+    # device_order first: a spec's own CUDA_VISIBLE_DEVICES still wins
+    env = {**cluster.device_order_env(), **cluster.env, **spec.env}
     if spec.requeue and cluster.scheduler == "slurm":
         # `--requeue` alone never requeues a job that exits after its preemption signal:
         # this tells the trainer to `scontrol requeue` itself once its checkpoint is saved.
@@ -119,6 +120,12 @@ def context(job: Job, regenerate: str | None = None, script: str | None = None) 
         # ``python: site`` (no environment of ours) renders like no ``python:`` at all
         "python": spec.python if isinstance(spec.python, dict) else {},
         "env": env,
+        # env_prepend: (VAR, 'dir') per directory, each put in front of $VAR in turn
+        "env_prepend": [(var, quote(d)) for var, dirs in cluster.env_prepend.items() for d in dirs],
+        "shell": cluster.shell,
+        "queue_directive": cluster.queue_directive_for(job.queue),
+        "site_directives": cluster.site_directives(job.queue),
+        "queue_notes": cluster.queue_notes(job.queue),
         "preamble": preamble,
         "script": script or "SCRIPT",
         "launch": launch,

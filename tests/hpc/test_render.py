@@ -163,10 +163,18 @@ def test_render_and_dry_run_import_neither_torch_nor_submitit(tmp_path: Path) ->
     assert "RESULT 0 0 []" in proc.stdout, proc.stdout[-500:] + proc.stderr
 
 
-def test_torchrun_per_node_drops_per_task_gpu_binding() -> None:
-    """One torchrun task a node must see all the node's GPUs, not the one --gpus-per-task gives."""
-    job = make_job("frontier", account="A", nodes="2", launcher="torchrun",
-                   command=["python", "train.py"])
+def test_torchrun_per_node_drops_per_task_gpu_binding(tmp_path: Path) -> None:
+    """One torchrun task a node must see all the node's GPUs, not the one --gpus-per-task gives.
+
+    Frontier's profile refuses torchrun (OLCF warns against it); a user profile lifts the
+    refusal with ``refuse: {torchrun: null}``, which is also what this checks.
+    """
+    from hpc.cli import build_job
+
+    (tmp_path / "frontier.yaml").write_text("launcher: {refuse: {torchrun: null}}\n")
+    job = build_job(None, {"cluster": "frontier", "account": "A", "nodes": "2",
+                           "launcher": "torchrun", "command": ["python", "train.py"]},
+                    environ={"HPC_DDP_CLUSTERS": str(tmp_path)}, cwd=REPO)
     text = render(job)
     launch = next(line for line in text.splitlines() if "torchrun" in line and "srun" in line)
     assert "--gpus-per-task" not in launch and "--gpu-bind" not in launch
