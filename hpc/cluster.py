@@ -101,7 +101,7 @@ class Queue(Record):
         else:
             limit = f", <= {format_walltime(self.max_walltime)}" if self.max_walltime else ""
         floor = f", >= {format_walltime(self.min_walltime)}" if self.min_walltime else ""
-        ask = " (by request: --queue " + self.name + ")" if self.by_request else ""
+        ask = f" (by request: --queue {self.name})" if self.by_request else ""
         return f"{self.name} {self.min_nodes}-{self.max_nodes} nodes{limit}{floor}{ask}"
 
 
@@ -474,8 +474,8 @@ def _device_order(data: dict[str, Any], device: str, devices: int | None, where:
         raise UserError(f"{where}: device_order: not available for device {device!r}; "
                         f"allowed: with device {', '.join(DEVICE_ORDER_VARS)}")
     if (not isinstance(order, list) or devices is None
-            or sorted(order) != list(range(devices))
-            or any(isinstance(i, bool) for i in order)):
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in order)
+            or sorted(order) != list(range(devices))):
         raise UserError(f"{where}: device_order: {order!r} is not allowed; allowed: each of the "
                         f"devices_per_node indices 0-{(devices or 1) - 1} once, e.g. [3, 2, 1, 0]")
     return tuple(order)

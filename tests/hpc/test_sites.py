@@ -383,3 +383,12 @@ def test_new_profile_keys_are_still_checked(tmp_path: Path) -> None:
     (tmp_path / "site.yaml").write_text("extends: polaris\ndevice_order: [0, 0, 1, 2]\n")
     with pytest.raises(UserError, match="device_order"):
         clusters.load("site", environ={"HPC_DDP_CLUSTERS": str(tmp_path)}, cwd=REPO)
+    for bad, match in (("device_order: [a, b, c, d]", "device_order"),
+                       ("shell: 'bash; rm -rf /'", "shell: .* allowed: an absolute path"),
+                       ("launcher: {refuse: {mpirun: no}}", "refuse: .* allowed: a mapping of launcher"),
+                       ("env_prepend: {LD_LIBRARY_PATH: ['/a:/b']}", "without ':'"),
+                       ("queues: {debug: {by_request: maybe}}", "by_request: 'maybe'"),
+                       ('directives: ["-k doe\\n#PBS -l x"]', "spans lines")):
+        (tmp_path / "site.yaml").write_text(f"extends: polaris\n{bad}\n")
+        with pytest.raises(UserError, match=match):
+            clusters.load("site", environ={"HPC_DDP_CLUSTERS": str(tmp_path)}, cwd=REPO)
