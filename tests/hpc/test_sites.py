@@ -305,6 +305,13 @@ def test_perlmutter_queue_is_a_qos_on_gpu_nodes() -> None:
     assert "--qos=regular" in sbatch and "--constraint=gpu" in sbatch
 
 
+def test_perlmutter_ranks_drive_the_gpu_nearest_their_cores() -> None:
+    """[NS] NERSC's tutorial: "Reversing order of GPUs to match default CPU affinities"."""
+    text = _render("perlmutter", nodes="2", account="m1_g")
+    assert "export CUDA_VISIBLE_DEVICES=3,2,1,0" in text.splitlines()
+    assert "export FI_MR_CACHE_MONITOR=userfaultfd" in text.splitlines()
+
+
 def test_perlmutter_unreadable_facts_are_marked_unverified() -> None:
     """NERSC's QOS table, -C gpu, the _g suffix and NCCL settings could not be read."""
     text = (REPO / "hpc" / "clusters" / "perlmutter.yaml").read_text()
