@@ -121,7 +121,7 @@ def _pick_queue(spec: JobSpec, cluster: Cluster, nodes: int) -> tuple[str | None
         if not q.min_nodes <= nodes <= q.max_nodes:
             raise UserError(
                 f"nodes: {nodes} does not fit queue {q.name} of {cluster.name}; "
-                f"allowed: {q.min_nodes}-{q.max_nodes}{_fits(queues.values(), nodes, None)}"
+                f"allowed: {q.min_nodes}-{q.max_nodes}{_fits(cluster.auto_queues(), nodes, None)}"
             )
         limit = q.walltime_limit(nodes)
         walltime = spec.walltime or min(DEFAULT_WALLTIME, limit or DEFAULT_WALLTIME)
@@ -129,13 +129,13 @@ def _pick_queue(spec: JobSpec, cluster: Cluster, nodes: int) -> tuple[str | None
             raise UserError(
                 f"walltime: {format_walltime(walltime)} exceeds queue {q.name} of {cluster.name} "
                 f"for {nodes} nodes; allowed: up to {format_walltime(limit)}"
-                f"{_fits(queues.values(), nodes, walltime)}"
+                f"{_fits(cluster.auto_queues(), nodes, walltime)}"
             )
         return q.name, walltime
     if not queues:
         return None, spec.walltime or DEFAULT_WALLTIME
     walltime = spec.walltime or DEFAULT_WALLTIME
-    for q in queues.values():
+    for q in cluster.auto_queues():
         limit = q.walltime_limit(nodes)
         if q.min_nodes <= nodes <= q.max_nodes and (limit is None or walltime <= limit):
             return q.name, walltime
@@ -197,6 +197,7 @@ def resolve(
             f"launcher: {launcher!r} is not available on {cluster.name} ({cluster.scheduler}); "
             f"allowed: auto, {', '.join(scheduler.launchers)}"
         )
+    cluster.check_job(queue, walltime, launcher, scheduler.launchers)
     if spec.wrap == "auto":  # torchrun already exports RANK/LOCAL_RANK/...; mpiexec and srun do not
         wrapped = launcher in ("mpiexec", "srun") and not is_ddp_command(spec.command)
     else:

@@ -107,7 +107,8 @@ def context(job: Job, regenerate: str | None = None, script: str | None = None) 
         launch = [*launch, Raw('"${HPC_SWEEP_ARGS[@]}"')]
         sweep = {"python": python_of(spec.command), "index_var": scheduler.array_index_var,
                  "last": job.array_size - 1}
-    env = {**cluster.env, **spec.env}
+    # device_order first: a spec's own CUDA_VISIBLE_DEVICES still wins
+    env = {**cluster.device_order_env(), **cluster.env, **spec.env}
     for key, value in scheduler.job_env(job).items():
         env.setdefault(key, value)
     source = spec.source or "command-line flags"
@@ -127,6 +128,12 @@ def context(job: Job, regenerate: str | None = None, script: str | None = None) 
         # ``python: site`` (no environment of ours) renders like no ``python:`` at all
         "python": spec.python if isinstance(spec.python, dict) else {},
         "env": env,
+        # env_prepend: (VAR, 'dir') per directory, each put in front of $VAR in turn
+        "env_prepend": [(var, quote(d)) for var, dirs in cluster.env_prepend.items() for d in dirs],
+        "shell": cluster.shell,
+        "queue_directive": cluster.queue_directive_for(job.queue),
+        "site_directives": cluster.site_directives(job.queue),
+        "queue_notes": cluster.queue_notes(job.queue),
         "preamble": preamble,
         "script": script or "SCRIPT",
         "launch": sh_join(launch),

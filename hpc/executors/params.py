@@ -36,7 +36,8 @@ def slurm_parameters(job: Any) -> dict[str, Any]:
         "time": max(1, math.ceil(job.walltime / 60)),
     }
     if job.queue:
-        params["qos" if cluster.queue_directive == "qos" else "partition"] = job.queue
+        directive = cluster.queue_directive_for(job.queue)  # a queue's own (Frontier's debug QOS)
+        params["qos" if directive == "qos" else "partition"] = job.queue
     if job.account:
         params["account"] = job.account
     if job.gpus_per_node:
@@ -62,7 +63,7 @@ def slurm_parameters(job: Any) -> dict[str, Any]:
         setup.append(f"export SUBMITIT_PREEMPT_SIGNAL={sig}")
     if job.spec.requeue:
         extra["requeue"] = True
-    extra.update(_sbatch_directives(job.spec.directives))
+    extra.update(_sbatch_directives([*cluster.site_directives(job.queue), *job.spec.directives]))
     if setup:
         params["setup"] = setup
     if extra:

@@ -120,7 +120,8 @@ def test_slurm_parameters_from_the_frontier_profile(tmp_path: Path) -> None:
                  "#SBATCH --cpus-per-task=7", "#SBATCH --time=90", "#SBATCH --partition=batch",
                  "#SBATCH --account=proj123", "#SBATCH --job-name=submitit",
                  "#SBATCH --signal=USR2@90", "#SBATCH --requeue", "#SBATCH --mail-type=END",
-                 "module load PrgEnv-gnu", "export NCCL_SOCKET_IFNAME=hsn0"):
+                 "module load PrgEnv-gnu", "module load rccl-net-plugin",
+                 "export NCCL_SOCKET_IFNAME=hsn0,hsn1,hsn2,hsn3"):
         assert line in text.splitlines(), line
     export = next(ln for ln in params["setup"] if ln.startswith("export X="))
     shown = subprocess.run(["bash", "-c", f'{export}; printf %s "$X"'], cwd=tmp_path,
