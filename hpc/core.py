@@ -151,7 +151,7 @@ def plan_submit(
         run_dir = found[0]
     else:
         run_dir = runs.free_run_dir(runs_dir, job.name, now)
-    tasks = _sweep_tasks(run_dir if resume else None, sweep, max_parallel)
+    tasks, max_parallel = _sweep_tasks(run_dir if resume else None, sweep, max_parallel)
     if tasks:
         from dataclasses import replace
 
@@ -170,17 +170,19 @@ def plan_submit(
 
 
 def _sweep_tasks(resumed: Path | None, sweep: list[SweepTask] | None,
-                 max_parallel: int | None) -> list[SweepTask]:
-    """The tasks of a new sweep, or of the sweep run directory being resumed."""
+                 max_parallel: int | None) -> tuple[list[SweepTask], int | None]:
+    """The tasks and their --max-parallel: a new sweep's, or the resumed sweep run's."""
     from hpc import sweep as sweeps
 
     if resumed is not None and (resumed / sweeps.MANIFEST).is_file():
         if sweep:
             raise UserError("--sweep: the run directory holds a sweep already; allowed: "
                             "--resume alone (the same tasks again) or a new run")
-        tasks = sweeps.read_manifest(resumed)
-    else:
-        tasks = list(sweep or [])
+        if max_parallel is not None:
+            raise UserError("--max-parallel: the resumed sweep keeps its own; allowed: "
+                            "--resume alone")
+        return sweeps.read_manifest(resumed), sweeps.read_max_parallel(resumed)
+    tasks = list(sweep or [])
     if sweep is not None and len(tasks) == 1:
         raise UserError("--sweep: one task; allowed: two or more values (a single value "
                         "is --set KEY=VALUE on the command)")
@@ -188,7 +190,7 @@ def _sweep_tasks(resumed: Path | None, sweep: list[SweepTask] | None,
         if not tasks:
             raise UserError("--max-parallel: only with --sweep")
         sweeps.check_max_parallel(max_parallel, len(tasks))
-    return tasks
+    return tasks, max_parallel
 
 
 def submit(plan: Plan, on_start: Callable[[str], None] | None = None) -> Submitted:

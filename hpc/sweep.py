@@ -191,6 +191,14 @@ def read_manifest(run_dir: Path) -> list[SweepTask]:
     return _check_manifest(data, path)
 
 
+def read_max_parallel(run_dir: Path) -> int | None:
+    """The ``--max-parallel`` a sweep was submitted with (checked by :func:`read_manifest`),
+    so that a resubmission of the sweep keeps it."""
+    read_manifest(run_dir)
+    value = json.loads((run_dir / MANIFEST).read_bytes()).get("max_parallel")
+    return value if isinstance(value, int) else None
+
+
 def _check_manifest(data: Any, path: Path) -> list[SweepTask]:
     where = f"sweep: {str(path)!r}"
     if not isinstance(data, dict):

@@ -212,6 +212,41 @@ def test_job_array(hpc: Hpc, openpbs: OpenPBS, probe: Path, tmp_path: Path) -> N
     assert sorted(j["substate"] for j in subjobs.values()) == [92] * 4  # parent + 3 subjobs
 
 
+SWEEP_PROBE = """\
+import json, os, sys
+with open(os.path.join(os.environ["HPC_RUN_DIR"], "args.json"), "w") as fh:
+    json.dump({"argv": sys.argv[1:], "label": os.environ.get("HPC_SWEEP_LABEL"),
+               "index": os.environ.get("PBS_ARRAY_INDEX")}, fh)
+print("task", os.environ.get("HPC_SWEEP_LABEL"))
+"""
+
+
+def test_sweep_is_one_pbs_array_with_a_folder_and_a_status_line_per_task(
+    hpc: Hpc, openpbs: OpenPBS, tmp_path: Path,
+) -> None:
+    """``--sweep`` on the real server: ``-J 0-1%1`` (max_run_subjobs), each subjob reads its
+    overrides from sweep.json by PBS_ARRAY_INDEX, and ``hpc status``/``hpc logs`` see each task."""
+    require_exe("mpiexec.hydra", "mpiexec.mpich")
+    probe = tmp_path / "sweep_probe.py"
+    probe.write_text(SWEEP_PROBE)
+    job_id, run_dir = hpc.submit("--cluster", "pbs", "--walltime", "00:05:00", "--name", "sw",
+                                 "--sweep", "optim.lr=0.1,0.01", "--max-parallel", "1",
+                                 "--", "python", str(probe))
+    assert job_id.split(".")[0].endswith("[]"), job_id
+    assert "#PBS -J 0-1%1\n" in next(run_dir.glob("job*.pbs")).read_text()
+    assert str(openpbs.attrs(job_id).get("max_run_subjobs")) == "1"
+    assert hpc.wait(run_dir) == "COMPLETED", log_of(run_dir)
+    lines = hpc("status", str(run_dir), "--runs-dir", str(hpc.runs)).stdout.splitlines()
+    seq, rest = job_id.split("[]")
+    assert [ln.split()[:2] for ln in lines[1:]] == [
+        [f"{seq}[0]{rest}", "COMPLETED"], [f"{seq}[1]{rest}", "COMPLETED"]], lines
+    for task, lr in (("000-lr-0.1", "0.1"), ("001-lr-0.01", "0.01")):
+        seen = json.loads((run_dir / task / "args.json").read_text())
+        assert seen["argv"] == ["--set", f"optim.lr={lr}"] and seen["label"] == f"optim.lr={lr}"
+    log = hpc("logs", f"{seq}[1]{rest}", "--runs-dir", str(hpc.runs)).stdout
+    assert "task optim.lr=0.01" in log
+
+
 # --- -r y, qrerun and preemption -------------------------------------------------------
 
 

@@ -68,6 +68,7 @@ class Local(Scheduler):
             try:
                 for chunk in iter(lambda: proc.stdout.read1(65536), b""):  # type: ignore[union-attr]
                     sink.write(chunk)
+                    sink.flush()  # `hpc logs -f` reads the log while the job runs
                     if out is not None:
                         out.write(chunk)
                         out.flush()
