@@ -115,18 +115,22 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         p.add_argument("--no-torch", action="store_true", help="skip the torch probe")
         p.set_defaults(func=cmd_doctor)
     if want("scale"):
-        p = sub.add_parser("scale", parents=[common], help="lr / warmup / effective batch for 1..N GPUs")
-        p.add_argument("--gpus", type=int, required=True)
-        p.add_argument("--rule", default="linear",
-                       help="none, linear, sqrt or cap:N (factor min(gpus/base-gpus, N), N >= 1)")
-        p.add_argument("--base-lr", type=float, required=True)
-        p.add_argument("--base-warmup", type=int, default=0)
-        p.add_argument("--batch-size", type=int, default=1)
-        p.add_argument("--accum", type=int, default=1)
-        p.add_argument("--base-gpus", type=int, default=1,
-                       help="GPU count base-lr was tuned at (scaling.base_world_size)")
-        p.set_defaults(func=cmd_scale)
+        _scale_parser(sub, common)
     return parser
+
+
+def _scale_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("scale", parents=[common], help="lr / warmup / effective batch for 1..N GPUs")
+    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--rule", default="linear",
+                   help="none, linear, sqrt or cap:N (factor min(gpus/base-gpus, N), N >= 1)")
+    p.add_argument("--base-lr", type=float, required=True)
+    p.add_argument("--base-warmup", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--accum", type=int, default=1)
+    p.add_argument("--base-gpus", type=int, default=1,
+                   help="GPU count base-lr was tuned at (scaling.base_world_size)")
+    p.set_defaults(func=cmd_scale)
 
 
 def _render_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -312,7 +316,7 @@ def cmd_clusters(args: argparse.Namespace, command: list[str] | None) -> int:
     """A table of the cluster profiles."""
     from rich.table import Table
 
-    from hpc import cluster as clusters
+    from hpc import profiles as clusters
     from hpc._util import format_walltime
 
     table = Table(title="cluster profiles")

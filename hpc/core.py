@@ -39,7 +39,7 @@ def build_job(
     """
     from dataclasses import replace
 
-    from hpc import cluster as clusters
+    from hpc import profiles as clusters
     from hpc.spec import load_spec
 
     environ = os.environ if environ is None else environ
@@ -281,7 +281,7 @@ def locate(ident: str, runs_dir: Path, cluster: str | None = None
                             f"{rec.get('error', 'unknown')})")
         return str(rec["job_id"]), schedulers.get(str(rec["scheduler"])), rec
     if cluster:
-        from hpc import cluster as clusters
+        from hpc import profiles as clusters
 
         return ident, schedulers.get(clusters.load(cluster).scheduler), None
     name = schedulers.detect()

@@ -359,7 +359,7 @@ def test_every_pbs_profile_renders_directives_the_server_accepts(
 ) -> None:
     """Each built-in PBS profile, for every queue it names (and with `-r y`, `-k doe` and
     `-J`): the real `qsub -h` accepts the rendered script; qdel removes the held job."""
-    from hpc import cluster as clusters
+    from hpc import profiles as clusters
 
     profile = clusters.load(cluster, environ={})
     assert profile.scheduler == "pbs"

@@ -61,13 +61,7 @@ def executor(
     }
     job = resolve(spec, overrides)
     kind = "debug" if kind_debug else job.cluster.scheduler
-    if kind == "debug" and job.ranks > 1:
-        raise UserError(f"ppn: {job.ppn} is not allowed with cluster 'debug', which runs the "
-                        "function once in this process; allowed: 1 (or cluster='local')")
-    if job.launcher == "torchrun" and kind == "slurm":
-        raise UserError(f"launcher: 'torchrun' cannot start submitit's ranks on {job.cluster.name}; "
-                        "allowed: auto, srun (submitit starts one srun task per rank)")
-
+    _check_kind(kind, job)
     run_dir = None
     if folder is None:
         from hpc import runs
@@ -91,6 +85,16 @@ def executor(
         _write_run_dir(run_dir, job, kind, ex)
     ex._hpc_run_dir = run_dir
     return ex
+
+
+def _check_kind(kind: str, job: Any) -> None:
+    """What submitit cannot do with this job: several ranks in-process, torchrun on SLURM."""
+    if kind == "debug" and job.ranks > 1:
+        raise UserError(f"ppn: {job.ppn} is not allowed with cluster 'debug', which runs the "
+                        "function once in this process; allowed: 1 (or cluster='local')")
+    if job.launcher == "torchrun" and kind == "slurm":
+        raise UserError(f"launcher: 'torchrun' cannot start submitit's ranks on {job.cluster.name}; "
+                        "allowed: auto, srun (submitit starts one srun task per rank)")
 
 
 def resolve(spec: str | os.PathLike[str] | None, overrides: dict[str, Any]) -> Any:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc import cluster as clusters
+from hpc import profiles as clusters
 from hpc.errors import UserError
 from tests.hpc.conftest import REPO
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc import cluster as clusters
+from hpc import profiles as clusters
 from hpc.render import render
 from tests.hpc.conftest import REPO, make_job
 

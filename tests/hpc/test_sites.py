@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc import cluster as clusters
+from hpc import profiles as clusters
 from hpc.core import build_job
 from hpc.errors import UserError
 from hpc.render import render

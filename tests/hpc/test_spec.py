@@ -88,7 +88,7 @@ def test_account_required_and_taken_from_the_environment() -> None:
     msg = _err("aurora")
     assert msg.startswith("account: missing") and "PBS_ACCOUNT" in msg
     spec = JobSpec.from_mapping({"command": CMD})
-    from hpc import cluster as clusters
+    from hpc import profiles as clusters
 
     aurora = clusters.load("aurora", environ={}, cwd=REPO)
     assert resolve(spec, aurora, {"HPC_ACCOUNT": "envproj"}).account == "envproj"

@@ -1,0 +1,331 @@
+"""Cluster profiles from YAML: found, merged per key, validated into ``hpc.cluster`` types.
+
+A profile is a YAML file named ``NAME.yaml``. They are read from, in order
+(a later directory wins):
+
+1. the built-in profiles in ``hpc/clusters/``;
+2. the user's ``$XDG_CONFIG_HOME/hpc-ddp/clusters/`` (``~/.config/hpc-ddp/clusters/``);
+3. the project's ``./.hpc/clusters/``;
+4. each directory in ``$HPC_DDP_CLUSTERS`` (``os.pathsep``-separated).
+
+Files of the same name are merged per key: a later file's mapping values are
+merged into the earlier one recursively (so ``env: {X: "1"}`` adds one variable,
+``queues: {debug: {walltime: "00:30:00"}}`` changes one limit); lists and scalars
+are replaced. ``extends: NAME`` starts a new profile from another one, so a new
+site is one small YAML file. Site knowledge lives here, never in ``if`` statements.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from hpc import schedulers
+from hpc._util import (
+    check_keys,
+    did_you_mean,
+    directive_value,
+    load_yaml,
+    parse_range,
+    parse_walltime,
+)
+from hpc.cluster import DEVICE_ORDER_VARS, Cluster, Launcher, Queue
+from hpc.errors import UserError
+
+BUILTIN_DIR = Path(__file__).resolve().parent / "clusters"
+DEVICES = ("xpu", "cuda", "rocm", "cpu", "auto")
+GPU_DIRECTIVES = ("none", "gpus-per-node", "gres", "ngpus")
+LAUNCHER_KINDS = ("mpiexec", "srun", "torchrun")
+MPIEXEC_FLAVORS = ("pals", "hydra")
+_SHELL = r"^/[A-Za-z0-9_./+-]+( -[A-Za-z]+)?\Z"  # compiled on first use (re's cache)
+CLUSTER_KEYS = (
+    "description", "scheduler", "device", "devices_per_node", "ppn",
+    "account_required", "account_env", "queue_directive", "queues", "max_nodes",
+    "system", "place", "filesystems", "constraint", "gpu_directive", "gpus_per_node",
+    "cpus_per_task", "launcher", "module_use", "modules", "setup", "env", "extends",
+    "shell", "directives", "min_walltime", "device_order", "env_prepend",
+)
+QUEUE_KEYS = (
+    "nodes", "walltime", "bins", "description", "min_walltime", "by_request", "directive",
+    "directives", "notes",
+)
+LAUNCHER_KEYS = ("kind", "flavor", "cpu_bind", "depth", "args", "refuse")
+
+
+def profile_dirs(environ: dict[str, str] | None = None, cwd: Path | None = None) -> list[Path]:
+    """Directories searched for profiles, lowest precedence first."""
+    env = os.environ if environ is None else environ
+    cwd = Path.cwd() if cwd is None else cwd
+    dirs = [BUILTIN_DIR]
+    if env.get("XDG_CONFIG_HOME"):
+        dirs.append(Path(env["XDG_CONFIG_HOME"]) / "hpc-ddp" / "clusters")
+    elif env.get("HOME"):  # no HOME (e.g. environ={} for reproducible renders): no user dir
+        dirs.append(Path(env["HOME"]) / ".config" / "hpc-ddp" / "clusters")
+    dirs.append(cwd / ".hpc" / "clusters")
+    dirs += [Path(p) for p in env.get("HPC_DDP_CLUSTERS", "").split(os.pathsep) if p]
+    return dirs
+
+
+def names(environ: dict[str, str] | None = None, cwd: Path | None = None) -> list[str]:
+    """Every profile name found in any profile directory, sorted."""
+    found: set[str] = set()
+    for d in profile_dirs(environ, cwd):
+        if d.is_dir():
+            found.update(p.stem for p in d.glob("*.yaml"))
+    return sorted(found)
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """Recursive per-key merge: mappings merge, everything else is replaced."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _raw(
+    name: str, environ: dict[str, str] | None, cwd: Path | None, seen: tuple[str, ...] = ()
+) -> tuple[dict[str, Any], list[str]]:
+    """The merged mapping for ``name`` (following ``extends``) and the files it came from."""
+    merged: dict[str, Any] = {}
+    sources: list[str] = []
+    for d in profile_dirs(environ, cwd):
+        path = d / f"{name}.yaml"
+        if path.is_file():
+            data = load_yaml(path, f"cluster {name}")
+            check_keys(data, CLUSTER_KEYS, f"cluster {name} ({path})")
+            merged = _merge(merged, data)
+            sources.append(str(path))
+    if not sources:
+        known = names(environ, cwd)
+        raise UserError(
+            f"cluster: unknown cluster {name!r}{did_you_mean(name, known)}; "
+            f"allowed: {', '.join(known)}"
+        )
+    base = merged.pop("extends", None)
+    if base is not None:
+        if base in seen or base == name:
+            raise UserError(f"cluster {name}: extends: {base!r} forms a cycle")
+        parent, parent_sources = _raw(str(base), environ, cwd, (*seen, name))
+        merged = _merge(parent, merged)
+        sources = parent_sources + sources
+    return merged, sources
+
+
+def _int(data: dict[str, Any], key: str, where: str, minimum: int = 1) -> int | None:
+    value = data.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise UserError(f"{where}: {key}: {value!r} is not allowed; allowed: a whole number >= {minimum}")
+    return value
+
+
+def _choice(data: dict[str, Any], key: str, allowed: tuple[str, ...], default: str, where: str) -> str:
+    value = str(data.get(key, default))
+    if value not in allowed:
+        raise UserError(
+            f"{where}: {key}: {value!r} is not allowed{did_you_mean(value, allowed)}; "
+            f"allowed: {', '.join(allowed)}"
+        )
+    return value
+
+
+def _strings(data: dict[str, Any], key: str, where: str) -> tuple[str, ...]:
+    value = data.get(key) or []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list):
+        raise UserError(f"{where}: {key}: {value!r} is not allowed; allowed: a list of strings")
+    return tuple(str(v) for v in value)
+
+
+def _directives(data: dict[str, Any], key: str, where: str) -> tuple[str, ...]:
+    """Directive or comment lines from a profile: text, one line each."""
+    lines = _strings(data, key, where)
+    for line in lines:
+        if any(c in line for c in "\n\r\0"):
+            raise UserError(f"{where}: {key}: {line!r} spans lines; allowed: one line per item")
+    return lines
+
+
+def _walltime(data: dict[str, Any], key: str, where: str) -> int | None:
+    value = data.get(key)
+    return None if value is None else parse_walltime(value, f"{where}.{key}")
+
+
+def _queues(data: Any, where: str, directives: tuple[str, ...]) -> dict[str, Queue]:
+    if not data:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"{where}: queues: allowed: a mapping of queue name to limits")
+    queues: dict[str, Queue] = {}
+    for qname, spec in data.items():
+        qwhere = f"{where}: queues.{qname}"
+        spec = spec or {}
+        if not isinstance(spec, dict):
+            raise UserError(f"{qwhere}: allowed: a mapping with nodes and walltime")
+        check_keys(spec, QUEUE_KEYS, qwhere)
+        lo, hi = parse_range(spec.get("nodes", "1-1000000"), f"{qwhere}.nodes")
+        wall = spec.get("walltime")
+        limit = parse_walltime(wall, f"{qwhere}.walltime") if wall is not None else None
+        bins = []
+        for i, b in enumerate(spec.get("bins") or []):
+            bwhere = f"{qwhere}.bins[{i}]"
+            if not isinstance(b, dict):
+                raise UserError(f"{bwhere}: allowed: a mapping with nodes and walltime")
+            check_keys(b, ("nodes", "walltime"), bwhere)
+            blo, bhi = parse_range(b.get("nodes"), f"{bwhere}.nodes")
+            bins.append((blo, bhi, parse_walltime(b.get("walltime"), f"{bwhere}.walltime")))
+        by_request = spec.get("by_request", False)
+        if not isinstance(by_request, bool):
+            raise UserError(f"{qwhere}.by_request: {by_request!r} is not allowed; allowed: true or false")
+        directive = None
+        if spec.get("directive") is not None:
+            directive = _choice(spec, "directive", directives, directives[0], qwhere)
+        queues[str(qname)] = Queue(
+            name=str(qname), min_nodes=lo, max_nodes=hi, max_walltime=limit, bins=tuple(bins),
+            min_walltime=_walltime(spec, "min_walltime", qwhere), by_request=by_request,
+            directive=directive, directives=_directives(spec, "directives", qwhere),
+            notes=_directives(spec, "notes", qwhere),
+        )
+    return queues
+
+
+def _launcher(data: Any, default: str, where: str) -> Launcher:
+    data = data or {}
+    if not isinstance(data, dict):
+        raise UserError(f"{where}: launcher: allowed: a mapping with kind, flavor, cpu_bind, depth, args")
+    lwhere = f"{where}: launcher"
+    check_keys(data, LAUNCHER_KEYS, lwhere)
+    cpu_bind = data.get("cpu_bind")
+    refuse = data.get("refuse") or {}
+    if not isinstance(refuse, dict) or any(k not in LAUNCHER_KINDS for k in refuse):
+        raise UserError(f"{lwhere}: refuse: {refuse!r} is not allowed; allowed: a mapping of "
+                        f"launcher ({', '.join(LAUNCHER_KINDS)}) to the reason, one line")
+    # null lifts a refusal inherited from a built-in profile (mappings merge per key)
+    reasons = {str(k): " ".join(str(v).split()) for k, v in refuse.items() if v is not None}
+    if any(not r for r in reasons.values()):
+        raise UserError(f"{lwhere}: refuse: every launcher needs a reason; allowed: text")
+    return Launcher(
+        kind=_choice(data, "kind", LAUNCHER_KINDS, default, lwhere),
+        flavor=_choice(data, "flavor", MPIEXEC_FLAVORS, "hydra", lwhere),
+        cpu_bind=None if cpu_bind is None else str(cpu_bind),
+        depth=_int(data, "depth", lwhere),
+        args=_strings(data, "args", lwhere),
+        refuse=reasons,
+    )
+
+
+def load(name: str, environ: dict[str, str] | None = None, cwd: Path | None = None) -> Cluster:
+    """Load, merge and validate the profile ``name``; unknown names get a suggestion."""
+    data, sources = _raw(name, environ, cwd)
+    where = f"cluster {name}"
+    scheduler = _choice(data, "scheduler", tuple(schedulers.names()), "slurm", where)
+    sched = schedulers.get(scheduler)
+    for key in ("system", "place", "filesystems", "constraint"):
+        if data.get(key) is not None:
+            directive_value(data[key], f"{where}: {key}")
+    env = data.get("env") or {}
+    if not isinstance(env, dict):
+        raise UserError(f"{where}: env: allowed: a mapping of NAME: value")
+    for key in env:
+        if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*\Z", str(key)):
+            raise UserError(f"{where}: env: {str(key)!r} is not a variable name; "
+                            "allowed: letters, digits and _, not starting with a digit")
+    device = _choice(data, "device", DEVICES, "auto", where)
+    devices_per_node = _int(data, "devices_per_node", where)
+    device_order = _device_order(data, device, devices_per_node, where)
+    return Cluster(
+        name=name,
+        scheduler=scheduler,
+        description=str(data.get("description", "")),
+        device=device,
+        devices_per_node=devices_per_node,
+        ppn=_int(data, "ppn", where) or 1,
+        account_required=bool(data.get("account_required", False)),
+        account_env=_strings(data, "account_env", where),
+        queue_directive=_choice(
+            data, "queue_directive", sched.queue_directives, sched.queue_directives[0], where
+        ),
+        queues=_queues(data.get("queues"), where, sched.queue_directives),
+        max_nodes=_int(data, "max_nodes", where),
+        system=data.get("system"),
+        place=data.get("place"),
+        filesystems=data.get("filesystems"),
+        constraint=data.get("constraint"),
+        gpu_directive=_choice(data, "gpu_directive", GPU_DIRECTIVES, "none", where),
+        gpus_per_node=_int(data, "gpus_per_node", where),
+        cpus_per_task=_int(data, "cpus_per_task", where),
+        launcher=_launcher(data.get("launcher"), sched.launchers[0], where),
+        module_use=_strings(data, "module_use", where),
+        modules=_strings(data, "modules", where),
+        setup=_strings(data, "setup", where),
+        env={str(k): _env_str(v) for k, v in env.items()},
+        shell=_shell(data, where),
+        directives=_directives(data, "directives", where),
+        min_walltime=_walltime(data, "min_walltime", where),
+        device_order=device_order,
+        env_prepend=_env_prepend(data, where),
+        sources=tuple(sources),
+    )
+
+
+def _shell(data: dict[str, Any], where: str) -> str:
+    """The script's ``#!`` interpreter: a path and at most one option (``/bin/bash -l``)."""
+    shell = str(data.get("shell") or "/bin/bash")
+    if not re.match(_SHELL, shell):
+        raise UserError(f"{where}: shell: {shell!r} is not allowed; allowed: an absolute path "
+                        "and at most one option, e.g. /bin/bash -l")
+    return shell
+
+
+def _device_order(data: dict[str, Any], device: str, devices: int | None, where: str) -> tuple[int, ...]:
+    """``device_order``: a permutation of the node's device indices, by local rank."""
+    order = data.get("device_order")
+    if order is None:
+        return ()
+    if device not in DEVICE_ORDER_VARS:
+        raise UserError(f"{where}: device_order: not available for device {device!r}; "
+                        f"allowed: with device {', '.join(DEVICE_ORDER_VARS)}")
+    if (not isinstance(order, list) or devices is None
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in order)
+            or sorted(order) != list(range(devices))):
+        raise UserError(f"{where}: device_order: {order!r} is not allowed; allowed: each of the "
+                        f"devices_per_node indices 0-{(devices or 1) - 1} once, e.g. [3, 2, 1, 0]")
+    return tuple(order)
+
+
+def _env_prepend(data: dict[str, Any], where: str) -> dict[str, tuple[str, ...]]:
+    """``env_prepend: {VAR: [dir, ...]}``: each dir is put in front of ``$VAR`` in turn."""
+    value = data.get("env_prepend") or {}
+    if not isinstance(value, dict):
+        raise UserError(f"{where}: env_prepend: allowed: a mapping of NAME: [directory, ...]")
+    out: dict[str, tuple[str, ...]] = {}
+    for key in value:
+        if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*\Z", str(key)):
+            raise UserError(f"{where}: env_prepend: {str(key)!r} is not a variable name; "
+                            "allowed: letters, digits and _, not starting with a digit")
+        paths = _strings(value, key, f"{where}: env_prepend")
+        if any(not p or ":" in p or "\n" in p or "\0" in p for p in paths):
+            raise UserError(f"{where}: env_prepend.{key}: {list(paths)!r} is not allowed; "
+                            "allowed: directories without ':' or line breaks")
+        out[str(key)] = paths
+    return out
+
+
+def _env_str(value: Any) -> str:
+    """YAML scalars as the shell would see them (true -> 1 would surprise; keep text)."""
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return "" if value is None else str(value)
+
+
+def load_all(environ: dict[str, str] | None = None, cwd: Path | None = None) -> list[Cluster]:
+    """Every profile, loaded and validated (for ``hpc clusters``)."""
+    return [load(n, environ, cwd) for n in names(environ, cwd)]
