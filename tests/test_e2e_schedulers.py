@@ -266,18 +266,19 @@ def test_aurora_pbs_script_runs_as_pbs_would(pals_mpiexec, tmp_path):
 
 
 @pytest.mark.mpi
-def test_qsub_smoke_through_torque_wrapper(slurm_cluster, pals_mpiexec, tmp_path):
+def test_qsub_smoke_through_torque_wrapper(slurm_cluster, pals_mpiexec, lmod_frameworks, tmp_path):
     """`qsub` (slurm-wlm-torque's wrapper: sbatch reading the #PBS lines) runs the Aurora
-    script on the SLURM test cluster. The job sees no PBS_* variables there."""
+    script on the SLURM test cluster. The job sees no PBS_* variables there.
+
+    The script is a login shell (`#!/bin/bash -l`, as ALCF's examples), which sets PATH
+    afresh and defines Lmod's `module`: the real Lmod loads the test's `frameworks`
+    module (the job venv and the PALS shim), as on Aurora."""
     qsub = require_exe("qsub")
     script = _aurora_two_ranks(tmp_path)
-    stubs = tmp_path / "bin"
-    stubs.mkdir()
-    (stubs / "module").write_text("#!/bin/sh\nexit 0\n")
-    (stubs / "module").chmod(0o755)
+    assert script.read_text().startswith("#!/bin/bash -l\n")
     # The wrapper passes the submitting environment; PBS_O_WORKDIR stands for what real
     # qsub records, so the script's `cd $PBS_O_WORKDIR` finds configs/ in the repository.
-    env = dict(os.environ, PATH=f"{pals_mpiexec}:{stubs}:{os.environ['PATH']}",
+    env = dict(os.environ, PATH=f"{pals_mpiexec}:{os.environ['PATH']}",
                HPC_RUN_DIR=str(tmp_path), PYTHONPATH=str(ROOT / "src"), PBS_O_WORKDIR=str(ROOT))
     proc = subprocess.run([qsub, "-q", "debug", str(script)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60)
