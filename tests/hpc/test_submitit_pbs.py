@@ -355,3 +355,15 @@ def test_qsub_refusal_is_one_line(pbs: Path) -> None:
     with pytest.raises(SchedulerError) as exc:
         ex.submit(add, 1, 2)
     assert str(exc.value) == "qsub refused the job (exit 170): qsub: Unknown queue"
+
+
+def test_submitit_auto_executor_finds_the_pbs_plugin_through_its_entry_points(tmp_path: Path) -> None:
+    """setup.cfg's ``submitit`` entry points name hpc.executors.pbs (hpc_submitit is gone)."""
+    from submitit.core import plugins
+
+    plugins.get_executors.cache_clear()
+    plugins.get_job_environments.cache_clear()
+    assert plugins.get_executors()["pbs"] is sp.PBSExecutor
+    assert type(plugins.get_job_environments()["pbs"]) is pbs_env_mod.PBSJobEnvironment
+    ex = submitit.AutoExecutor(folder=tmp_path, cluster="pbs")
+    assert isinstance(ex._executor, sp.PBSExecutor)
