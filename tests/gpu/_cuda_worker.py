@@ -2,10 +2,13 @@
 JSON report (spec["report"]) and the final weights (spec["out"]) for tests/gpu.
 
 The model and data are the CPU tests' (tests/ddp/_train_worker.py), so a GPU result
-reads against the same run on the CPU. Spec keys: config, n, dropout, out, report,
+reads against the same run on the CPU. Spec keys: config, n, eval_n, dropout, out, report,
 loss_mult (multiplies the loss: large values make fp16 gradients overflow at
 GradScaler's initial scale, so the scaler's state differs from its defaults),
-probe_alloc_gb (after fit, try to allocate this much: max_memory_fraction's check).
+probe_alloc_gb (after fit, try to allocate this much: max_memory_fraction's check),
+nccl_group (a real 1-rank NCCL process group, and ddp's helpers told to use it: every
+collective the Trainer issues on the default group then runs through NCCL, which
+refuses CPU tensors; one GPU cannot hold two NCCL ranks).
 """
 
 from __future__ import annotations
@@ -42,6 +45,12 @@ def main() -> None:
     from ddp.config import TrainConfig
     from ddp.trainer import Trainer
 
+    if spec.get("nccl_group"):
+        import torch.distributed as tdist
+
+        tdist.init_process_group("nccl", init_method="env://", rank=0, world_size=1,
+                                 device_id=torch.device("cuda", 0))  # fmt: skip
+        ddp.dist._distributed = lambda: True  # world 1 skips collectives; here they run
     cfg = TrainConfig.from_dict(spec["config"])
     losses: list[torch.Tensor] = []
     seen: dict[str, str] = {}
@@ -56,8 +65,9 @@ def main() -> None:
         losses.append(loss.detach().float())  # stays on the device: no sync per step
         return loss
 
+    eval_data = make_data(spec["eval_n"], seed=1) if spec.get("eval_n") else None
     trainer = Trainer(make_model(spec.get("dropout", 0.0)), make_data(spec.get("n", 64)), cfg,
-                      step)  # fmt: skip
+                      step, eval_data)  # fmt: skip
     summary = trainer.fit()
     ctx = ddp.get_context()
     report = {

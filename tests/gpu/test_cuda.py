@@ -203,6 +203,19 @@ def test_fsdp_at_world_one_is_the_plain_model_with_sharded_checkpoints(tmp_path:
     _assert_same(final, _weights(full), atol=0.0)
 
 
+# ---- NCCL ---------------------------------------------------------------------------------
+def test_trainer_collectives_run_over_nccl(tmp_path: Path) -> None:
+    """Every collective of a run with checkpoints and evaluation, on a real (1-rank) NCCL
+    group: a CPU tensor in any of them fails ("No backend type associated with device
+    type cpu"), which Gloo on the CPU never shows."""
+    spec = _spec(tmp_path, "nccl", "bf16", tmp_path / "ck", nccl_group=True, eval_n=37)
+    _ok(_launch.run([WORKER, json.dumps(spec)], world=1, timeout=180))
+    r = _report(spec)
+    assert r["summary"]["samples"] == N * EPOCHS, r["summary"]
+    assert _latest(tmp_path / "ck")["global_step"] == N // BATCH * EPOCHS
+    assert "eval_loss" in r["summary"], r["summary"]
+
+
 # ---- CUDA-only options ------------------------------------------------------------------
 def test_max_memory_fraction_caps_the_allocator(tmp_path: Path) -> None:
     total_gb = torch.cuda.get_device_properties(0).total_memory / 2**30
