@@ -292,7 +292,7 @@ LM = {"vocab": 8192, "dim": 768, "layers": 6, "heads": 12, "seq": 256}
 class TinyLM:  # namespace only; the module class is built lazily (torch imports late)
     """A GPT-shaped LM: token + position embeddings, ``layers`` pre-norm causal
     TransformerEncoderLayers (dim 768, 12 heads, 4x MLP), a vocabulary head: 55M
-    parameters, 8192 tokens per step at batch 32, about 2.7 TFLOP per step."""
+    parameters, 8192 tokens per step at batch 32, about 2.5 TFLOP per step."""
 
     @staticmethod
     def build():  # noqa: ANN205
