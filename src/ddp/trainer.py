@@ -197,7 +197,9 @@ class Trainer:
     def _finish(self, summary: dict[str, Any], eval_metrics: dict[str, float],
                 t_start: float) -> dict[str, Any]:  # fmt: skip
         elapsed = time.perf_counter() - t_start
-        samples = ddp.reduce_sum(torch.tensor([float(self._samples)])).item()
+        # on the device: NCCL, the default group on GPUs, carries no CPU tensors
+        count = torch.tensor([float(self._samples)], device=self.ctx.device)
+        samples = ddp.reduce_sum(count).item()
         summary.update(eval_metrics)
         summary.update(
             steps=self.global_step, samples=int(samples),
@@ -371,9 +373,15 @@ class Trainer:
         win.reset(step)
 
     def _move(self, batch: Any) -> Any:
-        if self.ctx.device.type == "cpu":
+        """The batch on this rank's device. On CUDA the copy is always ``non_blocking``: a
+        blocking copy makes the host wait for all queued GPU work every step (a stream
+        synchronisation), while an async copy from pageable memory is staged by the driver
+        before it returns, so it is safe unpinned too (``pin_memory`` makes it truly
+        asynchronous)."""
+        dev = self.ctx.device
+        if dev.type == "cpu":
             return batch
-        return parts.to_device(batch, self.ctx.device, self.config.data.pin_memory)
+        return parts.to_device(batch, dev, self.config.data.pin_memory or dev.type == "cuda")
 
     def _save(self, loop: LoopState, at: tuple[int, int]) -> None:
         self.checkpointer.save(loop, self.wrapped, self.global_step, at)  # type: ignore[union-attr]
