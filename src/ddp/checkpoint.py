@@ -185,6 +185,22 @@ def sharded_path(directory: str | Path, step: int) -> Path:
     return Path(directory) / f"step_{step:09d}"
 
 
+def staging_path(path: Path) -> Path:
+    """Where a sharded checkpoint's shards are written before it is complete: a dot name
+    that the resume lookup (:data:`_STEP_RE`) never takes for a checkpoint."""
+    return path.with_name(f".{path.name}.tmp")
+
+
+def remove_stale_staging(directory: Path, keep: Path | None = None) -> None:
+    """Delete staging directories left by a run killed mid-save (never ``keep``).
+
+    Only while no save of this run is in flight (the directory lock keeps other runs out).
+    """
+    for stale in directory.glob(".step_*.tmp"):
+        if stale != keep and stale.is_dir() and not stale.is_symlink():
+            remove_checkpoint(stale)
+
+
 def _is_checkpoint(p: Path) -> bool:
     """A ``step_N.pt`` file, or a ``step_N`` directory holding its meta file."""
     if p.is_symlink():
@@ -239,12 +255,13 @@ class _Digesting:
 
 
 class PendingSave:
-    """A checkpoint whose bytes are written; the rest of its save may still be running.
+    """A checkpoint whose save may still be running: the caller goes on training.
 
-    The fsync, the rename into place, the ``latest`` update and pruning run in a thread
-    when the save was started with ``background=True``, so the disk flush overlaps
-    training. :meth:`wait` joins it and raises what it failed with (one ConfigError line
-    for a write error), once.
+    ``finalize`` runs in a thread when ``background=True``: for a plain checkpoint the
+    fsync, the rename into place, the ``latest`` update and pruning (its bytes are
+    already written); for a sharded one also the wait for every rank's shards
+    (``ddp.checkpointer``). :meth:`wait` joins it and raises what it failed with (one
+    ConfigError line for a write error), once.
     """
 
     def __init__(self, path: Path, finalize: Callable[[], None], background: bool) -> None:
