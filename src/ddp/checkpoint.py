@@ -191,13 +191,13 @@ def staging_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp")
 
 
-def remove_stale_staging(directory: Path, keep: Path | None = None) -> None:
-    """Delete staging directories left by a run killed mid-save (never ``keep``).
+def remove_stale_staging(directory: Path) -> None:
+    """Delete staging directories left by a run killed mid-save.
 
     Only while no save of this run is in flight (the directory lock keeps other runs out).
     """
     for stale in directory.glob(".step_*.tmp"):
-        if stale != keep and stale.is_dir() and not stale.is_symlink():
+        if stale.is_dir() and not stale.is_symlink():
             remove_checkpoint(stale)
 
 
