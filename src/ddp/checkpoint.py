@@ -192,13 +192,15 @@ def staging_path(path: Path) -> Path:
 
 
 def remove_stale_staging(directory: Path) -> None:
-    """Delete staging directories left by a run killed mid-save.
+    """Delete staging directories left by a run killed mid-save, and checkpoint
+    directories left half-deleted (:func:`remove_checkpoint`).
 
     Only while no save of this run is in flight (the directory lock keeps other runs out).
     """
-    for stale in directory.glob(".step_*.tmp"):
-        if stale.is_dir() and not stale.is_symlink():
-            remove_checkpoint(stale)
+    for pattern in (".step_*.tmp", ".step_*.old"):
+        for stale in directory.glob(pattern):
+            if stale.is_dir() and not stale.is_symlink():
+                remove_checkpoint(stale)
 
 
 def _is_checkpoint(p: Path) -> bool:
@@ -222,10 +224,24 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
 
 
 def remove_checkpoint(path: Path) -> None:
-    """Delete a checkpoint file with its digest, or a sharded checkpoint's directory."""
+    """Delete a checkpoint file with its digest, or a sharded checkpoint's directory.
+
+    A ``step_N`` directory is first renamed to a hidden ``.step_N.old``: a kill during
+    the deletion would otherwise leave a ``step_N`` with some shards (or none) that
+    pruning never removes once its meta file is gone; the hidden one is removed by
+    :func:`remove_stale_staging`.
+    """
     if path.is_dir() and not path.is_symlink():
         import shutil
 
+        if _STEP_RE.match(path.name):
+            trash = path.with_name(f".{path.name}.old")
+            shutil.rmtree(trash, ignore_errors=True)
+            try:
+                os.replace(path, trash)
+                path = trash
+            except OSError:
+                pass  # delete it in place
         shutil.rmtree(path, ignore_errors=True)
         return
     for gone in (path, _digest_path(path)):

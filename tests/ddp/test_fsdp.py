@@ -380,3 +380,27 @@ def test_resume_on_other_ranks_with_the_same_global_batch_continues_the_run(
     a, b = _final(tmp_path / "full"), _final(tmp_path / "part")
     for k in a:
         assert torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6), (k, (a[k] - b[k]).abs().max())
+
+
+def test_a_kill_while_pruning_leaves_no_partial_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pruned checkpoint directory disappears at once (renamed to a hidden name before
+    it is deleted): a kill during the deletion leaves nothing that looks like step_N,
+    and a later save removes what is left."""
+    import shutil
+
+    from ddp import checkpoint as ckpt
+
+    cp, loop, model = _one_rank_checkpointer(tmp_path)
+    cp.save(loop, model, 3, (0, 3))
+    cp.wait()
+    rmtree = shutil.rmtree
+    monkeypatch.setattr(shutil, "rmtree", lambda *a, **k: None)  # killed before deleting
+    ckpt.remove_checkpoint(tmp_path / "step_000000003")
+    assert not (tmp_path / "step_000000003").exists() and ckpt.list_checkpoints(tmp_path) == []
+    assert (tmp_path / ".step_000000003.old" / "meta.pt").is_file()
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    cp.save(loop, model, 5, (0, 5))
+    cp.wait()
+    assert sorted(p.name for p in tmp_path.iterdir() if "step" in p.name) == ["step_000000005"]
