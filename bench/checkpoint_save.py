@@ -5,6 +5,7 @@ bare ``torch.save`` of the same state to the same directory. Goal <= 1.2x.
 State: a ~25M-parameter MLP with its AdamW state (~300 MB). Rounds alternate the
 order; the figure is the median of per-round paired ratios.
 Usage: python bench/checkpoint_save.py [--rounds 5] [--dir DIR] [--width 2048]
+(Sharded FSDP saves, sync vs async: ``bench/fsdp_vs_ddp.py --saves-only``.)
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ def main() -> None:
         def atomic() -> float:
             os.sync()
             t0 = time.perf_counter()
-            ckpt.save_checkpoint(state, d, 1, keep_last=1, background=True)
+            pending = ckpt.begin_save(state, d, 1, keep_last=1, background=True)
             blocking = time.perf_counter() - t0
-            ckpt.wait_pending()  # not counted: the trainer overlaps it with training
+            pending.wait()  # not counted: the trainer overlaps it with training
             durable.append(time.perf_counter() - t0)
             return blocking
 

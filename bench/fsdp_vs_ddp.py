@@ -9,9 +9,18 @@ of W ranks (W from --worlds) it reports:
   fsdp / (ddp / W) (goal <= 1.1, the rest a constant: unsharded biases and the step);
 - steady-state samples/s of fsdp vs ddp (median of --rounds paired rounds of --steps);
 - the sharded checkpoint's save time (every rank writes its shards, rank 0 adds the meta
-  file; ddp.checkpointer) vs rank 0's ``torch.save`` of the full gathered state.
+  file; ddp.checkpointer) vs rank 0's ``torch.save`` of the full gathered state;
+- how long a save blocks the training loop, through the trainer's own
+  ``Checkpointer.save`` with its defaults (async: DCP's ``async_save``, finalized in a
+  thread) vs ``Checkpointer(background=False)`` (sync) vs gathering the full state and
+  ``torch.save`` from rank 0: the time the save call takes, and the extra wall time of
+  a save followed by --steps training steps over the same steps without a save
+  (includes the background write competing with training for the CPU, and any wait
+  for it at the end), both the slowest rank's, median of --rounds rounds in rotating
+  order. ``--saves-only`` runs just this part.
 
 Usage: python bench/fsdp_vs_ddp.py [--worlds 2,4] [--dim 1024] [--rounds 5] [--steps 20]
+       [--saves-only]
 """
 
 from __future__ import annotations
@@ -123,7 +132,88 @@ def save_times(dim: int) -> tuple[float, float]:
     return t_sharded, t_full
 
 
-def worker(dim: int, rounds: int, steps: int) -> None:
+def blocked_by_saves(dim: int, rounds: int, steps: int, batch: int = 32) -> dict[str, float]:
+    """Per arm: (median s the save call blocks, median extra s of save + steps over steps),
+    the slowest rank's (see the module docstring)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    import ddp
+    from ddp import fsdp
+    from ddp.checkpointer import Checkpointer, LoopState
+    from ddp.config import TrainConfig
+
+    net = ddp.wrap(model(dim), "fsdp")
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    x = torch.randn(batch, dim)
+
+    def train(n: int) -> None:
+        for _ in range(n):
+            opt.zero_grad(set_to_none=True)
+            net(x).pow(2).mean().backward()
+            opt.step()
+
+    train(2)
+    box = [tempfile.mkdtemp(prefix="bench-fsdp-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box)
+    d = Path(box[0])
+    cfg = TrainConfig.from_dict({"ddp": {"strategy": "fsdp"},
+                                 "checkpoint": {"dir": str(d / "ck"), "keep_last": 1}})  # fmt: skip
+    ctx = ddp.get_context()
+    cps = {"async": Checkpointer(cfg, ctx), "sync": Checkpointer(cfg, ctx, background=False)}
+    loop = LoopState(0, 0, 0, 10**6, 0, opt, sched, None)
+    step = [0]
+
+    def save(arm: str) -> None:
+        step[0] += 1
+        if arm in cps:
+            cps[arm].save(loop, net, step[0], (0, step[0]))
+            return
+        full = fsdp.full_state_dict(net)
+        osd = get_optimizer_state_dict(net, opt, options=StateDictOptions(full_state_dict=True,
+                                                                          cpu_offload=True))  # fmt: skip
+        if dist.get_rank() == 0:
+            torch.save({"model": full, "optimizer": osd}, d / "full.pt")
+        dist.barrier()
+
+    arms = ["none", "async", "sync", "full"]
+    for arm in arms[1:]:
+        save(arm)  # warm-up: the checkpoint group, DCP's imports, the page cache
+        cps["async"].wait()
+    blocked: dict[str, list[float]] = {a: [] for a in arms[1:]}
+    total: dict[str, list[float]] = {a: [] for a in arms}
+    for r in range(rounds):
+        for arm in arms[r % len(arms):] + arms[: r % len(arms)]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            if arm != "none":
+                save(arm)
+                t_save = time.perf_counter() - t0
+            train(steps)
+            cps["async"].wait()  # a save still running is part of this arm's cost
+            dist.barrier()
+            t = time.perf_counter() - t0
+            worst = max(ddp.all_gather_object((t_save if arm != "none" else 0.0, t)))
+            if arm != "none":
+                blocked[arm].append(worst[0])
+            total[arm].append(worst[1])
+    for cp in cps.values():
+        cp.close()
+    if dist.get_rank() == 0:
+        import shutil
+
+        shutil.rmtree(d, ignore_errors=True)
+    base = statistics.median(total["none"])
+    out = {"loop_s_without_save": round(base, 3)}
+    for arm in arms[1:]:
+        out[f"{arm}_save_blocks_s"] = round(statistics.median(blocked[arm]), 3)
+        out[f"{arm}_extra_loop_s"] = round(statistics.median(total[arm]) - base, 3)
+    return out
+
+
+def worker(dim: int, rounds: int, steps: int, saves_only: bool = False) -> None:
     import logging
 
     import torch.distributed as dist
@@ -132,6 +222,14 @@ def worker(dim: int, rounds: int, steps: int) -> None:
 
     ctx = ddp.init(backend="gloo")
     logging.getLogger("ddp").setLevel(logging.WARNING)
+    if saves_only:
+        saves = blocked_by_saves(dim, rounds, steps)
+        if ctx.is_main:
+            print(json.dumps({"world": ctx.world_size, "dim": dim, "steps": steps, **saves}),
+                  flush=True)  # fmt: skip
+        dist.barrier()
+        ddp.shutdown()
+        return
     for s in ("ddp", "fsdp"):
         run(s, dim, 2)  # warm-up
     t_ddp, mem_ddp = run("ddp", dim, 1)
@@ -142,6 +240,7 @@ def worker(dim: int, rounds: int, steps: int) -> None:
         t = {s: run(s, dim, steps)[0] for s in order}
         ratios.append(t["ddp"] / t["fsdp"])
     saves = [save_times(dim) for _ in range(3)]
+    blocked = blocked_by_saves(dim, rounds, steps)
     mems = ddp.all_gather_object((mem_ddp, mem_fsdp))
     if ctx.is_main:
         w = ctx.world_size
@@ -154,6 +253,7 @@ def worker(dim: int, rounds: int, steps: int) -> None:
             "speed_spread": [round(min(ratios), 3), round(max(ratios), 3)],
             "sharded_save_s": round(statistics.median(s for s, _ in saves), 3),
             "full_torch_save_s": round(statistics.median(f for _, f in saves), 3),
+            **blocked,
         }), flush=True)
     dist.barrier()
     ddp.shutdown()
@@ -165,10 +265,12 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--saves-only", action="store_true",
+                    help="only how long each kind of save blocks the training loop")  # fmt: skip
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(args.dim, args.rounds, args.steps)
+        worker(args.dim, args.rounds, args.steps, args.saves_only)
         return
     for world in (int(w) for w in args.worlds.split(",")):
         with socket.socket() as s:
@@ -182,6 +284,7 @@ def main() -> None:
                    "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
             cmd = [sys.executable, __file__, "--worker", "--dim", str(args.dim),
                    "--rounds", str(args.rounds), "--steps", str(args.steps)]  # fmt: skip
+            cmd += ["--saves-only"] if args.saves_only else []
             procs.append(subprocess.Popen(cmd, env=env))
         rc = max(p.wait() for p in procs)
         if rc:

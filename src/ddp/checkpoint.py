@@ -185,6 +185,24 @@ def sharded_path(directory: str | Path, step: int) -> Path:
     return Path(directory) / f"step_{step:09d}"
 
 
+def staging_path(path: Path) -> Path:
+    """Where a sharded checkpoint's shards are written before it is complete: a dot name
+    that the resume lookup (:data:`_STEP_RE`) never takes for a checkpoint."""
+    return path.with_name(f".{path.name}.tmp")
+
+
+def remove_stale_staging(directory: Path) -> None:
+    """Delete staging directories left by a run killed mid-save, and checkpoint
+    directories left half-deleted (:func:`remove_checkpoint`).
+
+    Only while no save of this run is in flight (the directory lock keeps other runs out).
+    """
+    for pattern in (".step_*.tmp", ".step_*.old"):
+        for stale in directory.glob(pattern):
+            if stale.is_dir() and not stale.is_symlink():
+                remove_checkpoint(stale)
+
+
 def _is_checkpoint(p: Path) -> bool:
     """A ``step_N.pt`` file, or a ``step_N`` directory holding its meta file."""
     if p.is_symlink():
@@ -206,10 +224,24 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
 
 
 def remove_checkpoint(path: Path) -> None:
-    """Delete a checkpoint file with its digest, or a sharded checkpoint's directory."""
+    """Delete a checkpoint file with its digest, or a sharded checkpoint's directory.
+
+    A ``step_N`` directory is first renamed to a hidden ``.step_N.old``: a kill during
+    the deletion would otherwise leave a ``step_N`` with some shards (or none) that
+    pruning never removes once its meta file is gone; the hidden one is removed by
+    :func:`remove_stale_staging`.
+    """
     if path.is_dir() and not path.is_symlink():
         import shutil
 
+        if _STEP_RE.match(path.name):
+            trash = path.with_name(f".{path.name}.old")
+            shutil.rmtree(trash, ignore_errors=True)
+            try:
+                os.replace(path, trash)
+                path = trash
+            except OSError:
+                pass  # delete it in place
         shutil.rmtree(path, ignore_errors=True)
         return
     for gone in (path, _digest_path(path)):
@@ -239,12 +271,13 @@ class _Digesting:
 
 
 class PendingSave:
-    """A checkpoint whose bytes are written; the rest of its save may still be running.
+    """A checkpoint whose save may still be running: the caller goes on training.
 
-    The fsync, the rename into place, the ``latest`` update and pruning run in a thread
-    when the save was started with ``background=True``, so the disk flush overlaps
-    training. :meth:`wait` joins it and raises what it failed with (one ConfigError line
-    for a write error), once.
+    ``finalize`` runs in a thread when ``background=True``: for a plain checkpoint the
+    fsync, the rename into place, the ``latest`` update and pruning (its bytes are
+    already written); for a sharded one also the wait for every rank's shards
+    (``ddp.checkpointer``). :meth:`wait` joins it and raises what it failed with (one
+    ConfigError line for a write error), once.
     """
 
     def __init__(self, path: Path, finalize: Callable[[], None], background: bool) -> None:

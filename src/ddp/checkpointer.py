@@ -11,6 +11,7 @@ says so.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import time
@@ -68,10 +69,16 @@ class LoopState:
 class Checkpointer:
     """Saves and restores one run's state in ``config.checkpoint.dir`` (None: off)."""
 
-    def __init__(self, config: TrainConfig, ctx: Context) -> None:
+    def __init__(self, config: TrainConfig, ctx: Context, background: bool = True) -> None:
+        """``background``: finish each save in a thread while training goes on (the
+        default: the plain file's fsync, rename and ``latest``; a sharded checkpoint's
+        whole write, through DCP's ``async_save``). False: every save is complete when
+        :meth:`save` returns (benchmarks, debugging)."""
         self.config = config
         self.ctx = ctx
         self.dir = config.checkpoint.dir
+        self.background = background
+        self._group: Any = None  # the Gloo group of background sharded saves
         self._lock: ckpt.DirLock | None = None
         self._pending: ckpt.PendingSave | None = None
         self.resumed_from = ""
@@ -179,7 +186,8 @@ class Checkpointer:
     def save(
         self, loop: LoopState, model: torch.nn.Module, global_step: int, at: tuple[int, int]
     ) -> None:
-        """Collective: every rank's RNG to rank 0, which writes in the background.
+        """Collective: every rank's RNG to rank 0, which writes the checkpoint file (DDP),
+        or every rank its shards (FSDP); finished in the background by default.
 
         ``at`` is the (epoch, micro-batch) a resumed run starts from."""
         if not self.dir:
@@ -199,9 +207,12 @@ class Checkpointer:
             }
             self.wait()  # one save in flight at a time; its error surfaces here
             c = self.config.checkpoint
-            self._pending = ckpt.begin_save(state, self.dir, global_step, c.keep_last, True)
-            log.info("saved %s in %.2fs (fsync continues in the background)",
-                     self._pending.path, time.perf_counter() - t0)  # fmt: skip
+            pending = ckpt.begin_save(state, self.dir, global_step, c.keep_last, self.background)
+            self._pending = pending
+            if not self.background:
+                self.wait()
+            log.info("saved %s in %.2fs%s", pending.path, time.perf_counter() - t0,
+                     " (fsync continues in the background)" if self.background else "")  # fmt: skip
         ddp.barrier()
 
     def _common(
@@ -225,35 +236,96 @@ class Checkpointer:
 
     def _save_sharded(self, loop: LoopState, model: torch.nn.Module, global_step: int,
                       at: tuple[int, int], rngs: list[Any]) -> None:  # fmt: skip
-        """Collective: every rank's shards into ``.step_N.tmp``, then rank 0 adds the meta
-        file (with every shard's digest), renames the directory and moves ``latest``."""
+        """Collective: every rank's shards into the staging directory ``.step_N.tmp``; once
+        every rank's write is done, rank 0 adds the meta file (with every shard's digest),
+        renames the directory to ``step_N`` and moves ``latest`` (:meth:`_finalize_sharded`).
+
+        In the background (the default) only the copy of this rank's shards to CPU memory
+        blocks the loop; the write and the finalize run in a thread, on a Gloo group of
+        their own, and are finished by the next save, the export, a preemption exit or
+        :meth:`close`."""
         t0 = time.perf_counter()
         directory = Path(self.dir)  # type: ignore[arg-type]
         final = ckpt.sharded_path(directory, global_step)
-        tmp = directory / f".{final.name}.tmp"
+        tmp = ckpt.staging_path(final)
+        self.wait()  # one save in flight at a time; its error surfaces here, on every rank
         if self.ctx.is_main:
-            self.wait()
             ckpt.remove_checkpoint(tmp)  # left by a run killed mid-save
             directory.mkdir(parents=True, exist_ok=True)
         ddp.barrier()
-        extra = sharded.save(tmp, model, loop.opt)
-        mine = {f.name: ckpt.sha256_file(f) for f in tmp.glob(f"__{self.ctx.rank}_*.distcp")}
-        digests: dict[str, str] = {}
-        for part in ddp.all_gather_object(mine):
-            digests.update(part)
+        meta = None
+        if self.ctx.is_main:  # taken now: the loop moves on while the shards are written
+            meta = copy.deepcopy({**self._common(loop, global_step, at, rngs),
+                                  "format": ckpt.FORMAT_VERSION})  # fmt: skip
+        if self.background:
+            self._group = ddp.dist.checkpoint_group()  # collective the first time (all ranks)
+            extra, written = sharded.save_async(tmp, model, loop.opt, self._group)
+        else:
+            extra, written = _save_now(tmp, model, loop.opt)
+        if meta is not None:
+            meta.update(extra)
+        blocked = time.perf_counter() - t0
+
+        def finalize() -> None:
+            self._finalize_sharded(written, tmp, final, meta, blocked, t0)
+
+        self._pending = ckpt.PendingSave(final, finalize, self.background)
+        if not self.background:
+            self.wait()
+
+    def _finalize_sharded(self, written: Any, tmp: Path, final: Path,
+                          meta: dict[str, Any] | None, blocked: float, t0: float) -> None:  # fmt: skip
+        """Collective (on the save's group): wait for this rank's write, agree that every
+        rank's succeeded, then rank 0 makes the checkpoint visible. Every rank raises the
+        same error (the first failed rank's, as one line) or none, so a failure never
+        leaves a rank waiting in a collective the others skip."""
+        group = self._group if self.background else None
+        directory = final.parent
+        mine: dict[str, str] = {}
+        failure: tuple[bool, str] | None = None
+        try:
+            written()  # DCP raises the same CheckpointException on every rank
+            mine = {f.name: ckpt.sha256_file(f)
+                    for f in tmp.glob(f"__{self.ctx.rank}_*.distcp")}  # fmt: skip
+        except BaseException as exc:  # CheckpointException is one
+            failure = _describe(exc, self.ctx.rank, directory, tmp.name)
+        gathered = ddp.all_gather_object((mine, failure), group=group)
+        failures = [f for _, f in gathered if f is not None]
+        outcome = failures[0] if failures else None
+        if outcome is None:
+            if self.ctx.is_main:
+                assert meta is not None
+                try:
+                    self._publish(gathered, tmp, final, meta)
+                except BaseException as exc:  # reported on every rank
+                    outcome = _describe(exc, 0, directory, final.name)
+            outcome = ddp.broadcast_object(outcome, group=group)
+        if outcome is not None:
+            if self.ctx.is_main:
+                ckpt.remove_checkpoint(tmp)  # every rank is done with it (the gather)
+            is_write_error, message = outcome
+            raise ConfigError(message) if is_write_error else RuntimeError(message)
         if self.ctx.is_main:
-            digests[".metadata"] = ckpt.sha256_file(tmp / ".metadata")
-            meta = {**self._common(loop, global_step, at, rngs), **extra, "shards": digests,
-                    "format": ckpt.FORMAT_VERSION}  # fmt: skip
-            ckpt.atomic_save_digested(meta, tmp / ckpt.META)
-            ckpt.remove_checkpoint(final)  # a checkpoint of the same step from an older run
-            os.replace(tmp, final)
-            ckpt.fsync_dir(directory)
-            ckpt.atomic_write_text(final.name + "\n", directory / ckpt.LATEST)
-            ckpt.prune(directory, self.config.checkpoint.keep_last, final)
-            log.info("saved %s (%d shards) in %.2fs", final, len(digests) - 1,
-                     time.perf_counter() - t0)  # fmt: skip
-        ddp.barrier()
+            log.info("saved %s (%d shards): training blocked %.2fs, durable after %.2fs%s",
+                     final, len(gathered), blocked, time.perf_counter() - t0,
+                     " (written in the background)" if self.background else "")  # fmt: skip
+
+    def _publish(self, gathered: list[Any], tmp: Path, final: Path, meta: dict[str, Any]) -> None:
+        """Rank 0, every shard written: the meta file with every shard's digest, the rename
+        into place, ``latest``, keep-last pruning and stale staging directories."""
+        directory = final.parent
+        digests: dict[str, str] = {}
+        for part, _ in gathered:
+            digests.update(part)
+        digests[".metadata"] = ckpt.sha256_file(tmp / ".metadata")
+        meta["shards"] = digests
+        ckpt.atomic_save_digested(meta, tmp / ckpt.META)
+        ckpt.remove_checkpoint(final)  # a checkpoint of the same step from an older run
+        os.replace(tmp, final)
+        ckpt.fsync_dir(directory)
+        ckpt.atomic_write_text(final.name + "\n", directory / ckpt.LATEST)
+        ckpt.prune(directory, self.config.checkpoint.keep_last, final)
+        ckpt.remove_stale_staging(directory)
 
     def export(self, model: torch.nn.Module, global_step: int) -> str | None:
         """Collective: ``final/model.pt`` for single-device inference (``save_final``)."""
@@ -269,6 +341,42 @@ class Checkpointer:
             path = str(ckpt.export_final(model, self.dir, self.config.to_yaml(), full))
         ddp.barrier()
         return path
+
+
+def _save_now(tmp: Path, model: torch.nn.Module, opt: Any) -> tuple[dict[str, Any], Any]:
+    """The synchronous write, shaped like ``sharded.save_async``'s result: its failure
+    (DCP raises a CheckpointException, a BaseException) is re-raised by ``written()``,
+    so both paths report it the same way, on every rank."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return sharded.save(tmp, model, opt), lambda: None
+    except (Exception, CheckpointException) as exc:
+        failure = exc
+
+        def written() -> None:
+            raise failure
+
+        return {}, written
+
+
+def _describe(exc: BaseException, rank: int, directory: Path, name: str) -> tuple[bool, str]:
+    """(is a write error, one line) for a failed sharded save, the same text on every rank.
+
+    DCP wraps each rank's failure in a CheckpointException (traceback text included);
+    the first failed rank's exception is what is named. An OSError (full disk, quota,
+    read-only) is a ConfigError line, as for a plain checkpoint."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        first = failures[rank]
+        exc = first[0] if isinstance(first, tuple) else first
+    where = f"{name} (rank {rank})"
+    if isinstance(exc, OSError):
+        return True, str(ckpt._write_error(directory, where, exc))
+    text = (str(exc).strip().splitlines() or [""])[0][:300]
+    return False, (f"checkpoint.dir {str(directory)!r}: writing {where} failed: "
+                   f"{type(exc).__name__}: {text}; the earlier checkpoints are kept")  # fmt: skip
 
 
 def derive_rng(seed: int, step: int, rank: int) -> None:

@@ -60,6 +60,7 @@ class Context:
 
 _CONTEXT: Context | None = None
 _CPU_GROUP: Any = None  # a Gloo group beside a GPU backend: control messages on the CPU
+_CKPT_GROUP: Any = None  # a Gloo group for checkpoint collectives in a background thread
 
 
 def setup_logging(rank: int, level: int = logging.INFO) -> None:
@@ -340,25 +341,44 @@ def cpu_group() -> Any:
     return _CPU_GROUP
 
 
-def all_gather_object(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, in rank order (``[obj]`` for world size 1)."""
+def checkpoint_group() -> Any:
+    """Collective on the first call (every rank, at the same point): the Gloo group that
+    asynchronous checkpoint saves use (DCP's ``async_save`` and the finalize after it).
+
+    Those collectives run in a background thread while the main thread trains on the
+    default group and votes on :func:`cpu_group`; two threads issuing collectives on one
+    group could pair one thread's collective with the other's on a peer. None when not
+    distributed; forgotten by :func:`shutdown`.
+    """
+    global _CKPT_GROUP
+    if _CKPT_GROUP is None and _distributed():
+        import torch.distributed as tdist
+
+        limit = _CONTEXT.timeout_s if _CONTEXT is not None else None
+        _CKPT_GROUP = tdist.new_group(backend="gloo", timeout=_timeout(limit))
+    return _CKPT_GROUP
+
+
+def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``obj``, in rank order (``[obj]`` for world size 1); ``group``: one
+    spanning every rank (default: the default group)."""
     if not _distributed():
         return [obj]
     import torch.distributed as tdist
 
     out: list[Any] = [None] * tdist.get_world_size()
-    tdist.all_gather_object(out, obj)
+    tdist.all_gather_object(out, obj, group=group)
     return out
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """``obj`` as rank ``src`` has it, on every rank."""
+def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
+    """``obj`` as rank ``src`` has it, on every rank (``group``: one spanning every rank)."""
     if not _distributed():
         return obj
     import torch.distributed as tdist
 
     box = [obj]
-    tdist.broadcast_object_list(box, src=src)
+    tdist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 
@@ -407,7 +427,7 @@ def print0(*args: Any, **kwargs: Any) -> None:
 
 def shutdown() -> None:
     """Destroy the process group (if any) and forget the context; safe to call twice."""
-    global _CONTEXT, _CPU_GROUP
+    global _CONTEXT, _CPU_GROUP, _CKPT_GROUP
     import torch.distributed as tdist
 
     if tdist.is_available() and tdist.is_initialized():
@@ -415,6 +435,7 @@ def shutdown() -> None:
     _quiesce()
     _CONTEXT = None
     _CPU_GROUP = None
+    _CKPT_GROUP = None
 
 
 def _at_exit() -> None:

@@ -7,11 +7,13 @@ Layout (one directory per checkpoint, beside the ``step_N.pt`` files of DDP runs
         .metadata                       DCP's index of the shards
         meta.pt  meta.pt.sha256         rank 0: everything else, and every shard's digest
 
-Every rank writes its own shards into ``.step_N.tmp`` (collectively), then rank 0 adds
-the meta file and renames the directory into place; ``latest`` moves after that, so a
-``kill -9`` at any moment leaves ``latest`` on a complete checkpoint (a ``.tmp``
-directory is ignored and removed by the next save). DCP reshards on load, so a run
-resumes on any number of ranks.
+Every rank writes its own shards into the staging directory ``.step_N.tmp``
+(collectively; by default in the background, :func:`save_async`), then, once every
+rank's write has finished, rank 0 adds the meta file and renames the directory into
+place; ``latest`` moves after that, so a ``kill -9`` at any moment leaves ``latest`` on a
+complete checkpoint (a ``.tmp`` directory is never a checkpoint to the resume lookup and
+is removed by a later save). DCP reshards on load, so a run resumes on any number of
+ranks.
 
 Checkpoints are untrusted input. DCP itself unpickles its ``.metadata`` file and
 ``torch.load``\\ s non-tensor values with ``weights_only=False``; here only tensors go
@@ -22,8 +24,10 @@ metadata classes and nothing else, and the load planner refuses pickled values.
 
 from __future__ import annotations
 
+import copy
 import io
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -126,16 +130,50 @@ def state(model: nn.Module, opt: torch.optim.Optimizer | None) -> tuple[dict, di
     return get_state_dict(model, opt)
 
 
-def save(directory: Path, model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+def _parts(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict[str, Any]]:
+    """(the tensors DCP writes, what goes into the meta file: the optimizer's non-tensor
+    values and param groups, copied so that later steps cannot change them)."""
+    msd, osd = state(model, opt)
+    assert osd is not None
+    opt_tensors, opt_other = split(osd.get("state", {}))
+    extra = {"optim_other": opt_other, "param_groups": osd.get("param_groups")}
+    return {"model": msd, "optim": opt_tensors or {}}, copy.deepcopy(extra)
+
+
+def save(
+    directory: Path, model: nn.Module, opt: torch.optim.Optimizer, group: Any = None
+) -> dict[str, Any]:
     """Collective: every rank writes its shards into ``directory``; returns what must go
     into the meta file (the optimizer's non-tensor values and param groups)."""
     import torch.distributed.checkpoint as dcp
 
-    msd, osd = state(model, opt)
-    assert osd is not None
-    opt_tensors, opt_other = split(osd.get("state", {}))
-    dcp.save({"model": msd, "optim": opt_tensors or {}}, checkpoint_id=str(directory))
-    return {"optim_other": opt_other, "param_groups": osd.get("param_groups")}
+    tensors, extra = _parts(model, opt)
+    dcp.save(tensors, checkpoint_id=str(directory), process_group=group)
+    return extra
+
+
+def save_async(
+    directory: Path, model: nn.Module, opt: torch.optim.Optimizer, group: Any = None
+) -> tuple[dict[str, Any], Callable[[], None]]:
+    """Collective: copy this rank's shards to CPU memory now, write them into
+    ``directory`` in a background thread (DCP's ``async_save``); returns (what goes into
+    the meta file, a function that waits for the write of every rank and raises its
+    failure: DCP gathers every rank's error and raises the same one on all).
+
+    ``group``: a Gloo group that nothing else uses while the write runs (its collectives
+    run in DCP's thread; ``ddp.dist.checkpoint_group``). Only the copy blocks the caller:
+    training may change the weights as soon as this returns.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    tensors, extra = _parts(model, opt)
+    future: Any = dcp.async_save(tensors, checkpoint_id=str(directory), process_group=group)
+    future = getattr(future, "upload_completion", future)  # an AsyncSaveResponse: its write
+
+    def written() -> None:
+        future.result()
+
+    return extra, written
 
 
 def load_model(directory: Path, model: nn.Module) -> None:

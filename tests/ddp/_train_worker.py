@@ -2,7 +2,8 @@
 
 Spec keys: config (TrainConfig mapping), n (train samples), eval_n, dropout,
 out (rank 0 saves {"state", "summary"} there), summary (rank 0 writes the summary's
-numbers there as JSON), fail_rank/fail_step (raise there),
+numbers there as JSON), fail_rank/fail_step (raise there), fail_write_rank (that
+rank's sharded checkpoint writes fail with ENOSPC),
 wait_signal_step + ready_dir (write <rank>.pid at that step, then spin until a
 preemption signal arrives, at most wait_timeout seconds (30), so a test can signal
 every rank mid-epoch).
@@ -40,6 +41,8 @@ def main() -> None:
 
     cfg = TrainConfig.from_dict(spec["config"])
     trainer: Trainer
+    if spec.get("fail_write_rank") is not None:
+        _fail_shard_writes(int(spec["fail_write_rank"]))
 
     def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         rank = ddp.get_context().rank
@@ -67,6 +70,24 @@ def main() -> None:
     if ddp.get_context().is_main and spec.get("out"):
         torch.save({"state": trainer.model.state_dict(), "summary": summary}, spec["out"])
     ddp.shutdown()
+
+
+def _fail_shard_writes(rank: int) -> None:
+    """On ``rank``, DCP's file writer fails as on a full disk (in its background thread)."""
+    import errno
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    original = FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):  # noqa: ANN001, ANN202
+        import ddp
+
+        if ddp.get_context().rank == rank:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(self, plan, planner)
+
+    FileSystemWriter.write_data = write_data  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

@@ -106,6 +106,8 @@ def test_a_two_rank_checkpoint_reshards_to_other_world_sizes(tmp_path: Path, wor
     ck = tmp_path / "ck"
     first = _run({"config": _cfg(ck, max_steps=10), "n": 256}, world=2)
     _ok(first)
+    assert "step_000000010 (2 shards)" in first[0][1]
+    assert "(written in the background)" in first[0][1]  # the default: DCP's async_save
     saved = _final(ck)
     # Resumed with nothing left to do: the export is what was loaded, resharded.
     _ok(_run({"config": _cfg(ck, max_steps=10), "n": 256}, world=world))
@@ -153,7 +155,155 @@ def test_kill_9_during_sharded_saves_then_resume_matches(tmp_path: Path) -> None
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_failed_shard_write_on_one_rank_stops_every_rank_with_one_line(tmp_path: Path) -> None:
+    """Rank 1's background shard write fails (ENOSPC): both ranks stop (exit 2, no hang)
+    at the next save with the same line naming rank 1; `latest` never names it."""
+    spec = {"config": _cfg(tmp_path / "ck", max_steps=8), "n": 256, "fail_write_rank": 1}
+    spec["config"]["checkpoint"]["every_n_steps"] = 2
+    results = _run(spec, world=2, timeout=120)
+    assert [rc for rc, _, _ in results] == [2, 2], [r[2][-2000:] for r in results]
+    want = ("writing .step_000000002.tmp (rank 1) failed: No space left on device; the "
+            "earlier checkpoints are kept")  # fmt: skip
+    for rank, (_, _, err) in enumerate(results):
+        lines = [line for line in err.splitlines() if "ddp: error:" in line]
+        assert len(lines) == 1 and want in lines[0], err[-3000:]
+        assert lines[0].startswith(f"ddp: error: rank {rank} failed: checkpoint.dir"), lines
+    ck = tmp_path / "ck"
+    assert not (ck / "latest").exists() and not list(ck.glob("*step_*")), list(ck.iterdir())
+
+
 # ---- units --------------------------------------------------------------------------------
+
+
+def _one_rank_checkpointer(ck: Path, background: bool = True):  # noqa: ANN202
+    """A Checkpointer for strategy fsdp on one rank (no process group), its loop and model."""
+    from ddp.checkpointer import Checkpointer, LoopState
+    from ddp.config import TrainConfig
+    from ddp.dist import Context
+
+    cfg = TrainConfig.from_dict({"ddp": {"strategy": "fsdp"}, "checkpoint": {"dir": str(ck)}})
+    ctx = Context(0, 0, 1, 1, 0, torch.device("cpu"), "gloo", "none", "127.0.0.1", 0)
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    loop = LoopState(0, 0, 3, 10, 0, opt, sched, None)
+    return Checkpointer(cfg, ctx, background), loop, model
+
+
+def _hold_shard_writes(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN202
+    """DCP's writer waits for the returned event before it writes (entered: it started)."""
+    import threading
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    gate, entered = threading.Event(), threading.Event()
+    original = FileSystemWriter.write_data
+
+    def held(self, plan, planner):  # noqa: ANN001, ANN202
+        entered.set()
+        assert gate.wait(30), "the test never released the write"
+        return original(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", held)
+    return gate, entered
+
+
+def test_sharded_save_returns_before_its_shards_are_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The async path is taken: save() returns while the write is held, nothing is visible
+    until the finalize, and the checkpoint holds the weights of the moment of the call."""
+    from ddp import checkpoint as ckpt
+    from ddp import sharded
+
+    gate, entered = _hold_shard_writes(monkeypatch)
+    cp, loop, model = _one_rank_checkpointer(tmp_path)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    cp.save(loop, model, 3, (0, 3))  # a synchronous save would block here until the timeout
+    assert entered.wait(30)
+    assert (tmp_path / ".step_000000003.tmp").is_dir()
+    assert not (tmp_path / "step_000000003").exists() and not (tmp_path / "latest").exists()
+    assert ckpt.load_latest(tmp_path) is None
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # the loop goes on training while the shards are written
+    gate.set()
+    cp.wait()
+    path, state = ckpt.load_latest(tmp_path)  # type: ignore[misc]
+    assert path.name == "step_000000003" and state["global_step"] == 3
+    assert (tmp_path / "latest").read_text().strip() == "step_000000003"
+    assert not (tmp_path / ".step_000000003.tmp").exists()
+    fresh = make_model()
+    sharded.load_model(path, fresh)
+    assert all(torch.equal(saved[k], v) for k, v in fresh.state_dict().items())
+
+
+def test_synchronous_sharded_save_is_complete_on_return(tmp_path: Path) -> None:
+    cp, loop, model = _one_rank_checkpointer(tmp_path, background=False)
+    cp.save(loop, model, 3, (0, 3))
+    assert (tmp_path / "latest").read_text().strip() == "step_000000003"
+    assert (tmp_path / "step_000000003" / "meta.pt").is_file()
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_a_failed_shard_write_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, background: bool
+) -> None:
+    """The write fails (in DCP's thread, in the background): wait() (the next save, the
+    export, a preemption exit) raises one ConfigError line, as save() itself does when
+    synchronous; the staging directory is removed and `latest` stays."""
+    import errno
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from ddp.errors import ConfigError
+
+    cp, loop, model = _one_rank_checkpointer(tmp_path, background)
+    cp.save(loop, model, 2, (0, 2))
+    cp.wait()
+
+    def full(self, plan, planner):  # noqa: ANN001, ANN202
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", full)
+    line = (r"writing \.step_000000004\.tmp \(rank 0\) failed: No space left on device; "
+            "the earlier checkpoints are kept$")  # fmt: skip
+    if background:
+        cp.save(loop, model, 4, (0, 4))  # returns: the failure is in the background
+    with pytest.raises(ConfigError, match=line):
+        cp.wait() if background else cp.save(loop, model, 4, (0, 4))
+    cp.wait()  # reported once
+    assert (tmp_path / "latest").read_text().strip() == "step_000000002"
+    assert not (tmp_path / ".step_000000004.tmp").exists()
+
+
+def test_resume_ignores_a_staging_directory_left_by_a_kill(tmp_path: Path) -> None:
+    """A kill -9 after every shard (even the meta file) was written but before the rename
+    leaves `.step_N.tmp`: never a checkpoint to the lookup, removed by the next save."""
+    import shutil
+
+    from ddp import checkpoint as ckpt
+
+    cp, loop, model = _one_rank_checkpointer(tmp_path)
+    cp.save(loop, model, 3, (0, 3))
+    cp.wait()
+    stale = tmp_path / ".step_000000005.tmp"
+    shutil.copytree(tmp_path / "step_000000003", stale)
+    for pointer in ("step_000000003", ".step_000000005.tmp", "../step_000000003"):
+        (tmp_path / "latest").write_text(pointer + "\n")
+        path, _ = ckpt.load_latest(tmp_path)  # type: ignore[misc]
+        assert path.name == "step_000000003", pointer
+    (tmp_path / "latest").unlink()
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_000000003"]
+    assert ckpt.load_latest(tmp_path)[0].name == "step_000000003"  # type: ignore[index]
+    cp.save(loop, model, 7, (0, 7))
+    cp.wait()
+    assert not stale.exists()
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_000000003",
+                                                                "step_000000007"]  # fmt: skip
+
 
 
 def test_find_blocks():
@@ -230,3 +380,27 @@ def test_resume_on_other_ranks_with_the_same_global_batch_continues_the_run(
     a, b = _final(tmp_path / "full"), _final(tmp_path / "part")
     for k in a:
         assert torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6), (k, (a[k] - b[k]).abs().max())
+
+
+def test_a_kill_while_pruning_leaves_no_partial_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pruned checkpoint directory disappears at once (renamed to a hidden name before
+    it is deleted): a kill during the deletion leaves nothing that looks like step_N,
+    and a later save removes what is left."""
+    import shutil
+
+    from ddp import checkpoint as ckpt
+
+    cp, loop, model = _one_rank_checkpointer(tmp_path)
+    cp.save(loop, model, 3, (0, 3))
+    cp.wait()
+    rmtree = shutil.rmtree
+    monkeypatch.setattr(shutil, "rmtree", lambda *a, **k: None)  # killed before deleting
+    ckpt.remove_checkpoint(tmp_path / "step_000000003")
+    assert not (tmp_path / "step_000000003").exists() and ckpt.list_checkpoints(tmp_path) == []
+    assert (tmp_path / ".step_000000003.old" / "meta.pt").is_file()
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    cp.save(loop, model, 5, (0, 5))
+    cp.wait()
+    assert sorted(p.name for p in tmp_path.iterdir() if "step" in p.name) == ["step_000000005"]
