@@ -183,6 +183,14 @@ def _sweep_tasks(resumed: Path | None, sweep: list[SweepTask] | None,
                             "--resume alone")
         return sweeps.read_manifest(resumed), sweeps.read_max_parallel(resumed)
     tasks = list(sweep or [])
+    from hpc.spec import SPEC_KEYS
+
+    shape = sorted({k for t in tasks for k in t.overrides if k in SPEC_KEYS})
+    if shape:
+        raise UserError(f"--sweep: {', '.join(shape)} is the job's own (every task of an array "
+                        "gets the same allocation); allowed: trainer keys such as optim.lr, and "
+                        "one hpc submit per size for a scaling table (the trainer scales lr by "
+                        "its scaling.rule)")
     if sweep is not None and len(tasks) == 1:
         raise UserError("--sweep: one task; allowed: two or more values (a single value "
                         "is --set KEY=VALUE on the command)")

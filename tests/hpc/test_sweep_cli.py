@@ -32,6 +32,7 @@ def _error(capsys: pytest.CaptureFixture[str]) -> str:
     (["--sweep", "optim.lr=0.1,0.2", "--max-parallel", "0"], "--max-parallel"),
     (["--max-parallel", "2"], "only with --sweep"),
     (["--sweep", "a=1,2", "--sweep", "a=3,4"], "a"),
+    (["--sweep", "nodes=1,2"], "nodes is the job's own"),
 ])
 def test_bad_sweeps_are_one_line_and_write_nothing(
     flags: list[str], expected: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
