@@ -241,7 +241,7 @@ def cmd_submit(args: argparse.Namespace, command: list[str] | None) -> int:
                             regenerate=_regen_command(args, command), templates=args.templates,
                             sweep=tasks, max_parallel=args.max_parallel)
     if args.dry_run:
-        argv = plan.job.scheduler.submit_command(args.output) if args.output else plan.argv
+        argv = plan.scheduler.submit_command(args.output) if args.output else plan.argv
         sys.stdout.write(plan.text)
         sys.stdout.write(f"# submit: {shlex.join(argv)}\n")
         return 0

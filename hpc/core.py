@@ -16,7 +16,7 @@ import os
 import shlex
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,8 +37,6 @@ def build_job(
     ``run_here`` is ``hpc run`` of a cluster spec: the same command on this machine,
     one node and one rank unless asked; the site-only keys mean nothing here.
     """
-    from dataclasses import replace
-
     from hpc import profiles as clusters
     from hpc.spec import load_spec
 
@@ -153,8 +151,6 @@ def plan_submit(
         run_dir = runs.free_run_dir(runs_dir, job.name, now)
     tasks, max_parallel = _sweep_tasks(run_dir if resume else None, sweep, max_parallel)
     if tasks:
-        from dataclasses import replace
-
         job = replace(job, array_size=len(tasks), max_parallel=max_parallel)
     if job.spec.python is None:
         job = job.with_spec(python=submitting_python(os.environ if environ is None else environ))
@@ -173,6 +169,7 @@ def _sweep_tasks(resumed: Path | None, sweep: list[SweepTask] | None,
                  max_parallel: int | None) -> tuple[list[SweepTask], int | None]:
     """The tasks and their --max-parallel: a new sweep's, or the resumed sweep run's."""
     from hpc import sweep as sweeps
+    from hpc.spec import SPEC_KEYS
 
     if resumed is not None and (resumed / sweeps.MANIFEST).is_file():
         if sweep:
@@ -183,8 +180,6 @@ def _sweep_tasks(resumed: Path | None, sweep: list[SweepTask] | None,
                             "--resume alone")
         return sweeps.read_manifest(resumed), sweeps.read_max_parallel(resumed)
     tasks = list(sweep or [])
-    from hpc.spec import SPEC_KEYS
-
     shape = sorted({k for t in tasks for k in t.overrides if k in SPEC_KEYS})
     if shape:
         raise UserError(f"--sweep: {', '.join(shape)} is the job's own (every task of an array "
