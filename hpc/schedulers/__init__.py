@@ -178,15 +178,24 @@ def names() -> list[str]:
 
 
 def get(name: str) -> Scheduler:
-    """The scheduler a profile's ``scheduler:`` names (its module's ``SCHEDULER``)."""
-    known = names()
-    if name not in known:
+    """The scheduler a profile's ``scheduler:`` names (its module's ``SCHEDULER``).
+
+    The module is imported directly (a render asks several times; the folder is listed
+    only to name the choices when the name is unknown)."""
+    module = None
+    if re.match(_NAME, name):
+        try:
+            module = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":  # the module exists but its import broke
+                raise
+    if module is None:
         from hpc._util import did_you_mean
 
+        known = names()
         raise UserError(f"scheduler: {name!r} is not known{did_you_mean(name, known)}; "
                         f"allowed: {', '.join(known)}")
-    cls = importlib.import_module(f"{__name__}.{name}").SCHEDULER
-    return cls()
+    return module.SCHEDULER()
 
 
 def run(argv: list[str], timeout: float = 60.0,
