@@ -178,7 +178,7 @@ def _sweep_tasks(resumed: Path | None, sweep: list[SweepTask] | None,
         if max_parallel is not None:
             raise UserError("--max-parallel: the resumed sweep keeps its own; allowed: "
                             "--resume alone")
-        return sweeps.read_manifest(resumed), sweeps.read_max_parallel(resumed)
+        return sweeps.read_sweep(resumed)
     tasks = list(sweep or [])
     shape = sorted({k for t in tasks for k in t.overrides if k in SPEC_KEYS})
     if shape:

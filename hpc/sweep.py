@@ -171,6 +171,12 @@ def write_manifest(run_dir: Path, tasks: list[SweepTask], max_parallel: int | No
 
 def read_manifest(run_dir: Path) -> list[SweepTask]:
     """The tasks of ``run_dir/sweep.json``, each field checked; any problem is one line."""
+    return read_sweep(run_dir)[0]
+
+
+def read_sweep(run_dir: Path) -> tuple[list[SweepTask], int | None]:
+    """The tasks of ``run_dir/sweep.json`` and the ``--max-parallel`` it was submitted
+    with (kept by a resubmission), from one read; every field checked."""
     path = run_dir / MANIFEST
     try:
         with open(path, "rb") as fh:
@@ -188,15 +194,8 @@ def read_manifest(run_dir: Path) -> list[SweepTask]:
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise UserError(f"sweep: {str(path)!r} is not JSON ({reason})") from None
-    return _check_manifest(data, path)
-
-
-def read_max_parallel(run_dir: Path) -> int | None:
-    """The ``--max-parallel`` a sweep was submitted with (checked by :func:`read_manifest`),
-    so that a resubmission of the sweep keeps it."""
-    read_manifest(run_dir)
-    value = json.loads((run_dir / MANIFEST).read_bytes()).get("max_parallel")
-    return value if isinstance(value, int) else None
+    tasks = _check_manifest(data, path)
+    return tasks, data.get("max_parallel")
 
 
 def _check_manifest(data: Any, path: Path) -> list[SweepTask]:
