@@ -95,13 +95,30 @@ def run(strategy: str, dim: int, steps: int, batch: int = 32) -> tuple[float, in
     return elapsed, held_bytes(net, opt)
 
 
+def save_full(net, opt, path: Path) -> None:  # noqa: ANN001
+    """The alternative to a sharded save: gather the full model and optimizer state and
+    ``torch.save`` it from rank 0 (every rank takes part in the gathers)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from ddp import fsdp
+
+    full = fsdp.full_state_dict(net)
+    osd = get_optimizer_state_dict(net, opt, options=StateDictOptions(full_state_dict=True,
+                                                                      cpu_offload=True))  # fmt: skip
+    if dist.get_rank() == 0:
+        torch.save({"model": full, "optimizer": osd}, path)
+    dist.barrier()
+
+
 def save_times(dim: int) -> tuple[float, float]:
     """(sharded save s, torch.save of the gathered full state s)."""
     import torch
     import torch.distributed as dist
 
     import ddp
-    from ddp import fsdp, sharded
+    from ddp import sharded
 
     net = ddp.wrap(model(dim), "fsdp")
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
@@ -116,14 +133,7 @@ def save_times(dim: int) -> tuple[float, float]:
     dist.barrier()
     t_sharded = time.perf_counter() - t0
     t0 = time.perf_counter()
-    full = fsdp.full_state_dict(net)
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    osd = get_optimizer_state_dict(net, opt, options=StateDictOptions(full_state_dict=True,
-                                                                      cpu_offload=True))  # fmt: skip
-    if dist.get_rank() == 0:
-        torch.save({"model": full, "optimizer": osd}, d / "full.pt")
-    dist.barrier()
+    save_full(net, opt, d / "full.pt")
     t_full = time.perf_counter() - t0
     if dist.get_rank() == 0:
         import shutil
@@ -137,10 +147,8 @@ def blocked_by_saves(dim: int, rounds: int, steps: int, batch: int = 32) -> dict
     the slowest rank's (see the module docstring)."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     import ddp
-    from ddp import fsdp
     from ddp.checkpointer import Checkpointer, LoopState
     from ddp.config import TrainConfig
 
@@ -171,12 +179,7 @@ def blocked_by_saves(dim: int, rounds: int, steps: int, batch: int = 32) -> dict
         if arm in cps:
             cps[arm].save(loop, net, step[0], (0, step[0]))
             return
-        full = fsdp.full_state_dict(net)
-        osd = get_optimizer_state_dict(net, opt, options=StateDictOptions(full_state_dict=True,
-                                                                          cpu_offload=True))  # fmt: skip
-        if dist.get_rank() == 0:
-            torch.save({"model": full, "optimizer": osd}, d / "full.pt")
-        dist.barrier()
+        save_full(net, opt, d / "full.pt")
 
     arms = ["none", "async", "sync", "full"]
     for arm in arms[1:]:
