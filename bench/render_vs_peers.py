@@ -16,7 +16,12 @@ Runs, interleaved round by round so that machine load hits every command alike:
 A peer that is not installed is skipped with a note. Prints the median wall time of
 each and the ratios hpc/peer (targets: <= 0.5 x torchx, <= 1.0 x submitit).
 
-    python bench/render_vs_peers.py [--rounds 21]
+``--teardown`` adds two diagnostic arms, hpc and submitit each ending in ``os._exit``
+(no interpreter teardown: what the old ``os._exit`` in ``hpc`` bought), to show how
+much of each whole-process time is the interpreter's cleanup of what was imported.
+They are not what a user runs, and the ratios are always of the two real commands.
+
+    python bench/render_vs_peers.py [--rounds 21] [--teardown]
 """
 
 from __future__ import annotations
@@ -41,7 +46,16 @@ SUBMITIT = (
 )
 
 
-def commands() -> tuple[dict[str, list[str]], list[str]]:
+HPC_NO_TEARDOWN = (
+    "import os, sys\n"
+    "from hpc.cli import main\n"
+    "code = main()\n"
+    "sys.stdout.flush()\n"
+    "os._exit(code or 0)\n"
+)
+
+
+def commands(teardown: bool = False) -> tuple[dict[str, list[str]], list[str]]:
     """The commands to time, and notes on peers left out."""
     py = sys.executable
     cmds = {
@@ -49,6 +63,8 @@ def commands() -> tuple[dict[str, list[str]], list[str]]:
         "hpc": [py, "-m", "hpc", "render", "--cluster", "perlmutter", "--nodes", "2",
                 "--", "python", "train.py"],
     }
+    if teardown:
+        cmds["hpc-x"] = [py, "-c", HPC_NO_TEARDOWN, *cmds["hpc"][3:]]
     notes = []
     torchx = shutil.which("torchx")
     if torchx:
@@ -58,6 +74,8 @@ def commands() -> tuple[dict[str, list[str]], list[str]]:
         notes.append("torchx: not installed (pip install --no-deps torchx plus its light deps)")
     if importlib.util.find_spec("submitit") and shutil.which("srun"):
         cmds["submitit"] = [py, "-c", SUBMITIT]
+        if teardown:
+            cmds["submitit-x"] = [py, "-c", SUBMITIT + "import os, sys\nsys.stdout.flush()\nos._exit(0)\n"]
     else:
         notes.append("submitit: not installed, or no srun on PATH (its constructor needs one)")
     return cmds, notes
@@ -77,8 +95,10 @@ def main() -> int:
     """Time the commands in interleaved rounds and print medians and ratios."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--teardown", action="store_true",
+                        help="add hpc-x and submitit-x: the same, ending in os._exit")
     args = parser.parse_args()
-    cmds, notes = commands()
+    cmds, notes = commands(args.teardown)
     env = dict(os.environ, SBATCH_ACCOUNT="m0000_g")
     # Time hpc as installed: pip byte-compiles packages, so let the warm-up run write
     # hpc's .pyc files (the peers' are in site-packages already).
@@ -101,6 +121,10 @@ def main() -> int:
         print(f"  {name:9s} {value * 1000:7.1f} ms")
     above = med["hpc"] - med["floor"]
     print(f"  hpc above the interpreter floor: {above * 1000:.1f} ms")
+    for name in ("hpc", "submitit"):
+        if f"{name}-x" in med:
+            cost = (med[name] - med[f"{name}-x"]) * 1000
+            print(f"  {name} teardown (whole - ended by os._exit): {cost:.1f} ms")
     for peer, target in (("torchx", 0.5), ("submitit", 1.0)):
         if peer in med:
             ratio = med["hpc"] / med[peer]
