@@ -1,8 +1,9 @@
 """``hpc logs RUN_DIR|JOB_ID [-f]``: find a run's job log and print it, following it as it grows.
 
 Each scheduler names the log itself, from the directives that ``hpc submit`` renders
-into the run directory; the names are kept as data in :data:`LOG_PATTERNS` so that a new
-template (a job array's ``%A_%a``) is one line here:
+into the run directory; what the names look like is the scheduler's own
+(``Scheduler.log_patterns``, ``log_name``, ``split_id`` in ``hpc.schedulers.NAME``), so
+a new scheduler's logs are found without a change here:
 
 - SLURM: ``--output=RUN_DIR/%x-%j.out`` -> ``NAME-JOBID.out``; an array's task logs are
   ``NAME-ARRAYID_TASK.out`` (``%x-%A_%a.out``: ``%j`` of a task is an unrelated id);
@@ -21,48 +22,35 @@ import re
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple, TextIO
+from typing import TYPE_CHECKING, Any, NamedTuple, TextIO
 
 from hpc.errors import UserError
 
-
-class LogPattern(NamedTuple):
-    """How one scheduler names a job's log file in the run directory."""
-
-    scheduler: str
-    regex: str
-    """Matches the whole file name; group ``job`` is the job id as it appears there."""
-    template: str
-    """The name a job's log will get (``{name}``: the job name, ``{job}``: its id), so a
-    pending job's log can be waited for before the scheduler creates it."""
-
-
-LOG_PATTERNS: tuple[LogPattern, ...] = (
-    LogPattern("slurm", r"(?P<name>.+)-(?P<job>\d+(?:_\d+)?)\.out", "{name}-{job}.out"),
-    LogPattern("pbs", r"(?P<job>\d+(?:\[\d*\])?(?:\.[A-Za-z0-9_.-]+?)?)\.OU", "{job}.OU"),
-    LogPattern("pbs", r"(?P<name>.+)\.o(?P<job>\d+(?:\.\d+)?)", "{name}.o{job}"),
-    LogPattern("local", r"output(?:-(?P<seq>\d+))?\.log", "output{seq}.log"),
-)
-
-# A job id as a key: (job number, array task or None). SLURM 12345 / 12345_3, PBS
-# 123.server / 123[3].server / 123[].server (the array itself) / 123[3].
-_JOB_ID = r"(\d+)(?:_(\d+)|\[(\d*)\])?(?:\.[A-Za-z0-9_.-]+)?\Z"
+if TYPE_CHECKING:
+    from hpc.schedulers import Scheduler
 
 
 class _Log(NamedTuple):
     path: Path
     scheduler: str
-    key: tuple[str, str | None] | None  # None for local logs (no id in the name)
-    seq: int  # local: 1 for output.log, N for output-N.log
+    key: tuple[str, str | None] | None  # (job number, task); None: no id in the name
+    seq: int  # no id in the name: 1 for the run's first log, N for its Nth
+
+
+def _schedulers() -> list[Scheduler]:
+    from hpc import schedulers
+
+    return [schedulers.get(name) for name in schedulers.names()]
 
 
 def job_key(job: str) -> tuple[str, str | None] | None:
-    """``(number, task)`` for a SLURM or PBS job id; None for anything else."""
-    match = re.match(_JOB_ID, job.strip())
-    if not match:
-        return None
-    task = match.group(2) if match.group(2) is not None else match.group(3)
-    return match.group(1), (task or None)
+    """``(number, task)`` of a job id of any scheduler (SLURM ``12345_3``, PBS
+    ``123[3].server``); None for anything else."""
+    for scheduler in _schedulers():
+        key = scheduler.split_id(job.strip())
+        if key is not None:
+            return key
+    return None
 
 
 def _scan(run_dir: Path) -> list[_Log]:
@@ -71,15 +59,17 @@ def _scan(run_dir: Path) -> list[_Log]:
         entries = sorted(run_dir.iterdir())
     except OSError as exc:
         raise UserError(f"logs: cannot list {str(run_dir)!r}: {exc.strerror}") from None
+    patterns = [(s, regex) for s in _schedulers() for regex in s.log_patterns]
     for path in entries:
-        for pat in LOG_PATTERNS:
-            match = re.fullmatch(pat.regex, path.name)
+        for scheduler, regex in patterns:
+            match = re.fullmatch(regex, path.name)
             if match is None or not path.is_file():
                 continue
-            if pat.scheduler == "local":
-                found.append(_Log(path, "local", None, int(match.group("seq") or 1)))
+            job = match.groupdict().get("job")
+            if job is None:
+                found.append(_Log(path, scheduler.name, None, int(match.group("seq") or 1)))
             else:
-                found.append(_Log(path, pat.scheduler, job_key(match.group("job")), 0))
+                found.append(_Log(path, scheduler.name, scheduler.split_id(job), 0))
             break
     return found
 
@@ -116,7 +106,7 @@ def find_log(run_dir: Path, job: str | None = None) -> Path:
 
     For an array without a task the most recently written task log is returned. A
     job that has not started yet has no log: the path its scheduler will write is
-    returned (from :data:`LOG_PATTERNS` and the run record) so that :func:`follow` can
+    returned (``Scheduler.log_name`` and the run record) so that :func:`follow` can
     wait for it. Anything not found is one line naming what the run has.
     """
     if not run_dir.is_dir():
@@ -133,49 +123,46 @@ def find_log(run_dir: Path, job: str | None = None) -> Path:
             raise UserError(f"logs: no log file in {str(run_dir)!r} and no run record naming a job")
         return _latest(logs)
 
-    if wanted.startswith("local-"):
-        local = [s for s in subs if s.get("scheduler") == "local"]
-        seq = next((i for i, s in enumerate(local, 1) if s.get("job_id") == wanted), None)
-        if seq is None:
-            raise UserError(f"logs: {wanted!r} is not a job of {str(run_dir)!r}; "
-                            f"its jobs: {_ids(subs)}")  # fmt: skip
-        return run_dir / ("output.log" if seq == 1 else f"output-{seq}.log")
-
     key = job_key(wanted)
-    if key is None:
-        raise UserError(f"logs: {wanted!r} is not a job id; allowed: e.g. 12345, 12345_3, "
-                        "123.server, 123[3].server")  # fmt: skip
-    matches = [g for g in logs if g.key and g.key[0] == key[0] and key[1] in (None, g.key[1])]
-    if matches:
-        return _latest(matches)
-    sub = next((s for s in reversed(subs) if (job_key(str(s.get("job_id") or "")) or ("",))[0]
-                == key[0]), None)  # fmt: skip
+    if key is not None:
+        matches = [g for g in logs if g.key and g.key[0] == key[0] and key[1] in (None, g.key[1])]
+        if matches:
+            return _latest(matches)
+
+    def same(sub: dict[str, Any]) -> bool:
+        recorded = str(sub.get("job_id") or "")
+        return recorded == wanted or (key is not None and (job_key(recorded) or ("",))[0] == key[0])
+
+    sub = next((s for s in reversed(subs) if same(s)), None)
     if sub is None:
+        if not any(s.owns_id(wanted) for s in _schedulers()):
+            raise UserError(f"logs: {wanted!r} is not a job id; allowed: e.g. 12345, 12345_3, "
+                            "123.server, 123[3].server, local-PID-START")  # fmt: skip
         if subs:
             raise UserError(f"logs: job {wanted!r} is not a job of {str(run_dir)!r}; "
                             f"its jobs: {_ids(subs)}")  # fmt: skip
         raise UserError(f"logs: no log of job {wanted!r} in {str(run_dir)!r}")
-    return run_dir / _expected_name(sub, key, is_array=(run_dir / "sweep.json").is_file())
+    return run_dir / _expected_name(sub, subs, key, is_array=(run_dir / "sweep.json").is_file())
 
 
-def _expected_name(sub: dict[str, Any], key: tuple[str, str | None], is_array: bool) -> str:
+def _expected_name(sub: dict[str, Any], subs: list[dict[str, Any]],
+                   key: tuple[str, str | None] | None, is_array: bool) -> str:
     """The log name a submitted job's scheduler will write (it has not started yet)."""
-    scheduler = str(sub.get("scheduler"))
+    from hpc import schedulers
+
+    name = str(sub.get("scheduler"))
     job_id = str(sub.get("job_id"))
-    task = key[1] if key[1] is not None else ("0" if is_array or "[]" in job_id else None)
-    if scheduler == "slurm":
-        job = key[0] if task is None else f"{key[0]}_{task}"
-        return _template("slurm").format(name=sub.get("name") or "job", job=job)
-    if scheduler == "pbs":  # 123[].server -> 123[4].server: keep the server suffix
-        server = job_id.split(".", 1)[1] if "." in job_id else ""
-        job = key[0] + (f"[{task}]" if task is not None else "") + (f".{server}" if server else "")
-        return _template("pbs").format(job=job)
-    raise UserError(f"logs: job {job_id!r} ran on {scheduler!r}, whose logs hpc cannot name; "
-                    "allowed: slurm, pbs and local runs")  # fmt: skip
-
-
-def _template(scheduler: str) -> str:
-    return next(p.template for p in LOG_PATTERNS if p.scheduler == scheduler)
+    try:
+        scheduler = schedulers.get(name)
+    except UserError:
+        scheduler = None
+    task = key[1] if key is not None and key[1] is not None else ("0" if is_array else None)
+    seq = 1 + [s for s in subs if s.get("scheduler") == name].index(sub)
+    log = scheduler.log_name(str(sub.get("name") or "job"), job_id, task, seq) if scheduler else None
+    if log is None:
+        raise UserError(f"logs: job {job_id!r} ran on {name!r}, whose logs hpc cannot name; "
+                        f"allowed: runs of {', '.join(schedulers.names())}")  # fmt: skip
+    return log
 
 
 def _ids(subs: list[dict[str, Any]]) -> str:
@@ -292,15 +279,9 @@ def locate(ident: str, runs_dir: Path) -> tuple[Path, str | None]:
     key = job_key(ident)
     if key is not None and key[1] is not None:  # a task: find the array's run by its number
         with contextlib.suppress(UserError):
-            for candidate in (key[0], _pbs_array_id(ident)):
+            for candidate in (key[0], *(s.array_of(ident.strip()) for s in _schedulers())):
                 found = runs.find(candidate, runs_dir) if candidate else None
                 if found is not None:
                     return found[0], ident.strip()
     raise UserError(f"logs: {ident!r} is neither a run directory nor a job id of a run under "
                     f"{str(runs_dir)!r}")  # fmt: skip
-
-
-def _pbs_array_id(ident: str) -> str | None:
-    """``123[3].server`` -> ``123[].server``, as qsub -J records the array."""
-    match = re.match(r"(\d+)\[\d+\](.*)\Z", ident.strip())
-    return f"{match.group(1)}[]{match.group(2)}" if match else None

@@ -101,6 +101,10 @@ class Scheduler:
     #: run directory itself and the record holds the final state; False where a
     #: directive (``-o``/``--output``) sends the log there and the scheduler knows the state.
     runs_here: ClassVar[bool] = False
+    #: Whole file names (regexes) of this scheduler's job logs in a run directory, as
+    #: its template's directives make them: group ``job`` is the job id as written
+    #: there; a scheduler that writes no id into the name numbers them (group ``seq``).
+    log_patterns: ClassVar[tuple[str, ...]] = ()
 
     @property
     def template(self) -> str:
@@ -134,6 +138,29 @@ class Scheduler:
     def task_id(self, job_id: str, index: int) -> str:
         """The id of one array task, as the scheduler's clients take it."""
         return f"{job_id}_{index}"
+
+    # --- its job ids and logs (hpc logs) ---------------------------------------------
+
+    def split_id(self, job_id: str) -> tuple[str, str | None] | None:
+        """``(job number, array task or None)`` of an id this scheduler gives; None for
+        any other text (or a scheduler whose ids carry no number)."""
+        return None
+
+    def owns_id(self, job_id: str) -> bool:
+        """Whether ``job_id`` has the form of this scheduler's ids."""
+        return self.split_id(job_id) is not None
+
+    def array_of(self, task_id: str) -> str | None:
+        """The id the array of ``task_id`` was recorded under, where that is not the
+        task's job number (PBS: ``123[4].server`` -> ``123[].server``)."""
+        return None
+
+    def log_name(self, job_name: str, job_id: str, task: str | None, seq: int) -> str | None:
+        """The file name this scheduler will give the log of a run's job that has not
+        started yet, so ``hpc logs -f`` can wait for it: ``job_id`` as recorded,
+        ``task`` an array task, ``seq`` the job's place among the run's jobs here (1:
+        the first). None: it cannot say."""
+        return None
 
     def launch(self, job: Job) -> tuple[list[str], list[str]]:
         """Shell lines before the launch (our own text) and the launch words (quoted later)."""
@@ -172,9 +199,9 @@ _NAME = r"^[a-z][a-z0-9_]*\Z"
 
 
 def names() -> list[str]:
-    """Every scheduler module in this package, sorted."""
-    here = Path(__file__).parent
-    return sorted(p.stem for p in here.glob("*.py") if re.match(_NAME, p.stem))
+    """Every scheduler module in this package's folders (its ``__path__``), sorted."""
+    return sorted({p.stem for folder in __path__ for p in Path(folder).glob("*.py")
+                   if re.match(_NAME, p.stem)})
 
 
 def get(name: str) -> Scheduler:

@@ -25,12 +25,26 @@ class Local(Scheduler):
     script_suffix = ".sh"
     launchers = ("torchrun",)
     runs_here = True
+    # submit writes output.log, then output-2.log ... for each --resume (create_free)
+    log_patterns = (r"output(?:-(?P<seq>\d+))?\.log",)
 
     def launch(self, job: Job) -> tuple[list[str], list[str]]:
         """The command itself for one rank, else ``torchrun --standalone``."""
         from hpc import launchers
 
         return [], launchers.local(job)
+
+    def owns_id(self, job_id: str) -> bool:
+        """``local-PID-START`` (older runs: ``local-PID``)."""
+        try:
+            _parse(job_id)
+        except UserError:
+            return False
+        return True
+
+    def log_name(self, job_name: str, job_id: str, task: str | None, seq: int) -> str | None:
+        """``output.log`` for a run's first job, ``output-N.log`` for its Nth (no id in the name)."""
+        return "output.log" if seq == 1 else f"output-{seq}.log"
 
     def submit_command(self, script: str) -> list[str]:
         """``bash SCRIPT``."""

@@ -331,6 +331,10 @@ class PBS(Scheduler):
     # `-J 0-9%2` sets max_run_subjobs: seen accepted by OpenPBS 23.06 (the test server);
     # older PBS Pro releases reject the suffix (unverified for ALCF's PBS Pro version).
     array_throttle = True
+    # `-o DIR/` (a folder): JOBID.OU (subjobs 123[4].server.OU); without -o, PBS writes
+    # NAME.oJOBNUM in the submit folder.
+    log_patterns = (r"(?P<job>\d+(?:\[\d*\])?(?:\.[A-Za-z0-9_.-]+?)?)\.OU",
+                    r"(?P<name>.+)\.o(?P<job>\d+(?:\.\d+)?)")
 
     def template_values(self, job: Job) -> dict[str, Any]:
         """The array range for ``#PBS -J`` (a subjob's log is ``DIR/ID[i].server.OU``)."""
@@ -340,6 +344,28 @@ class PBS(Scheduler):
         """Subjob ``index`` of array ``123[].server``: ``123[index].server``."""
         seq, sep, rest = job_id.partition("[]")
         return f"{seq}[{index}]{rest}" if sep else f"{job_id}[{index}]"
+
+    def split_id(self, job_id: str) -> tuple[str, str | None] | None:
+        """``123.server`` -> (123, None); a subjob ``123[4].server`` -> (123, 4); the
+        array itself ``123[].server`` -> (123, None)."""
+        match = re.match(r"(\d+)(?:\[(\d*)\])?(?:\.[A-Za-z0-9_.-]+)?\Z", job_id)
+        return (match.group(1), match.group(2) or None) if match else None
+
+    def array_of(self, task_id: str) -> str | None:
+        """``123[4].server`` -> ``123[].server``, as ``qsub -J`` gave the array's id."""
+        match = re.match(r"(\d+)\[\d+\](.*)\Z", task_id)
+        return f"{match.group(1)}[]{match.group(2)}" if match else None
+
+    def log_name(self, job_name: str, job_id: str, task: str | None, seq: int) -> str | None:
+        """``ID.OU`` in the ``-o`` folder, the server suffix kept: ``123[4].server.OU``
+        (an array recorded as ``123[].server`` waits for its subjob 0)."""
+        key = self.split_id(job_id)
+        if key is None:
+            return None
+        server = job_id.split(".", 1)[1] if "." in job_id else ""
+        if task is None and "[]" in job_id:
+            task = "0"
+        return key[0] + (f"[{task}]" if task is not None else "") + (f".{server}" if server else "") + ".OU"
 
     def launch(self, job: Job) -> tuple[list[str], list[str]]:
         """``mpiexec`` with the profile's PALS or hydra flags."""

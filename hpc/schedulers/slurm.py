@@ -52,6 +52,8 @@ class Slurm(Scheduler):
     detect_order = 10
     array_index_var = "SLURM_ARRAY_TASK_ID"
     array_throttle = True  # --array=0-9%2
+    # --output=DIR/%x-%j.out (an array's tasks: %x-%A_%a.out), from template_values
+    log_patterns = (r"(?P<name>.+)-(?P<job>\d+(?:_\d+)?)\.out",)
 
     def check_spec(self, spec: JobSpec, cluster: Cluster) -> None:
         """``filesystems`` is a PBS resource."""
@@ -82,6 +84,20 @@ class Slurm(Scheduler):
             # An array task's %j is its own id: name its log by the array's id and index.
             "log_name": "%x-%A_%a.out" if job.array_size else "%x-%j.out",
         }
+
+    def split_id(self, job_id: str) -> tuple[str, str | None] | None:
+        """``12345`` -> (12345, None); an array task ``12345_3`` -> (12345, 3)."""
+        if not _JOB_ID.match(job_id):
+            return None
+        number, _, task = job_id.partition("_")
+        return number, task or None
+
+    def log_name(self, job_name: str, job_id: str, task: str | None, seq: int) -> str | None:
+        """``NAME-ID.out``, an array task's ``NAME-ARRAYID_TASK.out`` (see ``log_name`` above)."""
+        key = self.split_id(job_id)
+        if key is None:
+            return None
+        return f"{job_name}-{key[0]}.out" if task is None else f"{job_name}-{key[0]}_{task}.out"
 
     def launch(self, job: Job) -> tuple[list[str], list[str]]:
         """``srun`` per rank, or one ``torchrun`` per node through srun."""
