@@ -136,15 +136,50 @@ def update_submission(run_dir: Path, script: str, **changes: Any) -> None:
 
 def read_record(run_dir: Path) -> dict[str, Any]:
     """The record of a run directory; a damaged one is one line naming the file."""
-    path = run_dir / RECORD
+    return _load(run_dir / RECORD)
+
+
+def _load(path: Path) -> dict[str, Any]:
+    """Parse and check one ``run.json`` (untrusted: anyone may have edited it).
+
+    ``RecursionError``: valid JSON nested deeper than the parser's stack (``[[[...]]]``).
+    """
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise UserError(f"run: {str(path)!r} is not readable JSON ({exc})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("scheduler", ""), str):
+    except (OSError, ValueError, RecursionError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"run: {str(path)!r} is not readable JSON ({reason})") from None
+    if not isinstance(data, dict):
         raise UserError(f"run: {str(path)!r} is not a run record (a JSON object with "
                         "scheduler and job_id); it was damaged or written by hand")  # fmt: skip
+    _check_record(data, path)
     return data
+
+
+def _check_record(record: dict[str, Any], path: Path) -> None:
+    """Refuse fields whose type the readers rely on (status, logs, task states), so a
+    hand-edited record is one line here instead of a traceback where it is used."""
+    from hpc.schedulers import STATES
+
+    where = f"run: {str(path)!r}"
+    for key in ("submissions", "sweep"):
+        if not isinstance(record.get(key, []), list):
+            raise UserError(f"{where}: {key} is a {type(record[key]).__name__}; allowed: a list "
+                            "(a record written by hpc submit)")  # fmt: skip
+    for pos, entry in enumerate([*record.get("submissions", []), record]):
+        at = f"{where}: submission {pos}" if entry is not record else where
+        if not isinstance(entry, dict):
+            raise UserError(f"{at} is a {type(entry).__name__}; allowed: a JSON object")
+        scheduler, job_id, state = entry.get("scheduler"), entry.get("job_id"), entry.get("state")
+        if not isinstance(scheduler, str) or not scheduler:
+            raise UserError(f"{at}: scheduler {scheduler!r}; allowed: a scheduler's name")
+        if job_id is not None and (
+            not isinstance(job_id, str) or not job_id or not job_id.isprintable() or " " in job_id
+        ):
+            raise UserError(f"{at}: job_id {job_id!r}; allowed: null or the job id its "
+                            "scheduler gave (printable text, no spaces)")  # fmt: skip
+        if state is not None and state not in STATES:
+            raise UserError(f"{at}: state {state!r}; allowed: null or one of {', '.join(STATES)}")
 
 
 def find(ident: str, runs_dir: Path) -> tuple[Path, dict[str, Any]] | None:
@@ -152,17 +187,21 @@ def find(ident: str, runs_dir: Path) -> tuple[Path, dict[str, Any]] | None:
     if not ident.strip():
         raise UserError("id: empty; allowed: a run directory, its name, or a job id")
     for candidate in (Path(ident), runs_dir / ident):
-        if (candidate / RECORD).is_file():
+        try:
+            is_run = (candidate / RECORD).is_file()
+        except OSError:  # a name too long for a path: no run, maybe a job id
+            is_run = False
+        if is_run:
             return candidate, read_record(candidate)
     if runs_dir.is_dir():
         for rec_path in sorted(runs_dir.glob(f"*/{RECORD}"), reverse=True):
-            try:
+            try:  # a damaged record elsewhere must not hide the run asked for
                 rec = json.loads(rec_path.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
+            except (OSError, ValueError, RecursionError):
                 continue
             if not isinstance(rec, dict):
                 continue
             job_id = str(rec.get("job_id") or "")
             if job_id and (job_id == ident or job_id.split(".")[0] == ident):
-                return rec_path.parent, rec
+                return rec_path.parent, _load(rec_path)  # the one asked for: checked
     return None

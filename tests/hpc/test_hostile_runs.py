@@ -1,0 +1,91 @@
+"""Hostile and careless input to the commands that read a run directory.
+
+``hpc logs``, ``hpc status``, ``hpc report`` and ``python -m hpc.sweep shell`` read
+files that anyone with write access to a shared file system may have changed. Each
+bad input must give one line ``hpc: error: ...`` (``hpc sweep: error: ...`` inside a
+job) and exit code 2, never a traceback; nothing user-given reaches a shell unquoted.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hpc import logs
+from hpc.cli import main
+from hpc.errors import UserError
+
+DEEP = "[" * 100_000 + "]" * 100_000  # valid JSON that overflows json's recursion
+
+
+def _one_line(capsys: pytest.CaptureFixture[str], prefix: str = "hpc: error: ") -> str:
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(prefix), err
+    return lines[0]
+
+
+def _run(tmp_path: Path, record: object, name: str = "r1") -> Path:
+    run = tmp_path / "runs" / name
+    run.mkdir(parents=True)
+    text = record if isinstance(record, str) else json.dumps(record)
+    (run / "run.json").write_text(text)
+    return run
+
+
+# ---- run.json (hpc/runs.py) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["logs", "status"])
+def test_deeply_nested_run_record_is_one_line(command, tmp_path, capsys):
+    run = _run(tmp_path, DEEP)
+    assert main([command, str(run), "--runs-dir", str(tmp_path / "runs")]) == 2
+    assert "run.json" in _one_line(capsys)
+
+
+def test_a_deeply_nested_record_does_not_hide_other_runs_from_a_job_id(tmp_path, capsys):
+    good = _run(tmp_path, {"scheduler": "slurm", "job_id": "5", "name": "t"}, name="a-good")
+    (good / "t-5.out").write_text("hello from job 5\n")
+    _run(tmp_path, DEEP, name="z-bad")  # scanned first (newest name first)
+    assert main(["logs", "5", "--runs-dir", str(tmp_path / "runs")]) == 0
+    assert capsys.readouterr().out == "hello from job 5\n"
+
+
+@pytest.mark.parametrize("command", ["logs", "status"])
+def test_an_overlong_name_is_one_line(command, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", "")  # no scheduler client: nothing is asked
+    assert main([command, "a" * 5000, "--runs-dir", "runs"]) == 2
+    _one_line(capsys)
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"job_id": "5", "name": "t"},  # no scheduler
+        {"scheduler": "slurm", "job_id": ["5"], "name": "t"},
+        {"scheduler": "slurm", "job_id": 5.5, "name": "t"},
+        {"scheduler": "slurm", "job_id": "5\n6", "name": "t"},
+        {"scheduler": "local", "job_id": "local-1-2", "state": "BOGUS"},
+        {"scheduler": "local", "job_id": "local-1-2", "state": ["COMPLETED"]},
+        {"scheduler": "local", "job_id": "local-1-2", "state": "COMPLETED", "sweep": 5},
+        {"scheduler": "slurm", "job_id": "6", "submissions": {"job_id": "5"}},
+        {"scheduler": "slurm", "job_id": "6", "submissions": [{"job_id": "5"}]},
+    ],
+)
+@pytest.mark.parametrize("command", ["logs", "status"])
+def test_a_record_of_the_wrong_shape_is_one_line(command, record, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", "")
+    run = _run(tmp_path, record)
+    argv = [command, str(run), "--runs-dir", str(tmp_path / "runs")]
+    assert main(argv) == 2
+    assert "run.json" in _one_line(capsys)
+
+
+def test_an_earlier_submission_without_scheduler_is_one_line_when_asked_by_id(tmp_path):
+    run = _run(tmp_path, {"scheduler": "slurm", "job_id": "6", "name": "t",
+                          "submissions": [{"job_id": "5", "name": "t"}]})  # fmt: skip
+    with pytest.raises(UserError):
+        logs.find_log(run, "5")
