@@ -162,6 +162,9 @@ def _expected_name(sub: dict[str, Any], subs: list[dict[str, Any]],
     if log is None:
         raise UserError(f"logs: job {job_id!r} ran on {name!r}, whose logs hpc cannot name; "
                         f"allowed: runs of {', '.join(schedulers.names())}")  # fmt: skip
+    if os.path.basename(log) != log or log in (".", ".."):  # the name came from run.json
+        raise UserError(f"logs: the record's job name makes the log name {log!r}, which is not "
+                        "a file in the run directory; allowed: a name without '/'")  # fmt: skip
     return log
 
 
@@ -261,6 +264,9 @@ def _drain(fh: Any, decoder: codecs.IncrementalDecoder, out: TextIO) -> None:
 def print_log(path: Path, out: TextIO) -> None:
     """Print a finished job's log (``hpc logs`` without ``-f``)."""
     if not path.is_file():
+        if path.exists():  # a folder (or a FIFO) where the log should be
+            raise UserError(f"logs: {str(path)!r} is not a file; allowed: a job log "
+                            "(move what is there out of the way)")  # fmt: skip
         raise UserError(f"logs: {str(path)!r} does not exist yet (the job has not started?); "
                         "allowed: hpc logs -f to wait for it")  # fmt: skip
     follow(path, lambda: False, out)

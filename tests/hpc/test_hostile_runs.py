@@ -89,3 +89,22 @@ def test_an_earlier_submission_without_scheduler_is_one_line_when_asked_by_id(tm
                           "submissions": [{"job_id": "5", "name": "t"}]})  # fmt: skip
     with pytest.raises(UserError):
         logs.find_log(run, "5")
+
+
+# ---- hpc logs (hpc/logs.py) -------------------------------------------------------------
+
+
+def test_a_job_name_cannot_point_the_log_outside_the_run_directory(tmp_path):
+    run = _run(tmp_path, {"scheduler": "slurm", "job_id": "123", "name": "../../secret"})
+    (tmp_path / "secret-123.out").write_text("SECRET\n")
+    with pytest.raises(UserError) as info:
+        logs.find_log(run)
+    assert "name" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_log_replaced_by_a_directory_says_so(tmp_path, capsys):
+    run = _run(tmp_path, {"scheduler": "slurm", "job_id": "5", "name": "t"})
+    (run / "t-5.out").mkdir()
+    assert main(["logs", str(run), "--runs-dir", str(tmp_path / "runs")]) == 2
+    line = _one_line(capsys)
+    assert "not a file" in line and "does not exist" not in line
