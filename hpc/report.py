@@ -229,6 +229,7 @@ def summarize(series: Series) -> RunSummary:
     steps += [s for s, _ in series.eval_loss]
     evals = _finite([v for _, v in series.eval_loss])
     speeds = _finite(series.values("samples_per_s"))
+    span = max(series.times) - min(series.times) if len(series.times) > 1 else None
     return RunSummary(
         label=series.label, path=series.path,
         steps=max(steps) if steps else None,
@@ -236,7 +237,7 @@ def summarize(series: Series) -> RunSummary:
         best_eval_loss=min(evals) if evals else None,
         last_lr=lrs[-1] if lrs else None,
         mean_samples_per_s=sum(speeds) / len(speeds) if speeds else None,
-        wall_time_s=max(series.times) - min(series.times) if len(series.times) > 1 else None,
+        wall_time_s=span if span is not None and math.isfinite(span) else None,  # 1e308 - -1e308
     )  # fmt: skip
 
 
@@ -336,10 +337,12 @@ def report(run_dirs: list[Path], out: Path | None = None, console: Any = None) -
     """
     if not run_dirs:
         raise UserError("report: no run directory; allowed: one or more run directories")
-    found: list[tuple[str, Path]] = []
-    for run_dir in run_dirs:
-        prefix = f"{Path(run_dir).resolve().name} " if len(run_dirs) > 1 and run_dir.is_dir() else ""
-        found += find_metrics(Path(run_dir), prefix)
+    try:
+        found = _find_all(run_dirs)
+        png = _png_path(Path(run_dirs[0]), out)
+    except OSError as exc:  # a path too long for the file system, a folder not searchable
+        raise UserError(f"report: {str(exc.filename)!r}: {exc.strerror}; allowed: run "
+                        "directories and a PNG path that exist") from None  # fmt: skip
     if not found:
         names = ", ".join(repr(str(d)) for d in run_dirs)
         raise UserError(f"report: no {METRICS} in {names} (nor in its task or checkpoint "
@@ -347,7 +350,6 @@ def report(run_dirs: list[Path], out: Path | None = None, console: Any = None) -
     series = [read_metrics(path, label) for label, path in _unique(found)]
     if not any(s.train or s.eval_loss for s in series):
         raise UserError(f"report: no metrics logged yet in {', '.join(str(s.path) for s in series)}")
-    png = _png_path(Path(run_dirs[0]), out)
     try:
         plot(series, png)
     except OSError as exc:
@@ -357,6 +359,14 @@ def report(run_dirs: list[Path], out: Path | None = None, console: Any = None) -
         console.print(summary_table(rows))
         console.print(f"plot: {png}")
     return ReportResult(png=png, series=series, runs=rows)
+
+
+def _find_all(run_dirs: list[Path]) -> list[tuple[str, Path]]:
+    found: list[tuple[str, Path]] = []
+    for run_dir in run_dirs:
+        prefix = f"{Path(run_dir).resolve().name} " if len(run_dirs) > 1 and run_dir.is_dir() else ""
+        found += find_metrics(Path(run_dir), prefix)
+    return found
 
 
 def _unique(found: list[tuple[str, Path]]) -> list[tuple[str, Path]]:

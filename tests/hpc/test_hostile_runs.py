@@ -108,3 +108,26 @@ def test_a_log_replaced_by_a_directory_says_so(tmp_path, capsys):
     assert main(["logs", str(run), "--runs-dir", str(tmp_path / "runs")]) == 2
     line = _one_line(capsys)
     assert "not a file" in line and "does not exist" not in line
+
+
+# ---- hpc report (hpc/report.py) ---------------------------------------------------------
+
+
+def test_an_overlong_report_path_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "metrics.jsonl").write_text('{"step": 1, "loss": 1}\n')
+    long = "a" * 5000
+    for argv in ([long], [long + "/metrics.jsonl"], [long, "r"], ["r", "-o", long],
+                 ["r", "-o", f"r/{long}/x.png"]):  # fmt: skip
+        assert main(["report", *argv]) == 2
+        _one_line(capsys)
+
+
+def test_times_whose_span_overflows_give_no_wall_time(tmp_path, capsys):
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1, "time": 1e308}\n'
+                                       '{"step": 2, "loss": 1, "time": -1e308}\n')  # fmt: skip
+    assert main(["report", str(run)]) == 0
+    assert "Traceback" not in capsys.readouterr().err
