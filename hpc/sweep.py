@@ -202,7 +202,7 @@ def _check_manifest(data: Any, path: Path) -> list[SweepTask]:
     where = f"sweep: {str(path)!r}"
     if not isinstance(data, dict):
         raise UserError(f"{where} holds a {type(data).__name__}; allowed: a JSON object")
-    if data.get("version") != VERSION:
+    if type(data.get("version")) is not int or data["version"] != VERSION:  # true == 1.0 == 1
         raise UserError(f"{where}: version {data.get('version')!r}; allowed: {VERSION}")
     raw_tasks = data.get("tasks")
     if not isinstance(raw_tasks, list) or not 1 <= len(raw_tasks) <= MAX_TASKS:
@@ -233,6 +233,11 @@ def _check_manifest(data: Any, path: Path) -> list[SweepTask]:
             _check_value(value, f"{at}: {key}")
         if not isinstance(raw["label"], str) or len(raw["label"]) > 4096:
             raise UserError(f"{at}: label must be a string")
+        # Exported as HPC_SWEEP_LABEL through bash's eval: a NUL is dropped there, and
+        # newlines or escapes would reach every terminal that prints the label.
+        if any(ord(c) < 32 or ord(c) == 127 for c in raw["label"]):
+            raise UserError(f"{at}: label {raw['label']!r} holds a control character; "
+                            "allowed: printable text")  # fmt: skip
         name = raw["dirname"]
         if not isinstance(name, str) or not _safe_dirname(name):
             raise UserError(f"{at}: dirname {name!r}; allowed: 1 to {MAX_DIRNAME} of "
@@ -320,12 +325,18 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m hpc.sweep")
+    class Parser(argparse.ArgumentParser):
+        """Usage mistakes are one line too (argparse prints the usage, then exits)."""
+
+        def error(self, message: str) -> Any:  # type: ignore[override]
+            raise UserError(f"{message}; allowed: shell RUN_DIR [--index N]")
+
+    parser = Parser(prog="python -m hpc.sweep")
     parser.add_argument("action", choices=["shell"])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--index", default=None, help="array index (default: the scheduler's)")
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         task = task_for(args.run_dir, args.index)
         sys.stdout.write(shell(args.run_dir, task))
     except UserError as exc:

@@ -9,13 +9,16 @@ job) and exit code 2, never a traceback; nothing user-given reaches a shell unqu
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from hpc import logs
+from hpc import logs, sweep
 from hpc.cli import main
 from hpc.errors import UserError
+from tests.hpc.conftest import REPO
 
 DEEP = "[" * 100_000 + "]" * 100_000  # valid JSON that overflows json's recursion
 
@@ -131,3 +134,54 @@ def test_times_whose_span_overflows_give_no_wall_time(tmp_path, capsys):
                                        '{"step": 2, "loss": 1, "time": -1e308}\n')  # fmt: skip
     assert main(["report", str(run)]) == 0
     assert "Traceback" not in capsys.readouterr().err
+
+
+# ---- python -m hpc.sweep shell (hpc/sweep.py) -------------------------------------------
+
+
+def _manifest(run: Path, **task_changes: object) -> Path:
+    task = {"index": 0, "overrides": {"a": "1"}, "label": "a=1", "dirname": "000-a-1"}
+    data = {"version": 1, "max_parallel": None, "tasks": [{**task, **task_changes}]}
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "sweep.json").write_text(json.dumps(data))
+    return run
+
+
+@pytest.mark.parametrize("label", ["a\0b", "a\nb", "\x1b]0;title\x07", "a\x7fb"])
+def test_a_label_with_control_characters_is_refused(label, tmp_path, capsys):
+    run = _manifest(tmp_path / "run", label=label)
+    assert sweep.main(["shell", str(run), "--index", "0"]) == 2
+    assert "label" in _one_line(capsys, "hpc sweep: error: ")
+    assert not (run / "000-a-1").exists()
+
+
+@pytest.mark.parametrize("version", [True, 1.0])
+def test_a_version_that_only_equals_1_is_refused(version, tmp_path, capsys):
+    run = _manifest(tmp_path / "run")
+    data = json.loads((run / "sweep.json").read_text())
+    (run / "sweep.json").write_text(json.dumps({**data, "version": version}))
+    assert sweep.main(["shell", str(run), "--index", "0"]) == 2
+    assert "version" in _one_line(capsys, "hpc sweep: error: ")
+
+
+@pytest.mark.parametrize("argv", [[], ["run", "x"], ["shell"], ["shell", "x", "--bogus"]])
+def test_sweep_usage_errors_are_one_line(argv, capsys):
+    assert sweep.main(argv) == 2
+    _one_line(capsys, "hpc sweep: error: ")
+
+
+def test_shell_output_evals_to_the_exact_values(tmp_path):
+    """Values full of shell syntax come back from bash ``eval`` byte for byte."""
+    value = "$(touch PWNED)'\"`id`;|&<>*?[]{}~#!\\ \t"
+    run = _manifest(tmp_path / "r $(id) 'x'", overrides={"a": value.replace("\t", " ")},
+                    label="a=$(touch PWNED2)'")  # fmt: skip
+    script = (f"cd {str(tmp_path)!r} && task=$({sys.executable} -m hpc.sweep shell "
+              f"\"$RUN\" --index 0) || exit 2\neval \"$task\"\n"
+              'printf "%s\\0" "$HPC_RUN_DIR" "$HPC_SWEEP_LABEL" "${HPC_SWEEP_ARGS[@]}"')  # fmt: skip
+    env = {"PATH": "/usr/bin:/bin", "RUN": str(run),
+           "PYTHONPATH": f"{REPO / 'src'}:{REPO}"}  # fmt: skip
+    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, check=True)
+    fields = out.stdout.decode().split("\0")[:-1]
+    assert fields == [str(run / "000-a-1"), "a=$(touch PWNED2)'", "--set",
+                      f"a={value.replace(chr(9), ' ')}"]  # fmt: skip
+    assert not list(tmp_path.rglob("PWNED*"))
