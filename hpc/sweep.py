@@ -262,9 +262,9 @@ def array_index(index: int | str | None = None, environ: Mapping[str, str] | Non
             raise UserError("sweep: no array index; allowed: --index N, or run as an array task "
                             f"({' or '.join('$' + v for v in ARRAY_INDEX_VARS)} set)")  # fmt: skip
     text = str(index).strip()
-    if isinstance(index, bool) or not re.fullmatch(r"\d{1,6}", text):
+    if isinstance(index, bool) or not re.fullmatch(r"[0-9]{1,6}", text):
         raise UserError(f"sweep: {where} {str(index)!r} is not an array index; "
-                        "allowed: a whole number >= 0")  # fmt: skip
+                        "allowed: a whole number from 0 to 999999 in ASCII digits")  # fmt: skip
     return int(text)
 
 

@@ -185,3 +185,11 @@ def test_shell_output_evals_to_the_exact_values(tmp_path):
     assert fields == [str(run / "000-a-1"), "a=$(touch PWNED2)'", "--set",
                       f"a={value.replace(chr(9), ' ')}"]  # fmt: skip
     assert not list(tmp_path.rglob("PWNED*"))
+
+
+@pytest.mark.parametrize("index", ["\u0663", "\uff10", "1234567", "-1"])
+def test_an_index_of_other_digits_or_too_long_is_refused(index, tmp_path, capsys):
+    """int() takes Arabic-Indic and full-width digits; an array index is ASCII only."""
+    run = _manifest(tmp_path / "run")
+    assert sweep.main(["shell", str(run), "--index", index]) == 2
+    assert "0 to 999999 in ASCII digits" in _one_line(capsys, "hpc sweep: error: ")
