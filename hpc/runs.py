@@ -180,6 +180,11 @@ def _check_record(record: dict[str, Any], path: Path) -> None:
                             "scheduler gave (printable text, no spaces)")  # fmt: skip
         if state is not None and state not in STATES:
             raise UserError(f"{at}: state {state!r}; allowed: null or one of {', '.join(STATES)}")
+    for task in record.get("sweep", []):  # hpc status prints each task's label
+        label = task.get("label") if isinstance(task, dict) else None
+        if not isinstance(label, str) or not label.isprintable():
+            raise UserError(f"{where}: sweep entry {task!r} has no printable label; allowed: a "
+                            "record written by hpc submit --sweep")  # fmt: skip
 
 
 def find(ident: str, runs_dir: Path) -> tuple[Path, dict[str, Any]] | None:

@@ -76,6 +76,8 @@ def test_an_overlong_name_is_one_line(command, tmp_path, capsys, monkeypatch):
         {"scheduler": "local", "job_id": "local-1-2", "state": "COMPLETED", "sweep": 5},
         {"scheduler": "slurm", "job_id": "6", "submissions": {"job_id": "5"}},
         {"scheduler": "slurm", "job_id": "6", "submissions": [{"job_id": "5"}]},
+        {"scheduler": "slurm", "job_id": "6", "sweep": [{"index": 0, "label": "\x1b]0;x\x07"}]},
+        {"scheduler": "slurm", "job_id": "6", "sweep": [{"index": 0, "label": None}]},
     ],
 )
 @pytest.mark.parametrize("command", ["logs", "status"])
