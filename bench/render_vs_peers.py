@@ -21,7 +21,12 @@ each and the ratios hpc/peer (targets: <= 0.5 x torchx, <= 1.0 x submitit).
 much of each whole-process time is the interpreter's cleanup of what was imported.
 They are not what a user runs, and the ratios are always of the two real commands.
 
-    python bench/render_vs_peers.py [--rounds 21] [--teardown]
+``--syscalls`` also counts each command's file-system system calls once, under
+``strace -c`` (open, stat, read, getdents...): on a login node whose Python lives on
+a shared file system (Lustre, GPFS) each of them is a metadata round trip, a cost
+this machine's local disk hides.
+
+    python bench/render_vs_peers.py [--rounds 21] [--teardown] [--syscalls]
 """
 
 from __future__ import annotations
@@ -91,12 +96,26 @@ def run_once(argv: list[str], cwd: str, env: dict[str, str]) -> float:
     return wall
 
 
+def file_syscalls(argv: list[str], cwd: str, env: dict[str, str]) -> int | None:
+    """File-system system calls of one run of ``argv`` (None without strace)."""
+    strace = shutil.which("strace")
+    if strace is None:
+        return None
+    with tempfile.NamedTemporaryFile("r", suffix=".strace") as out:
+        subprocess.run([strace, "-f", "-c", "-o", out.name, "-e", "trace=%file,read,getdents64",
+                        *argv], cwd=cwd, env=env, capture_output=True, check=True)
+        total = out.read().strip().splitlines()[-1].split()  # "100.00 secs usecs calls errors total"
+    return int(total[3])
+
+
 def main() -> int:
     """Time the commands in interleaved rounds and print medians and ratios."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--teardown", action="store_true",
                         help="add hpc-x and submitit-x: the same, ending in os._exit")
+    parser.add_argument("--syscalls", action="store_true",
+                        help="count each command's file-system calls once (strace -c)")
     args = parser.parse_args()
     cmds, notes = commands(args.teardown)
     env = dict(os.environ, SBATCH_ACCOUNT="m0000_g")
@@ -115,6 +134,7 @@ def main() -> int:
                 order.reverse()
             for name, argv in order:
                 times[name].append(run_once(argv, cwd, env))
+        calls = {name: file_syscalls(argv, cwd, env) for name, argv in cmds.items()} if args.syscalls else {}
     med = {name: statistics.median(t) for name, t in times.items()}
     print(f"medians of {args.rounds} interleaved rounds (wall, whole process):")
     for name, value in med.items():
@@ -130,6 +150,12 @@ def main() -> int:
             ratio = med["hpc"] / med[peer]
             verdict = "meets" if ratio <= target else "MISSES"
             print(f"  hpc / {peer:8s} = {ratio:.2f}  ({verdict} the <= {target} target)")
+    if calls and None in calls.values():
+        print("  skipped --syscalls: no strace on PATH")
+    elif calls:
+        print("file-system system calls of one run (strace -c), and above the floor's:")
+        for name, n in calls.items():
+            print(f"  {name:9s} {n:6d}  (+{n - calls['floor']})")
     for note in notes:
         print(f"  skipped {note}")
     return 0
