@@ -135,9 +135,10 @@ def find_log(run_dir: Path, job: str | None = None) -> Path:
 
     sub = next((s for s in reversed(subs) if same(s)), None)
     if sub is None:
-        if not any(s.owns_id(wanted) for s in _schedulers()):
-            raise UserError(f"logs: {wanted!r} is not a job id; allowed: e.g. 12345, 12345_3, "
-                            "123.server, 123[3].server, local-PID-START")  # fmt: skip
+        known = _schedulers()
+        if not any(s.owns_id(wanted) for s in known):
+            examples = ", ".join(s.id_examples for s in known if s.id_examples)
+            raise UserError(f"logs: {wanted!r} is not a job id; allowed: e.g. {examples}")
         if subs:
             raise UserError(f"logs: job {wanted!r} is not a job of {str(run_dir)!r}; "
                             f"its jobs: {_ids(subs)}")  # fmt: skip

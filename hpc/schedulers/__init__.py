@@ -105,6 +105,8 @@ class Scheduler:
     #: its template's directives make them: group ``job`` is the job id as written
     #: there; a scheduler that writes no id into the name numbers them (group ``seq``).
     log_patterns: ClassVar[tuple[str, ...]] = ()
+    #: Its job ids as a user would type them, for messages (``12345, 12345_3``).
+    id_examples: ClassVar[str] = ""
 
     @property
     def template(self) -> str:

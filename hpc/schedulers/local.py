@@ -27,6 +27,7 @@ class Local(Scheduler):
     runs_here = True
     # submit writes output.log, then output-2.log ... for each --resume (create_free)
     log_patterns = (r"output(?:-(?P<seq>\d+))?\.log",)
+    id_examples = "local-PID-START"
 
     def launch(self, job: Job) -> tuple[list[str], list[str]]:
         """The command itself for one rank, else ``torchrun --standalone``."""

@@ -335,6 +335,7 @@ class PBS(Scheduler):
     # NAME.oJOBNUM in the submit folder.
     log_patterns = (r"(?P<job>\d+(?:\[\d*\])?(?:\.[A-Za-z0-9_.-]+?)?)\.OU",
                     r"(?P<name>.+)\.o(?P<job>\d+(?:\.\d+)?)")
+    id_examples = "123.server, 123[3].server"
 
     def template_values(self, job: Job) -> dict[str, Any]:
         """The array range for ``#PBS -J`` (a subjob's log is ``DIR/ID[i].server.OU``)."""

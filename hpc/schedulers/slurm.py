@@ -54,6 +54,7 @@ class Slurm(Scheduler):
     array_throttle = True  # --array=0-9%2
     # --output=DIR/%x-%j.out (an array's tasks: %x-%A_%a.out), from template_values
     log_patterns = (r"(?P<name>.+)-(?P<job>\d+(?:_\d+)?)\.out",)
+    id_examples = "12345, 12345_3"
 
     def check_spec(self, spec: JobSpec, cluster: Cluster) -> None:
         """``filesystems`` is a PBS resource."""
