@@ -43,23 +43,24 @@ def _schedulers() -> list[Scheduler]:
     return [schedulers.get(name) for name in schedulers.names()]
 
 
-def job_key(job: str) -> tuple[str, str | None] | None:
+def job_key(job: str, known: list[Scheduler] | None = None) -> tuple[str, str | None] | None:
     """``(number, task)`` of a job id of any scheduler (SLURM ``12345_3``, PBS
-    ``123[3].server``); None for anything else."""
-    for scheduler in _schedulers():
+    ``123[3].server``); None for anything else. ``known``: the schedulers, when the
+    caller has listed them already (listing reads the package folder)."""
+    for scheduler in _schedulers() if known is None else known:
         key = scheduler.split_id(job.strip())
         if key is not None:
             return key
     return None
 
 
-def _scan(run_dir: Path) -> list[_Log]:
+def _scan(run_dir: Path, known: list[Scheduler]) -> list[_Log]:
     found = []
     try:
         entries = sorted(run_dir.iterdir())
     except OSError as exc:
         raise UserError(f"logs: cannot list {str(run_dir)!r}: {exc.strerror}") from None
-    patterns = [(s, regex) for s in _schedulers() for regex in s.log_patterns]
+    patterns = [(s, regex) for s in known for regex in s.log_patterns]
     for path in entries:
         for scheduler, regex in patterns:
             match = re.fullmatch(regex, path.name)
@@ -111,7 +112,8 @@ def find_log(run_dir: Path, job: str | None = None) -> Path:
     """
     if not run_dir.is_dir():
         raise UserError(f"logs: {str(run_dir)!r} is not a directory; allowed: a run directory")
-    logs = _scan(run_dir)
+    known = _schedulers()
+    logs = _scan(run_dir, known)
     subs = _submissions(run_dir)
     if job is not None and not job.strip():
         raise UserError("logs: empty job id; allowed: a job id of this run, or none for the latest")
@@ -123,7 +125,7 @@ def find_log(run_dir: Path, job: str | None = None) -> Path:
             raise UserError(f"logs: no log file in {str(run_dir)!r} and no run record naming a job")
         return _latest(logs)
 
-    key = job_key(wanted)
+    key = job_key(wanted, known)
     if key is not None:
         matches = [g for g in logs if g.key and g.key[0] == key[0] and key[1] in (None, g.key[1])]
         if matches:
@@ -131,11 +133,10 @@ def find_log(run_dir: Path, job: str | None = None) -> Path:
 
     def same(sub: dict[str, Any]) -> bool:
         recorded = str(sub.get("job_id") or "")
-        return recorded == wanted or (key is not None and (job_key(recorded) or ("",))[0] == key[0])
+        return recorded == wanted or (key is not None and (job_key(recorded, known) or ("",))[0] == key[0])
 
     sub = next((s for s in reversed(subs) if same(s)), None)
     if sub is None:
-        known = _schedulers()
         if not any(s.owns_id(wanted) for s in known):
             examples = ", ".join(s.id_examples for s in known if s.id_examples)
             raise UserError(f"logs: {wanted!r} is not a job id; allowed: e.g. {examples}")
@@ -283,10 +284,11 @@ def locate(ident: str, runs_dir: Path) -> tuple[Path, str | None]:
         run_dir, record = found
         is_job = ident.strip() not in (str(run_dir), run_dir.name) and not Path(ident).is_dir()
         return run_dir, (ident.strip() if is_job and record.get("job_id") else None)
-    key = job_key(ident)
+    known = _schedulers()
+    key = job_key(ident, known)
     if key is not None and key[1] is not None:  # a task: find the array's run by its number
         with contextlib.suppress(UserError):
-            for candidate in (key[0], *(s.array_of(ident.strip()) for s in _schedulers())):
+            for candidate in (key[0], *(s.array_of(ident.strip()) for s in known)):
                 found = runs.find(candidate, runs_dir) if candidate else None
                 if found is not None:
                     return found[0], ident.strip()
