@@ -25,7 +25,7 @@ QSTAT_TIMEOUT_S = 60
 #: State of a job the server no longer knows (finished, no job history kept).
 GONE = JobState.FINISHED
 
-_JOB_ID = re.compile(r"^\d+(\[\d*\])?(\.[A-Za-z0-9_.-]+)?\Z")
+_JOB_ID = re.compile(r"^(\d+)(?:\[(\d*)\])?(?:\.[A-Za-z0-9_.-]+)?\Z")  # number, subjob
 _SUBJOB = re.compile(r"^(?P<seq>\d+)\[(?P<index>\d+)\](?P<rest>.*)$")
 _SUBMITIT_ARRAY = re.compile(r"^(?P<parent>\d+\[\](?:\.[^_]*)?)_(?P<index>\d+)$")
 
@@ -349,7 +349,7 @@ class PBS(Scheduler):
     def split_id(self, job_id: str) -> tuple[str, str | None] | None:
         """``123.server`` -> (123, None); a subjob ``123[4].server`` -> (123, 4); the
         array itself ``123[].server`` -> (123, None)."""
-        match = re.match(r"(\d+)(?:\[(\d*)\])?(?:\.[A-Za-z0-9_.-]+)?\Z", job_id)
+        match = _JOB_ID.match(job_id)
         return (match.group(1), match.group(2) or None) if match else None
 
     def array_of(self, task_id: str) -> str | None:
