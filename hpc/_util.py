@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,55 @@ def load_yaml(path: Path, what: str) -> dict[str, Any]:
             f"{what}: {str(path)!r} holds a {type(data).__name__}; allowed: a mapping of keys"
         )
     return data
+
+
+MAX_RUN_FILE = 64 * 1024 * 1024
+"""Largest run-directory file read whole (``run.json``, ``sweep.json``, a log tail is
+read with its own bound): a real one is kilobytes; a bigger one is damage or a trap."""
+
+
+def read_regular(path: Path, what: str, limit: int = MAX_RUN_FILE) -> bytes:
+    """The bytes of a regular file, never blocking and never unbounded.
+
+    Readers of run directories and stores take untrusted paths: a named pipe there
+    would block ``open`` forever, a device or ``/dev/zero`` would never end. The file is
+    opened ``O_NONBLOCK`` (a FIFO opens at once instead of waiting for a writer), then
+    ``fstat`` on the open descriptor (no race with a swap) must say regular file, and at
+    most ``limit`` bytes are read. Every refusal is one :class:`UserError` line.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except IsADirectoryError:
+        raise UserError(f"{what}: {str(path)!r} is a directory; allowed: a regular file") from None
+    except OSError as exc:
+        raise UserError(f"{what}: cannot read {str(path)!r}: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            kind = "a directory" if stat.S_ISDIR(info.st_mode) else (
+                "a named pipe" if stat.S_ISFIFO(info.st_mode) else "not a regular file")
+            raise UserError(f"{what}: {str(path)!r} is {kind}; allowed: a regular file")
+        if info.st_size > limit:
+            raise UserError(f"{what}: {str(path)!r} is {info.st_size:,} bytes; allowed: at "
+                            f"most {limit:,}")  # fmt: skip
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            try:
+                chunk = os.read(fd, min(1 << 20, limit + 1 - total))
+            except OSError as exc:
+                raise UserError(f"{what}: cannot read {str(path)!r}: {exc.strerror}") from None
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > limit:
+                raise UserError(f"{what}: {str(path)!r} grew past {limit:,} bytes while "
+                                "being read; allowed: a finished file")  # fmt: skip
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def write_atomic(path: Path, text: str, what: str = "--output") -> None:
