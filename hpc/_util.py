@@ -11,7 +11,7 @@ import re
 import stat
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from hpc.errors import UserError
 
@@ -156,14 +156,15 @@ MAX_RUN_FILE = 64 * 1024 * 1024
 read with its own bound): a real one is kilobytes; a bigger one is damage or a trap."""
 
 
-def read_regular(path: Path, what: str, limit: int = MAX_RUN_FILE) -> bytes:
-    """The bytes of a regular file, never blocking and never unbounded.
+def open_regular(path: Path, what: str) -> BinaryIO:
+    """``path`` opened for reading in binary, only if it is a regular file; never blocks.
 
     Readers of run directories and stores take untrusted paths: a named pipe there
     would block ``open`` forever, a device or ``/dev/zero`` would never end. The file is
     opened ``O_NONBLOCK`` (a FIFO opens at once instead of waiting for a writer), then
-    ``fstat`` on the open descriptor (no race with a swap) must say regular file, and at
-    most ``limit`` bytes are read. Every refusal is one :class:`UserError` line.
+    ``fstat`` on the open descriptor (no race with a swap) must say regular file. For a
+    reader that streams (a long ``metrics.jsonl``); :func:`read_regular` reads whole.
+    Every refusal is one :class:`UserError` line.
     """
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
@@ -178,14 +179,28 @@ def read_regular(path: Path, what: str, limit: int = MAX_RUN_FILE) -> bytes:
             kind = "a directory" if stat.S_ISDIR(info.st_mode) else (
                 "a named pipe" if stat.S_ISFIFO(info.st_mode) else "not a regular file")
             raise UserError(f"{what}: {str(path)!r} is {kind}; allowed: a regular file")
-        if info.st_size > limit:
-            raise UserError(f"{what}: {str(path)!r} is {info.st_size:,} bytes; allowed: at "
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular(path: Path, what: str, limit: int = MAX_RUN_FILE) -> bytes:
+    """The bytes of a regular file, never blocking and never unbounded.
+
+    Opened by :func:`open_regular` (regular files only, non-blocking), and at most
+    ``limit`` bytes are read. Every refusal is one :class:`UserError` line.
+    """
+    with open_regular(path, what) as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size > limit:
+            raise UserError(f"{what}: {str(path)!r} is {size:,} bytes; allowed: at "
                             f"most {limit:,}")  # fmt: skip
         chunks: list[bytes] = []
         total = 0
         while True:
             try:
-                chunk = os.read(fd, min(1 << 20, limit + 1 - total))
+                chunk = fh.read(min(1 << 20, limit + 1 - total))
             except OSError as exc:
                 raise UserError(f"{what}: cannot read {str(path)!r}: {exc.strerror}") from None
             if not chunk:
@@ -196,21 +211,29 @@ def read_regular(path: Path, what: str, limit: int = MAX_RUN_FILE) -> bytes:
                 raise UserError(f"{what}: {str(path)!r} grew past {limit:,} bytes while "
                                 "being read; allowed: a finished file")  # fmt: skip
         return b"".join(chunks)
-    finally:
-        os.close(fd)
 
 
-def write_atomic(path: Path, text: str, what: str = "--output") -> None:
-    """Write ``text`` to ``path`` all or nothing, never through a planted link.
+def write_atomic(path: Path, text: str | bytes, what: str = "--output") -> None:
+    """Write ``text`` (or bytes) to ``path`` all or nothing, never through a planted link.
 
     The temporary file comes from ``mkstemp`` in the target folder (``O_EXCL``, an
     unpredictable name), so a symlink someone placed at ``PATH.tmp`` is never followed;
-    ``os.replace`` then swaps it in. Errors are one line and leave nothing behind.
+    ``os.replace`` then swaps it in, with the mode a new file gets (0644 less the umask,
+    as every other file of a run directory). Only a regular file is ever replaced: a
+    device, FIFO or socket at ``path`` (``-o /dev/null``, which as root ``os.replace``
+    would turn into a plain file) is refused. Errors are one line and leave nothing behind.
     """
     import tempfile
 
     if path.is_dir():
         raise UserError(f"{what}: {str(path)!r} is a directory; allowed: a file path")
+    try:
+        mode = path.stat().st_mode
+    except OSError:  # nothing there yet (or a dangling link, replaced like a file)
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):
+        raise UserError(f"{what}: {str(path)!r} exists and is not a regular file (a device, "
+                        "FIFO or socket); allowed: a new or regular file path")  # fmt: skip
     if not path.parent.is_dir():
         raise UserError(f"{what}: folder {str(path.parent)!r} does not exist; "
                         "allowed: an existing folder")  # fmt: skip
@@ -219,8 +242,9 @@ def write_atomic(path: Path, text: str, what: str = "--output") -> None:
     except OSError as exc:
         raise UserError(f"{what}: cannot write in {str(path.parent)!r}: {exc.strerror}") from None
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        data = text if isinstance(text, bytes) else text.encode("utf-8")
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
         os.chmod(tmp, 0o644 & ~_umask())
         os.replace(tmp, path)
     except OSError as exc:

@@ -14,14 +14,13 @@ stays fast, and matplotlib is needed only by this command (the ``report`` extra)
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpc._util import open_regular
 from hpc.errors import UserError
 
 METRICS = "metrics.jsonl"
@@ -76,6 +75,8 @@ class ReportResult:
     png: Path
     series: list[Series]
     runs: list[RunSummary]
+    notes: list[str] = field(default_factory=list)
+    """What the plot leaves out, one line each (points not drawn: see :func:`_drawable`)."""
 
     @property
     def labels(self) -> list[str]:
@@ -141,11 +142,7 @@ def read_metrics(path: Path, label: str) -> Series:
     evals: dict[int, float] = {}
     times: list[float] = []
     where = f"report: {str(path)!r}"
-    try:
-        fh = open(path, "rb")  # noqa: SIM115 - closed below
-    except OSError as exc:
-        raise UserError(f"{where}: cannot read: {exc.strerror}") from None
-    with fh:
+    with open_regular(path, "report") as fh:  # a FIFO or device there: one line, not a hang
         lines = _lines(fh, where)
         bad: tuple[int, str] | None = None  # a bad line is fatal only if another follows
         for number, raw in lines:
@@ -242,17 +239,24 @@ def summarize(series: Series) -> RunSummary:
 
 
 def summary_table(rows: list[RunSummary]) -> Any:
-    """The summary as a ``rich.table.Table``."""
+    """The summary as a ``rich.table.Table``.
+
+    Every cell is a ``rich.text.Text``, never a markup string: a label is a run's folder
+    name or a sweep's ``KEY=VALUE``, and ``[/x]`` or ``[bold]`` in it is the user's text,
+    not markup (rich would raise ``MarkupError`` on the first, restyle on the second).
+    """
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title="runs")
     for name in ("run", "steps", "last loss", "best eval loss", "last lr", "samples/s", "wall time"):
         table.add_column(name, justify="left" if name == "run" else "right")
     for r in rows:
-        table.add_row(
+        cells = (
             r.label, _fmt(r.steps, "d"), _fmt(r.last_loss, ".4g"), _fmt(r.best_eval_loss, ".4g"),
             _fmt(r.last_lr, ".3g"), _fmt(r.mean_samples_per_s, ".1f"), _duration(r.wall_time_s),
         )  # fmt: skip
+        table.add_row(*(Text(c) for c in cells))
     return table
 
 
@@ -279,13 +283,40 @@ def _colors(n: int) -> list[str]:
     return [colors.to_hex(cmap(i / max(1, n - 1))) for i in range(n)]
 
 
+PLOT_LIMIT = 1e100
+"""Largest magnitude drawn. Past it a value is divergence, not a curve, and matplotlib's
+axis arithmetic overflows near float's range (two points at 1e308 raise ``ValueError:
+arange: cannot compute length``); such points, and NaN/inf, are gaps with a note."""
+
+
+def _drawable(value: float) -> bool:
+    return math.isfinite(value) and abs(value) <= PLOT_LIMIT
+
+
 def _xy(points: list[tuple[int, float]]) -> tuple[list[int], list[float]]:
-    """Steps and values with inf as NaN: a gap in the line, not a blown-up axis."""
-    return [s for s, _ in points], [v if math.isfinite(v) else math.nan for _, v in points]
+    """Steps and values with what cannot be drawn as NaN: a gap in the line, not a
+    blown-up axis or a traceback (see :data:`PLOT_LIMIT`)."""
+    return [s for s, _ in points], [v if _drawable(v) else math.nan for _, v in points]
+
+
+def _left_out(series: list[Series]) -> list[str]:
+    """One note per series and metric with points :func:`_xy` leaves out."""
+    notes = []
+    for s in series:
+        metrics = [(name, s.train.get(name, [])) for name in ("loss", "lr", "samples_per_s")]
+        for name, points in [*metrics, ("eval loss", s.eval_loss)]:
+            bad = [v for _, v in points if not _drawable(v)]
+            if bad:
+                kinds = sorted({"NaN" if math.isnan(v) else "inf" if math.isinf(v) else
+                                f"beyond ±{PLOT_LIMIT:g}" for v in bad})  # fmt: skip
+                notes.append(f"{s.label}: {len(bad)} of {len(points)} {name} points not drawn "
+                             f"({', '.join(kinds)})")  # fmt: skip
+    return notes
 
 
 def plot(series: list[Series], png: Path) -> None:
-    """Draw the panels into ``png`` (written whole: temp file, then ``os.replace``)."""
+    """Draw the panels into ``png`` (written whole by :func:`hpc._util.write_atomic`:
+    the mode of the run's other files, and never over anything but a regular file)."""
     try:
         from matplotlib.figure import Figure  # no pyplot: no display, no global state (Agg)
     except ImportError:
@@ -312,17 +343,13 @@ def plot(series: list[Series], png: Path) -> None:
     speed_ax.set_xlabel("step")
     if len(series) <= MAX_LEGEND and loss_ax.get_legend_handles_labels()[0]:
         loss_ax.legend(fontsize=8, loc="best")
-    import tempfile
+    import io
 
-    fd, tmp = tempfile.mkstemp(prefix=f".{png.name}.", suffix=".tmp", dir=png.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fig.savefig(fh, format="png")
-        os.replace(tmp, png)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    from hpc._util import write_atomic
+
+    buffer = io.BytesIO()  # a few hundred kB: drawn first, so a failure writes nothing
+    fig.savefig(buffer, format="png")
+    write_atomic(png, buffer.getvalue(), "report: --output")
 
 
 # ---- the command ------------------------------------------------------------------------
@@ -355,10 +382,15 @@ def report(run_dirs: list[Path], out: Path | None = None, console: Any = None) -
     except OSError as exc:
         raise UserError(f"report: cannot write {str(png)!r}: {exc.strerror}") from None
     rows = [summarize(s) for s in series]
+    notes = _left_out(series)
     if console is not None:
+        from rich.text import Text
+
         console.print(summary_table(rows))
-        console.print(f"plot: {png}")
-    return ReportResult(png=png, series=series, runs=rows)
+        for line in notes:  # paths and labels are the user's text: Text, never markup
+            console.print(Text(f"note: {line}"))
+        console.print(Text(f"plot: {png}"))
+    return ReportResult(png=png, series=series, runs=rows, notes=notes)
 
 
 def _find_all(run_dirs: list[Path]) -> list[tuple[str, Path]]:

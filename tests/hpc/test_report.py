@@ -252,3 +252,143 @@ def test_lines_as_the_trainer_writes_them(tmp_path: Path):
     assert (row.steps, row.last_loss, row.last_lr) == (4, 0.686271071434021, 0.001)
     assert row.best_eval_loss == 0.6634882688522339
     assert row.wall_time_s == pytest.approx(12.344)
+
+
+# ---- issue 24: user text through rich, values past the plot, the PNG's mode and path ----
+
+
+@pytest.mark.parametrize("name", ["[/x]", "[bold red]lr", "a[link=file:///etc]b"])
+def test_run_names_with_brackets_print_as_they_are(name: str, tmp_path: Path):
+    """A label is a folder name or a sweep's KEY=VALUE: user text, never rich markup
+    (``[/x]`` raised MarkupError; ``[bold red]`` vanished into a style)."""
+    from rich.console import Console
+
+    run = tmp_path / name
+    _write(run / "metrics.jsonl", _lines(0.1, steps=3))
+    other = tmp_path / "plain"
+    _write(other / "metrics.jsonl", _lines(0.2, steps=3))
+    out = io.StringIO()
+    rpt.report([run, other], console=Console(file=out, width=300, color_system=None))
+    text = out.getvalue()
+    assert f"│ {run.name} " in text  # the label: its folder's name ('[/x]' is x] in [)
+    assert f"plot: {run / 'report.png'}" in text
+
+
+def test_sweep_labels_with_brackets_print_as_they_are(tmp_path: Path):
+    """A sweep's labels are its KEY=VALUE overrides, and a value may hold '[/x]'."""
+    from rich.console import Console
+
+    tasks = sweep.tasks_from_flags(["model.tag=[/x],[bold]b"])
+    sweep.write_manifest(tmp_path, tasks)
+    for task in tasks:
+        _write(sweep.task_dir(tmp_path, task) / "metrics.jsonl", _lines(0.1, steps=3))
+    out = io.StringIO()
+    result = rpt.report([tmp_path], console=Console(file=out, width=300, color_system=None))
+    assert result.labels == ["model.tag=[/x]", "model.tag=[bold]b"]
+    assert "│ model.tag=[/x] " in out.getvalue() and "│ model.tag=[bold]b " in out.getvalue()
+
+
+def test_cli_report_of_a_bracketed_run_exits_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    from hpc.cli import main
+
+    run = tmp_path / "[/lr=0.1]"
+    _write(run / "metrics.jsonl", _lines(0.1, steps=3))
+    assert main(["report", str(run)]) == 0
+    assert "[/lr=0.1]" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("losses", "left_out"),
+    [
+        ([1.0, 1e308, 2.0], "1 of 3 loss points not drawn (beyond ±1e+100)"),
+        ([1e308, 1e308], "2 of 2 loss points not drawn (beyond ±1e+100)"),
+        ([-1e308, 1e308, 1.0], "2 of 3 loss points not drawn (beyond ±1e+100)"),
+        ([1.0, math.inf, -math.inf, math.nan], "3 of 4 loss points not drawn (NaN, inf)"),
+        ([math.nan, math.nan], "2 of 2 loss points not drawn (NaN)"),
+    ],
+    ids=["one-huge", "all-huge-equal", "both-signs", "non-finite", "all-nan"],
+)
+def test_huge_and_non_finite_values_are_gaps_with_a_note(losses: list[float], left_out: str,
+                                                        tmp_path: Path):  # fmt: skip
+    """Two points at 1e308 raised ``ValueError: arange: cannot compute length`` inside
+    matplotlib; now such points are gaps in the line, each series says how many."""
+    from rich.console import Console
+
+    recs = [{"kind": "train", "step": i + 1, "loss": v, "lr": 0.1} for i, v in enumerate(losses)]
+    recs.append({"kind": "eval", "step": 1, "loss": 1e308})
+    _write(tmp_path / "run" / "metrics.jsonl", recs)
+    out = io.StringIO()
+    result = rpt.report([tmp_path / "run"], console=Console(file=out, width=300))
+    assert result.png.read_bytes()[:8] == PNG_SIGNATURE
+    assert f"run: {left_out}" in result.notes
+    assert "run: 1 of 1 eval loss points not drawn (beyond ±1e+100)" in result.notes
+    assert not any("lr" in n for n in result.notes)  # its points are all drawn
+    assert f"note: run: {left_out}" in out.getvalue()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o002])
+def test_the_png_has_the_mode_of_the_runs_other_files(umask: int, tmp_path: Path):
+    """It came out 0600 (mkstemp's mode) next to 0644 files."""
+    import os
+
+    from hpc.runs import create_free
+
+    old = os.umask(umask)
+    try:
+        other = create_free(tmp_path, "job", ".sh", "x")  # how submit writes a run's files
+        _write(tmp_path / "metrics.jsonl", _lines(0.1, steps=3))
+        png = rpt.report([tmp_path]).png
+    finally:
+        os.umask(old)
+    assert (png.stat().st_mode & 0o777) == (other.stat().st_mode & 0o777) == 0o644 & ~umask
+
+
+@pytest.mark.parametrize("kind", ["fifo", "char-device", "link-to-device"])
+def test_output_onto_what_is_not_a_regular_file_is_refused_and_left_alone(kind: str,
+                                                                          tmp_path: Path):  # fmt: skip
+    """``-o /dev/null`` as root replaced the device with a PNG (os.replace over it); a
+    device node or FIFO made here stands in for /dev/null."""
+    import os
+    import stat
+
+    _write(tmp_path / "metrics.jsonl", _lines(0.1, steps=3))
+    target = tmp_path / "out.png"
+    if kind == "fifo":
+        os.mkfifo(target)
+        check = stat.S_ISFIFO
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("making a device node needs root")
+        node = tmp_path / "null" if kind == "link-to-device" else target
+        os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        if kind == "link-to-device":
+            target.symlink_to(node)
+        check = stat.S_ISCHR
+    message = _error(rpt.report, [tmp_path], out=target)
+    assert "not a regular file" in message and str(target) in message
+    assert check(os.stat(target).st_mode)  # still the FIFO or device, not a PNG
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_fifo_as_metrics_file_is_one_line_not_a_hang(tmp_path: Path):
+    import os
+    import threading
+
+    fifo = tmp_path / "metrics.jsonl"
+    os.mkfifo(fifo)
+    caught: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            rpt.read_metrics(fifo, "x")
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+            caught.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(60)  # a bound against the hang under test only
+    if reader.is_alive():  # blocked in open(): give it a writer so the thread can end
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("read_metrics blocked on a named pipe")
+    assert len(caught) == 1 and isinstance(caught[0], UserError), caught
+    assert "named pipe" in str(caught[0]) and "\n" not in str(caught[0])
