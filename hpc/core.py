@@ -13,6 +13,7 @@ and ``run.json``, and calls the scheduler.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import time
 from collections.abc import Callable, Mapping
@@ -43,10 +44,10 @@ def build_job(
     environ = os.environ if environ is None else environ
     spec = load_spec(spec_path, overrides)
     if run_here and spec.cluster != "local":
-        ppn = str(overrides.get("ppn") or "")
+        ppn = str(overrides.get("ppn") or "").strip()
         spec = replace(spec, cluster="local", nodes=int(overrides.get("nodes") or 1),
-                       ppn=int(ppn) if ppn.isdigit() else None, queue=None, account=None,
-                       gpus_per_node=None, filesystems=None, launcher="auto")
+                       ppn=int(ppn) if re.fullmatch("[0-9]+", ppn) else None, queue=None,
+                       account=None, gpus_per_node=None, filesystems=None, launcher="auto")
     if spec.cluster is None:
         raise UserError(
             "cluster: missing; allowed: --cluster NAME or cluster: in the spec, one of "
@@ -278,20 +279,35 @@ def locate(ident: str, runs_dir: Path, cluster: str | None = None
         raise UserError(f"id: {ident!r}; allowed: one run directory, run name or job id")
     found = runs.find(ident, runs_dir)
     if found is not None:
-        _, rec = found
+        run_dir, rec = found
         if not rec.get("job_id"):
             raise UserError(f"id: {ident!r} names a run that has no job id (submit failed: "
                             f"{rec.get('error', 'unknown')})")
-        return str(rec["job_id"]), schedulers.get(str(rec["scheduler"])), rec
+        scheduler = schedulers.get(str(rec["scheduler"]))
+        job_id = str(rec["job_id"])
+        if not scheduler.owns_id(job_id):  # a record is untrusted: checked like a typed id
+            raise UserError(f"run: {str(run_dir / runs.RECORD)!r}: job_id {job_id!r} is not a "
+                            f"{scheduler.name} job id; allowed: {scheduler.id_examples} (a "
+                            "record written by hpc submit)")  # fmt: skip
+        return job_id, scheduler, rec
     if cluster:
         from hpc import profiles as clusters
 
-        return ident, schedulers.get(clusters.load(cluster).scheduler), None
-    name = schedulers.detect()
-    if name is None:
-        raise UserError(f"id: {ident!r} is no run directory and no scheduler client is on PATH; "
-                        "allowed: a run directory, or --cluster NAME")
-    return ident, schedulers.get(name), None
+        scheduler = schedulers.get(clusters.load(cluster).scheduler)
+    else:
+        name = schedulers.detect()
+        if name is None:
+            raise UserError(f"id: {ident!r} is no run directory and no scheduler client is on "
+                            "PATH; allowed: a run directory, or --cluster NAME")  # fmt: skip
+        scheduler = schedulers.get(name)
+    # The one gate before a typed id reaches a client (scancel, qdel, squeue): a typo, or
+    # an id in other digits (١٢٣, １２３: str.isdigit and int() take them, no scheduler
+    # gives them), is refused as not a job id instead of being sent on.
+    if not scheduler.owns_id(ident):
+        raise UserError(f"id: {ident!r} is neither a run under {str(runs_dir)!r} nor a "
+                        f"{scheduler.name} job id; allowed: a run directory, its name, or a "
+                        f"job id such as {scheduler.id_examples}")  # fmt: skip
+    return ident, scheduler, None
 
 
 def status(ident: str, runs_dir: Path, cluster: str | None = None) -> tuple[str, JobState]:

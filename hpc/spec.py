@@ -157,7 +157,7 @@ def _str(data: dict[str, Any], key: str) -> str:
 
 def _int(data: dict[str, Any], key: str) -> int:
     value = data[key]
-    if isinstance(value, str) and value.strip().isdigit():
+    if isinstance(value, str) and re.fullmatch("[0-9]+", value.strip()):  # not isdigit: ², ٢
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise UserError(f"{key}: {value!r} is not allowed; allowed: a whole number >= 1")

@@ -144,7 +144,7 @@ def _safe_dirname(name: str) -> bool:
 def check_max_parallel(value: Any, n_tasks: int) -> int:
     """How many tasks may run at once (SLURM ``--array=0-N%M``): 1 .. number of tasks."""
     text = str(value).strip()
-    if isinstance(value, bool) or not re.fullmatch(r"\d{1,6}", text):
+    if isinstance(value, bool) or not re.fullmatch(r"[0-9]{1,6}", text):  # not \d: ١٢٣
         raise UserError(f"--max-parallel: {str(value)!r} is not a number; "
                         f"allowed: 1 to {n_tasks} (the number of tasks)")  # fmt: skip
     number = int(text)

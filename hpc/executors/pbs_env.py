@@ -11,7 +11,6 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
 import threading
 import time
 import typing as tp
@@ -113,13 +112,10 @@ class PBSJobEnvironment(_job_environment.JobEnvironment):
         script.write_text(text)
         workdir = os.environ.get("PBS_O_WORKDIR") or None
         qsub = pbs_client("qsub")
-        try:
-            proc = subprocess.run([qsub, str(script)], capture_output=True, text=True, cwd=workdir,
-                                  timeout=QSTAT_TIMEOUT_S, check=False)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise SchedulerError(f"requeue: {qsub} {script} failed: {exc}") from None
-        from hpc.schedulers import last_line
+        from hpc.schedulers import last_line, run
         from hpc.schedulers.pbs import PBS
+
+        proc = run([qsub, str(script)], timeout=QSTAT_TIMEOUT_S, cwd=workdir)  # decodes once
 
         if proc.returncode != 0:
             raise SchedulerError(f"requeue: {qsub} refused {script} (exit {proc.returncode}): "

@@ -227,16 +227,23 @@ def get(name: str) -> Scheduler:
     return module.SCHEDULER()
 
 
-def run(argv: list[str], timeout: float = 60.0,
-        env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run a scheduler client; a missing or hung client is a SchedulerError naming it."""
+def run(argv: list[str], timeout: float = 60.0, env: Mapping[str, str] | None = None,
+        cwd: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run a scheduler client; a missing or hung client is a SchedulerError naming it.
+
+    Every reader of a client's answer goes through here, so its output is decoded once,
+    as UTF-8 with undecodable bytes replaced: a job name, a path or a server message in
+    another encoding (Latin-1 file names, a localized error) must not become a
+    ``UnicodeDecodeError`` in the middle of ``hpc submit`` or ``hpc status``.
+    """
     import subprocess
 
     if shutil.which(argv[0]) is None:
         raise SchedulerError(f"scheduler: {argv[0]} not found on PATH; allowed: run on a login node "
                              "that has it, or use --dry-run")
     try:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False,
+        return subprocess.run(argv, capture_output=True, encoding="utf-8", errors="replace",
+                              timeout=timeout, check=False, cwd=cwd,
                               env=None if env is None else dict(env))
     except subprocess.TimeoutExpired:
         raise SchedulerError(f"scheduler: {' '.join(argv)} did not answer within {timeout:.0f} s") from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,7 +27,7 @@ class Local(Scheduler):
     launchers = ("torchrun",)
     runs_here = True
     # submit writes output.log, then output-2.log ... for each --resume (create_free)
-    log_patterns = (r"output(?:-(?P<seq>\d+))?\.log",)
+    log_patterns = (r"output(?:-(?P<seq>[0-9]+))?\.log",)
     id_examples = "local-PID-START"
 
     def launch(self, job: Job) -> tuple[list[str], list[str]]:
@@ -130,7 +131,10 @@ def _forward_signals(pgid: int) -> dict[int, Any]:
 def _parse(job_id: str) -> tuple[int, int | None]:
     """(pid, start ticks) of ``local-PID-START``; older ``local-PID`` ids have no start."""
     parts = job_id.removeprefix("local-").split("-")
-    if not job_id.startswith("local-") or not all(p.isdigit() for p in parts) or len(parts) > 2:
+    # [0-9] only: str.isdigit takes any script's digits (١٢٣), and int() reads them.
+    if not job_id.startswith("local-") or len(parts) > 2 or not all(
+        re.fullmatch("[0-9]{1,20}", p) for p in parts
+    ):
         raise UserError(f"job: {job_id!r} is not a local job id; allowed: local-PID-START")
     return int(parts[0]), int(parts[1]) if len(parts) == 2 else None
 

@@ -25,9 +25,10 @@ QSTAT_TIMEOUT_S = 60
 #: State of a job the server no longer knows (finished, no job history kept).
 GONE = JobState.FINISHED
 
-_JOB_ID = re.compile(r"^(\d+)(?:\[(\d*)\])?(?:\.[A-Za-z0-9_.-]+)?\Z")  # number, subjob
-_SUBJOB = re.compile(r"^(?P<seq>\d+)\[(?P<index>\d+)\](?P<rest>.*)$")
-_SUBMITIT_ARRAY = re.compile(r"^(?P<parent>\d+\[\](?:\.[^_]*)?)_(?P<index>\d+)$")
+# number, subjob; [0-9], not \d: \d and str.isdigit take any script's digits (١٢٣, １２３)
+_JOB_ID = re.compile(r"^([0-9]+)(?:\[([0-9]*)\])?(?:\.[A-Za-z0-9_.-]+)?\Z")
+_SUBJOB = re.compile(r"^(?P<seq>[0-9]+)\[(?P<index>[0-9]+)\](?P<rest>.*)$")
+_SUBMITIT_ARRAY = re.compile(r"^(?P<parent>[0-9]+\[\](?:\.[^_]*)?)_(?P<index>[0-9]+)$")
 
 # job_state letters (PBS Pro reference guide); F/X are looked at with Exit_status.
 _STATES = {
@@ -206,7 +207,7 @@ def read_qstat_plain(text: str) -> dict[str, dict[str, str]]:
     out: dict[str, dict[str, str]] = {}
     for line in text.splitlines():
         words = line.split()
-        if len(words) < 6 or not words[0][:1].isdigit():
+        if len(words) < 6 or not re.match("[0-9]", words[0]):
             continue
         pbs_id, letter = words[0].rstrip("*"), words[-2]
         state = normalize(letter) if letter not in ("F", "X") else GONE
@@ -218,7 +219,7 @@ def read_qstat_plain(text: str) -> dict[str, dict[str, str]]:
 
 def _seq(job_id: str) -> str:
     """The sequence number part of an id: ``123`` of ``123.srv``, ``123[4].srv`` or ``123[].srv_4``."""
-    match = re.match(r"^\d+", job_id)
+    match = re.match(r"^[0-9]+", job_id)
     return match.group(0) if match else job_id
 
 
@@ -253,7 +254,7 @@ def _gone(stderr: str, ids: Iterable[str]) -> set[str]:
     for line in stderr.splitlines():
         if "Unknown Job Id" in line or "has finished" in line:
             for job_id in ids:
-                if re.search(rf"(^|\D){re.escape(_seq(job_id))}(\D|$)", line):
+                if re.search(rf"(^|[^0-9]){re.escape(_seq(job_id))}([^0-9]|$)", line):
                     gone.add(job_id)
     return gone
 
@@ -333,8 +334,8 @@ class PBS(Scheduler):
     array_throttle = True
     # `-o DIR/` (a folder): JOBID.OU (subjobs 123[4].server.OU); without -o, PBS writes
     # NAME.oJOBNUM in the submit folder.
-    log_patterns = (r"(?P<job>\d+(?:\[\d*\])?(?:\.[A-Za-z0-9_.-]+?)?)\.OU",
-                    r"(?P<name>.+)\.o(?P<job>\d+(?:\.\d+)?)")
+    log_patterns = (r"(?P<job>[0-9]+(?:\[[0-9]*\])?(?:\.[A-Za-z0-9_.-]+?)?)\.OU",
+                    r"(?P<name>.+)\.o(?P<job>[0-9]+(?:\.[0-9]+)?)")
     id_examples = "123.server, 123[3].server"
 
     def template_values(self, job: Job) -> dict[str, Any]:
@@ -354,7 +355,7 @@ class PBS(Scheduler):
 
     def array_of(self, task_id: str) -> str | None:
         """``123[4].server`` -> ``123[].server``, as ``qsub -J`` gave the array's id."""
-        match = re.match(r"(\d+)\[\d+\](.*)\Z", task_id)
+        match = re.match(r"([0-9]+)\[[0-9]+\](.*)\Z", task_id)
         return f"{match.group(1)}[]{match.group(2)}" if match else None
 
     def log_name(self, job_name: str, job_id: str, task: str | None, seq: int) -> str | None:

@@ -14,7 +14,9 @@ if TYPE_CHECKING:
     from hpc.job import Job
     from hpc.spec import JobSpec
 
-_JOB_ID = re.compile(r"^\d+(_\d+)?\Z")
+# [0-9], not \d: \d and str.isdigit take any script's digits (١٢٣, １２３), which no
+# scheduler gives and int() would quietly read as 123.
+_JOB_ID = re.compile(r"^[0-9]+(_[0-9]+)?\Z")
 _MAP = {
     "PENDING": "PENDING", "REQUEUED": "PENDING", "REQUEUE_HOLD": "PENDING",
     "REQUEUE_FED": "PENDING", "RESV_DEL_HOLD": "PENDING", "SUSPENDED": "PENDING",
@@ -53,7 +55,7 @@ class Slurm(Scheduler):
     array_index_var = "SLURM_ARRAY_TASK_ID"
     array_throttle = True  # --array=0-9%2
     # --output=DIR/%x-%j.out (an array's tasks: %x-%A_%a.out), from template_values
-    log_patterns = (r"(?P<name>.+)-(?P<job>\d+(?:_\d+)?)\.out",)
+    log_patterns = (r"(?P<name>.+)-(?P<job>[0-9]+(?:_[0-9]+)?)\.out",)
     id_examples = "12345, 12345_3"
 
     def check_spec(self, spec: JobSpec, cluster: Cluster) -> None:
@@ -118,7 +120,7 @@ class Slurm(Scheduler):
             word = line.strip().split(";")[0]
             if _JOB_ID.match(word):
                 return word
-            match = re.search(r"Submitted batch job (\d+)", line)
+            match = re.search(r"Submitted batch job ([0-9]+)", line)
             if match:
                 return match.group(1)
         raise SchedulerError(f"sbatch: no job id in its answer: {last_line(stdout)!r}")
@@ -152,11 +154,18 @@ class Slurm(Scheduler):
         return JobState.UNKNOWN
 
     def cancel(self, job_id: str) -> None:
-        """``scancel ID``."""
-        proc = run(["scancel", job_id])
-        # scancel exits 0 for an unknown job id and says so on stderr only.
-        if proc.returncode != 0 or "error" in (proc.stderr or "").lower():
-            raise SchedulerError(f"scancel {job_id} failed (exit {proc.returncode}): {last_line(proc.stderr or proc.stdout)}")
+        """``scancel -v ID``; a refusal is a SchedulerError with scancel's own line.
 
+        Without ``-v``, scancel (22.05, the test cluster's) exits 0 and prints nothing for
+        an id it does not know or a job that has already ended; ``-v`` makes it say
+        ``error: Kill job error on job id N: Invalid job id specified`` (or ``... already
+        completing or completed``), still with exit 0, so the error lines decide.
+        """
+        proc = run(["scancel", "-v", job_id])
+        errors = [ln for ln in (proc.stderr or "").splitlines() if "error" in ln.lower()]
+        if proc.returncode != 0 or errors:
+            said = "\n".join(errors) or proc.stderr or proc.stdout
+            raise SchedulerError(f"scancel {job_id} refused (exit {proc.returncode}): "
+                                 f"{last_line(said)}")
 
 SCHEDULER = Slurm

@@ -100,3 +100,38 @@ def test_pbs_job_deleted_while_queued_has_no_exit_status() -> None:
     assert pbs_mod.parse_qstat_json(text, "7.srv") == "CANCELLED"
     assert pbs_mod.parse_qstat_text("Job Id: 7\n    job_state = F\n    substate = 93\n") == "FAILED"
     assert pbs_mod.normalize("F") == "UNKNOWN"
+
+
+def test_scancel_that_exits_0_with_an_error_line_is_a_refusal(fake_bin) -> None:
+    """What SLURM 22.05's scancel -v really says for an unknown id (exit 0; without -v it
+    says nothing at all): tests/test_e2e_clients.py checks it on the real cluster."""
+    fake_bin("scancel", "echo \"scancel: Terminating job $2\" >&2; echo \"scancel: error: Kill job "
+                        "error on job id $2: Invalid job id specified\" >&2; exit 0")
+    with pytest.raises(SchedulerError, match="Invalid job id specified") as info:
+        get("slurm").cancel("99999999")
+    assert "\n" not in str(info.value)
+    assert "scancel -v 99999999" in fake_bin.log.read_text()
+
+
+def test_scancel_that_says_nothing_but_terminating_is_a_success(fake_bin) -> None:
+    fake_bin("scancel", "echo \"scancel: Terminating job $2\" >&2; exit 0")
+    get("slurm").cancel("7")
+
+
+NOT_UTF8 = r"printf 'caf\xe9 \xff\xfe\n'"
+
+
+@pytest.mark.parametrize("name", ["sbatch", "qsub"])
+def test_a_submit_refusal_that_is_not_utf8_is_one_line(name, fake_bin, tmp_path) -> None:
+    fake_bin(name, f"{NOT_UTF8} >&2; exit 1")
+    with pytest.raises(SchedulerError) as info:
+        get("slurm" if name == "sbatch" else "pbs").submit(str(tmp_path / "x"), str(tmp_path))
+    assert "caf\ufffd \ufffd\ufffd" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_status_output_that_is_not_utf8_is_read(fake_bin) -> None:
+    """A job name or variable in Latin-1 inside qstat's or squeue's answer."""
+    fake_bin("qstat", r"""printf '{"Jobs": {"3.s": {"job_state": "R", "Job_Name": "caf\xe9"}}}'""")
+    assert get("pbs").status("3.s") == "RUNNING"
+    fake_bin("squeue", r"printf 'RUNNING\n'; printf 'caf\xe9\n' >&2")
+    assert get("slurm").status("4") == "RUNNING"
