@@ -140,17 +140,23 @@ def plan_submit(
     from hpc.spec import submitting_python
 
     scheduler = job.scheduler
+    runs.check_runs_dir(runs_dir)
     scheduler.check_runs_dir(runs_dir)
     now = time.time() if now is None else now
+    record = None
     if resume:
         found = runs.find(resume, runs_dir)
         if found is None:
             raise UserError(f"resume: {resume!r} is not a run directory (no run.json); "
                             "allowed: a directory made by hpc submit, or its name under --runs-dir")
-        run_dir = found[0]
+        run_dir, record = found
     else:
         run_dir = runs.free_run_dir(runs_dir, job.name, now)
-    tasks, max_parallel = _sweep_tasks(run_dir if resume else None, sweep, max_parallel)
+    tasks, max_parallel = _sweep_tasks(run_dir, record, sweep, max_parallel)
+    if tasks:
+        from hpc.sweep import check_checkpoint_dirs
+
+        check_checkpoint_dirs(job.spec.command, tasks, run_dir)
     if tasks:
         job = replace(job, array_size=len(tasks), max_parallel=max_parallel)
     if job.spec.python is None:
@@ -166,20 +172,32 @@ def plan_submit(
                 regenerate=regenerate, templates=templates, now=now, sweep=tuple(tasks))
 
 
-def _sweep_tasks(resumed: Path | None, sweep: list[SweepTask] | None,
+def _sweep_tasks(run_dir: Path, resumed: dict[str, Any] | None, sweep: list[SweepTask] | None,
                  max_parallel: int | None) -> tuple[list[SweepTask], int | None]:
-    """The tasks and their --max-parallel: a new sweep's, or the resumed sweep run's."""
+    """The tasks and their --max-parallel: a new sweep's, or the resumed sweep run's.
+
+    ``resumed`` is the record of the run a ``--resume`` names. A run is a sweep when its
+    record lists tasks or it holds a ``sweep.json`` (even a damaged one, or a FIFO: then
+    reading it says what is wrong, instead of resubmitting a sweep as one plain job). A
+    ``--sweep`` on a run that was no sweep would submit an array whose every task fails
+    to find its ``sweep.json``: refused here.
+    """
     from hpc import sweep as sweeps
     from hpc.spec import SPEC_KEYS
 
-    if resumed is not None and (resumed / sweeps.MANIFEST).is_file():
+    manifest = run_dir / sweeps.MANIFEST
+    if resumed is not None and (resumed.get("sweep") or os.path.lexists(manifest)):
         if sweep:
             raise UserError("--sweep: the run directory holds a sweep already; allowed: "
                             "--resume alone (the same tasks again) or a new run")
         if max_parallel is not None:
             raise UserError("--max-parallel: the resumed sweep keeps its own; allowed: "
                             "--resume alone")
-        return sweeps.read_sweep(resumed)
+        return sweeps.read_sweep(run_dir)
+    if resumed is not None and sweep:
+        raise UserError(f"--sweep: {str(run_dir)!r} was not a sweep (no {sweeps.MANIFEST}), so "
+                        "its tasks would have no overrides to read; allowed: --resume alone "
+                        "(the same job again), or --sweep in a new run")  # fmt: skip
     tasks = list(sweep or [])
     shape = sorted({k for t in tasks for k in t.overrides if k in SPEC_KEYS})
     if shape:

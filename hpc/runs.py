@@ -16,10 +16,28 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hpc._util import write_atomic
+from hpc._util import read_regular, write_atomic
 from hpc.errors import UserError
 
 RECORD = "run.json"
+LOCK = ".lock"
+
+
+def check_runs_dir(runs_dir: Path) -> Path:
+    """``runs_dir`` resolved, or one line when it cannot be a folder of runs.
+
+    Resolving is where a symlink loop shows (``RuntimeError`` before Python 3.13,
+    ``OSError`` ELOOP after), so every caller that makes or names a run directory
+    passes ``--runs-dir`` through here first.
+    """
+    try:
+        resolved = runs_dir.resolve()
+    except (OSError, RuntimeError):
+        raise UserError(f"--runs-dir: {str(runs_dir)!r} is a symlink loop (or a link "
+                        "chain too long to follow); allowed: a folder") from None  # fmt: skip
+    if resolved.exists() and not resolved.is_dir():
+        raise UserError(f"--runs-dir: {str(runs_dir)!r} is not a folder; allowed: a folder")
+    return resolved
 
 
 def _run_dirs(runs_dir: Path, name: str, now: float | None) -> Iterator[Path]:
@@ -104,13 +122,29 @@ def git_info(cwd: Path | None = None) -> dict[str, Any]:
 def locked(run_dir: Path) -> Iterator[None]:
     """Hold ``run_dir/.lock`` (flock) around a read-modify-write of the record."""
     import fcntl
+    import stat
 
-    with open(run_dir / ".lock", "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+    path = run_dir / LOCK
+    # Never follow a link planted there, never block on a FIFO (O_NONBLOCK: ENXIO without a
+    # reader instead of waiting for one), and lock only a regular file (checked on the fd).
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        kind = "a symbolic link" if path.is_symlink() else exc.strerror
+        raise UserError(f"run: cannot lock {str(path)!r}: {kind}; allowed: a regular file "
+                        "(as hpc submit makes it)") from None  # fmt: skip
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UserError(f"run: {str(path)!r} is not a regular file; allowed: a regular "
+                            "file (as hpc submit makes it)")  # fmt: skip
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def write_record(run_dir: Path, record: dict[str, Any]) -> None:
@@ -144,9 +178,10 @@ def _load(path: Path) -> dict[str, Any]:
 
     ``RecursionError``: valid JSON nested deeper than the parser's stack (``[[[...]]]``).
     """
+    text = read_regular(path, "run")  # never a FIFO's hang nor /dev/zero's endless read
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as exc:
+        data = json.loads(text.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise UserError(f"run: {str(path)!r} is not readable JSON ({reason})") from None
     if not isinstance(data, dict):
@@ -200,9 +235,9 @@ def find(ident: str, runs_dir: Path) -> tuple[Path, dict[str, Any]] | None:
             return candidate, read_record(candidate)
     if runs_dir.is_dir():
         for rec_path in sorted(runs_dir.glob(f"*/{RECORD}"), reverse=True):
-            try:  # a damaged record elsewhere must not hide the run asked for
-                rec = json.loads(rec_path.read_text(encoding="utf-8"))
-            except (OSError, ValueError, RecursionError):
+            try:  # a damaged record elsewhere (or a FIFO) must not hide the run asked for
+                rec = json.loads(read_regular(rec_path, "run").decode("utf-8"))
+            except (UserError, ValueError, RecursionError):
                 continue
             if not isinstance(rec, dict):
                 continue

@@ -177,18 +177,15 @@ def read_manifest(run_dir: Path) -> list[SweepTask]:
 def read_sweep(run_dir: Path) -> tuple[list[SweepTask], int | None]:
     """The tasks of ``run_dir/sweep.json`` and the ``--max-parallel`` it was submitted
     with (kept by a resubmission), from one read; every field checked."""
+    from hpc._util import read_regular
+
     path = run_dir / MANIFEST
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read(MAX_MANIFEST_BYTES + 1)
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         raise UserError(f"sweep: {str(path)!r} does not exist; allowed: a run directory "
-                        "made by hpc submit --sweep") from None  # fmt: skip
-    except OSError as exc:
-        raise UserError(f"sweep: cannot read {str(path)!r}: {exc.strerror}") from None
-    if len(raw) > MAX_MANIFEST_BYTES:
-        raise UserError(f"sweep: {str(path)!r} is over {MAX_MANIFEST_BYTES} bytes; "
-                        "allowed: a manifest written by hpc submit --sweep")  # fmt: skip
+                        "made by hpc submit --sweep")  # fmt: skip
+    # Regular files only, opened non-blocking and read with a bound: a FIFO there would
+    # hang every array task (and `hpc report`) in open(), /dev/zero would never end.
+    raw = read_regular(path, "sweep", MAX_MANIFEST_BYTES)
     try:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -280,6 +277,68 @@ def task_for(
     return tasks[i]
 
 
+CHECKPOINT_KEY = "checkpoint.dir"
+"""The trainer's checkpoint folder: relative paths are taken from ``$HPC_RUN_DIR``."""
+_NO_FOLDER = (None, "")  # --set checkpoint.dir=null (or empty): no checkpoints at all
+
+
+def command_setting(command: Iterable[str], key: str) -> str | None:
+    """The last ``KEY=VALUE`` the command's words give (``--set K=V``, ``--set=K=V``, or
+    inside a ``bash -c`` string), as the trainer's ``--set`` reads it: later wins."""
+    found = None
+    for word in command:
+        for part in str(word).split():
+            part = part.removeprefix("--set=")
+            name, sep, value = part.partition("=")
+            if sep and name == key:
+                found = value
+    return found
+
+
+def _folder_value(raw: str) -> str | None:
+    """``raw`` as the trainer's ``--set`` parses it (YAML): None for no folder at all."""
+    import yaml
+
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return None if value in _NO_FOLDER else str(value)
+
+
+def check_checkpoint_dirs(command: Iterable[str], tasks: Iterable[SweepTask], run_dir: Path) -> None:
+    """Each sweep task checkpoints in a folder of its own, or the sweep is refused.
+
+    The trainer takes a relative ``checkpoint.dir`` (its default ``checkpoints``) from
+    the task's folder, so each task has its own. One given in the command as an absolute
+    path, or one that climbs out (``../shared``), is the same folder for every task: task
+    1 would find task 0's checkpoint, resume it at its last step, train 0 steps and end
+    COMPLETED. That is asking the tasks to share, which a sweep cannot honour: refused
+    at submit, naming the value. Sweeping ``checkpoint.dir`` itself is fine as long as
+    the combinations still give every task its own folder.
+    """
+    given = command_setting(command, CHECKPOINT_KEY)
+    owners: dict[str, SweepTask] = {}
+    for task in tasks:
+        raw = task.overrides.get(CHECKPOINT_KEY, given)
+        value = None if raw is None else _folder_value(raw)
+        if value is None:
+            continue
+        base = os.path.abspath(task_dir(run_dir, task))
+        folder = os.path.normpath(os.path.join(base, value))  # an absolute value wins
+        first = owners.setdefault(folder, task)
+        if first is not task:
+            source = ("its --sweep values" if CHECKPOINT_KEY in task.overrides
+                      else "the command")  # fmt: skip
+            raise UserError(
+                f"--sweep: {CHECKPOINT_KEY}={raw} ({source}) gives tasks {first.index} and "
+                f"{task.index} the same checkpoint folder {folder!r}: task {task.index} would "
+                f"resume task {first.index}'s checkpoint and train 0 steps; allowed: no "
+                f"{CHECKPOINT_KEY} (each task checkpoints in its own folder), a relative one "
+                "inside the task's folder, or a --sweep of it with one folder per task"
+            )
+
+
 def set_args(task: SweepTask) -> list[str]:
     """The trainer arguments for ``task``: ``["--set", "K=V", "K2=V2"]`` (argv, no shell)."""
     return ["--set", *(f"{k}={v}" for k, v in task.overrides.items())]
@@ -294,8 +353,10 @@ def shell(run_dir: Path, task: SweepTask) -> str:
     """Bash that a job array's task ``eval``s to become its task (every value quoted).
 
     Sets ``HPC_RUN_DIR`` to the task's directory (made here: the trainer's metrics and
-    checkpoints go there, so tasks never share them) and ``HPC_SWEEP_ARGS``, the array
-    to append to the trainer's command line: ``python -m ddp ... "${HPC_SWEEP_ARGS[@]}"``.
+    checkpoints go there, so tasks never share them), ``HPC_SWEEP_KEYS`` to the keys its
+    overrides set (the trainer's own check of ``checkpoint.dir`` reads it) and
+    ``HPC_SWEEP_ARGS``, the array to append to the trainer's command line:
+    ``python -m ddp ... "${HPC_SWEEP_ARGS[@]}"``.
     """
     import shlex
 
@@ -308,6 +369,7 @@ def shell(run_dir: Path, task: SweepTask) -> str:
         f"export HPC_RUN_DIR={shlex.quote(str(path))}\n"
         f"export HPC_SWEEP_INDEX={task.index}\n"
         f"export HPC_SWEEP_LABEL={shlex.quote(task.label)}\n"
+        f"export HPC_SWEEP_KEYS={shlex.quote(','.join(task.overrides))}\n"
         f"HPC_SWEEP_ARGS=({' '.join(shlex.quote(a) for a in set_args(task))})\n"
     )
 

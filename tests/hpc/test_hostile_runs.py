@@ -9,6 +9,7 @@ job) and exit code 2, never a traceback; nothing user-given reaches a shell unqu
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -195,3 +196,129 @@ def test_an_index_of_other_digits_or_too_long_is_refused(index, tmp_path, capsys
     run = _manifest(tmp_path / "run")
     assert sweep.main(["shell", str(run), "--index", index]) == 2
     assert "0 to 999999 in ASCII digits" in _one_line(capsys, "hpc sweep: error: ")
+
+
+# ---- issue 24: FIFOs, links and loops in run directories; ids in other digits ----------
+
+
+def _hpc(*args: str, cwd: Path, module: str = "hpc") -> subprocess.CompletedProcess[str]:
+    """The CLI in a subprocess; ``timeout`` only bounds a true hang (the bug under test)."""
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{REPO / 'src'}:{REPO}"}
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
+def _err_line(proc: subprocess.CompletedProcess[str]) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "error: " in lines[0], proc.stderr
+    return lines[0]
+
+
+def test_a_fifo_as_sweep_json_is_one_line_not_a_hang(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    os.mkfifo(run / "sweep.json")
+    proc = _hpc("shell", str(run), "--index", "0", cwd=tmp_path, module="hpc.sweep")
+    assert proc.returncode == 2
+    assert "named pipe" in _err_line(proc) and "sweep.json" in proc.stderr
+
+
+def test_a_fifo_as_run_json_does_not_hang_a_lookup_by_job_id(tmp_path):
+    _run(tmp_path, {"scheduler": "slurm", "job_id": "5", "name": "t"}, name="a-good")
+    fifo = tmp_path / "runs" / "z-fifo"  # scanned first (newest name first)
+    fifo.mkdir()
+    os.mkfifo(fifo / "run.json")
+    code = "import sys; from pathlib import Path; from hpc import runs; " \
+           "print(runs.find('5', Path('runs'))[0].name)"  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120,  # a bound against the hang under test
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{REPO / 'src'}:{REPO}"})
+    assert (proc.returncode, proc.stdout.strip()) == (0, "a-good"), proc.stderr
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink"])
+def test_the_lock_of_a_run_is_never_a_fifo_or_a_link(kind, tmp_path):
+    """``hpc submit --resume`` locks ``RUN/.lock``: a FIFO there hung it in ``open``; a
+    link made it create (and lock) whatever file the link named."""
+    run = _run(tmp_path, {"scheduler": "local", "job_id": "local-1-2", "name": "t",
+                          "state": "COMPLETED", "exit_code": 0})  # fmt: skip
+    target = tmp_path / "elsewhere"
+    if kind == "fifo":
+        os.mkfifo(run / ".lock")
+    else:
+        (run / ".lock").symlink_to(target)
+    proc = _hpc("submit", "--cluster", "local", "--runs-dir", "runs", "--resume", str(run),
+                "--", "true", cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 2
+    assert ".lock" in _err_line(proc)
+    assert not target.exists()
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "run.json"]  # nothing written
+
+
+def test_a_symlink_loop_as_runs_dir_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    for argv in (["run", "--runs-dir", "loop", "--", "true"],
+                 ["submit", "--cluster", "slurm", "--runs-dir", "loop", "--dry-run", "--", "true"],
+                 ["submit", "--cluster", "pbs", "--runs-dir", "loop", "--dry-run", "--", "true"]):
+        assert main(argv) == 2, argv
+        assert "symlink loop" in _one_line(capsys)
+
+
+OTHER_DIGITS = ["\u0661\u0662\u0663", "\uff11\uff12\uff13", "12\uff13", "123_\u0663",
+                "\u0661\u0662\u0663.server", "1\u06623[4].srv", "123[\u0664].srv",
+                "local-\u0661-2", "local-1-\u0662"]  # fmt: skip
+
+
+@pytest.mark.parametrize("ident", OTHER_DIGITS)
+@pytest.mark.parametrize("cluster", ["slurm", "pbs", "local"])
+@pytest.mark.parametrize("command", ["status", "cancel"])
+def test_a_job_id_in_other_digits_is_not_a_job_id(command, cluster, ident, fake_bin, tmp_path,
+                                                  capsys, monkeypatch):  # fmt: skip
+    """``str.isdigit``, ``\\d`` and ``int()`` take Arabic-Indic and full-width digits; no
+    scheduler gives them. One line, and no client is asked (it said nothing, or 'done')."""
+    for client in ("scancel", "squeue", "scontrol", "sacct", "qdel", "qstat"):
+        fake_bin(client, "exit 0")
+    monkeypatch.chdir(tmp_path)
+    assert main([command, ident, "--cluster", cluster, "--runs-dir", "runs"]) == 2
+    assert "job id" in _one_line(capsys)
+    assert not fake_bin.log.exists()
+
+
+@pytest.mark.parametrize("scheduler", ["slurm", "pbs", "local"])
+def test_every_scheduler_id_parser_takes_ascii_digits_only(scheduler):
+    from hpc import schedulers
+
+    sched = schedulers.get(scheduler)
+    for ident in OTHER_DIGITS:
+        assert not sched.owns_id(ident), ident
+        assert sched.split_id(ident) is None, ident
+    good = {"slurm": ["123", "123_4"], "pbs": ["123.server", "123[4].server", "123[].s"],
+            "local": ["local-12-34", "local-12"]}[scheduler]  # fmt: skip
+    assert all(sched.owns_id(i) for i in good)
+
+
+def test_log_names_in_other_digits_are_not_logs(tmp_path):
+    """The log patterns match the ids the schedulers write: ASCII digits."""
+    import re
+
+    from hpc import schedulers
+
+    names = ["t-\u0661\u0662.out", "\u0661\u0662.server.OU", "t.o\u0661\u0662",
+             "output-\u0662.log"]  # fmt: skip
+    for name in schedulers.names():
+        for pattern in schedulers.get(name).log_patterns:
+            assert not [n for n in names if re.fullmatch(pattern, n)], (name, pattern)
+
+
+@pytest.mark.parametrize("command", ["status", "cancel"])
+def test_a_record_whose_job_id_is_not_its_schedulers_is_one_line(command, tmp_path, capsys,
+                                                                 fake_bin):  # fmt: skip
+    fake_bin("scancel", "exit 0")
+    fake_bin("squeue", "echo RUNNING")
+    run = _run(tmp_path, {"scheduler": "slurm", "job_id": "\u0661\u0662\u0663", "name": "t"})
+    assert main([command, str(run), "--runs-dir", str(tmp_path / "runs")]) == 2
+    line = _one_line(capsys)
+    assert "run.json" in line and "job_id" in line
+    assert not fake_bin.log.exists()

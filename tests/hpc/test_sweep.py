@@ -98,7 +98,7 @@ def test_max_parallel_ok(value, n, expected):
     assert sweep.check_max_parallel(value, n) == expected
 
 
-@pytest.mark.parametrize("value", [0, -1, 5, "x", "", True, 2.5, "1e3"])
+@pytest.mark.parametrize("value", [0, -1, 5, "x", "", True, 2.5, "1e3", "\u0663", "\uff12"])
 def test_max_parallel_refused(value):
     assert "allowed: 1 to 4" in _error(sweep.check_max_parallel, value, 4)
 
@@ -195,7 +195,7 @@ def test_read_manifest_checks_untrusted_content(tmp_path: Path, change, expected
         (b"{", "is not JSON"),
         (b"\xff\xfe\x00binary", "is not JSON"),
         (b"[" * 100_000, "is not JSON"),
-        (b" " * (sweep.MAX_MANIFEST_BYTES + 1), "is over"),
+        (b" " * (sweep.MAX_MANIFEST_BYTES + 1), "allowed: at most"),
     ],
 )
 def test_read_manifest_bad_files(tmp_path: Path, raw: bytes, expected: str):

@@ -126,3 +126,109 @@ def test_logs_follow_a_running_local_job_ends_with_its_exit_code(tmp_path: Path)
         assert follower.returncode == 7, err
     finally:
         job.kill()
+
+
+# ---- issue 24: a sweep's tasks never share a checkpoint folder; --resume --sweep ---------
+
+SHARED = "/scratch/shared-ck"
+
+
+@pytest.mark.parametrize(("sweeps", "command", "named"), [
+    (["optim.lr=0.1,0.2"], ["python", "-m", "ddp", "dpo", "--set", f"checkpoint.dir={SHARED}"],
+     f"checkpoint.dir={SHARED} (the command)"),
+    (["optim.lr=0.1,0.2"], ["python", "-m", "ddp", "dpo", f"--set=checkpoint.dir={SHARED}"],
+     f"checkpoint.dir={SHARED}"),
+    (["optim.lr=0.1,0.2"], ["python", "-m", "ddp", "dpo", "--set", "optim.lr=1",
+                            f"checkpoint.dir='{SHARED}'"], f"checkpoint.dir='{SHARED}'"),
+    (["optim.lr=0.1,0.2"], ["bash", "-c", f"python -m ddp dpo --set checkpoint.dir={SHARED}"],
+     f"checkpoint.dir={SHARED}"),
+    (["optim.lr=0.1,0.2"], ["python", "t.py", "--set", "checkpoint.dir=../shared"],
+     "checkpoint.dir=../shared"),
+    (["checkpoint.dir=/a,/b", "optim.lr=0.1,0.2"], ["python", "t.py"],
+     "checkpoint.dir=/a (its --sweep values)"),
+])
+def test_a_sweep_whose_tasks_would_share_a_checkpoint_folder_is_refused(
+    sweeps: list[str], command: list[str], named: str, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Task 1 resumed task 0's checkpoint, trained 0 steps and was COMPLETED."""
+    monkeypatch.chdir(tmp_path)
+    flags = [f for s in sweeps for f in ("--sweep", s)]
+    for argv in (["submit", "--cluster", "slurm", "--dry-run"], ["run"]):
+        assert main([*argv, "--runs-dir", "runs", *flags, "--", *command]) == 2
+        line = _error(capsys)
+        assert named in line and "tasks 0 and 1" in line and "same checkpoint folder" in line
+        assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(("sweeps", "sets"), [
+    (["optim.lr=0.1,0.2"], []),
+    (["optim.lr=0.1,0.2"], ["checkpoint.dir=ck"]),  # relative: inside each task's folder
+    (["optim.lr=0.1,0.2"], ["checkpoint.dir=null"]),  # no checkpoints at all
+    (["optim.lr=0.1,0.2"], ["checkpoint.dir="]),
+    (["checkpoint.dir=/a,/b"], [f"checkpoint.dir={SHARED}"]),  # the sweep's values win
+])
+def test_a_sweep_with_a_checkpoint_folder_per_task_is_submitted(
+    sweeps: list[str], sets: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    flags = [f for s in sweeps for f in ("--sweep", s)]
+    command = ["python", "-m", "ddp", "dpo", *(["--set", *sets] if sets else [])]
+    argv = ["submit", "--cluster", "slurm", "--dry-run", "--runs-dir", "runs", *flags, "--"]
+    assert main([*argv, *command]) == 0, capsys.readouterr().err
+
+
+def test_resume_of_a_run_that_was_no_sweep_refuses_a_sweep(
+    fake_bin, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """It submitted an array whose every task exited 2 (no sweep.json to read)."""
+    fake_bin("sbatch", 'echo "91"')
+    monkeypatch.chdir(tmp_path)
+    base = ["submit", "--cluster", "slurm", "--runs-dir", "runs"]
+    assert main([*base, "--", "python", "t.py"]) == 0
+    (run,) = (tmp_path / "runs").iterdir()
+    before = sorted(p.name for p in run.iterdir())
+    capsys.readouterr()
+    assert main([*base, "--resume", str(run), "--sweep", "optim.lr=0.1,0.2", "--",
+                 "python", "t.py"]) == 2  # fmt: skip
+    line = _error(capsys)
+    assert "was not a sweep" in line and "--resume alone" in line
+    assert sorted(p.name for p in run.iterdir()) == before
+    assert fake_bin.log.read_text().count("sbatch") == 1
+
+
+def test_resume_of_a_sweep_whose_manifest_is_gone_is_refused(
+    fake_bin, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The record still lists the tasks: resubmitting it as one plain job would run the
+    command without any task's overrides."""
+    fake_bin("sbatch", 'echo "91"')
+    monkeypatch.chdir(tmp_path)
+    base = ["submit", "--cluster", "slurm", "--runs-dir", "runs"]
+    assert main([*base, "--sweep", "optim.lr=0.1,0.2", "--", "python", "t.py"]) == 0
+    (run,) = (tmp_path / "runs").iterdir()
+    (run / "sweep.json").unlink()
+    capsys.readouterr()
+    assert main([*base, "--resume", str(run), "--", "python", "t.py"]) == 2
+    assert "sweep.json" in _error(capsys) and not (run / "job-2.slurm").exists()
+
+
+def test_a_local_sweep_sharing_a_folder_by_recipe_flag_fails_each_task_in_one_line(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The issue's case with the seed guides' ``--output_dir``, which only the trainer
+    knows sets checkpoint.dir: task 1 resumed task 0's final checkpoint and trained 0
+    steps ("max_steps=4 already reached"), COMPLETED. Now each task stops with one line."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    shared = tmp_path / "ck"
+    code = main(["run", "--runs-dir", str(tmp_path / "runs"), "--sweep", "optim.lr=0.002,0.02",
+                 "--", sys.executable, "-m", "ddp", "uniref50", "--config",
+                 "configs/uniref50.yaml", "--output_dir", str(shared), "--set",
+                 "training.max_steps=2", "logging.every_n_steps=1"])  # fmt: skip
+    out = capfd.readouterr().out
+    assert code == 2, out
+    errors = [ln for ln in out.splitlines() if ln.startswith("ddp: error: checkpoint.dir")]
+    assert len(errors) == 2 and all(str(shared) in ln for ln in errors), out
+    assert "resuming from" not in out and not shared.exists()
