@@ -305,11 +305,16 @@ def cmd_cancel(args: argparse.Namespace, command: list[str] | None) -> int:
 
 
 def _console() -> Any:
-    """A rich console, 120 columns wide when output is not a terminal (pipes, tests)."""
+    """A rich console, 120 columns wide when output is not a terminal (pipes, tests).
+
+    Markup is off: what the commands print is the user's text (run and profile names,
+    queue names, paths, sweep labels), and ``[/x]`` in it raised ``MarkupError`` while
+    ``[bold]`` restyled it. Styles are given as ``rich.text.Text`` objects instead.
+    """
     from rich.console import Console
 
-    console = Console()
-    return console if console.is_terminal else Console(width=120)
+    console = Console(markup=False)
+    return console if console.is_terminal else Console(width=120, markup=False)
 
 
 def cmd_clusters(args: argparse.Namespace, command: list[str] | None) -> int:
@@ -339,6 +344,7 @@ def cmd_clusters(args: argparse.Namespace, command: list[str] | None) -> int:
 def cmd_doctor(args: argparse.Namespace, command: list[str] | None) -> int:
     """A found/missing table of what this machine has."""
     from rich.table import Table
+    from rich.text import Text
 
     from hpc.doctor import rows
 
@@ -346,7 +352,8 @@ def cmd_doctor(args: argparse.Namespace, command: list[str] | None) -> int:
     for col in ("kind", "item", "status", "detail"):
         table.add_column(col)
     for kind, item, ok, detail in rows(probe_torch=not args.no_torch):
-        table.add_row(kind, item, "[green]found[/]" if ok else "[yellow]missing[/]", detail)
+        status = Text("found", style="green") if ok else Text("missing", style="yellow")
+        table.add_row(kind, item, status, detail)
     _console().print(table)
     return 0
 

@@ -322,3 +322,27 @@ def test_a_record_whose_job_id_is_not_its_schedulers_is_one_line(command, tmp_pa
     line = _one_line(capsys)
     assert "run.json" in line and "job_id" in line
     assert not fake_bin.log.exists()
+
+
+# ---- user text through rich (hpc/cli.py's console, hpc/report.py) ------------------------
+
+
+def test_profile_and_queue_names_with_brackets_print_as_they_are(tmp_path, capsys, monkeypatch):
+    """A user's profile named ``[bold]w`` with a queue ``[/x]``: MarkupError before."""
+    (tmp_path / "[bold]w.yaml").write_text('scheduler: slurm\nppn: 1\nqueues:\n  "[/x]":\n'
+                                           "    nodes: 1-2\n")  # fmt: skip
+    monkeypatch.setenv("HPC_DDP_CLUSTERS", str(tmp_path))
+    assert main(["clusters"]) == 0
+    out = capsys.readouterr().out
+    assert "│ [bold]w " in out and "[/x] 1-2" in out
+
+
+def test_doctor_prints_a_path_with_brackets_as_it_is(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    folder = Path("b[/x]")  # the folder x] in the folder b[; relative, so the cell is short
+    folder.mkdir(parents=True)
+    (folder / "qsub").write_text("#!/bin/sh\n")
+    (folder / "qsub").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ.get('PATH', '')}")
+    assert main(["doctor", "--no-torch"]) == 0
+    assert "│ b[/x]/qsub " in capsys.readouterr().out
