@@ -86,8 +86,10 @@ class OpenPBS:
     bin: Path = PBS_BIN
 
     def run(self, *argv: str, check: bool = True, **kw: Any) -> subprocess.CompletedProcess[str]:
+        # errors="replace": the shared server's history may hold a job whose variables
+        # are not UTF-8 (tests/test_e2e_clients.py makes one), and `qstat -x` lists it.
         proc = subprocess.run([str(self.bin / argv[0]), *argv[1:]], capture_output=True,
-                              text=True, timeout=60, check=False, **kw)
+                              encoding="utf-8", errors="replace", timeout=60, check=False, **kw)
         if check:
             assert proc.returncode == 0, f"{argv}: {proc.returncode}\n{proc.stdout}{proc.stderr}"
         return proc
