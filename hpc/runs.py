@@ -102,16 +102,19 @@ def create_free(run_dir: Path, stem: str, suffix: str, text: str = "") -> Path:
 
 
 def git_info(cwd: Path | None = None) -> dict[str, Any]:
-    """The commit and whether the tree is dirty; empty when not in a git repository."""
+    """The commit and whether the tree is dirty; empty when not in a git repository.
+
+    Decoded with replacement: with ``core.quotepath=false`` git prints file names as
+    their raw bytes, and one in Latin-1 must not stop ``hpc submit`` with a traceback.
+    """
     try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10
-        )
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True,
+                              timeout=10, encoding="utf-8", errors="replace")
         if head.returncode != 0:
             return {"git_commit": None, "git_dirty": None}
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=cwd, capture_output=True, text=True, timeout=10,
+            cwd=cwd, capture_output=True, timeout=10, encoding="utf-8", errors="replace",
         )
         return {"git_commit": head.stdout.strip(), "git_dirty": bool(dirty.stdout.strip())}
     except (OSError, subprocess.TimeoutExpired):

@@ -346,3 +346,42 @@ def test_doctor_prints_a_path_with_brackets_as_it_is(tmp_path, capsys, monkeypat
     monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ.get('PATH', '')}")
     assert main(["doctor", "--no-torch"]) == 0
     assert "│ b[/x]/qsub " in capsys.readouterr().out
+
+
+# ---- what a submission reads and writes besides the run directory ------------------------
+
+
+def test_git_file_names_that_are_not_utf8_do_not_stop_a_submission(tmp_path):
+    """With ``core.quotepath=false`` git prints a Latin-1 file name as its raw bytes."""
+    from hpc import runs
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=tmp_path,
+                       check=True, capture_output=True, timeout=60)  # fmt: skip
+
+    git("init", "-q")
+    git("config", "core.quotepath", "false")
+    name = os.fsdecode(b"caf\xe9")
+    (tmp_path / name).write_text("1")
+    git("add", "--", name)
+    git("commit", "-q", "-m", "x")
+    (tmp_path / name).write_text("2")
+    info = runs.git_info(tmp_path)
+    assert info["git_dirty"] is True and len(info["git_commit"]) == 40
+
+
+@pytest.mark.parametrize("command", ["render", "report"])
+def test_output_onto_a_fifo_is_refused_and_the_fifo_kept(command, tmp_path, capsys, monkeypatch):
+    """write_atomic replaces only regular files (as root, ``-o /dev/null`` replaced the
+    device; a FIFO here stands in for it)."""
+    import stat
+
+    monkeypatch.chdir(tmp_path)
+    os.mkfifo("out")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 1}\n')
+    argv = {"render": ["render", "--cluster", "slurm", "-o", "out", "--", "true"],
+            "report": ["report", "run", "-o", "out"]}[command]  # fmt: skip
+    assert main(argv) == 2
+    assert "not a regular file" in _one_line(capsys)
+    assert stat.S_ISFIFO(os.stat("out").st_mode)
