@@ -19,6 +19,7 @@ _WALLTIME = r"^(\d{1,4}):([0-5]\d):([0-5]\d)\Z"  # compiled on first use (re's c
 # Values that end up inside #PBS/#SBATCH directives: schedulers parse those lines
 # themselves, so quoting does not help there; restrict them to a plain character set.
 _DIRECTIVE_SAFE = r"^[A-Za-z0-9_.:+,=@/%-]+\Z"  # compiled on first use (re's cache)
+_VARIABLE = r"^[A-Za-z_][A-Za-z0-9_]*\Z"  # compiled on first use (re's cache)
 
 
 def did_you_mean(value: str, choices: Iterable[str]) -> str:
@@ -275,6 +276,33 @@ def directive_value(value: Any, field: str) -> str:
             f"{field}: {text!r} has characters a scheduler directive cannot carry; "
             "allowed: letters, digits and _ . : + , = @ / % -"
         )
+    return text
+
+
+def directive_line(value: Any, field: str) -> str:
+    """Check a whole directive or comment line (a profile's ``directives``, a queue's
+    ``notes``, a path inside a directive): one line of printable text.
+
+    Why: schedulers read ``#SBATCH``/``#PBS`` lines up to the line break, so a break in a
+    value is a directive of its own; other control characters are no text a scheduler or
+    a reader expects, and Unicode's line separators break lines for editors and Python's
+    ``splitlines``. A tab is a blank and stays.
+    """
+    import unicodedata
+
+    text = str(value)
+    for c in text:
+        if c != "\t" and unicodedata.category(c) in ("Cc", "Zl", "Zp"):
+            raise UserError(f"{field}: {text!r} holds {c!r}; allowed: one line of printable text")
+    return text
+
+
+def variable_name(value: Any, field: str) -> str:
+    """Check an environment variable's name (it is written unquoted: ``export NAME=...``)."""
+    text = str(value)
+    if not re.match(_VARIABLE, text):
+        raise UserError(f"{field}: {text!r} is not a variable name; allowed: letters, digits "
+                        "and _, not starting with a digit")
     return text
 
 

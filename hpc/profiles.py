@@ -26,10 +26,12 @@ from hpc import schedulers
 from hpc._util import (
     check_keys,
     did_you_mean,
+    directive_line,
     directive_value,
     load_yaml,
     parse_range,
     parse_walltime,
+    variable_name,
 )
 from hpc.cluster import DEVICE_ORDER_VARS, Cluster, Launcher, Queue
 from hpc.errors import UserError
@@ -146,12 +148,8 @@ def _strings(data: dict[str, Any], key: str, where: str) -> tuple[str, ...]:
 
 
 def _directives(data: dict[str, Any], key: str, where: str) -> tuple[str, ...]:
-    """Directive or comment lines from a profile: text, one line each."""
-    lines = _strings(data, key, where)
-    for line in lines:
-        if any(c in line for c in "\n\r\0"):
-            raise UserError(f"{where}: {key}: {line!r} spans lines; allowed: one line per item")
-    return lines
+    """Directive, comment or module lines from a profile: one line of printable text each."""
+    return tuple(directive_line(line, f"{where}: {key}") for line in _strings(data, key, where))
 
 
 def _walltime(data: dict[str, Any], key: str, where: str) -> int | None:
@@ -188,8 +186,9 @@ def _queues(data: Any, where: str, directives: tuple[str, ...]) -> dict[str, Que
         directive = None
         if spec.get("directive") is not None:
             directive = _choice(spec, "directive", directives, directives[0], qwhere)
+        # the name reaches `#SBATCH --partition=NAME` / `#PBS -q NAME`
         queues[str(qname)] = Queue(
-            name=str(qname), min_nodes=lo, max_nodes=hi, max_walltime=limit, bins=tuple(bins),
+            name=directive_value(qname, f"{where}: queues"), min_nodes=lo, max_nodes=hi, max_walltime=limit, bins=tuple(bins),
             min_walltime=_walltime(spec, "min_walltime", qwhere), by_request=by_request,
             directive=directive, directives=_directives(spec, "directives", qwhere),
             notes=_directives(spec, "notes", qwhere),
@@ -235,9 +234,7 @@ def load(name: str, environ: dict[str, str] | None = None, cwd: Path | None = No
     if not isinstance(env, dict):
         raise UserError(f"{where}: env: allowed: a mapping of NAME: value")
     for key in env:
-        if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*\Z", str(key)):
-            raise UserError(f"{where}: env: {str(key)!r} is not a variable name; "
-                            "allowed: letters, digits and _, not starting with a digit")
+        variable_name(key, f"{where}: env")
     device = _choice(data, "device", DEVICES, "auto", where)
     devices_per_node = _int(data, "devices_per_node", where)
     device_order = _device_order(data, device, devices_per_node, where)
@@ -249,7 +246,8 @@ def load(name: str, environ: dict[str, str] | None = None, cwd: Path | None = No
         devices_per_node=devices_per_node,
         ppn=_int(data, "ppn", where) or 1,
         account_required=bool(data.get("account_required", False)),
-        account_env=_strings(data, "account_env", where),
+        account_env=tuple(variable_name(v, f"{where}: account_env")
+                          for v in _strings(data, "account_env", where)),
         queue_directive=_choice(
             data, "queue_directive", sched.queue_directives, sched.queue_directives[0], where
         ),
@@ -263,8 +261,8 @@ def load(name: str, environ: dict[str, str] | None = None, cwd: Path | None = No
         gpus_per_node=_int(data, "gpus_per_node", where),
         cpus_per_task=_int(data, "cpus_per_task", where),
         launcher=_launcher(data.get("launcher"), sched.launchers[0], where),
-        module_use=_strings(data, "module_use", where),
-        modules=_strings(data, "modules", where),
+        module_use=_directives(data, "module_use", where),
+        modules=_directives(data, "modules", where),
         setup=_strings(data, "setup", where),
         env={str(k): _env_str(v) for k, v in env.items()},
         shell=_shell(data, where),
@@ -308,9 +306,7 @@ def _env_prepend(data: dict[str, Any], where: str) -> dict[str, tuple[str, ...]]
         raise UserError(f"{where}: env_prepend: allowed: a mapping of NAME: [directory, ...]")
     out: dict[str, tuple[str, ...]] = {}
     for key in value:
-        if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*\Z", str(key)):
-            raise UserError(f"{where}: env_prepend: {str(key)!r} is not a variable name; "
-                            "allowed: letters, digits and _, not starting with a digit")
+        variable_name(key, f"{where}: env_prepend")
         paths = _strings(value, key, f"{where}: env_prepend")
         if any(not p or ":" in p or "\n" in p or "\0" in p for p in paths):
             raise UserError(f"{where}: env_prepend.{key}: {list(paths)!r} is not allowed; "

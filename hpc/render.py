@@ -39,7 +39,13 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpc._util import format_walltime, read_regular
+from hpc._util import (
+    directive_line,
+    directive_value,
+    format_walltime,
+    read_regular,
+    variable_name,
+)
 from hpc.errors import UserError
 
 if TYPE_CHECKING:
@@ -240,6 +246,7 @@ def context(job: Job, regenerate: str | None = None, script: str | None = None) 
     env = {**cluster.device_order_env(), **cluster.env, **spec.env}
     for key, value in scheduler.job_env(job).items():
         env.setdefault(key, value)
+    check_values(job, env)
     source = spec.source or "command-line flags"
     return {
         "job": job,
@@ -269,6 +276,38 @@ def context(job: Job, regenerate: str | None = None, script: str | None = None) 
         "sweep": sweep,
         **scheduler.template_values(job),
     }
+
+
+def check_values(job: Job, env: dict[str, str]) -> None:
+    """The last gate before a script: every value that reaches a ``#SBATCH``/``#PBS`` line,
+    the ``#!`` line or an unquoted ``export NAME=``, checked by the rule of its kind.
+
+    Profiles and specs are checked as they load (naming their file), with the same
+    rules (:func:`hpc._util.directive_value`, :func:`~hpc._util.directive_line`,
+    :func:`~hpc._util.variable_name`); a Cluster or JobSpec made in Python, or the run
+    directory from ``--runs-dir`` (the log folder in ``--output``/``-o``), arrive here
+    unchecked. Quoting cannot help in a directive: the scheduler reads the line itself.
+    """
+    spec, cluster = job.spec, job.cluster
+    words = {"name": job.name, "queue": job.queue, "account": job.account,
+             "filesystems": job.filesystems, "signal": spec.signal, "system": cluster.system,
+             "place": cluster.place, "constraint": cluster.constraint}
+    for field, value in words.items():
+        if value is not None:
+            directive_value(value, field)
+    for field in ("nodes", "ppn", "walltime", "gpus_per_node", "cpus_per_task", "array_size",
+                  "max_parallel"):  # written unquoted: numbers, as resolve() makes them
+        value = getattr(job, field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise UserError(f"{field}: {value!r} is not allowed; allowed: a whole number")
+    directive_line(cluster.shell, "shell")
+    directive_line(spec.output_dir, "output_dir (the folder of the job's log)")
+    for line in (*cluster.site_directives(job.queue), *spec.directives):
+        directive_line(line, "directives")
+    for line in cluster.queue_notes(job.queue):
+        directive_line(line, "notes")
+    for key in (*env, *cluster.env_prepend):
+        variable_name(key, "env")
 
 
 def render(

@@ -23,7 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpc._util import check_keys, did_you_mean, directive_value, load_yaml, parse_walltime
+from hpc._util import (
+    check_keys,
+    did_you_mean,
+    directive_line,
+    directive_value,
+    load_yaml,
+    parse_walltime,
+    variable_name,
+)
 from hpc.errors import UserError
 
 SPEC_KEYS = (
@@ -34,7 +42,6 @@ SPEC_KEYS = (
 )
 WRAP_MODES = ("auto", "always", "never")
 LAUNCHERS = ("auto", "mpiexec", "srun", "torchrun")
-_ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*\Z"  # compiled on first use (re's cache)
 _SIGNAL = r"^((R|B|RB|BR):)?(SIG)?[A-Z0-9]+(@\d+)?\Z"  # compiled on first use (re's cache)
 #: A Python interpreter as the first word of a command (``python``, ``/venv/bin/python3.11``).
 PYTHON = r"^(.*/)?python(\d+(\.\d+)*)?\Z"  # compiled on first use (re's cache)
@@ -101,7 +108,7 @@ class JobSpec:
                 kw[key] = directive_value(_str(data, key), key)
         kw["command"] = _command(data.get("command"))
         kw["env"] = _env(data.get("env"))
-        kw["modules"] = _strings(data, "modules")
+        kw["modules"] = [directive_line(m, "modules") for m in _strings(data, "modules")]
         kw["setup"] = _lines(data.get("setup"))
         kw["python"] = _python(data.get("python"))
         if data.get("output_dir") is not None:
@@ -114,10 +121,7 @@ class JobSpec:
                 )
             kw["signal"] = sig
         kw["requeue"] = _bool(data, "requeue")
-        kw["directives"] = _strings(data, "directives")
-        for d in kw["directives"]:
-            if any(c in d for c in "\n\r\0"):
-                raise UserError(f"directives: {d!r} spans lines; allowed: one directive per item")
+        kw["directives"] = [directive_line(d, "directives") for d in _strings(data, "directives")]
         kw["launcher"] = _choice(data, "launcher", LAUNCHERS, "auto")
         kw["wrap"] = _choice(data, "wrap", WRAP_MODES, "auto")
         return cls(**kw)
@@ -235,11 +239,7 @@ def _env(value: Any) -> dict[str, str]:
         raise UserError(f"env: {value!r} is not allowed; allowed: a mapping of NAME: value")
     out: dict[str, str] = {}
     for key, val in value.items():
-        if not re.match(_ENV_NAME, str(key)):
-            raise UserError(
-                f"env: {str(key)!r} is not a variable name; allowed: letters, digits and _, "
-                "not starting with a digit"
-            )
+        variable_name(key, "env")
         if val is None or isinstance(val, (dict, list)):
             raise UserError(f"env.{key}: {val!r} is not allowed; allowed: a string or number")
         text = ("1" if val else "0") if isinstance(val, bool) else str(val)

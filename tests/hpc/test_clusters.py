@@ -56,3 +56,58 @@ def test_bad_profile_keys_are_named(tmp_path: Path) -> None:
     (d / "z.yaml").write_text("extends: z\n")
     with pytest.raises(UserError, match="cycle"):
         clusters.load("z", environ={"HPC_DDP_CLUSTERS": str(d)}, cwd=tmp_path)
+
+
+# --- values that reach a #SBATCH/#PBS line (issue 24) -----------------------------------
+
+BREAKS = ["\n", "\r", "\x0b", "\x0c", "\x85", "\u2028", "\x00", "\x1b"]
+
+
+def _profile(tmp_path: Path, text: str, name: str = "site") -> Path:
+    d = tmp_path / "profiles"
+    d.mkdir(exist_ok=True)
+    (d / f"{name}.yaml").write_text(text, encoding="utf-8")
+    return d
+
+
+@pytest.mark.parametrize("brk", BREAKS[:2])
+def test_a_queue_name_with_a_line_break_is_refused_at_load(tmp_path: Path, brk: str) -> None:
+    """A queue name reaches ``#SBATCH --partition=NAME``: a line break there was a new
+    directive line (``#SBATCH --exclusive`` added by a profile's queue name)."""
+    import json
+
+    queue = json.dumps(f"debug{brk}#SBATCH --exclusive")
+    d = _profile(tmp_path, f"extends: slurm\nqueues: {{{queue}: {{nodes: 1-2}}}}\n")
+    with pytest.raises(UserError, match=r"cluster site: queues: .*scheduler directive"):
+        clusters.load("site", environ={"HPC_DDP_CLUSTERS": str(d)}, cwd=tmp_path)
+
+
+@pytest.mark.parametrize("key", ["directives", "queues.debug.directives", "queues.debug.notes",
+                                 "modules", "module_use"])
+@pytest.mark.parametrize("brk", BREAKS)
+def test_profile_lines_hold_one_line_of_text(tmp_path: Path, key: str, brk: str) -> None:
+    import json
+
+    value = json.dumps([f"-l x{brk}#PBS -l y"])
+    body = (f"queues: {{debug: {{{key.rsplit('.', 1)[1]}: {value}}}}}" if key.startswith("queues")
+            else f"{key}: {value}")
+    d = _profile(tmp_path, f"extends: pbs\n{body}\n")
+    with pytest.raises(UserError, match=r"one line of printable text"):
+        clusters.load("site", environ={"HPC_DDP_CLUSTERS": str(d)}, cwd=tmp_path)
+
+
+@pytest.mark.parametrize("name", ["1X", "A-B", "A B", "A\nB", ""])
+def test_account_env_names_are_variable_names(tmp_path: Path, name: str) -> None:
+    import json
+
+    d = _profile(tmp_path, f"extends: pbs\naccount_env: [{json.dumps(name)}]\n")
+    with pytest.raises(UserError, match=r"account_env: .* is not a variable name"):
+        clusters.load("site", environ={"HPC_DDP_CLUSTERS": str(d)}, cwd=tmp_path)
+
+
+def test_plain_profile_values_still_load(tmp_path: Path) -> None:
+    d = _profile(tmp_path, "extends: slurm\naccount_env: [MY_ACCT]\nmodules: [cuda/12.4, 'gcc@13']\n"
+                           "directives: ['--exclusive', '--mail-type=END\tx']\n"
+                           "queues: {'gpu_a100': {nodes: 1-4, notes: ['a note: ok']}}\n")
+    site = clusters.load("site", environ={"HPC_DDP_CLUSTERS": str(d)}, cwd=tmp_path)
+    assert site.queues["gpu_a100"].notes == ("a note: ok",) and site.account_env == ("MY_ACCT",)
