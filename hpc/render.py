@@ -263,6 +263,8 @@ def context(job: Job, regenerate: str | None = None, script: str | None = None) 
         "setup": list(spec.setup),
         # ``python: site`` (no environment of ours) renders like no ``python:`` at all
         "python": spec.python if isinstance(spec.python, dict) else {},
+        # {conda: ENV}: the conda whose shell hook activates it (a name: the job's PATH's)
+        "conda": _conda_of(spec.python),
         "env": env,
         # env_prepend: (VAR, 'dir') per directory, each put in front of $VAR in turn
         "env_prepend": [(var, quote(d)) for var, dirs in cluster.env_prepend.items() for d in dirs],
@@ -308,6 +310,16 @@ def check_values(job: Job, env: dict[str, str]) -> None:
         directive_line(line, "notes")
     for key in (*env, *cluster.env_prepend):
         variable_name(key, "env")
+
+
+def _conda_of(python: Any) -> str | None:
+    """The conda program for ``{conda: ENV}``: ENV's own for a path, else ``conda``."""
+    from hpc.spec import conda_executable
+
+    if not isinstance(python, dict) or "conda" not in python:
+        return None
+    env = str(python["conda"])
+    return (conda_executable(env) if "/" in env else None) or "conda"
 
 
 def render(

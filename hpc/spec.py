@@ -298,6 +298,39 @@ def submitting_python(
     return None
 
 
+def conda_executable(env: str) -> str | None:
+    """The conda that owns the environment at ``env``, for its shell hook; None if unknown.
+
+    Why: a batch job's shell ran no ``conda init``, so it has no ``conda`` shell function
+    and ``conda activate`` exits 1 ("Run 'conda init' before 'conda activate'"). The job
+    first evaluates ``CONDA shell.bash hook`` of the conda the environment belongs to
+    (not whichever is first on the job's PATH). Found, in order, as conda lays them out:
+    the environment is an installation's base (``ENV/bin/conda``, as ``$CONDA_EXE``, or ``ENV/condabin/conda``);
+    it is one of its named environments (``ROOT/envs/NAME``); it was made elsewhere
+    (``conda create -p``) and the first ``# cmd:`` line of its ``conda-meta/history``
+    names the conda (or mamba) that made it, in that program's folder.
+    """
+    from hpc._util import read_regular
+
+    root = Path(env)
+    if not (root / "conda-meta").is_dir():
+        return None
+    candidates = [root / "bin" / "conda", root / "condabin" / "conda"]
+    if root.parent.name == "envs":
+        candidates += [root.parent.parent / "bin" / "conda", root.parent.parent / "condabin" / "conda"]
+    try:
+        history = read_regular(root / "conda-meta" / "history", "conda history", 1 << 24)
+    except UserError:  # none, or not a plain file: no hint there
+        history = b""
+    for line in history.decode("utf-8", "replace").splitlines():
+        if line.startswith("# cmd: "):
+            program = Path((line[len("# cmd: "):].split() or [""])[0])
+            if program.is_absolute():
+                candidates.append(program.parent / "conda")
+            break
+    return next((str(c) for c in candidates if c.is_file() and os.access(c, os.X_OK)), None)
+
+
 def path_value(value: str, key: str) -> str:
     if not re.match(_PATHLIKE, value):
         raise UserError(
