@@ -119,19 +119,22 @@ def _expanded_size(root: Any) -> int:
     return size(root)
 
 
+MAX_YAML_BYTES = 16 * 1024 * 1024
+"""Largest spec or profile file read (a real one is a few kilobytes)."""
+
+
 def load_yaml(path: Path, what: str) -> dict[str, Any]:
     """Read a YAML mapping strictly (see :func:`_strict_loader`); every problem one line."""
     import yaml
 
+    # a spec or a project's profile may come with a cloned folder: a pipe there would
+    # block, a huge file would be read whole (read_regular refuses both in one line)
+    data = read_regular(path, what, MAX_YAML_BYTES)
     try:
-        text = path.read_text(encoding="utf-8")
-    except IsADirectoryError:
-        raise UserError(f"{what}: {str(path)!r} is a directory; allowed: a YAML file") from None
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise UserError(f"{what}: {str(path)!r} is not UTF-8 text (byte {exc.start}); "
                         "allowed: a YAML file") from None  # fmt: skip
-    except OSError as exc:
-        raise UserError(f"{what}: cannot read {str(path)!r}: {exc.strerror}") from None
     try:
         data = yaml.load(text, Loader=_strict_loader())  # noqa: S506 - a safe loader
     except UserError as exc:

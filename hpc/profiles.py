@@ -17,6 +17,7 @@ site is one small YAML file. Site knowledge lives here, never in ``if`` statemen
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
@@ -37,6 +38,8 @@ from hpc.cluster import DEVICE_ORDER_VARS, Cluster, Launcher, Queue
 from hpc.errors import UserError
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "clusters"
+_LOG = logging.getLogger(__name__)
+_ANNOUNCED: set[str] = set()  # profiles from the working directory named on stderr
 DEVICES = ("xpu", "cuda", "rocm", "cpu", "auto")
 GPU_DIRECTIVES = ("none", "gpus-per-node", "gres", "ngpus")
 LAUNCHER_KINDS = ("mpiexec", "srun", "torchrun")
@@ -96,13 +99,18 @@ def _raw(
     """The merged mapping for ``name`` (following ``extends``) and the files it came from."""
     merged: dict[str, Any] = {}
     sources: list[str] = []
+    here = (Path.cwd() if cwd is None else cwd) / ".hpc" / "clusters"
     for d in profile_dirs(environ, cwd):
         path = d / f"{name}.yaml"
-        if path.is_file():
+        if os.path.lexists(path):  # a pipe or a dangling link is refused, not skipped
             data = load_yaml(path, f"cluster {name}")
             check_keys(data, CLUSTER_KEYS, f"cluster {name} ({path})")
             merged = _merge(merged, data)
             sources.append(str(path))
+            if d == here and str(path) not in _ANNOUNCED:
+                # its setup lines run in every job: say that the folder changed the profile
+                _ANNOUNCED.add(str(path))
+                _LOG.warning("cluster %s: using %s from the working directory", name, path)
     if not sources:
         known = names(environ, cwd)
         raise UserError(

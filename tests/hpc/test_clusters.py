@@ -111,3 +111,53 @@ def test_plain_profile_values_still_load(tmp_path: Path) -> None:
                            "queues: {'gpu_a100': {nodes: 1-4, notes: ['a note: ok']}}\n")
     site = clusters.load("site", environ={"HPC_DDP_CLUSTERS": str(d)}, cwd=tmp_path)
     assert site.queues["gpu_a100"].notes == ("a note: ok",) and site.account_env == ("MY_ACCT",)
+
+
+# --- profiles and specs are files the user may not have written (issue 24) ---------------
+
+
+def test_a_named_pipe_as_profile_or_spec_is_refused_at_once(tmp_path: Path) -> None:
+    """``./.hpc/clusters/NAME.yaml`` comes with a cloned project; a pipe there (or as the
+    spec) blocked ``hpc render`` forever in ``open``; a pipe profile was skipped silently."""
+    import os
+
+    d = tmp_path / "profiles"
+    d.mkdir()
+    os.mkfifo(d / "site.yaml")
+    with pytest.raises(UserError, match=r"site\.yaml' is a named pipe"):
+        clusters.load("site", environ={"HPC_DDP_CLUSTERS": str(d)}, cwd=tmp_path)
+    from hpc.spec import load_spec
+
+    os.mkfifo(tmp_path / "job.yaml")
+    with pytest.raises(UserError, match=r"spec: .*job\.yaml' is a named pipe"):
+        load_spec(tmp_path / "job.yaml")
+
+
+def test_a_huge_spec_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    from hpc import _util
+    from hpc.spec import load_spec
+
+    spec = tmp_path / "big.yaml"
+    with spec.open("wb") as fh:
+        fh.truncate(_util.MAX_YAML_BYTES + 1)  # sparse: no disk used
+    with pytest.raises(UserError, match=r"big\.yaml' is .* bytes; allowed: at most"):
+        load_spec(spec)
+
+
+def test_a_profile_from_the_working_directory_is_announced_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its ``setup`` lines run in every job: a render should not change silently with the
+    folder it runs in (as for ./templates)."""
+    import logging
+
+    (tmp_path / ".hpc" / "clusters").mkdir(parents=True)
+    own = tmp_path / ".hpc" / "clusters" / "slurm.yaml"
+    own.write_text("setup: ['echo from the project']\n")
+    monkeypatch.setattr(clusters, "_ANNOUNCED", set())
+    with caplog.at_level(logging.INFO, logger="hpc.profiles"):
+        for _ in range(2):
+            assert clusters.load("slurm", environ={}, cwd=tmp_path).setup == ("echo from the project",)
+        clusters.load("pbs", environ={}, cwd=tmp_path)
+    notes = [r.getMessage() for r in caplog.records if r.name == "hpc.profiles"]
+    assert len(notes) == 1 and str(own) in notes[0] and "working directory" in notes[0], notes
