@@ -24,9 +24,12 @@ def test_a_job_venv_made_from_a_venv_imports_that_venvs_packages(tmp_path: Path)
     """A user's venv (here over this interpreter, with a module only it has, standing for
     torch) runs the fixture; the job's Python must import that module and this checkout."""
     user = tmp_path / "user-venv"
-    venv.EnvBuilder(system_site_packages=True, with_pip=False, symlinks=True).create(str(user))
+    venv.EnvBuilder(with_pip=False, symlinks=True).create(str(user))
     purelib = _python(user, "import sysconfig; print(sysconfig.get_path('purelib'))").stdout.strip()
     Path(purelib, f"{MARKER}.py").write_text("VALUE = 42\n")
+    # what this interpreter imports (pytest, yaml), whether it is a venv or not
+    Path(purelib, "test-interpreter.pth").write_text(
+        "\n".join(p for p in sys.path if p and Path(p).is_dir() and p != purelib) + "\n")
     made = _python(user, f"import sys; sys.path.insert(0, {str(ROOT)!r}); from pathlib import Path; "
                          "from tests.support.openpbs import job_venv; "
                          f"job_venv(Path({str(tmp_path / 'job-venv')!r}))")
