@@ -385,10 +385,10 @@ def _one_line(exc: BaseException, name: str, loader: Any) -> str | None:
         what = f"{exc.name!r} not found" if frames else "not found"
         return _flat(f"templates: {where}: {what} in {', '.join(loader.dirs)}; allowed: a "
                      f"template in those folders, or {BUILTIN_PREFIX}NAME for a built-in one")
-    if isinstance(exc, jinja2.UndefinedError) and not isinstance(exc, _security_error()):
+    if isinstance(exc, jinja2.UndefinedError):
         return _flat(f"templates: {where}: {exc.message}; allowed: the variables of "
                      "hpc.render.context")
-    if isinstance(exc, _security_error()):
+    if isinstance(exc, jinja2.exceptions.SecurityError):
         return _flat(f"templates: {where}: {str(exc).rstrip('.')}; allowed in a template: "
                      "the context's values, Jinja's own helpers and macros, methods of text "
                      "and numbers")
@@ -403,12 +403,6 @@ def _one_line(exc: BaseException, name: str, loader: Any) -> str | None:
     if user:
         return _flat(f"templates: {where}: {type(exc).__name__}: {exc}")
     return None
-
-
-def _security_error() -> type:
-    from jinja2.exceptions import SecurityError
-
-    return SecurityError
 
 
 def _flat(text: str) -> str:
