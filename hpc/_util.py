@@ -19,6 +19,7 @@ _WALLTIME = r"^(\d{1,4}):([0-5]\d):([0-5]\d)\Z"  # compiled on first use (re's c
 # Values that end up inside #PBS/#SBATCH directives: schedulers parse those lines
 # themselves, so quoting does not help there; restrict them to a plain character set.
 _DIRECTIVE_SAFE = r"^[A-Za-z0-9_.:+,=@/%-]+\Z"  # compiled on first use (re's cache)
+_VARIABLE = r"^[A-Za-z_][A-Za-z0-9_]*\Z"  # compiled on first use (re's cache)
 
 
 def did_you_mean(value: str, choices: Iterable[str]) -> str:
@@ -118,19 +119,22 @@ def _expanded_size(root: Any) -> int:
     return size(root)
 
 
+MAX_YAML_BYTES = 16 * 1024 * 1024
+"""Largest spec or profile file read (a real one is a few kilobytes)."""
+
+
 def load_yaml(path: Path, what: str) -> dict[str, Any]:
     """Read a YAML mapping strictly (see :func:`_strict_loader`); every problem one line."""
     import yaml
 
+    # a spec or a project's profile may come with a cloned folder: a pipe there would
+    # block, a huge file would be read whole (read_regular refuses both in one line)
+    data = read_regular(path, what, MAX_YAML_BYTES)
     try:
-        text = path.read_text(encoding="utf-8")
-    except IsADirectoryError:
-        raise UserError(f"{what}: {str(path)!r} is a directory; allowed: a YAML file") from None
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise UserError(f"{what}: {str(path)!r} is not UTF-8 text (byte {exc.start}); "
                         "allowed: a YAML file") from None  # fmt: skip
-    except OSError as exc:
-        raise UserError(f"{what}: cannot read {str(path)!r}: {exc.strerror}") from None
     try:
         data = yaml.load(text, Loader=_strict_loader())  # noqa: S506 - a safe loader
     except UserError as exc:
@@ -299,6 +303,33 @@ def directive_value(value: Any, field: str) -> str:
             f"{field}: {text!r} has characters a scheduler directive cannot carry; "
             "allowed: letters, digits and _ . : + , = @ / % -"
         )
+    return text
+
+
+def directive_line(value: Any, field: str) -> str:
+    """Check a whole directive or comment line (a profile's ``directives``, a queue's
+    ``notes``, a path inside a directive): one line of printable text.
+
+    Why: schedulers read ``#SBATCH``/``#PBS`` lines up to the line break, so a break in a
+    value is a directive of its own; other control characters are no text a scheduler or
+    a reader expects, and Unicode's line separators break lines for editors and Python's
+    ``splitlines``. A tab is a blank and stays.
+    """
+    import unicodedata
+
+    text = str(value)
+    for c in text:
+        if c != "\t" and unicodedata.category(c) in ("Cc", "Zl", "Zp"):
+            raise UserError(f"{field}: {text!r} holds {c!r}; allowed: one line of printable text")
+    return text
+
+
+def variable_name(value: Any, field: str) -> str:
+    """Check an environment variable's name (it is written unquoted: ``export NAME=...``)."""
+    text = str(value)
+    if not re.match(_VARIABLE, text):
+        raise UserError(f"{field}: {text!r} is not a variable name; allowed: letters, digits "
+                        "and _, not starting with a digit")
     return text
 
 

@@ -17,6 +17,7 @@ site is one small YAML file. Site knowledge lives here, never in ``if`` statemen
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
@@ -26,15 +27,19 @@ from hpc import schedulers
 from hpc._util import (
     check_keys,
     did_you_mean,
+    directive_line,
     directive_value,
     load_yaml,
     parse_range,
     parse_walltime,
+    variable_name,
 )
 from hpc.cluster import DEVICE_ORDER_VARS, Cluster, Launcher, Queue
 from hpc.errors import UserError
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "clusters"
+_LOG = logging.getLogger(__name__)
+_ANNOUNCED: set[str] = set()  # profiles from the working directory named on stderr
 DEVICES = ("xpu", "cuda", "rocm", "cpu", "auto")
 GPU_DIRECTIVES = ("none", "gpus-per-node", "gres", "ngpus")
 LAUNCHER_KINDS = ("mpiexec", "srun", "torchrun")
@@ -94,13 +99,18 @@ def _raw(
     """The merged mapping for ``name`` (following ``extends``) and the files it came from."""
     merged: dict[str, Any] = {}
     sources: list[str] = []
+    here = (Path.cwd() if cwd is None else cwd) / ".hpc" / "clusters"
     for d in profile_dirs(environ, cwd):
         path = d / f"{name}.yaml"
-        if path.is_file():
+        if os.path.lexists(path):  # a pipe or a dangling link is refused, not skipped
             data = load_yaml(path, f"cluster {name}")
             check_keys(data, CLUSTER_KEYS, f"cluster {name} ({path})")
             merged = _merge(merged, data)
             sources.append(str(path))
+            if d == here and str(path) not in _ANNOUNCED:
+                # its setup lines run in every job: say that the folder changed the profile
+                _ANNOUNCED.add(str(path))
+                _LOG.warning("cluster %s: using %s from the working directory", name, path)
     if not sources:
         known = names(environ, cwd)
         raise UserError(
@@ -146,12 +156,8 @@ def _strings(data: dict[str, Any], key: str, where: str) -> tuple[str, ...]:
 
 
 def _directives(data: dict[str, Any], key: str, where: str) -> tuple[str, ...]:
-    """Directive or comment lines from a profile: text, one line each."""
-    lines = _strings(data, key, where)
-    for line in lines:
-        if any(c in line for c in "\n\r\0"):
-            raise UserError(f"{where}: {key}: {line!r} spans lines; allowed: one line per item")
-    return lines
+    """Directive, comment or module lines from a profile: one line of printable text each."""
+    return tuple(directive_line(line, f"{where}: {key}") for line in _strings(data, key, where))
 
 
 def _walltime(data: dict[str, Any], key: str, where: str) -> int | None:
@@ -188,8 +194,9 @@ def _queues(data: Any, where: str, directives: tuple[str, ...]) -> dict[str, Que
         directive = None
         if spec.get("directive") is not None:
             directive = _choice(spec, "directive", directives, directives[0], qwhere)
+        # the name reaches `#SBATCH --partition=NAME` / `#PBS -q NAME`
         queues[str(qname)] = Queue(
-            name=str(qname), min_nodes=lo, max_nodes=hi, max_walltime=limit, bins=tuple(bins),
+            name=directive_value(qname, f"{where}: queues"), min_nodes=lo, max_nodes=hi, max_walltime=limit, bins=tuple(bins),
             min_walltime=_walltime(spec, "min_walltime", qwhere), by_request=by_request,
             directive=directive, directives=_directives(spec, "directives", qwhere),
             notes=_directives(spec, "notes", qwhere),
@@ -235,9 +242,7 @@ def load(name: str, environ: dict[str, str] | None = None, cwd: Path | None = No
     if not isinstance(env, dict):
         raise UserError(f"{where}: env: allowed: a mapping of NAME: value")
     for key in env:
-        if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*\Z", str(key)):
-            raise UserError(f"{where}: env: {str(key)!r} is not a variable name; "
-                            "allowed: letters, digits and _, not starting with a digit")
+        variable_name(key, f"{where}: env")
     device = _choice(data, "device", DEVICES, "auto", where)
     devices_per_node = _int(data, "devices_per_node", where)
     device_order = _device_order(data, device, devices_per_node, where)
@@ -249,7 +254,8 @@ def load(name: str, environ: dict[str, str] | None = None, cwd: Path | None = No
         devices_per_node=devices_per_node,
         ppn=_int(data, "ppn", where) or 1,
         account_required=bool(data.get("account_required", False)),
-        account_env=_strings(data, "account_env", where),
+        account_env=tuple(variable_name(v, f"{where}: account_env")
+                          for v in _strings(data, "account_env", where)),
         queue_directive=_choice(
             data, "queue_directive", sched.queue_directives, sched.queue_directives[0], where
         ),
@@ -263,8 +269,8 @@ def load(name: str, environ: dict[str, str] | None = None, cwd: Path | None = No
         gpus_per_node=_int(data, "gpus_per_node", where),
         cpus_per_task=_int(data, "cpus_per_task", where),
         launcher=_launcher(data.get("launcher"), sched.launchers[0], where),
-        module_use=_strings(data, "module_use", where),
-        modules=_strings(data, "modules", where),
+        module_use=_directives(data, "module_use", where),
+        modules=_directives(data, "modules", where),
         setup=_strings(data, "setup", where),
         env={str(k): _env_str(v) for k, v in env.items()},
         shell=_shell(data, where),
@@ -308,9 +314,7 @@ def _env_prepend(data: dict[str, Any], where: str) -> dict[str, tuple[str, ...]]
         raise UserError(f"{where}: env_prepend: allowed: a mapping of NAME: [directory, ...]")
     out: dict[str, tuple[str, ...]] = {}
     for key in value:
-        if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*\Z", str(key)):
-            raise UserError(f"{where}: env_prepend: {str(key)!r} is not a variable name; "
-                            "allowed: letters, digits and _, not starting with a digit")
+        variable_name(key, f"{where}: env_prepend")
         paths = _strings(value, key, f"{where}: env_prepend")
         if any(not p or ":" in p or "\n" in p or "\0" in p for p in paths):
             raise UserError(f"{where}: env_prepend.{key}: {list(paths)!r} is not allowed; "

@@ -23,7 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpc._util import check_keys, did_you_mean, directive_value, load_yaml, parse_walltime
+from hpc._util import (
+    check_keys,
+    did_you_mean,
+    directive_line,
+    directive_value,
+    load_yaml,
+    parse_walltime,
+    variable_name,
+)
 from hpc.errors import UserError
 
 SPEC_KEYS = (
@@ -34,7 +42,6 @@ SPEC_KEYS = (
 )
 WRAP_MODES = ("auto", "always", "never")
 LAUNCHERS = ("auto", "mpiexec", "srun", "torchrun")
-_ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*\Z"  # compiled on first use (re's cache)
 _SIGNAL = r"^((R|B|RB|BR):)?(SIG)?[A-Z0-9]+(@\d+)?\Z"  # compiled on first use (re's cache)
 #: A Python interpreter as the first word of a command (``python``, ``/venv/bin/python3.11``).
 PYTHON = r"^(.*/)?python(\d+(\.\d+)*)?\Z"  # compiled on first use (re's cache)
@@ -101,7 +108,7 @@ class JobSpec:
                 kw[key] = directive_value(_str(data, key), key)
         kw["command"] = _command(data.get("command"))
         kw["env"] = _env(data.get("env"))
-        kw["modules"] = _strings(data, "modules")
+        kw["modules"] = [directive_line(m, "modules") for m in _strings(data, "modules")]
         kw["setup"] = _lines(data.get("setup"))
         kw["python"] = _python(data.get("python"))
         if data.get("output_dir") is not None:
@@ -114,10 +121,7 @@ class JobSpec:
                 )
             kw["signal"] = sig
         kw["requeue"] = _bool(data, "requeue")
-        kw["directives"] = _strings(data, "directives")
-        for d in kw["directives"]:
-            if any(c in d for c in "\n\r\0"):
-                raise UserError(f"directives: {d!r} spans lines; allowed: one directive per item")
+        kw["directives"] = [directive_line(d, "directives") for d in _strings(data, "directives")]
         kw["launcher"] = _choice(data, "launcher", LAUNCHERS, "auto")
         kw["wrap"] = _choice(data, "wrap", WRAP_MODES, "auto")
         return cls(**kw)
@@ -235,11 +239,7 @@ def _env(value: Any) -> dict[str, str]:
         raise UserError(f"env: {value!r} is not allowed; allowed: a mapping of NAME: value")
     out: dict[str, str] = {}
     for key, val in value.items():
-        if not re.match(_ENV_NAME, str(key)):
-            raise UserError(
-                f"env: {str(key)!r} is not a variable name; allowed: letters, digits and _, "
-                "not starting with a digit"
-            )
+        variable_name(key, "env")
         if val is None or isinstance(val, (dict, list)):
             raise UserError(f"env.{key}: {val!r} is not allowed; allowed: a string or number")
         text = ("1" if val else "0") if isinstance(val, bool) else str(val)
@@ -296,6 +296,39 @@ def submitting_python(
     if conda and os.path.isdir(os.path.join(conda, "conda-meta")):
         return {"conda": conda}
     return None
+
+
+def conda_executable(env: str) -> str | None:
+    """The conda that owns the environment at ``env``, for its shell hook; None if unknown.
+
+    Why: a batch job's shell ran no ``conda init``, so it has no ``conda`` shell function
+    and ``conda activate`` exits 1 ("Run 'conda init' before 'conda activate'"). The job
+    first evaluates ``CONDA shell.bash hook`` of the conda the environment belongs to
+    (not whichever is first on the job's PATH). Found, in order, as conda lays them out:
+    the environment is an installation's base (``ENV/bin/conda``, as ``$CONDA_EXE``, or ``ENV/condabin/conda``);
+    it is one of its named environments (``ROOT/envs/NAME``); it was made elsewhere
+    (``conda create -p``) and the first ``# cmd:`` line of its ``conda-meta/history``
+    names the conda (or mamba) that made it, in that program's folder.
+    """
+    from hpc._util import read_regular
+
+    root = Path(env)
+    if not (root / "conda-meta").is_dir():
+        return None
+    candidates = [root / "bin" / "conda", root / "condabin" / "conda"]
+    if root.parent.name == "envs":
+        candidates += [root.parent.parent / "bin" / "conda", root.parent.parent / "condabin" / "conda"]
+    try:
+        history = read_regular(root / "conda-meta" / "history", "conda history", 1 << 24)
+    except UserError:  # none, or not a plain file: no hint there
+        history = b""
+    for line in history.decode("utf-8", "replace").splitlines():
+        if line.startswith("# cmd: "):
+            program = Path((line[len("# cmd: "):].split() or [""])[0])
+            if program.is_absolute():
+                candidates.append(program.parent / "conda")
+            break
+    return next((str(c) for c in candidates if c.is_file() and os.access(c, os.X_OK)), None)
 
 
 def path_value(value: str, key: str) -> str:

@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.support.openpbs import OpenPBS, wait_final
+from tests.support.fakeconda import make_conda, make_env
+from tests.support.openpbs import FINAL, OpenPBS, wait_final
 from tests.support.parts import require_exe
 from tests.support.polling import wait_until
 
@@ -81,8 +82,20 @@ class Hpc:
         # the job's line (a sweep adds a line per task after it)
         return self("status", str(run_dir), "--runs-dir", str(self.runs)).stdout.split("\n")[0].split()[-1]
 
+    def ended(self, run_dir: Path) -> str | None:
+        """The job's final state once it has one, else None."""
+        state = self.status(run_dir)
+        return state if state in FINAL else None
+
     def wait(self, run_dir: Path, timeout: float = 120) -> str:
-        return wait_final(lambda: self.status(run_dir), timeout, f"job of {run_dir.name}")
+        """Until the job's state is final; a timeout quotes its log."""
+        return wait_final(lambda: self.status(run_dir), timeout, f"job of {run_dir.name}",
+                          log=lambda: log_of(run_dir))
+
+    def wait_for(self, run_dir: Path, check: Any, what: str, timeout: float = 120) -> None:
+        """Until ``check()``; ends at once when the job ends first, quoting its log."""
+        wait_until(check, timeout, what, ended=lambda: self.ended(run_dir),
+                   log=lambda: log_of(run_dir))
 
 
 @pytest.fixture
@@ -157,13 +170,32 @@ def test_generic_pbs_job_runs_with_the_submitting_venv(hpc: Hpc, probe: Path) ->
     assert {r["prefix"] for r in seen} == {str(venv)}
 
 
+def test_a_conda_environment_activates_in_a_pbs_job(hpc: Hpc, tmp_path: Path) -> None:
+    """Issue 24: a conda environment was activated with a bare ``conda activate`` and the
+    job exited 1 with "Run 'conda init'" (a batch shell ran no ``conda init``); it is now
+    activated through its own conda's shell hook. The conda has the real layout and
+    behaviour (tests/support/fakeconda.py: no real conda can be installed here)."""
+    require_exe("mpiexec.hydra", "mpiexec.mpich")
+    env = make_env(make_conda(tmp_path / "miniconda3"))
+    spec = tmp_path / "conda.yaml"
+    spec.write_text(yaml.safe_dump({
+        "name": "conda", "cluster": "pbs", "wrap": "never", "walltime": "00:05:00",
+        "python": {"conda": str(env)},
+        "command": ["bash", "-c", 'echo "prefix=$CONDA_PREFIX"; hpc-probe'],
+    }))
+    _, run_dir = hpc.submit(str(spec))
+    assert hpc.wait(run_dir) == "COMPLETED", log_of(run_dir)
+    log = log_of(run_dir)
+    assert f"prefix={env}\n" in log and f"probe={env}/bin/hpc-probe activated=torch" in log, log
+
+
 # --- cancel, walltime, arrays ----------------------------------------------------------
 
 
 def test_cancel_of_a_queued_job(hpc: Hpc, openpbs: OpenPBS) -> None:
     # 5 scattered chunks never fit on the 4 vnodes: the job stays queued
     job_id, run_dir = hpc.submit("--cluster", "pbs", "--nodes", "5", "--", "sleep", "1")
-    openpbs.wait_letter(job_id, "Q")
+    openpbs.wait_letter(job_id, "Q", log=lambda: log_of(run_dir))
     assert hpc.status(run_dir) == "PENDING"
     hpc("cancel", str(run_dir), "--runs-dir", str(hpc.runs))
     assert hpc.wait(run_dir, 60) == "CANCELLED"
@@ -182,8 +214,8 @@ def test_cancel_of_a_running_job(hpc: Hpc, openpbs: OpenPBS, tmp_path: Path, tra
                                     "command": ["bash", "-c", body]}))
     require_exe("mpiexec.hydra", "mpiexec.mpich")
     job_id, run_dir = hpc.submit(str(spec))
-    wait_until(started.exists, 60, "job started")
-    openpbs.wait_letter(job_id, "R")
+    hpc.wait_for(run_dir, started.exists, "job started", 60)
+    openpbs.wait_letter(job_id, "R", log=lambda: log_of(run_dir))
     assert hpc.status(run_dir) == "RUNNING"
     hpc("cancel", str(run_dir), "--runs-dir", str(hpc.runs))
     assert hpc.wait(run_dir, 90) == "CANCELLED"
@@ -262,8 +294,8 @@ def test_rerunnable_job_is_rerun_by_qrerun(hpc: Hpc, openpbs: OpenPBS, tmp_path:
     require_exe("mpiexec.hydra", "mpiexec.mpich")
     job_id, run_dir = hpc.submit(str(spec))
     assert "#PBS -r y" in next(run_dir.glob("job*.pbs")).read_text()
-    wait_until(runs_file.exists, 60, "first run started")
-    openpbs.wait_letter(job_id, "R")
+    hpc.wait_for(run_dir, runs_file.exists, "first run started", 60)
+    openpbs.wait_letter(job_id, "R", log=lambda: log_of(run_dir))
     openpbs.run("qrerun", job_id)
     assert hpc.wait(run_dir) == "COMPLETED", log_of(run_dir)
     assert runs_file.read_text().split() == [job_id, job_id]
@@ -307,7 +339,7 @@ def test_preempted_job_checkpoints_and_resumes_bitwise_in_its_rerun(
         "command": ["python", WORKER, json.dumps(spec)],
     }))
     job_id, run_dir = hpc.submit(str(job_file))
-    wait_until(lambda: len(list(ready.glob("*.pid"))) == 2, 120, "both ranks at step 3")
+    hpc.wait_for(run_dir, lambda: len(list(ready.glob("*.pid"))) == 2, "both ranks at step 3")
     openpbs.run("qrerun", job_id)
     assert hpc.wait(run_dir, 180) == "COMPLETED", log_of(run_dir)
     assert int(openpbs.attrs(job_id)["run_count"]) == 2

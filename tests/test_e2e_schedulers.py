@@ -23,7 +23,7 @@ import yaml
 from tests.ddp import _launch
 from tests.support.pals import pbs_env
 from tests.support.parts import require_exe
-from tests.support.polling import wait_until
+from tests.support.polling import wait_state, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -57,14 +57,16 @@ def status(job_id: str, runs: Path) -> str:
 
 
 def wait_status(job_id: str, runs: Path, states=FINAL, timeout: float = 150) -> str:
-    """Poll `hpc status` until the job reaches one of ``states`` (no fixed sleeps)."""
-    deadline = time.monotonic() + timeout
+    """Poll `hpc status` until the job reaches one of ``states`` (no fixed sleeps); a job
+    that ends in another state ends the wait at once, and a failure quotes its log."""
+    return wait_state(lambda: status(job_id, runs), states, FINAL, timeout, f"job {job_id} in {states}",
+                      log=lambda: "\n".join(log_of(d) for d in sorted(runs.iterdir())))
+
+
+def ended(job_id: str, runs: Path) -> str | None:
+    """The job's final state once it has one (for waits on what the job does)."""
     state = status(job_id, runs)
-    while state not in states:
-        assert time.monotonic() < deadline, f"job {job_id} still {state} after {timeout}s"
-        time.sleep(0.3)
-        state = status(job_id, runs)
-    return state
+    return state if state in FINAL and state != "PREEMPTED" else None
 
 
 def log_of(run_dir: Path) -> str:
@@ -173,12 +175,14 @@ def test_preempted_job_requeues_resumes_and_matches(slurm_cluster, tmp_path):
     runs = tmp_path / "runs"
     job_id, run_dir = submit(str(job_file), runs=runs)
     # both ranks sit inside step 3; preempt them the way SLURM does (signal the tasks)
-    wait_until(lambda: len(list(ready.glob("*.pid"))) == 2, 90, "ranks at step 3")
+    wait_until(lambda: len(list(ready.glob("*.pid"))) == 2, 90, "ranks at step 3",
+               ended=lambda: ended(job_id, runs), log=lambda: log_of(run_dir))
     slurm_cluster.run("scancel", "--signal=USR1", job_id)
     # rank 0 checkpoints and runs `scontrol requeue`; the job comes back PENDING with a
     # BeginTime (~2 min on this cluster), which we release at once
     wait_until(lambda: "Restarts=1" in slurm_cluster.run(
-        "scontrol", "show", "job", job_id, check=False).stdout, 90, "requeue")
+        "scontrol", "show", "job", job_id, check=False).stdout, 90, "requeue",
+        ended=lambda: ended(job_id, runs), log=lambda: log_of(run_dir))
     deadline = time.monotonic() + 150
     state = status(job_id, runs)
     while state not in ("COMPLETED", "FAILED", "CANCELLED"):

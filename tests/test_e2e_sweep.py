@@ -48,7 +48,8 @@ def test_sweep_of_two_learning_rates_is_one_array(slurm_cluster, tmp_path: Path)
         tasks = [ln.split() for ln in lines[1:]]
         if len(tasks) == 2 and all(t[1] in FINAL for t in tasks):
             break
-        assert time.monotonic() < deadline, lines
+        assert time.monotonic() < deadline, (lines, [p.read_text(errors="replace")[-4000:]
+                                                     for p in sorted(run_dir.glob("*.out"))])
         time.sleep(0.5)
     logs = "\n".join(p.read_text(errors="replace") for p in run_dir.glob("*.out"))
     assert [t[0] for t in tasks] == [f"{job_id}_0", f"{job_id}_1"]

@@ -16,9 +16,9 @@ DEFAULT_SIGNAL_DELAY_S = 90
 def setup_lines(job: Any) -> list[str]:
     """The job's environment block (modules, python env, variables, setup lines), rendered
     from the templates' shared ``_common.sh.j2`` so it matches ``hpc render`` exactly."""
-    from hpc.render import context, environment  # the templates' shared block
+    from hpc.render import context, render_template  # the templates' shared block
 
-    text = environment().get_template("_common.sh.j2").render(context(job))
+    text = render_template("_common.sh.j2", context(job))
     return [line for line in text.splitlines() if line.strip()]
 
 

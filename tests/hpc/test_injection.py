@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -62,3 +63,57 @@ def test_batch_scripts_parse_and_keep_directives_intact(name: str, value: str, a
     name_line = next(ln for ln in lines if ln.startswith(("#PBS -N ", "#SBATCH --job-name=")))
     job_name = name_line.split(" ", 2)[-1].split("=", 1)[-1]
     assert job_name and all(c.isascii() and (c.isalnum() or c in "_.-") for c in job_name)
+
+
+# --- the last gate: whatever built the job, no value adds a directive line (issue 24) ---
+
+INJECTED = "x\n#SBATCH --exclusive\n#PBS -l select=99"
+
+
+def _injected_jobs():
+    """Jobs whose directive values did not come through a profile or spec file: a Cluster
+    or JobSpec made in Python (the API), a run directory from ``--runs-dir``."""
+    from dataclasses import replace
+
+    from hpc.cluster import Queue
+
+    slurm = make_job("slurm", command=["python", "t.py"])
+    pbs = make_job("pbs", command=["python", "t.py"])
+    queue = Queue(name=INJECTED, min_nodes=1, max_nodes=4)
+    yield "queue", replace(slurm, queue=INJECTED,
+                           cluster=replace(slurm.cluster, queues={INJECTED: queue}))
+    yield "account", replace(pbs, account=INJECTED)
+    yield "filesystems", replace(pbs, filesystems=INJECTED)
+    yield "constraint", replace(slurm, cluster=replace(slurm.cluster, constraint=INJECTED))
+    yield "place", replace(pbs, cluster=replace(pbs.cluster, place=INJECTED))
+    yield "system", replace(pbs, cluster=replace(pbs.cluster, system=INJECTED))
+    yield "directives", replace(slurm, cluster=replace(slurm.cluster, directives=(INJECTED,)))
+    yield "directives", slurm.with_spec(directives=[INJECTED])
+    yield "signal", slurm.with_spec(signal=INJECTED)
+    yield "output_dir", pbs.with_spec(output_dir=f"/tmp/{INJECTED}")
+    yield "shell", replace(slurm, cluster=replace(slurm.cluster, shell=f"/bin/bash\n{INJECTED}"))
+    yield "name", replace(slurm, name=INJECTED)
+    yield "env", slurm.with_spec(env={f"A=1\n{INJECTED}\nB": "1"})
+    yield "nodes", replace(slurm, nodes=f"1\n{INJECTED}")
+    yield "cpus_per_task", replace(slurm, cpus_per_task=f"1\n{INJECTED}")
+
+
+@pytest.mark.parametrize(("field", "job"), list(_injected_jobs()),
+                         ids=[f for f, _ in _injected_jobs()])
+def test_no_value_adds_a_directive_line_at_render(field: str, job) -> None:
+    from hpc.errors import UserError
+
+    with pytest.raises(UserError, match=field):
+        text = render(job)
+        pytest.fail(f"rendered with an injected line:\n{text}")
+
+
+def test_a_runs_dir_with_a_line_break_adds_no_directive(tmp_path: Path, capsys) -> None:
+    from hpc.cli import main
+
+    runs = tmp_path / "runs\n#SBATCH --exclusive"
+    code = main(["submit", "--dry-run", "--cluster", "slurm", "--runs-dir", str(runs),
+                 "--", "python", "t.py"])
+    captured = capsys.readouterr()
+    assert code == 2 and "--exclusive" not in captured.out, captured.out
+    assert captured.err.count("\n") == 1 and "output_dir" in captured.err, captured.err

@@ -395,7 +395,7 @@ def test_new_profile_keys_are_still_checked(tmp_path: Path) -> None:
                        ("launcher: {refuse: {mpirun: no}}", "refuse: .* allowed: a mapping of launcher"),
                        ("env_prepend: {LD_LIBRARY_PATH: ['/a:/b']}", "without ':'"),
                        ("queues: {debug: {by_request: maybe}}", "by_request: 'maybe'"),
-                       ('directives: ["-k doe\\n#PBS -l x"]', "spans lines")):
+                       ('directives: ["-k doe\\n#PBS -l x"]', "one line of printable text")):
         (tmp_path / "site.yaml").write_text(f"extends: polaris\n{bad}\n")
         with pytest.raises(UserError, match=match):
             clusters.load("site", environ={"HPC_DDP_CLUSTERS": str(tmp_path)}, cwd=REPO)

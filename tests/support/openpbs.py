@@ -13,9 +13,10 @@ Three things a job needs that only the submitting side has:
 - the PBS clients first on PATH: ``/opt/pbs/bin`` (Debian's slurm-wlm-torque puts a
   different ``qsub`` at /usr/bin/qsub);
 - a Python environment with this checkout: :func:`job_venv` makes a virtual
-  environment over the test interpreter (``--system-site-packages``, so torch and
-  submitit come from it) with a ``.pth`` naming this checkout. ``hpc submit`` run from
-  it records it (``hpc.spec.submitting_python``), as it does for a user's venv;
+  environment whose ``.pth`` files name this checkout and then every site folder of the
+  test interpreter (so torch and submitit come from wherever the tests run: a venv
+  or the system Python). ``hpc submit`` run from it records it
+  (``hpc.spec.submitting_python``), as it does for a user's venv;
 - for the ALCF profiles' ``module load frameworks``: a real module system (Debian's
   ``lmod``; a PBS job's login shell reads /etc/profile.d/lmod.sh) and a ``frameworks``
   modulefile, written by :func:`site_modules` into Lmod's site folder
@@ -32,7 +33,7 @@ import os
 import signal
 import subprocess
 import venv
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ import pytest
 
 from tests.support.pals import PALS_DIR
 from tests.support.parts import require
-from tests.support.polling import wait_until
+from tests.support.polling import wait_state, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 PBS_BIN = Path("/opt/pbs/bin")
@@ -60,8 +61,8 @@ def server_up() -> bool:
     qstat = PBS_BIN / "qstat"
     if not qstat.exists():
         return False
-    proc = subprocess.run([str(qstat), "-B"], capture_output=True, text=True, timeout=30,
-                          env=_client_env(), check=False)
+    proc = subprocess.run([str(qstat), "-B"], capture_output=True, text=True, errors="replace",
+                          timeout=30, env=_client_env(), check=False)
     return proc.returncode == 0
 
 
@@ -103,15 +104,25 @@ class OpenPBS:
         jobs = json.loads(proc.stdout).get("Jobs") or {}
         return jobs.get(job_id) or next(iter(jobs.values()), {})
 
-    def wait_letter(self, job_id: str, letters: str, timeout: float = 60) -> dict[str, Any]:
-        """Poll until job_state is one of ``letters``; returns the attributes then."""
+    def wait_letter(self, job_id: str, letters: str, timeout: float = 60,
+                    log: Callable[[], str] | None = None) -> dict[str, Any]:
+        """Poll until job_state is one of ``letters``; returns the attributes then.
+
+        A job that finishes (``F``) before reaching them ends the wait at once; the
+        failure quotes ``log()``, by default the file of the job's ``Output_Path``."""
         found: dict[str, Any] = {}
 
         def check() -> bool:
             found.update(self.attrs(job_id))
             return str(found.get("job_state")) in letters
 
-        wait_until(check, timeout, f"PBS job {job_id} in state {letters}")
+        def ended() -> str | None:
+            if "F" in letters or str(found.get("job_state")) != "F":
+                return None
+            return f"F, substate {found.get('substate')}, Exit_status {found.get('Exit_status')}"
+
+        wait_until(check, timeout, f"PBS job {job_id} in state {letters}", ended=ended,
+                   log=log or (lambda: output_of(found)))
         return found
 
     def delete_all(self, job_ids: list[str]) -> None:
@@ -157,21 +168,33 @@ def reap(job_ids: list[str]) -> list[int]:
 
 
 def job_venv(where: Path) -> Path:
-    """A venv over this interpreter that imports this checkout's ``hpc`` and ``ddp``.
+    """A venv that imports this checkout's ``hpc`` and ``ddp`` and, after them, whatever
+    the test interpreter imports (torch, submitit, ...), from a venv as from the system.
 
-    ``--system-site-packages`` keeps torch, submitit and friends from the test
-    interpreter; the ``.pth`` file puts the checkout (``src/`` and the root, for
-    ``hpc`` and ``tests``) ahead of any other install of hpc-ddp on the machine.
+    Why not ``--system-site-packages``: a venv's base is the system interpreter, never
+    the venv it was made from, so tests run from a venv (the README's way) gave their
+    jobs a Python without that venv's torch (``No module named 'torch'`` in the job's
+    log). So the new venv sees no site folder of its own base; its ``.pth`` files name
+    the checkout (``src/`` and the root, for ``hpc`` and ``tests``: a plain path beats an
+    editable install's import hook, which only runs when the path finder fails), then
+    add every site folder of the running interpreter with ``site.addsitedir``, in its
+    order, so their own ``.pth`` files (editable installs) work as they do here.
     """
+    import site
+
     if not (where / "bin" / "python").exists():
-        builder = venv.EnvBuilder(system_site_packages=True, with_pip=False, symlinks=True)
+        builder = venv.EnvBuilder(system_site_packages=False, with_pip=False, symlinks=True)
         builder.create(str(where))
     purelib = subprocess.run(
         [str(where / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
         capture_output=True, text=True, check=True, timeout=60).stdout.strip()
-    # Loaded before the system site-packages (the venv's own come first), and a plain path
-    # beats an editable install's import hook, which only runs when the path finder fails.
     Path(purelib, "00-hpc-ddp-checkout.pth").write_text(f"{ROOT / 'src'}\n{ROOT}\n")
+    folders = [*site.getsitepackages(),
+               *([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])]
+    folders = [f for f in dict.fromkeys(folders) if Path(f).is_dir() and f != purelib]
+    # one line: a .pth runs lines that start with "import" (site.addsitedir of each folder)
+    Path(purelib, "01-test-interpreter-site.pth").write_text(
+        f"import site; list(map(site.addsitedir, {folders!r}))\n")
     return where
 
 
@@ -200,16 +223,21 @@ def site_modules(venv_dir: Path, tag: str) -> Iterator[Path]:
             folder.rmdir()
 
 
-def wait_final(status: Any, timeout: float, what: str) -> str:
-    """Poll ``status()`` (a normalized state) until it is final; return it."""
-    seen: list[str] = []
+def output_of(attrs: dict[str, Any]) -> str:
+    """The job's log from its ``Output_Path`` (``host:PATH``; ``-o DIR/``: ``DIR/ID.OU``)."""
+    path = Path(str(attrs.get("Output_Path", "")).partition(":")[2] or "/nonexistent")
+    if path.is_dir():
+        head = str(attrs.get("job_id", "")).split(".")[0].split("[")[0]
+        files = sorted(p for p in path.glob("*.OU") if p.name.startswith(head)) if head else []
+        return "\n".join(p.read_text(errors="replace") for p in files)
+    return path.read_text(errors="replace") if path.is_file() else ""
 
-    def check() -> bool:
-        seen.append(status())
-        return seen[-1] in FINAL
 
-    wait_until(check, timeout, f"{what} (last state {seen[-1] if seen else '?'})")
-    return seen[-1]
+def wait_final(status: Any, timeout: float, what: str,
+               log: Callable[[], str] | None = None) -> str:
+    """Poll ``status()`` (a normalized state) until it is final; return it. A timeout
+    names the last state and quotes ``log()``."""
+    return wait_state(status, FINAL, FINAL, timeout, what, log)
 
 
 def python_of(venv_dir: Path) -> str:

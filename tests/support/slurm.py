@@ -26,7 +26,11 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.support.polling import wait_state
+
 FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
+#: States a job does not leave by itself (a wait for another state ends there).
+ENDED_STATES = (*FINAL_STATES, "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 NODES = ("n1", "n2")
 PARTITION = "debug"
 REQUIRED_EXES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "sinfo")
@@ -193,20 +197,20 @@ class SlurmCluster:
         return "UNKNOWN"
 
     def wait(self, job_id: str, states: Sequence[str] = FINAL_STATES, timeout: float = 120) -> str:
-        """Poll (no fixed sleep) until the job is in one of ``states``; return that state."""
-        deadline = time.monotonic() + timeout
-        delay = 0.05
-        state = self.state(job_id)
-        while state not in states:
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"job {job_id} still {state} after {timeout}s (wanted {states}); "
-                    f"logs in {self.log_dir}"
-                )
-            time.sleep(delay)
-            delay = min(delay * 1.5, 0.5)
-            state = self.state(job_id)
-        return state
+        """Poll (no fixed sleep) until the job is in one of ``states``; return that state.
+
+        A job that ends in another state ends the wait at once; every failure quotes
+        the job's log (:meth:`job_log`)."""
+        return wait_state(lambda: self.state(job_id), states, ENDED_STATES, timeout,
+                          f"job {job_id} in {tuple(states)}", log=lambda: self.job_log(job_id))
+
+    def job_log(self, job_id: str) -> str:
+        """The job's output file (``scontrol``'s StdOut, else :meth:`output_path`)."""
+        res = self.run("scontrol", "show", "job", "-o", str(job_id), check=False)
+        out = next((tok.split("=", 1)[1] for tok in res.stdout.split() if tok.startswith("StdOut=")),
+                   str(self.output_path(job_id)))
+        path = Path(out)
+        return path.read_text(errors="replace") if path.is_file() else ""
 
     def node_states(self) -> dict[str, str]:
         res = self.run("sinfo", "-h", "-N", "-o", "%N %T", check=False)
