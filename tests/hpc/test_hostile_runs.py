@@ -328,13 +328,14 @@ def test_a_record_whose_job_id_is_not_its_schedulers_is_one_line(command, tmp_pa
 
 
 def test_profile_and_queue_names_with_brackets_print_as_they_are(tmp_path, capsys, monkeypatch):
-    """A user's profile named ``[bold]w`` with a queue ``[/x]``: MarkupError before."""
-    (tmp_path / "[bold]w.yaml").write_text('scheduler: slurm\nppn: 1\nqueues:\n  "[/x]":\n'
+    """A user's profile named ``[bold]w`` printed as markup before (bold ``w``); a queue
+    named ``[/x]`` raised MarkupError, and is now refused at load (it reaches a directive)."""
+    (tmp_path / "[bold]w.yaml").write_text('scheduler: slurm\nppn: 1\nqueues:\n  "q":\n'
                                            "    nodes: 1-2\n")  # fmt: skip
     monkeypatch.setenv("HPC_DDP_CLUSTERS", str(tmp_path))
     assert main(["clusters"]) == 0
     out = capsys.readouterr().out
-    assert "│ [bold]w " in out and "[/x] 1-2" in out
+    assert "│ [bold]w " in out and "q 1-2" in out
 
 
 def test_doctor_prints_a_path_with_brackets_as_it_is(tmp_path, capsys, monkeypatch):
