@@ -27,6 +27,8 @@ from ddp.data import fasta
 from ddp.data.dataset import TokenDataset
 from ddp.data.store import TokenStore, write_store
 from ddp.errors import ConfigError
+from ddp.recipes._common import encode
+from ddp.recipes.uniref50 import read_fasta
 from tests.ddp._launch import base_env
 from tests.support.parts import require
 
@@ -128,6 +130,21 @@ def test_force_keeps_a_store_folder_that_holds_a_users_file(tmp_path: Path) -> N
     assert (st / "my_analysis.ipynb").read_text() == "{}" and TokenStore(st).n_seqs == 400
 
 
+@pytest.mark.parametrize("how", ["same path", "symlink to it", "folder holding it"])
+def test_force_never_replaces_the_input(tmp_path: Path, how: str) -> None:
+    src = tmp_path / "d" / "x.fasta"
+    src.parent.mkdir()
+    src.write_bytes(TINY.read_bytes())
+    out = {"same path": src, "symlink to it": tmp_path / "link", "folder holding it": src.parent}[how]
+    if how == "symlink to it":
+        out.symlink_to(src)
+    before = listing(tmp_path)
+    line = one_line(cli("prepare-fasta", str(src), "--out", str(out), "--force"),
+                    "ddp.data: error: ")  # fmt: skip
+    assert "input" in line and str(src) in line, line
+    assert listing(tmp_path) == before and src.read_bytes() == TINY.read_bytes()
+
+
 def test_force_replaces_its_own_store_with_its_split_cache(tmp_path: Path) -> None:
     """What --force is for: a store ddp.data wrote (split cache included) is replaced whole."""
     st = tmp_path / "st"
@@ -159,6 +176,63 @@ def test_out_below_a_regular_file_is_one_line(tmp_path: Path) -> None:
                     "ddp.data: error: ")  # fmt: skip
     assert "file.txt" in line and "cannot write" in line, line
     assert listing(tmp_path) == ["file.txt"]
+
+
+# ---- what a FASTA holds: line endings, empty records, no residues at all -----------------
+@pytest.mark.parametrize("chunk", [16, 1 << 20])
+@pytest.mark.parametrize("nl", [b"\r", b"\r\n", b"\n", b"mixed"])
+def test_every_line_ending_gives_the_same_store(tmp_path: Path, monkeypatch, chunk: int,
+                                                nl: bytes) -> None:  # fmt: skip
+    """CR (classic Mac), CRLF (Windows), LF and a mix of them: one store, as Python's
+    ``splitlines`` reads the file; CRs cut across chunk boundaries too."""
+    monkeypatch.setattr(fasta, "CHUNK", chunk)
+    text = residues(60, width=13)
+    if nl == b"mixed":
+        lines = text.split(b"\n")
+        ends = [b"\r", b"\r\n", b"\n"]
+        text = b"".join(ln + ends[i % 3] for i, ln in enumerate(lines[:-1]))
+    else:
+        text = text.replace(b"\n", nl)
+    src = tmp_path / "a.fasta"
+    src.write_bytes(text)
+    store = fasta.prepare_fasta(src, tmp_path / "st")
+    want = [encode(s) for s in read_fasta(src)]
+    assert store.n_seqs == len(want) == 60
+    assert [store[i].tolist() for i in range(store.n_seqs)] == want
+
+
+def test_empty_records_are_skipped_with_a_one_line_note(tmp_path: Path) -> None:
+    src = tmp_path / "e.fasta"
+    src.write_bytes(b">empty1\n>a\nACDE\n>empty2 desc\n\n>b\nKKW\n>empty3\n")
+    out = cli("prepare-fasta", str(src))
+    assert out.returncode == 0, out.stderr
+    notes = [ln for ln in out.stderr.splitlines() if "empty" in ln]
+    assert len(notes) == 1 and "3 empty records" in notes[0] and "of 5" in notes[0], out.stderr
+    store = TokenStore(tmp_path / "e.fasta.tokens")
+    assert [store[i].tolist() for i in range(len(store))] == [encode("ACDE"), encode("KKW")]
+
+
+def test_empty_records_do_not_make_eval_loss_nan(tmp_path: Path) -> None:
+    """Half the records empty: training and evaluation see only real sequences."""
+    rng = np.random.default_rng(1)
+    text = b"".join(b">s%d\n%s\n" % (i, AA[rng.integers(0, 20, 30)].tobytes() if i % 2 else b"")
+                    for i in range(200))  # fmt: skip
+    src = tmp_path / "e.fasta"
+    src.write_bytes(text)
+    out = train(src, tmp_path / "run")
+    assert out.returncode == 0, out.stderr[-3000:]
+    done = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.startswith("done:")]
+    assert done and "eval_loss=nan" not in done[0] and "eval_loss=" in done[0], done
+
+
+def test_headers_only_fasta_is_refused(tmp_path: Path) -> None:
+    src = tmp_path / "h.fasta"
+    src.write_bytes(b">a\n>b desc\n\n>c\n")
+    line = one_line(cli("prepare-fasta", str(src)), "ddp.data: error: ")
+    assert str(src) in line and "no residues" in line, line
+    line = one_line(train(src, tmp_path / "run"), "ddp: error: recipe.data: ")
+    assert str(src) in line and "no residues" in line, line
+    assert listing(tmp_path) == ["h.fasta"]
 
 
 def _hand_made_store(path: Path, seqs: list[list[int]], vocab: int = fasta.VOCAB_SIZE,
@@ -209,6 +283,18 @@ def _bad_gzips(tmp: Path) -> dict[str, Path]:
         p.write_bytes(blob)
         out[name] = p
     return out
+
+
+def test_bad_gzip_is_one_line_and_leaves_nothing(tmp_path: Path) -> None:
+    bad = _bad_gzips(tmp_path)
+    before = listing(tmp_path)
+    for name, src in bad.items():
+        line = one_line(cli("prepare-fasta", str(src)), "ddp.data: error: ")
+        assert str(src) in line and "gzip" in line, (name, line)
+        assert listing(tmp_path) == before, name
+    line = one_line(train(bad["truncated"], tmp_path / "run"), "ddp: error: recipe.data: ")
+    assert "gzip" in line and str(bad["truncated"]) in line, line
+    assert not [p for p in listing(tmp_path) if "tokens" in p], listing(tmp_path)
 
 
 # ---- a damaged header: one line, whatever is in it ---------------------------------------
@@ -332,6 +418,27 @@ _BLOCKING_PREPARE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_signal_during_prepare_leaves_nothing(tmp_path: Path, sig: signal.Signals) -> None:
+    src = tmp_path / "a.fasta"
+    src.write_bytes(residues(2000))
+    proc = subprocess.Popen([sys.executable, "-c", _BLOCKING_PREPARE, "prepare-fasta", str(src),
+                             "--out", str(tmp_path / "st")], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=base_env())  # fmt: skip
+    try:
+        assert proc.stdout.readline() == "ready\n", proc.communicate(timeout=60)
+        assert [p for p in listing(tmp_path) if ".st.tmp-" in p], listing(tmp_path)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + sig, (proc.returncode, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "interrupted" in lines[0] and sig.name in lines[0], lines
+    assert listing(tmp_path) == ["a.fasta"]
+
+
 _SIGNAL_WHILE_PUBLISHING = textwrap.dedent("""
     import os, signal, sys
     import ddp.data.store as store
@@ -400,4 +507,27 @@ def test_split_cache_that_is_a_named_pipe_is_refused(tmp_path: Path) -> None:
                        "try:\n    print(len(TokenStore(sys.argv[1]).split(0.1)[0]))\n"
                        "except ConfigError as e:\n    print(e)\n", str(st.path))  # fmt: skip
     assert out.returncode == 0 and "named pipe" in out.stdout, out
+
+
+def test_fasta_that_is_a_named_pipe_or_a_loop_is_one_line(tmp_path: Path) -> None:
+    pipe = tmp_path / "in.fasta"
+    os.mkfifo(pipe)
+    line = one_line(cli("prepare-fasta", str(pipe)), "ddp.data: error: ")
+    assert "named pipe" in line and str(pipe) in line, line
+    loop = tmp_path / "loop.fasta"
+    loop.symlink_to(loop)
+    line = one_line(cli("prepare-fasta", str(loop)), "ddp.data: error: ")
+    assert str(loop) in line and "symbolic links" in line, line
+
+
+def test_current_check_does_not_block_on_a_pipe_header(tmp_path: Path) -> None:
+    src = tmp_path / "x.fasta"
+    src.write_bytes(TINY.read_bytes())
+    st = tmp_path / "x.fasta.tokens"
+    st.mkdir()
+    os.mkfifo(st / "header.json")
+    out = _run_bounded("import sys\nfrom pathlib import Path\nfrom ddp.data import fasta\n"
+                       "print(fasta.is_current(Path(sys.argv[1]), Path(sys.argv[2])))\n",
+                       str(st), str(src))  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip() == "False", out
 
