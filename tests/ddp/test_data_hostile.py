@@ -371,6 +371,15 @@ def test_damaged_header_through_the_cli(tmp_path: Path) -> None:
     assert str(st) in line and "n_seqs" in line, line
 
 
+# ---- vocabulary vs label -----------------------------------------------------------------
+def test_store_whose_vocabulary_does_not_match_its_label_is_refused_at_open(
+        tmp_path: Path) -> None:  # fmt: skip
+    st = tmp_path / "st"
+    write_store(st, [[1, 2, 30000]] * 40, fasta.TOKENIZER, 50257)
+    line = one_line(train(st, tmp_path / "run"), "ddp: error: recipe.data: ")
+    assert fasta.TOKENIZER in line and "50257" in line and str(fasta.VOCAB_SIZE) in line, line
+
+
 def test_token_ids_past_the_vocabulary_are_refused_on_read(tmp_path: Path) -> None:
     st = _hand_made_store(tmp_path / "st", [[5, 6, 200], [7]])
     ds = TokenDataset(TokenStore(st, fasta.TOKENIZER, fasta.VOCAB_SIZE), 8)
@@ -389,6 +398,17 @@ def test_damaged_split_cache_is_refused(tmp_path: Path) -> None:
     (tr.path).write_bytes(b"\x01\x02\x03")  # not a whole number of entries
     with pytest.raises(ConfigError, match="split"):
         TokenStore(st.path).split(0.1)
+
+
+# ---- a read-only shared store ------------------------------------------------------------
+def test_read_only_store_without_split_cache_trains(tmp_path: Path, ro_store: Path) -> None:
+    before = listing(ro_store)
+    env = base_env()
+    env["DDP_DATA_CACHE"] = str(tmp_path / "cache")
+    out = train(ro_store, tmp_path / "run", env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert listing(ro_store) == before
+    assert any(p.endswith(".eval.bin") for p in listing(tmp_path / "cache")), listing(tmp_path)
 
 
 def test_read_only_store_split_equals_the_writable_one(tmp_path: Path, ro_store: Path) -> None:
@@ -531,3 +551,12 @@ def test_current_check_does_not_block_on_a_pipe_header(tmp_path: Path) -> None:
                        str(st), str(src))  # fmt: skip
     assert out.returncode == 0 and out.stdout.strip() == "False", out
 
+
+# ---- the recipe's own data settings ------------------------------------------------------
+@pytest.mark.parametrize("setting", ["recipe.split_salt=-1", "recipe.split_salt=" + "9" * 30,
+                                     "recipe.eval_fraction=null"])  # fmt: skip
+def test_split_settings_out_of_range_are_one_line(tmp_path: Path, setting: str) -> None:
+    src = tmp_path / "x.fasta"
+    src.write_bytes(TINY.read_bytes())
+    line = one_line(train(src, tmp_path / "run", setting), "ddp: error: recipe.")
+    assert setting.split("=")[0] in line, line
