@@ -157,6 +157,14 @@ def test_force_replaces_its_own_store_with_its_split_cache(tmp_path: Path) -> No
         "b.fasta", "st", "st/header.json", "st/idhash.bin", "st/offsets.bin", "st/tokens.bin"]
 
 
+def test_an_empty_folder_made_for_the_output_is_filled(tmp_path: Path) -> None:
+    """Nothing to lose there (as git clone fills an empty folder): no --force needed."""
+    (tmp_path / "st").mkdir()
+    out = cli("prepare-fasta", str(TINY), "--out", str(tmp_path / "st"))
+    assert out.returncode == 0, out.stderr
+    assert TokenStore(tmp_path / "st").n_seqs == 400 and listing(tmp_path)[0] == "st"
+
+
 def test_datafile_never_replaces_a_users_folder_named_like_its_store(tmp_path: Path) -> None:
     """--datafile X.fasta prepares into X.fasta.tokens: a folder of the user's there stays."""
     src = tmp_path / "x.fasta"
@@ -457,6 +465,33 @@ def test_signal_during_prepare_leaves_nothing(tmp_path: Path, sig: signal.Signal
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "interrupted" in lines[0] and sig.name in lines[0], lines
     assert listing(tmp_path) == ["a.fasta"]
+
+
+_BLOCKING_TRAIN = _BLOCKING_PREPARE.replace("from ddp.data.__main__ import main",
+                                            "from ddp.__main__ import main")
+
+
+def test_signal_while_a_training_job_prepares_its_store(tmp_path: Path) -> None:
+    """--datafile FASTA: the job is stopped while rank 0 prepares; it still ends by the
+    signal (as the scheduler expects), with a warning and no temporary store left."""
+    src = tmp_path / "a.fasta"
+    src.write_bytes(residues(2000))
+    proc = subprocess.Popen([sys.executable, "-c", _BLOCKING_TRAIN, "uniref50", "--datafile",
+                             str(src), "--output_dir", str(tmp_path / "run"), "--max_steps",
+                             "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=base_env())  # fmt: skip
+    try:
+        seen = []
+        while not seen or seen[-1] not in ("ready\n", ""):  # log lines come first
+            seen.append(proc.stdout.readline())
+        assert seen[-1] == "ready\n", (seen, proc.communicate(timeout=60))
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode, err)
+    assert "Traceback" not in err and "SIGTERM while preparing" in out + err, (out, err)
+    assert not [p for p in listing(tmp_path) if "tokens" in p], listing(tmp_path)
 
 
 _SIGNAL_WHILE_PUBLISHING = textwrap.dedent("""

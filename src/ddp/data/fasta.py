@@ -35,6 +35,7 @@ from ddp.data.store import (
     HEADER,
     MAX_HEADER,
     STORE_MADE_BY,
+    Interrupted,
     StoreWriteError,
     StoreWriter,
     TokenStore,
@@ -349,6 +350,9 @@ def resolve_store(data: str | Path, cache: str | Path | None = None) -> Path:
             if not (out / HEADER).is_file() or not is_current(out, p):
                 log.info("preparing %s -> %s (once; later runs reuse it)", p, out)
                 prepare_fasta(p, out, PlainProgress(log.info), force=out.exists())
+        except Interrupted as exc:  # the job was stopped while preparing: end by the signal
+            log.warning("%s while preparing %s: its partial store was removed", exc, out)
+            exc.redeliver()
         except StoreWriteError as exc:
             error = f"{exc}; set recipe.cache_dir or $DDP_DATA_CACHE to another directory"
         except ConfigError as exc:

@@ -51,7 +51,7 @@ import threading
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -148,6 +148,8 @@ def foreign(path: str | Path) -> str | None:
     The rule ``--force`` follows (as git never deletes what it did not create): a real
     folder (not a link) with a ``header.json`` and nothing but names ddp.data writes
     (:data:`OWN_NAME`). Its header need not parse: a damaged store may be replaced.
+    An empty folder holds nothing to lose, so it counts as one (as ``git clone`` fills
+    an empty folder).
     """
     p = Path(path)
     try:
@@ -164,6 +166,8 @@ def foreign(path: str | Path) -> str | None:
         names = sorted(os.listdir(p))
     except OSError as exc:
         return f"a folder ddp.data cannot list ({exc.strerror})"
+    if not names:
+        return None
     if HEADER not in names or not stat.S_ISREG(os.lstat(p / HEADER).st_mode):
         return f"a folder without {HEADER}"
     others = [n for n in names if not OWN_NAME.fullmatch(n) or not stat.S_ISREG(
@@ -172,6 +176,13 @@ def foreign(path: str | Path) -> str | None:
         shown = ", ".join(repr(n) for n in others[:3]) + (" ..." if len(others) > 3 else "")
         return f"a folder that also holds {shown}"
     return None
+
+
+def _empty_folder(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode) and not os.listdir(path)
+    except OSError:
+        return False
 
 
 def _remove_own(folder: Path) -> None:
@@ -229,6 +240,13 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+
+    def redeliver(self) -> NoReturn:
+        """End the process by the signal itself (its default action), as it would have
+        ended without the cleanup: for callers with no one-line exit of their own."""
+        signal.signal(self.signum, signal.SIG_DFL)
+        os.kill(os.getpid(), self.signum)
+        raise self  # only if the default action does not end the process
 
 
 class _SignalGuard:
@@ -346,8 +364,8 @@ class StoreWriter:
                 raise ConfigError(f"{where!r} {'is' if same else 'holds'} the input "
                                   f"{str(src)!r}; allowed: an output path apart from the input"
                                   )  # fmt: skip
-        if not os.path.lexists(self.out):
-            return
+        if not os.path.lexists(self.out) or _empty_folder(self.out):
+            return  # an empty folder (made for the output) holds nothing to lose
         if not self.overwrite:
             raise ConfigError(f"{where!r} exists; allowed: a new path, or --force to replace "
                               "a token store")  # fmt: skip
