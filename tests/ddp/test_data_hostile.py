@@ -209,6 +209,21 @@ def test_every_line_ending_gives_the_same_store(tmp_path: Path, monkeypatch, chu
     assert [store[i].tolist() for i in range(store.n_seqs)] == want
 
 
+def test_a_line_past_the_bound_is_one_line_not_unbounded_memory(tmp_path: Path,
+                                                                 monkeypatch) -> None:  # fmt: skip
+    """A line is held whole until its end: a huge one (a genome, a file with no newline)
+    stops at the bound instead of growing memory with the file."""
+    monkeypatch.setattr(fasta, "CHUNK", 1 << 10)
+    monkeypatch.setattr(fasta, "MAX_LINE", 1 << 14, raising=False)
+    src = tmp_path / "long.fasta"
+    src.write_bytes(b">a\nACDE\n>chr1\n" + b"ACGT" * (1 << 13) + b"\n")
+    with pytest.raises(ConfigError, match="line at byte 14 is longer than 16,384 bytes"):
+        fasta.prepare_fasta(src, tmp_path / "st")
+    assert listing(tmp_path) == ["long.fasta"]
+    src.write_bytes(b">a\nACDE\n>b\n" + b"ACGT" * (1 << 11) + b"\n")  # 8 KB: fine
+    assert fasta.prepare_fasta(src, tmp_path / "st")[1].tolist() == encode("ACGT" * (1 << 11))
+
+
 def test_empty_records_are_skipped_with_a_one_line_note(tmp_path: Path) -> None:
     src = tmp_path / "e.fasta"
     src.write_bytes(b">empty1\n>a\nACDE\n>empty2 desc\n\n>b\nKKW\n>empty3\n")

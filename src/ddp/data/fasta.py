@@ -55,6 +55,8 @@ UNK = 4
 VOCAB_SIZE = N_SPECIALS + len(AMINO_ACIDS)
 SKIP, BAD = 254, 255
 CHUNK = 8 << 20
+#: A longer line is no protein (and would be held whole in memory): refused in one line.
+MAX_LINE = 64 << 20
 _ID_BYTES = 32  # bytes of an id that enter its hash (UniRef ids are shorter)
 
 
@@ -247,7 +249,11 @@ def prepare_fasta(path: str | Path, out: str | Path, progress: Progress | None =
                 cut = len(buf)
             else:
                 cut = buf.rfind(b"\n") + 1
-                if cut == 0:  # one line longer than a chunk: read on
+                if cut == 0:  # one line longer than a chunk: read on, up to a bound
+                    if len(buf) > MAX_LINE:
+                        raise ConfigError(f"{where!r}: the line at byte {base:,} is longer "
+                                          f"than {MAX_LINE:,} bytes; expected a FASTA file of "
+                                          "proteins (the longest known is ~35,000 residues)")  # fmt: skip
                     carry = buf
                     continue
             carry = buf[cut:]
