@@ -168,17 +168,26 @@ def foreign(path: str | Path) -> str | None:
         return f"a folder ddp.data cannot list ({exc.strerror})"
     if not names:
         return None
-    if HEADER not in names or not stat.S_ISREG(os.lstat(p / HEADER).st_mode):
+    if HEADER not in names or not _regular(p / HEADER):
         return f"a folder without {HEADER}"
-    others = [n for n in names if not OWN_NAME.fullmatch(n) or not stat.S_ISREG(
-        os.lstat(p / n).st_mode)]  # fmt: skip
+    others = [n for n in names if not OWN_NAME.fullmatch(n) or not _regular(p / n)]
     if others:
         shown = ", ".join(repr(n) for n in others[:3]) + (" ..." if len(others) > 3 else "")
         return f"a folder that also holds {shown}"
     return None
 
 
+def _regular(path: Path) -> bool:
+    """Whether ``path`` itself (not a link's target) is a regular file; a name that
+    vanished meanwhile is not."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def _empty_folder(path: Path) -> bool:
+    """Whether ``path`` is a real folder (not a link) with nothing in it."""
     try:
         return stat.S_ISDIR(os.lstat(path).st_mode) and not os.listdir(path)
     except OSError:
@@ -189,7 +198,7 @@ def _remove_own(folder: Path) -> None:
     """Delete the files ddp.data wrote in ``folder``, then the folder if that emptied it;
     anything else stays (and a note says so)."""
     with contextlib.suppress(OSError):
-        for entry in os.scandir(folder):
+        for entry in list(os.scandir(folder)):
             if OWN_NAME.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
                 with contextlib.suppress(OSError):
                     os.unlink(entry.path)
