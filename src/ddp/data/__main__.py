@@ -3,12 +3,15 @@
 Runs anywhere numpy is installed (a login node before the job). The store goes to
 ``--out`` or beside the input (``IN.fasta.tokens``), where the uniref50 recipe looks
 for it. A progress bar with MB/s on a terminal (rich), plain lines in a batch log.
-Mistakes end with one ``ddp.data: error:`` line and exit code 2, leaving no store.
+Mistakes end with one ``ddp.data: error:`` line and exit code 2, leaving no store;
+SIGTERM, SIGHUP and SIGINT end with one line and 128 + the signal's number, leaving
+no temporary store either.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -44,6 +47,9 @@ def _progress_bar():  # noqa: ANN202 - rich types stay lazy
 def prepare(args: argparse.Namespace) -> int:
     from ddp.data.fasta import PlainProgress, prepare_fasta
 
+    def note(text: str) -> None:
+        print(f"ddp.data: note: {text}", file=sys.stderr)
+
     src = Path(args.fasta)
     out = Path(args.out) if args.out else default_out(src)
     t0 = time.perf_counter()
@@ -54,10 +60,10 @@ def prepare(args: argparse.Namespace) -> int:
             def tick(done: int, total: int) -> None:
                 bar.update(task, completed=done, total=total)
 
-            store = prepare_fasta(src, out, tick, force=args.force)
+            store = prepare_fasta(src, out, tick, force=args.force, note=note)
     else:
         store = prepare_fasta(src, out, PlainProgress(lambda s: print(s, file=sys.stderr)),
-                              force=args.force)  # fmt: skip
+                              force=args.force, note=note)  # fmt: skip
     dt = time.perf_counter() - t0
     size = src.stat().st_size
     print(f"{out}: {store.n_seqs:,} sequences, {store.n_tokens:,} tokens from "
@@ -78,9 +84,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"ddp.data: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("ddp.data: interrupted; no store was written", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # ddp.data.store.Interrupted: SIGTERM, SIGHUP too
+        signum = getattr(exc, "signum", signal.SIGINT)
+        print(f"ddp.data: interrupted by {signal.Signals(signum).name}; no partial store is "
+              "left", file=sys.stderr)  # fmt: skip
+        return 128 + signum
 
 
 if __name__ == "__main__":

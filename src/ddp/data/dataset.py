@@ -8,6 +8,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ddp.data.store import IndexArray, TokenStore
+from ddp.errors import ConfigError
 
 
 class TokenDataset(Dataset):
@@ -31,6 +32,10 @@ class TokenDataset(Dataset):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         j = int(self.indices[i]) if self.indices is not None else int(i)
+        if not 0 <= j < self.store.n_seqs:  # a damaged or foreign split cache
+            where = getattr(self.indices, "path", "the index array")
+            raise ConfigError(f"{str(where)!r}: damaged split cache (entry {i} is sequence "
+                              f"{j} of a store of {len(self.store)}); delete it")  # fmt: skip
         seq = self.store.read(j, self.max_len)
         out = np.full(self.max_len, self.pad, dtype=np.int64)
         out[: len(seq)] = seq

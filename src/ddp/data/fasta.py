@@ -10,6 +10,10 @@ hashed vectorised too, for the evaluation split rule.
 Only the shape of a FASTA file is checked: the first non-blank byte is ``>`` and
 sequence lines hold no control or non-ASCII bytes (a binary file is refused with one
 line); letters outside the 20 standard amino acids, ``*`` and ``-`` become ``<unk>``.
+Lines end with LF, CRLF or a lone CR (classic Mac), in any mix, as Python's
+``splitlines`` reads them. A record with no residues (a header followed by another
+header) is left out of the store and counted in one note; a file with no residues at
+all, a truncated or corrupt ``.gz``, is refused in one line, leaving no store.
 """
 
 from __future__ import annotations
@@ -20,13 +24,26 @@ import json
 import logging
 import os
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
 
-from ddp.data.store import HEADER, StoreWriter, TokenStore, _mix64
+from ddp.data.store import (
+    HEADER,
+    MAX_HEADER,
+    STORE_MADE_BY,
+    Interrupted,
+    StoreWriteError,
+    StoreWriter,
+    TokenStore,
+    _mix64,
+    cache_dir,
+    open_regular,
+    read_regular,
+)
 from ddp.errors import ConfigError
 
 #: Name recorded in every store this module writes; a recipe with another tokenizer
@@ -38,6 +55,8 @@ UNK = 4
 VOCAB_SIZE = N_SPECIALS + len(AMINO_ACIDS)
 SKIP, BAD = 254, 255
 CHUNK = 8 << 20
+#: A longer line is no protein (and would be held whole in memory): refused in one line.
+MAX_LINE = 64 << 20
 _ID_BYTES = 32  # bytes of an id that enter its hash (UniRef ids are shorter)
 
 
@@ -58,30 +77,44 @@ _ID_COLS = np.arange(1, _ID_BYTES + 1)
 
 
 def open_bytes(path: Path) -> tuple[BinaryIO, BinaryIO]:
-    """(stream of the FASTA's bytes, the raw file for progress); gzip by its magic."""
-    raw = open(path, "rb")  # noqa: SIM115
-    if raw.read(2) == b"\x1f\x8b":
+    """(stream of the FASTA's bytes, the raw file for progress); gzip by its magic.
+
+    A regular file only (:func:`~ddp.data.store.open_regular`: a named pipe or a
+    symlink loop is one line, never a wait)."""
+    raw = os.fdopen(open_regular(path, "a FASTA file or a token store directory"), "rb")
+    try:
+        magic = raw.read(2)
         raw.seek(0)
+    except OSError as exc:
+        raw.close()
+        raise ConfigError(f"{str(path)!r}: cannot read it ({exc.strerror})") from None
+    if magic == b"\x1f\x8b":
         return gzip.GzipFile(fileobj=raw, mode="rb"), raw  # type: ignore[return-value]
-    raw.seek(0)
     return raw, raw
+
+
+def read_block(stream: BinaryIO, raw: BinaryIO, n: int, where: str) -> bytes:
+    """Up to ``n`` bytes of the FASTA; a bad ``.gz`` (cut short, a failed CRC, trailing
+    bytes that are no gzip member) or a read error is one line."""
+    try:
+        return stream.read(n)
+    except (OSError, EOFError, zlib.error) as exc:
+        done = f"after {raw.tell():,} of {os.fstat(raw.fileno()).st_size:,} bytes"
+        if stream is not raw:
+            raise ConfigError(f"{where!r}: truncated or corrupt gzip ({exc}) {done}; expected "
+                              "a complete .gz FASTA file") from None  # fmt: skip
+        raise ConfigError(f"{where!r}: cannot read it ({exc}) {done}") from None
 
 
 def check_fasta(path: str | Path) -> None:
     """Raise a one-line ConfigError unless ``path`` looks like a (gzipped) FASTA file."""
     p = Path(path)
     where = str(p)
-    if not p.is_file():
-        raise ConfigError(f"{where!r} does not exist; expected a FASTA file "
-                          "or a token store directory")  # fmt: skip
-    if p.stat().st_size == 0:
-        raise ConfigError(f"{where!r} is empty; expected a FASTA file")
     stream, raw = open_bytes(p)
     try:
-        head = stream.read(4096)
-    except (OSError, EOFError) as exc:
-        raise ConfigError(f"{where!r}: unreadable gzip ({exc}); expected a "
-                          "FASTA file") from None  # fmt: skip
+        if os.fstat(raw.fileno()).st_size == 0:
+            raise ConfigError(f"{where!r} is empty; expected a FASTA file")
+        head = read_block(stream, raw, 4096, where)
     finally:
         stream.close()
         raw.close()
@@ -171,27 +204,42 @@ Progress = Callable[[int, int], None]
 
 
 def prepare_fasta(path: str | Path, out: str | Path, progress: Progress | None = None,
-                  force: bool = False) -> TokenStore:  # fmt: skip
+                  force: bool = False, note: Callable[[str], None] | None = None
+                  ) -> TokenStore:  # fmt: skip
     """Tokenize a FASTA file into a token store at ``out`` (atomically); returns it.
 
     ``progress(bytes_read, total_bytes)`` is called after every chunk (bytes of the
-    file on disk, compressed for gzip).
+    file on disk, compressed for gzip). ``note`` (default: a log warning) gets one line
+    when empty records were left out. ``force`` replaces a store ddp.data wrote, never
+    anything else, never the input.
     """
     p = Path(path)
     where = str(p)
     check_fasta(p)
-    st = p.stat()
+    writer = StoreWriter(out, TOKENIZER, VOCAB_SIZE, source=os.path.realpath(p),
+                         overwrite=force, inputs=(p,))  # fmt: skip
     stream, raw = open_bytes(p)
+    st = os.fstat(raw.fileno())
+    writer.extra.update(source_size=st.st_size, source_mtime_ns=st.st_mtime_ns)
     carry = b""
     base = 0
     have_seq = False
-    writer = StoreWriter(out, TOKENIZER, VOCAB_SIZE, source=str(p.resolve()), overwrite=force,
-                         extra={"source_size": st.st_size, "source_mtime_ns": st.st_mtime_ns})
+    records = skipped = 0
+
+    def close(lengths: np.ndarray, hashes: np.ndarray) -> None:
+        nonlocal records, skipped
+        keep = lengths > 0
+        records += len(lengths)
+        skipped += len(lengths) - int(keep.sum())
+        writer.end_sequences(lengths[keep], hashes[keep])
+
     with stream, raw, writer:
         pending = 0
         pending_hash = np.zeros(0, np.uint32)
         while True:
-            block = stream.read(CHUNK)
+            block = read_block(stream, raw, CHUNK, where)
+            if b"\r" in block:  # CR and CRLF line ends: a CR is a newline, CRLF a blank line more
+                block = block.replace(b"\r", b"\n")
             buf = carry + block if carry else block
             if not block:
                 if not buf:
@@ -201,7 +249,11 @@ def prepare_fasta(path: str | Path, out: str | Path, progress: Progress | None =
                 cut = len(buf)
             else:
                 cut = buf.rfind(b"\n") + 1
-                if cut == 0:  # one line longer than a chunk: read on
+                if cut == 0:  # one line longer than a chunk: read on, up to a bound
+                    if len(buf) > MAX_LINE:
+                        raise ConfigError(f"{where!r}: the line at byte {base:,} is longer "
+                                          f"than {MAX_LINE:,} bytes; expected a FASTA file of "
+                                          "proteins (the longest known is ~35,000 residues)")  # fmt: skip
                     carry = buf
                     continue
             carry = buf[cut:]
@@ -212,10 +264,10 @@ def prepare_fasta(path: str | Path, out: str | Path, progress: Progress | None =
             writer.add_tokens(tokens)
             if len(lengths):
                 if have_seq:
-                    writer.end_sequences(np.array([pending + lead]), pending_hash)
+                    close(np.array([pending + lead]), pending_hash)
                 pending = int(lengths[-1])
                 pending_hash = hashes[-1:]
-                writer.end_sequences(lengths[:-1], hashes[:-1])
+                close(lengths[:-1], hashes[:-1])
                 have_seq = True
             else:
                 pending += lead
@@ -226,18 +278,27 @@ def prepare_fasta(path: str | Path, out: str | Path, progress: Progress | None =
                 break
         if not have_seq:
             raise ConfigError(f"{where!r} holds no FASTA sequences")
-        writer.end_sequences(np.array([pending]), pending_hash)
-    return TokenStore(out, TOKENIZER)
+        close(np.array([pending]), pending_hash)
+        if not writer.n_tokens:
+            raise ConfigError(f"{where!r} holds {records:,} FASTA headers but no residues; "
+                              "expected sequence lines under the '>' headers")  # fmt: skip
+        writer.extra["empty_records_skipped"] = skipped
+    if skipped:
+        (note or log.warning)(f"{where}: skipped {skipped:,} empty "
+                              f"record{'s' if skipped > 1 else ''} (a '>' header with no "
+                              f"residues) of {records:,}")  # fmt: skip
+    return TokenStore(out, TOKENIZER, VOCAB_SIZE)
 
 
 def is_current(store: Path, fasta: Path) -> bool:
     """Whether ``store`` was prepared from ``fasta`` as it is now (size and mtime)."""
     try:
-        rec = json.loads((store / HEADER).read_text())
-    except (OSError, ValueError):
+        rec = json.loads(read_regular(store / HEADER, STORE_MADE_BY, MAX_HEADER))
+        st = fasta.stat()
+    except (ConfigError, OSError, ValueError, RecursionError):
         return False
-    st = fasta.stat()
-    return rec.get("source_size") == st.st_size and rec.get("source_mtime_ns") == st.st_mtime_ns
+    return isinstance(rec, dict) and rec.get("source_size") == st.st_size and \
+        rec.get("source_mtime_ns") == st.st_mtime_ns  # fmt: skip
 
 
 class PlainProgress:
@@ -260,23 +321,13 @@ class PlainProgress:
 
 
 
-def cache_dir() -> Path:
-    """Where stores of FASTA files in read-only places go: ``$DDP_DATA_CACHE``, else
-    ``$XDG_CACHE_HOME/ddp/data`` (``~/.cache/ddp/data``)."""
-    env = os.environ.get("DDP_DATA_CACHE")
-    if env:
-        return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg) / "ddp" / "data"
-
-
 def store_path(fasta: Path, cache: str | Path | None = None) -> Path:
     """The store a FASTA file trains from: beside it (``IN.fasta.tokens``) when its
     directory is writable and no cache is configured, else in the cache directory
     under a name that includes a digest of the FASTA's absolute path."""
     if not cache and os.access(fasta.parent, os.W_OK):
         return fasta.with_name(fasta.name + ".tokens")
-    digest = hashlib.sha1(str(fasta.resolve()).encode()).hexdigest()[:12]
+    digest = hashlib.sha1(os.path.realpath(fasta).encode()).hexdigest()[:12]
     return Path(cache or cache_dir()) / f"{fasta.name}-{digest}.tokens"
 
 
@@ -305,6 +356,11 @@ def resolve_store(data: str | Path, cache: str | Path | None = None) -> Path:
             if not (out / HEADER).is_file() or not is_current(out, p):
                 log.info("preparing %s -> %s (once; later runs reuse it)", p, out)
                 prepare_fasta(p, out, PlainProgress(log.info), force=out.exists())
+        except Interrupted as exc:  # the job was stopped while preparing: end by the signal
+            log.warning("%s while preparing %s: its partial store was removed", exc, out)
+            exc.redeliver()
+        except StoreWriteError as exc:
+            error = f"{exc}; set recipe.cache_dir or $DDP_DATA_CACHE to another directory"
         except ConfigError as exc:
             error = str(exc)
         except OSError as exc:

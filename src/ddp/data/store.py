@@ -23,21 +23,35 @@ grow with the file it wanders over (measured: +140 MB after 640 random samples o
 200 MB store). ``pread`` copies exactly the bytes asked for, cropped to ``max_len``.
 
 A store is written into a temporary sibling directory and renamed into place at the
-end (:class:`StoreWriter`), so a half-written store is never opened; the header's
-byte sizes catch one that was truncated afterwards (a copy cut short, a full disk).
+end (:class:`StoreWriter`), so a half-written store is never opened; a failure, a full
+disk or SIGTERM/SIGHUP/SIGINT removes the temporary directory. ``--force`` replaces
+only a folder that ddp.data wrote (:func:`foreign`), never the input.
+
+A store is untrusted input when opened (:class:`TokenStore`): every file is opened as
+a regular file only (:func:`open_regular`: a named pipe is refused, not waited on),
+the header is bounded and checked field by field, the files' sizes against its
+counts, its vocabulary against the caller's tokenizer; every read checks its offsets
+and token ids. A store with no tokens is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import json
+import logging
 import os
+import re
 import shutil
+import signal
+import stat
 import tempfile
+import threading
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -46,11 +60,154 @@ from ddp.errors import ConfigError
 FORMAT = 1
 HEADER = "header.json"
 FILES = ("tokens.bin", "offsets.bin", "idhash.bin")
+MAX_HEADER = 1 << 20  # a real header is a few hundred bytes
+MAX_COUNT = 1 << 48  # sequences or tokens: far beyond UniRef, far below int64 overflow
+SPLIT = "split-v2"  # v2: empty sequences stay out of both sides
+#: Every name ddp.data writes into a store folder: the files, the split caches and their
+#: temporaries. A folder holding anything else is not replaced by ``--force``.
+OWN_NAME = re.compile(r"header\.json|tokens\.bin|offsets\.bin|idhash\.bin|"
+                      r"split-[0-9a-z.+-]+\.(?:train|eval)\.bin(?:\.tmp-\d+)?")  # fmt: skip
+STORE_MADE_BY = "a token store directory made by python -m ddp.data"
+
+log = logging.getLogger("ddp")
+
+
+# ---- untrusted files: regular files only, never blocking, bounded -------------------------
+def open_regular(path: str | Path, expected: str) -> int:
+    """A read-only descriptor of the regular file ``path``, else one-line ConfigError.
+
+    Stores and FASTA files are untrusted paths: a named pipe would block ``open``
+    forever, a device would never end. The file is opened ``O_NONBLOCK`` (a FIFO opens
+    at once), then ``fstat`` of the open descriptor (no race with a swap) must say
+    regular file; blocking mode is restored for the reads. ``expected`` completes the
+    message ("expected a FASTA file").
+    """
+    where = str(path)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise ConfigError(f"{where!r} does not exist; expected {expected}") from None
+    except OSError as exc:
+        raise ConfigError(f"{where!r}: cannot read it ({exc.strerror}); expected {expected}"
+                          ) from None  # fmt: skip
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a directory" if stat.S_ISDIR(mode) else "a named pipe"
+                    if stat.S_ISFIFO(mode) else "a device or socket, not a regular file")  # fmt: skip
+            raise ConfigError(f"{where!r} is {kind}; expected {expected}")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: str | Path, expected: str, limit: int) -> bytes:
+    """The bytes of the regular file ``path`` (:func:`open_regular`), at most ``limit``."""
+    where = str(path)
+    with os.fdopen(open_regular(path, expected), "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size > limit:
+            raise ConfigError(f"{where!r} is {size:,} bytes; expected {expected} of at most "
+                              f"{limit:,} bytes")  # fmt: skip
+        try:
+            data = fh.read(limit + 1)
+        except OSError as exc:
+            raise ConfigError(f"{where!r}: cannot read it ({exc.strerror})") from None
+    if len(data) > limit:
+        raise ConfigError(f"{where!r} grew past {limit:,} bytes while read; expected {expected}")
+    return data
+
+
+def _short(value: Any, n: int = 60) -> str:
+    """``repr(value)`` cut to ``n`` characters: a crafted field must not flood the line."""
+    text = repr(value)
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def cache_dir() -> Path:
+    """Where derived data goes when its own place is read-only: ``$DDP_DATA_CACHE``, else
+    ``$XDG_CACHE_HOME/ddp/data`` (``~/.cache/ddp/data``)."""
+    env = os.environ.get("DDP_DATA_CACHE")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "ddp" / "data"
 
 
 def is_store(path: str | Path) -> bool:
     """Whether ``path`` is a directory that claims to be a store (has a header)."""
     return (Path(path) / HEADER).is_file()
+
+
+def foreign(path: str | Path) -> str | None:
+    """Why the existing ``path`` is not a store that ddp.data wrote; None when it is one.
+
+    The rule ``--force`` follows (as git never deletes what it did not create): a real
+    folder (not a link) with a ``header.json`` and nothing but names ddp.data writes
+    (:data:`OWN_NAME`). Its header need not parse: a damaged store may be replaced.
+    An empty folder holds nothing to lose, so it counts as one (as ``git clone`` fills
+    an empty folder).
+    """
+    p = Path(path)
+    try:
+        mode = os.lstat(p).st_mode
+    except FileNotFoundError:
+        return "gone"
+    except OSError as exc:
+        return f"unreadable ({exc.strerror})"
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if not stat.S_ISDIR(mode):
+        return "a file" if stat.S_ISREG(mode) else "not a folder"
+    try:
+        names = sorted(os.listdir(p))
+    except OSError as exc:
+        return f"a folder ddp.data cannot list ({exc.strerror})"
+    if not names:
+        return None
+    if HEADER not in names or not _regular(p / HEADER):
+        return f"a folder without {HEADER}"
+    others = [n for n in names if not OWN_NAME.fullmatch(n) or not _regular(p / n)]
+    if others:
+        shown = ", ".join(repr(n) for n in others[:3]) + (" ..." if len(others) > 3 else "")
+        return f"a folder that also holds {shown}"
+    return None
+
+
+def _regular(path: Path) -> bool:
+    """Whether ``path`` itself (not a link's target) is a regular file; a name that
+    vanished meanwhile is not."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _empty_folder(path: Path) -> bool:
+    """Whether ``path`` is a real folder (not a link) with nothing in it."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode) and not os.listdir(path)
+    except OSError:
+        return False
+
+
+def _remove_own(folder: Path) -> None:
+    """Delete the files ddp.data wrote in ``folder``, then the folder if that emptied it;
+    anything else stays (and a note says so)."""
+    with contextlib.suppress(OSError):
+        for entry in list(os.scandir(folder)):
+            if OWN_NAME.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+    try:
+        os.rmdir(folder)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        log.warning("left %s in place: it holds files that ddp.data did not write", folder)
 
 
 def _dtype_for(vocab_size: int) -> np.dtype:
@@ -84,21 +241,116 @@ def hash_ids(ids: Sequence[str]) -> np.ndarray:
     return _mix64(out).astype(np.uint32)
 
 
+# ---- signals while a store is written ------------------------------------------------------
+class Interrupted(KeyboardInterrupt):
+    """A termination signal (SIGTERM, SIGHUP, SIGINT) arrived while a store was being
+    written; the temporary store was removed on the way out. ``signum`` says which."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    def redeliver(self) -> NoReturn:
+        """End the process by the signal itself (its default action), as it would have
+        ended without the cleanup: for callers with no one-line exit of their own."""
+        signal.signal(self.signum, signal.SIG_DFL)
+        os.kill(os.getpid(), self.signum)
+        raise self  # only if the default action does not end the process
+
+
+class _SignalGuard:
+    """Turns SIGTERM, SIGHUP and SIGINT into :class:`Interrupted` while a writer is open.
+
+    Their default action kills the process before any ``finally`` runs, which left the
+    hidden temporary store behind (31 MB per killed preparation). Only signals whose
+    handler is still the default are taken over (a caller's own handler, e.g. the
+    Trainer's preemption watch, stays in charge), only from the main thread, and only
+    while a writer is open. Inside :meth:`deferred` (publishing, cleaning up) a signal
+    waits until the block ends, so it never lands between moving the old store aside
+    and renaming the new one in; on :meth:`exit` a signal still waiting is sent again
+    under the restored handlers, so it takes its usual effect once the store is whole.
+    """
+
+    NAMES = ("SIGTERM", "SIGHUP", "SIGINT")
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.hold = 0
+        self.pending: int | None = None
+        self.old: dict[int, Any] = {}
+
+    def enter(self) -> None:
+        self.depth += 1
+        if self.depth > 1 or threading.current_thread() is not threading.main_thread():
+            return
+        for name in self.NAMES:
+            signum = getattr(signal, name, None)
+            if signum is None:
+                continue
+            old = signal.getsignal(signum)
+            if old in (signal.SIG_DFL, signal.default_int_handler):
+                self.old[signum] = old
+                signal.signal(signum, self._handler)
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.hold:
+            self.pending = self.pending or signum
+            return
+        raise Interrupted(signum)
+
+    @contextlib.contextmanager
+    def deferred(self, deliver: bool = True) -> Iterator[None]:
+        """Signals wait until the block ends; then, with ``deliver``, raise as usual."""
+        self.hold += 1
+        try:
+            yield
+        finally:
+            self.hold -= 1
+            if deliver and not self.hold and self.pending is not None:
+                signum, self.pending = self.pending, None
+                raise Interrupted(signum)
+
+    def exit(self) -> None:
+        self.depth -= 1
+        if self.depth:
+            return
+        old, self.old = self.old, {}
+        for signum, handler in old.items():
+            signal.signal(signum, handler)
+        pending, self.pending = self.pending, None
+        if pending is not None and pending in old:
+            os.kill(os.getpid(), pending)  # its usual effect, now that the store is whole
+
+
+_GUARD = _SignalGuard()
+
+
+class StoreWriteError(ConfigError):
+    """The store could not be written where asked (full disk, no permission); nothing of
+    it was left behind."""
+
+
 class StoreWriter:
     """Builds a store from sequences of token ids, atomically.
 
     Use as a context manager: the store appears at ``out`` only when the block ends
-    without an exception; otherwise the temporary directory is removed. Sequences are
-    appended in batches (:meth:`add_flat` takes an already flat token array plus
+    without an exception; otherwise the temporary directory is removed (also on
+    SIGTERM, SIGHUP and SIGINT, and on a full disk, reported in one line). Sequences
+    are appended in batches (:meth:`add_flat` takes an already flat token array plus
     lengths: the FASTA path's vectorised output) or one by one (:meth:`add`).
+
+    ``overwrite`` replaces an existing store, only one that ddp.data wrote
+    (:func:`foreign`); ``inputs`` are the files the store is made from, which the
+    output may neither be nor contain. A store without tokens is never published.
     """
 
     def __init__(self, out: str | Path, tokenizer: str, vocab_size: int,
                  source: str = "", overwrite: bool = False,
-                 extra: dict[str, Any] | None = None) -> None:  # fmt: skip
+                 extra: dict[str, Any] | None = None,
+                 inputs: Sequence[str | Path] = ()) -> None:  # fmt: skip
         self.out = Path(out)
-        if self.out.exists() and not overwrite:
-            raise ConfigError(f"{str(self.out)!r} exists; allowed: a new directory or --force")
+        self.overwrite = overwrite
+        self._check_target(inputs)
         self.tokenizer, self.vocab_size, self.source = tokenizer, vocab_size, source
         self.extra = dict(extra or {})
         self.dtype = _dtype_for(vocab_size)
@@ -108,11 +360,66 @@ class StoreWriter:
         self._tmp: Path | None = None
         self._fh: dict[str, Any] = {}
 
+    def _check_target(self, inputs: Sequence[str | Path]) -> None:
+        where = str(self.out)
+        real_out = os.path.realpath(self.out)
+        for src in inputs:
+            real_src = os.path.realpath(src)
+            holds = os.path.commonpath([real_out, real_src]) == real_out
+            same = real_src == real_out
+            with contextlib.suppress(OSError):
+                same = same or os.path.samefile(self.out, src)  # a hard link
+            if same or holds:
+                raise ConfigError(f"{where!r} {'is' if same else 'holds'} the input "
+                                  f"{str(src)!r}; allowed: an output path apart from the input"
+                                  )  # fmt: skip
+        if not os.path.lexists(self.out) or _empty_folder(self.out):
+            return  # an empty folder (made for the output) holds nothing to lose
+        if not self.overwrite:
+            raise ConfigError(f"{where!r} exists; allowed: a new path, or --force to replace "
+                              "a token store")  # fmt: skip
+        self._check_replaceable()
+
+    def _check_replaceable(self) -> None:
+        reason = foreign(self.out)
+        if reason is not None and reason != "gone":
+            raise ConfigError(f"{str(self.out)!r} is {reason}, not a token store written by "
+                              "ddp.data; --force replaces only a token store (nothing was "
+                              "deleted); allowed: a new path or an existing token store")  # fmt: skip
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """OSError of the writer's own I/O -> one line (ENOSPC says so)."""
+        try:
+            yield
+        except OSError as exc:
+            raise self._io_error(exc) from None
+
+    def _io_error(self, exc: OSError) -> StoreWriteError:
+        where = str(self.out)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return StoreWriteError(f"{where!r}: no space left on device for the token store "
+                                   f"({self.n_tokens:,} tokens written); its partial copy was "
+                                   "removed; allowed: a filesystem with room")  # fmt: skip
+        return StoreWriteError(f"{where!r}: cannot write the token store ({exc.strerror}); "
+                               "nothing was left behind")  # fmt: skip
+
     def __enter__(self) -> StoreWriter:
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
-        self._fh = {name: open(self._tmp / name, "wb") for name in FILES}  # noqa: SIM115
-        self._fh["offsets.bin"].write(np.zeros(1, np.int64).tobytes())
+        _GUARD.enter()
+        try:
+            with self._writing():
+                self.out.parent.mkdir(parents=True, exist_ok=True)
+                with _GUARD.deferred():  # the folder exists only once _tmp names it
+                    self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-",
+                                                      dir=self.out.parent))  # fmt: skip
+                for name in FILES:
+                    self._fh[name] = open(self._tmp / name, "wb")  # noqa: SIM115
+                self._fh["offsets.bin"].write(np.zeros(1, np.int64).tobytes())
+        except BaseException:
+            with _GUARD.deferred(deliver=False):
+                self._discard()
+            _GUARD.exit()
+            raise
         return self
 
     def add_tokens(self, tokens: np.ndarray) -> None:
@@ -122,7 +429,8 @@ class StoreWriter:
         last sequence of the chunk ends."""
         if len(tokens) and int(np.max(tokens)) >= self.vocab_size:
             raise ValueError(f"token id {int(np.max(tokens))} >= vocab_size {self.vocab_size}")
-        self._fh["tokens.bin"].write(np.ascontiguousarray(tokens, dtype=self.dtype).data)
+        with self._writing():
+            self._fh["tokens.bin"].write(np.ascontiguousarray(tokens, dtype=self.dtype).data)
         self.n_tokens += len(tokens)
 
     def end_sequences(self, lengths: np.ndarray, idhash: np.ndarray | None = None) -> None:
@@ -135,8 +443,9 @@ class StoreWriter:
             self._closed = int(offsets[-1])
         if self._closed > self.n_tokens:
             raise ValueError("sequence lengths exceed the tokens written")
-        self._fh["offsets.bin"].write(offsets.tobytes())
-        self._fh["idhash.bin"].write(np.asarray(idhash, dtype=np.uint32).tobytes())
+        with self._writing():
+            self._fh["offsets.bin"].write(offsets.tobytes())
+            self._fh["idhash.bin"].write(np.asarray(idhash, dtype=np.uint32).tobytes())
         self.n_seqs += len(lengths)
 
     def add_flat(self, tokens: np.ndarray, lengths: np.ndarray,
@@ -153,18 +462,41 @@ class StoreWriter:
         h = hash_ids([id]) if id is not None else None
         self.add_flat(arr, np.array([len(arr)]), h)
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        assert self._tmp is not None
+    def _discard(self) -> None:
+        """Close and remove everything this writer made (never raises)."""
         for fh in self._fh.values():
-            fh.close()
-        if exc_type is None and self._closed != self.n_tokens:
-            exc_type = ValueError  # tokens of an unfinished sequence: never publish
-        if exc_type is not None:
+            with contextlib.suppress(OSError):
+                fh.close()  # a full disk fails the final flush too
+        self._fh = {}
+        if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
-            if exc is None:
-                raise ValueError(f"{self.n_tokens - self._closed} tokens belong to no sequence")
-            return
+            self._tmp = None
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
+            with _GUARD.deferred(deliver=False):  # a signal now waits until the end
+                if exc_type is not None:
+                    self._discard()
+                    return
+                try:
+                    self._publish()
+                except BaseException:
+                    self._discard()
+                    raise
+        finally:
+            _GUARD.exit()
+
+    def _publish(self) -> None:
+        assert self._tmp is not None
+        with self._writing():
+            for fh in self._fh.values():
+                fh.close()
+        if self._closed != self.n_tokens:  # tokens of an unfinished sequence: never publish
+            raise ValueError(f"{self.n_tokens - self._closed} tokens belong to no sequence")
+        if not self.n_tokens:
+            raise ConfigError(f"{str(self.out)!r}: no tokens to store ({self.n_seqs:,} "
+                              "sequences, all empty); a token store holds at least one token")  # fmt: skip
+        with self._writing():
             header = {
                 "format": FORMAT, "tokenizer": self.tokenizer, "vocab_size": self.vocab_size,
                 "dtype": self.dtype.name, "n_seqs": self.n_seqs, "n_tokens": self.n_tokens,
@@ -178,23 +510,31 @@ class StoreWriter:
             for name in (*FILES, HEADER):
                 with open(self._tmp / name, "rb+") as fh:
                     os.fsync(fh.fileno())
-            if self.out.exists():  # --force: the old store goes only once the new one is whole
-                old = self.out.with_name(f".{self.out.name}.old-{os.getpid()}")
-                os.replace(self.out, old)
-                os.replace(self._tmp, self.out)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
+            if self.overwrite and os.path.lexists(self.out):
+                self._check_replaceable()  # again: it may have changed while we wrote
+                old = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.old-", dir=self.out.parent))
+                try:
+                    os.replace(self.out, old)  # --force: the old store goes once the new is whole
+                except OSError:
+                    os.rmdir(old)
+                    raise
                 try:
                     os.replace(self._tmp, self.out)
                 except OSError:
-                    if not (self.out / HEADER).is_file():
-                        raise
-                    # Another process (a second job on the same FASTA) published the same
-                    # store first: theirs is as good as ours.
-                    shutil.rmtree(self._tmp, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-            raise
+                    os.replace(old, self.out)  # put the old store back rather than lose both
+                    raise
+                self._tmp = None
+                _remove_own(old)
+                return
+            try:
+                os.replace(self._tmp, self.out)
+            except OSError:
+                if not is_store(self.out):
+                    raise
+                # Another process (a second job on the same FASTA) published the same
+                # store first: theirs is as good as ours.
+                shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
 
 
 def write_store(out: str | Path, seqs: Iterable[Sequence[int]], tokenizer: str,
@@ -207,45 +547,94 @@ def write_store(out: str | Path, seqs: Iterable[Sequence[int]], tokenizer: str,
     return TokenStore(out, tokenizer)
 
 
-class TokenStore:
-    """A store opened read-only; checks format, tokenizer and sizes on open.
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number")
 
-    ``tokenizer``: the name the caller's model expects; a store made with another
-    one is refused with one line (its token ids would mean other residues).
+
+class TokenStore:
+    """A store opened read-only; its header and sizes are checked on open.
+
+    A store is untrusted input (copied, shared, hand-edited): every field of the header
+    is checked for type and range, the files' sizes against the header's counts, and a
+    damaged store stops with one line instead of an exception mid-training.
+    ``tokenizer`` is the name the caller's model expects (a store made with another one
+    is refused: its ids would mean other residues) and ``vocab_size`` that tokenizer's
+    vocabulary (a store labelled with the name but another vocabulary is refused too:
+    its ids would index past the model's embedding).
     """
 
-    def __init__(self, path: str | Path, tokenizer: str | None = None) -> None:
+    def __init__(self, path: str | Path, tokenizer: str | None = None,
+                 vocab_size: int | None = None) -> None:  # fmt: skip
         self.path = Path(path)
         where = str(self.path)
+        self._raw = read_regular(self.path / HEADER, STORE_MADE_BY, MAX_HEADER)
         try:
-            header = json.loads((self.path / HEADER).read_text())
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"{where!r}: not a token store (unreadable {HEADER}: {exc}); "
-                              "expected a directory made by python -m ddp.data") from None  # fmt: skip
-        if not isinstance(header, dict) or header.get("format") != FORMAT:
-            raise ConfigError(f"{where!r}: token store format {header.get('format')!r}; "
+            header = json.loads(self._raw, parse_constant=_no_constant)
+        except (ValueError, RecursionError) as exc:
+            raise ConfigError(f"{where!r}: damaged token store ({HEADER} is no JSON: "
+                              f"{_short(str(exc))}); prepare it again") from None  # fmt: skip
+        if not isinstance(header, dict):
+            raise ConfigError(f"{where!r}: damaged token store ({HEADER} holds "
+                              f"{type(header).__name__}, not an object); prepare it again")  # fmt: skip
+        fmt = header.get("format")
+        if fmt != FORMAT or isinstance(fmt, bool):
+            raise ConfigError(f"{where!r}: token store format {_short(fmt)}; "
                               f"expected {FORMAT} (prepare it again)")  # fmt: skip
         self.header = header
-        if tokenizer is not None and header.get("tokenizer") != tokenizer:
-            raise ConfigError(f"{where!r}: a token store of tokenizer {header.get('tokenizer')!r}; "
+        label = self._field("tokenizer", str, "a tokenizer name")
+        if tokenizer is not None and label != tokenizer:
+            raise ConfigError(f"{where!r}: a token store of tokenizer {label!r}; "
                               f"expected {tokenizer!r} (prepare it again for this recipe)")  # fmt: skip
-        for name, size in header["bytes"].items():
-            f = self.path / name
-            have = f.stat().st_size if f.is_file() else None
-            if have != size:
-                raise ConfigError(f"{where!r}: truncated or damaged token store ({name} is "
-                                  f"{have} bytes, the header says {size}); prepare it again")  # fmt: skip
-        self.n_seqs: int = header["n_seqs"]
-        self.n_tokens: int = header["n_tokens"]
-        self.vocab_size: int = header["vocab_size"]
-        self.tokenizer: str = header["tokenizer"]
-        self.dtype = np.dtype(header["dtype"])
+        self.tokenizer: str = label
+        self.vocab_size: int = self._field("vocab_size", int, "an integer in [1, 2**32]",
+                                           lambda v: 1 <= v <= 2**32)  # fmt: skip
+        if vocab_size is not None and self.vocab_size != vocab_size:
+            raise ConfigError(f"{where!r}: a token store labelled tokenizer {label!r} with "
+                              f"vocab_size {self.vocab_size}, but tokenizer {label!r} has "
+                              f"vocab_size {vocab_size}; prepare it again")  # fmt: skip
+        name = self._field("dtype", str, "uint8, uint16 or uint32",
+                           lambda v: v in ("uint8", "uint16", "uint32"))  # fmt: skip
+        self.dtype = np.dtype(name)
+        if np.iinfo(self.dtype).max + 1 < self.vocab_size:
+            raise ConfigError(f"{where!r}: damaged token store header (dtype {name} cannot "
+                              f"hold vocab_size {self.vocab_size}); prepare it again")  # fmt: skip
+        self.n_seqs: int = self._field("n_seqs", int, f"an integer in [0, {MAX_COUNT}]",
+                                       lambda v: 0 <= v <= MAX_COUNT)  # fmt: skip
+        self.n_tokens: int = self._field("n_tokens", int, f"an integer in [0, {MAX_COUNT}]",
+                                         lambda v: 0 <= v <= MAX_COUNT)  # fmt: skip
+        want = {"tokens.bin": self.n_tokens * self.dtype.itemsize,
+                "offsets.bin": (self.n_seqs + 1) * 8, "idhash.bin": self.n_seqs * 4}  # fmt: skip
+        sizes = header.get("bytes")
+        if sizes != want:
+            raise ConfigError(f"{where!r}: damaged token store header (bytes: {_short(sizes)}; "
+                              f"its counts need {want}); prepare it again")  # fmt: skip
+        if not self.n_tokens:
+            raise ConfigError(f"{where!r}: the token store holds no tokens ({self.n_seqs:,} "
+                              "empty sequences); prepare it from a FASTA file with residues")  # fmt: skip
         self._tok = IndexArray(self.path / "tokens.bin", self.dtype)
         self._off = IndexArray(self.path / "offsets.bin", np.dtype(np.int64))
-        end = self._off[self.n_seqs]
-        if end != self.n_tokens:
-            raise ConfigError(f"{where!r}: damaged token store (offsets end at {end}, "
-                              f"expected {self.n_tokens})")  # fmt: skip
+        self._ids = IndexArray(self.path / "idhash.bin", np.dtype(np.uint32))
+        for arr in (self._tok, self._off, self._ids):
+            if arr.nbytes != want[arr.path.name]:
+                raise ConfigError(f"{where!r}: truncated or damaged token store ({arr.path.name} "
+                                  f"is {arr.nbytes} bytes, the header says "
+                                  f"{want[arr.path.name]}); prepare it again")  # fmt: skip
+        first, end = self._off[0], self._off[self.n_seqs]
+        if first != 0 or end != self.n_tokens:
+            raise ConfigError(f"{where!r}: damaged token store (offsets run {first}..{end}, "
+                              f"expected 0..{self.n_tokens}); prepare it again")  # fmt: skip
+        # Ids past the vocabulary would index past the model's embedding: every read
+        # checks its few tokens (unless the dtype cannot hold such an id). One byte per
+        # token (the FASTA stores): deleting the valid bytes must leave nothing, a C loop.
+        self._check_ids = int(np.iinfo(self.dtype).max) >= self.vocab_size
+        self._valid = bytes(range(min(self.vocab_size, 256)))
+
+    def _field(self, key: str, kind: type, allowed: str, ok: Any = None) -> Any:
+        value = self.header.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool) or (ok and not ok(value)):
+            raise ConfigError(f"{str(self.path)!r}: damaged token store header ({key}: "
+                              f"{_short(value)}; expected {allowed}); prepare it again")  # fmt: skip
+        return value
 
     def __len__(self) -> int:
         return self.n_seqs
@@ -254,10 +643,21 @@ class TokenStore:
         """Sequence ``i``'s tokens (its first ``limit`` only): two ``pread`` calls."""
         if not 0 <= i < self.n_seqs:
             raise IndexError(f"sequence {i} of {self.n_seqs}")
-        start, end = self._off.slice(i, 2)
+        start, end = self._off.slice(i, 2).tolist()
+        if not 0 <= start <= end <= self.n_tokens:
+            raise ConfigError(f"{str(self.path)!r}: damaged token store (sequence {i} has "
+                              f"offsets {start}..{end} of {self.n_tokens} tokens); "
+                              "prepare it again")  # fmt: skip
         if limit is not None:
             end = min(end, start + limit)
-        return self._tok.slice(int(start), int(end - start))
+        data = self._tok.read_bytes(start, end - start)
+        if self._check_ids and (data.translate(None, self._valid) if self.dtype.itemsize == 1
+                                else int(np.frombuffer(data, self.dtype).max(initial=0))
+                                >= self.vocab_size):  # fmt: skip
+            top = int(np.frombuffer(data, self.dtype).max())
+            raise ConfigError(f"{str(self.path)!r}: damaged token store (token id {top} in "
+                              f"sequence {i}, vocab_size {self.vocab_size}); prepare it again")  # fmt: skip
+        return np.frombuffer(data, self.dtype)
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.read(int(i))
@@ -271,80 +671,139 @@ class TokenStore:
     @property
     def tokens(self) -> np.ndarray:
         """Every token, memory-mapped read-only (whole-array work; samples use read())."""
-        if not self.n_tokens:
-            return np.zeros(0, self.dtype)
         return np.memmap(self.path / "tokens.bin", dtype=self.dtype, mode="r")
 
     @property
     def offsets(self) -> np.ndarray:
         return np.memmap(self.path / "offsets.bin", dtype=np.int64, mode="r")
 
-    def split(self, fraction: float, salt: int = 0) -> tuple[IndexArray, IndexArray]:
+    def split(self, fraction: float, salt: int = 0, cache: str | Path | None = None
+              ) -> tuple[IndexArray | np.ndarray, IndexArray | np.ndarray]:  # fmt: skip
         """(train, eval) sequence numbers: sequence i is in eval when
-        ``mix(idhash[i] + salt) < fraction * 2**32``.
+        ``mix(idhash[i] + salt) < fraction * 2**32``; empty sequences are in neither.
 
         The rule looks at one sequence's id only, so it needs no pass over the file
         before training, keeps a sequence on the same side when the file is reordered
         or grows, and gives every rank the same split. The index arrays are computed
-        once per (fraction, salt), in chunks (flat memory), and cached in the store
-        directory as files written atomically, read an element at a time.
+        once per (fraction, salt), in chunks (flat memory), and cached as files written
+        atomically, read an element at a time: in the store directory, or, when that is
+        read-only (a shared store), under ``cache`` (default :func:`cache_dir`); when
+        neither can be written, they are kept in memory.
         """
-        name = f"split-{fraction:.6g}-{salt}"
-        files = [self.path / f"{name}.{part}.bin" for part in ("train", "eval")]
-        dt = np.uint32 if self.n_seqs < 2**32 else np.uint64
-        if not all(f.is_file() for f in files):
-            self._write_split(files, fraction, salt, dt)
-        return IndexArray(files[0], np.dtype(dt)), IndexArray(files[1], np.dtype(dt))
+        name = f"{SPLIT}-{fraction:.6g}-{salt}"
+        dt = np.dtype(np.uint32 if self.n_seqs < 2**32 else np.uint64)
+        folders = [self.path, self._split_cache(cache)]
+        for folder in folders:
+            files = [folder / f"{name}.{part}.bin" for part in ("train", "eval")]
+            if all(os.path.lexists(f) for f in files):
+                return self._load_split(files, dt)
+        for folder in folders:
+            files = [folder / f"{name}.{part}.bin" for part in ("train", "eval")]
+            try:
+                self._write_split(files, fraction, salt, dt)
+            except OSError as exc:
+                log.debug("split cache not written in %s: %s", folder, exc.strerror)
+                continue
+            return self._load_split(files, dt)
+        log.warning("%s: no writable place for the split's index files (the store and %s are "
+                    "read-only); keeping them in memory", self.path, folders[-1])  # fmt: skip
+        parts = list(self._split_chunks(fraction, salt, dt))
+        return (np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, dt),
+                np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, dt))  # fmt: skip
 
-    def _write_split(self, files: list[Path], fraction: float, salt: int, dt: type) -> None:
+    def _split_cache(self, cache: str | Path | None) -> Path:
+        """The split's folder outside the store, named after the store's path and header
+        and its id file's identity, so a store prepared again never meets a stale split."""
+        st = os.stat(self._ids.path)
+        key = hashlib.sha1(b"\0".join([os.path.realpath(self.path).encode(), self._raw,
+                                        f"{st.st_size}:{st.st_mtime_ns}".encode()])).hexdigest()
+        return Path(cache or cache_dir()) / "splits" / f"{self.path.name}-{key[:16]}"
+
+    def _load_split(self, files: list[Path], dt: np.dtype) -> tuple[IndexArray, IndexArray]:
+        arrays = (IndexArray(files[0], dt), IndexArray(files[1], dt))
+        for arr in arrays:
+            if arr.nbytes % dt.itemsize:
+                raise ConfigError(f"{str(arr.path)!r}: damaged split cache ({arr.nbytes} bytes, "
+                                  f"not a whole number of {dt.name}); delete it")  # fmt: skip
+        if len(arrays[0]) + len(arrays[1]) > self.n_seqs:
+            raise ConfigError(f"{str(files[0])!r}: damaged split cache ({len(arrays[0])} + "
+                              f"{len(arrays[1])} entries for {self.n_seqs} sequences); delete it")  # fmt: skip
+        return arrays
+
+    def _split_chunks(self, fraction: float, salt: int, dt: np.dtype
+                      ) -> Iterator[tuple[np.ndarray, np.ndarray]]:  # fmt: skip
+        """(train, eval) indices, a few million sequences at a time (pread: no RSS)."""
         cut = np.uint64(int(fraction * 2**32))
-        tmps = [f.with_name(f"{f.name}.tmp-{os.getpid()}") for f in files]
         chunk = 1 << 22
-        with open(tmps[0], "wb") as tr, open(tmps[1], "wb") as ev, \
-                open(self.path / "idhash.bin", "rb") as fh:  # fmt: skip
-            start = 0
-            while start < self.n_seqs:
-                h = np.fromfile(fh, dtype=np.uint32, count=chunk)  # not the memmap: no RSS
+        empty = 0
+        for start in range(0, self.n_seqs, chunk):
+            count = min(chunk, self.n_seqs - start)
+            h = self._ids.slice(start, count)
+            real = np.diff(self._off.slice(start, count + 1)) > 0
+            empty += count - int(real.sum())
+            with np.errstate(over="ignore"):
                 key = _mix64(h.astype(np.uint64) + np.uint64(salt))
-                idx = np.arange(start, start + len(h), dtype=dt)
-                is_eval = key < cut
-                tr.write(idx[~is_eval].tobytes())
-                ev.write(idx[is_eval].tobytes())
-                start += len(h)
-        for tmp, f in zip(tmps, files, strict=True):
-            os.replace(tmp, f)
+            idx = np.arange(start, start + count, dtype=dt)
+            is_eval = key < cut
+            yield idx[real & ~is_eval], idx[real & is_eval]
+        if empty:
+            log.info("%s: %d empty sequences stay out of training and evaluation",
+                     self.path, empty)
+
+    def _write_split(self, files: list[Path], fraction: float, salt: int, dt: np.dtype) -> None:
+        files[0].parent.mkdir(parents=True, exist_ok=True)
+        tmps = [f.with_name(f"{f.name}.tmp-{os.getpid()}") for f in files]
+        try:
+            with open(tmps[0], "wb") as tr, open(tmps[1], "wb") as ev:
+                for train, evals in self._split_chunks(fraction, salt, dt):
+                    tr.write(train.tobytes())
+                    ev.write(evals.tobytes())
+            for tmp, f in zip(tmps, files, strict=True):
+                os.replace(tmp, f)
+        finally:
+            for tmp in tmps:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
 
 
 class IndexArray:
-    """A read-only array in a file, read with ``os.pread`` (see the module docstring).
+    """A read-only array in a regular file, read with ``os.pread`` (see the module
+    docstring).
 
-    The file descriptor is opened lazily and reopened after a fork or unpickling, so the
-    object travels to DataLoader workers as a path."""
+    The file is opened at once (:func:`open_regular`: a named pipe is refused, not
+    waited on), and again after a fork or unpickling, so the object travels to
+    DataLoader workers as a path."""
 
     def __init__(self, path: str | Path, dtype: np.dtype) -> None:
         self.path = Path(path)
         self.dtype = np.dtype(dtype)
-        self._len = self.path.stat().st_size // self.dtype.itemsize
         self._fd: int | None = None
         self._pid = 0
+        fd = self._handle()
+        self.nbytes = os.fstat(fd).st_size
+        self._len = self.nbytes // self.dtype.itemsize
 
     def _handle(self) -> int:
         if self._fd is None or self._pid != os.getpid():
-            self._fd = os.open(self.path, os.O_RDONLY)
+            self._fd = open_regular(self.path, f"a file of {STORE_MADE_BY}")
             self._pid = os.getpid()
         return self._fd
 
     def __len__(self) -> int:
         return self._len
 
-    def slice(self, start: int, count: int) -> np.ndarray:
-        """Elements ``start .. start + count`` (a copy, exactly that many bytes read)."""
+    def read_bytes(self, start: int, count: int) -> bytes:
+        """The bytes of elements ``start .. start + count`` (exactly those read)."""
         size = self.dtype.itemsize
         data = os.pread(self._handle(), count * size, start * size)
         if len(data) != count * size:
             raise ConfigError(f"{str(self.path)!r}: truncated (wanted {count} elements at "
                               f"{start}); prepare the store again")  # fmt: skip
-        return np.frombuffer(data, dtype=self.dtype)
+        return data
+
+    def slice(self, start: int, count: int) -> np.ndarray:
+        """Elements ``start .. start + count`` (a copy, exactly that many bytes read)."""
+        return np.frombuffer(self.read_bytes(start, count), dtype=self.dtype)
 
     def __getitem__(self, i: int) -> int:
         i = int(i)
@@ -356,7 +815,7 @@ class IndexArray:
 
     def to_numpy(self) -> np.ndarray:
         """The whole array in memory (tests, small stores)."""
-        return np.fromfile(self.path, dtype=self.dtype)
+        return self.slice(0, self._len).copy()
 
     def __getstate__(self) -> dict[str, Any]:
         return {"path": self.path, "dtype": self.dtype.str}

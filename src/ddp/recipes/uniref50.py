@@ -25,7 +25,7 @@ import ddp
 from ddp.config import TrainConfig
 from ddp.data import fasta
 from ddp.data.dataset import TokenDataset
-from ddp.data.store import TokenStore
+from ddp.data.store import TokenStore, read_regular
 from ddp.errors import ConfigError
 from ddp.recipes import DATA_DIR, Built, Flag, seeded_model
 from ddp.recipes._common import MASK, PAD, TinyTransformer
@@ -62,8 +62,10 @@ def read_fasta(path: str | Path) -> list[str]:
     (:func:`ddp.data.fasta.resolve_store`), whose memory does not grow with the file.
     """
     try:
-        text = Path(path).read_text()
-    except (OSError, UnicodeDecodeError) as exc:
+        text = read_regular(path, "a FASTA file", 1 << 30).decode()
+    except ConfigError as exc:
+        raise ConfigError(f"recipe.data: {exc}") from None
+    except UnicodeDecodeError as exc:
         raise ConfigError(f"recipe.data: cannot read FASTA {str(path)!r}: {exc}") from None
     seqs: list[str] = []
     cur: list[str] = []
@@ -82,35 +84,55 @@ def read_fasta(path: str | Path) -> list[str]:
     return seqs
 
 
+def _split_settings(r: dict[str, Any]) -> tuple[float, int]:
+    """(eval_fraction, split_salt), checked: the split hashes with uint64 arithmetic."""
+    frac, salt = r["eval_fraction"], r["split_salt"]
+    if isinstance(frac, bool) or not isinstance(frac, int | float) or not 0 <= frac < 1:
+        raise ConfigError(f"recipe.eval_fraction: {frac!r}; allowed: a number in [0, 1)")
+    if isinstance(salt, bool) or not isinstance(salt, int) or not 0 <= salt < 2**64:
+        raise ConfigError(f"recipe.split_salt: {salt!r}; allowed: an integer in [0, 2**64)")
+    return float(frac), salt
+
+
 def open_data(config: TrainConfig) -> tuple[TokenDataset, TokenDataset | None]:
     """Collective: (train, eval) datasets over the token store of ``recipe.data``.
 
     A FASTA file is prepared into a store once (rank 0; see ``resolve_store``); the
     evaluation split is a rule over sequence ids (``TokenStore.split``), so nothing
     reads the whole file first. Rank 0 writes the split's index files before the
-    others open them.
+    others open them (in the store, or in the cache when the store is read-only).
+    The store is checked on open (header, sizes, its vocabulary against the
+    tokenizer's); one with no tokens or no training sequence stops in one line.
     """
     m, r = config.model, config.recipe
-    if not 0 <= r["eval_fraction"] < 1:
-        raise ConfigError(f"recipe.eval_fraction: {r['eval_fraction']!r}; expected [0, 1)")
+    fraction, salt = _split_settings(r)
     data = r["data"] or DATA_DIR / "uniref50_tiny.fasta"
     shipped = not r["data"]
     cache = r["cache_dir"] or (fasta.cache_dir() if shipped else None)
+
+    def open_split() -> tuple[TokenStore, Any, Any]:
+        store = TokenStore(path, fasta.TOKENIZER, fasta.VOCAB_SIZE)
+        train_idx, eval_idx = store.split(fraction, salt, cache=r["cache_dir"] or None)
+        if not len(train_idx):
+            raise ConfigError(f"{str(path)!r}: none of its {store.n_seqs:,} sequences falls in "
+                              f"the training split (recipe.eval_fraction={fraction}); allowed: "
+                              "a store with more sequences or a smaller eval_fraction")  # fmt: skip
+        return store, train_idx, eval_idx
+
     try:
         path = fasta.resolve_store(data, cache)
         error = None
         if ddp.is_main_process():
             try:
-                TokenStore(path, fasta.TOKENIZER).split(r["eval_fraction"], r["split_salt"])
+                open_split()
             except ConfigError as exc:
                 error = str(exc)
         error = ddp.broadcast_object(error)
         if error:
             raise ConfigError(error)
-        store = TokenStore(path, fasta.TOKENIZER)
+        store, train_idx, eval_idx = open_split()
     except ConfigError as exc:
         raise ConfigError(f"recipe.data: {exc}") from None
-    train_idx, eval_idx = store.split(r["eval_fraction"], r["split_salt"])
     train = TokenDataset(store, m["max_len"], PAD, train_idx)
     evals = TokenDataset(store, m["max_len"], PAD, eval_idx) if len(eval_idx) else None
     return train, evals
