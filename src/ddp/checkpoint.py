@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import io
 import logging
+import math
 import os
 import pickle
 import random
@@ -399,32 +400,33 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
 
     For a sharded checkpoint (a directory) this is its meta file, after every shard's
     digest was checked; ``"sharded"`` then names the directory the shards are read from.
+    Every field it holds is checked (:func:`check_fields`): a crafted or damaged value
+    is a line naming the field, never a traceback later in the run.
     """
     if path.is_dir() and not path.is_symlink():
         obj = read_checkpoint(path / META)
-        for name, digest in (obj.get("shards") or {}).items():
+        if not obj.get("shards"):
+            raise ValueError("lists no shards")
+        for name, digest in obj["shards"].items():
             shard = path / name
-            if not _SHARD_RE.match(name) or shard.is_symlink() or not shard.is_file():
+            if shard.is_symlink() or not shard.is_file():
                 raise ValueError(f"misses its shard {name}")
             if sha256_file(shard) != digest:
                 raise ValueError(f"has a damaged shard {name} (digest mismatch)")
-        if not obj.get("shards"):
-            raise ValueError("lists no shards")
         obj["sharded"] = str(path)
         return obj
     if path.is_symlink():
         raise ValueError("is a symbolic link; checkpoints are plain files")
+    data = read_regular(path, None)
+    digest = _digest_path(path)
     try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except OSError as exc:
-        raise ValueError(f"cannot be read ({exc.strerror})") from None
-    try:
-        expected = _digest_path(path).read_text().strip()
-    except OSError:
+        expected: str | None = read_regular(digest).decode("ascii", "replace").strip()
+    except ValueError as exc:
+        if os.path.lexists(digest):
+            raise ValueError(f"has a digest file {digest.name} that {exc}") from None
         expected = None
     if expected is not None and hashlib.sha256(data).hexdigest() != expected:
-        raise ValueError(f"does not match its digest {_digest_path(path).name} (damaged)")
+        raise ValueError(f"does not match its digest {digest.name} (damaged)")
     try:
         obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:  # what weights_only refuses to build
@@ -434,8 +436,9 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
         raise ValueError(f"is not a loadable checkpoint ({type(exc).__name__})") from None
     if not isinstance(obj, dict) or "format" not in obj or "global_step" not in obj:
         raise ValueError("is not a checkpoint written by ddp")
+    check_fields(obj)
     if obj["format"] >= 2 and expected is None:
-        raise ValueError(f"has no digest file {_digest_path(path).name}")
+        raise ValueError(f"has no digest file {digest.name}")
     return obj
 
 
@@ -445,11 +448,202 @@ _SHARD_RE = re.compile(r"^(__\d+_\d+\.distcp|\.metadata)\Z")
 
 
 def sha256_file(path: Path) -> str:
+    """The digest of a regular file, read in chunks; ValueError for anything else (it is
+    opened non-blocking, without following a link, and checked like :func:`read_regular`)."""
     sha = hashlib.sha256()
-    with open(path, "rb") as fh:
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        raise ValueError(f"{path.name} cannot be read ({exc.strerror or exc})") from None
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path.name} is not a regular file")
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             sha.update(chunk)
     return sha.hexdigest()
+
+
+# ---- what a loaded checkpoint may hold ---------------------------------------------------
+_I64 = 1 << 63
+
+
+def _count(low: int) -> Callable[[Any], bool]:
+    return lambda v: type(v) is int and low <= v < _I64
+
+
+def _is_tensor_map(v: Any) -> bool:
+    return isinstance(v, dict) and all(
+        isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in v.items()
+    )
+
+
+def _is_optimizer(v: Any) -> bool:
+    return (isinstance(v, dict) and isinstance(v.get("state"), dict)
+            and isinstance(v.get("param_groups"), list)
+            and all(isinstance(g, dict) for g in v["param_groups"]))  # fmt: skip
+
+
+def _is_shard_list(v: Any) -> bool:
+    return isinstance(v, dict) and all(
+        isinstance(k, str) and _SHARD_RE.match(k) and isinstance(d, str)
+        and re.fullmatch(r"[0-9a-f]{64}", d) for k, d in v.items()
+    )  # fmt: skip
+
+
+#: Every field a checkpoint may hold: (its check, what is allowed). Checked wherever one
+#: is loaded (:func:`check_fields`), so no crafted value reaches the trainer.
+FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "format": (lambda v: type(v) is int and 1 <= v <= FORMAT_VERSION,
+               f"an integer from 1 to {FORMAT_VERSION} (a newer one needs a newer ddp)"),
+    "global_step": (_count(0), "an integer >= 0"),
+    "phase": (_count(0), "an integer >= 0"),
+    "epoch": (_count(0), "an integer >= 0"),
+    "batches_in_epoch": (_count(0), "an integer >= 0"),
+    "samples_in_epoch": (lambda v: v is None or _count(0)(v), "an integer >= 0 or null"),
+    "phase_start_step": (_count(0), "an integer >= 0"),
+    "world_size": (_count(1), "an integer >= 1"),
+    "rng": (lambda v: isinstance(v, list), "a list of every rank's RNG states"),
+    "config": (lambda v: isinstance(v, dict), "a mapping (the run's config)"),
+    "scheduler": (lambda v: isinstance(v, dict), "a mapping (a scheduler's state)"),
+    "scaler": (lambda v: v is None or isinstance(v, dict), "a mapping or null"),
+    "model": (_is_tensor_map, "a mapping of parameter names to tensors"),
+    "optimizer": (_is_optimizer, "an optimizer's state (state and param_groups)"),
+    "shards": (_is_shard_list, "a mapping of shard file names to sha256 digests"),
+    "optim_other": (lambda v: v is None or isinstance(v, dict), "a mapping or null"),
+    "param_groups": (lambda v: v is None or (isinstance(v, list) and all(
+        isinstance(g, dict) for g in v)), "a list of mappings or null"),
+}  # fmt: skip
+
+#: What a checkpoint must hold for the trainer to resume from it.
+TRAINER_FIELDS = ("global_step", "phase", "epoch", "scheduler")
+
+
+def _show(value: Any) -> str:
+    text = repr(value) if not isinstance(value, torch.Tensor) else (
+        f"a {value.dtype} tensor of shape {tuple(value.shape)}")
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_fields(obj: dict[str, Any], required: tuple[str, ...] = ()) -> None:
+    """ValueError naming the first field of ``obj`` that is missing (of ``required``) or
+    of the wrong type or range (:data:`FIELDS`), RNG states included. A checkpoint is
+    untrusted input: a step that is a string, negative, NaN or a list would otherwise
+    surface as a traceback far from its cause, or as a silently wrong run."""
+    for name in required:
+        if name not in obj:
+            raise ValueError(f"misses the field {name!r}")
+    if "epoch" in required and obj.get("samples_in_epoch") is None:
+        if "batches_in_epoch" not in obj:
+            raise ValueError("misses the field 'samples_in_epoch'")
+    for name, (ok, allowed) in FIELDS.items():
+        if name in obj and not ok(obj[name]):
+            raise ValueError(f"has a bad {name}: {_show(obj[name])}; allowed: {allowed}")
+    if obj.get("phase_start_step", 0) > obj.get("global_step", _I64):
+        raise ValueError(f"has a bad phase_start_step: {obj['phase_start_step']} is after "
+                         f"its global_step {obj['global_step']}")  # fmt: skip
+    for i, state in enumerate(obj.get("rng") or []):
+        check_rng_state(state, f"rng[{i}]")
+
+
+def check_rng_state(state: Any, name: str = "rng") -> None:
+    """ValueError unless ``state`` is one rank's RNG states as :func:`rng_state` makes
+    them: each is tried on a throwaway generator, never on this process's own."""
+    if not isinstance(state, dict) or "python" not in state or "torch" not in state:
+        raise ValueError(f"has a bad {name}: {_show(state)}; allowed: a mapping with the "
+                         "python and torch RNG states")  # fmt: skip
+
+    def python(v: Any) -> None:
+        random.Random().setstate(v)
+
+    def torch_cpu(v: Any) -> None:
+        torch.Generator().set_state(v)
+
+    def numpy(v: Any) -> None:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = v
+        if not (isinstance(gauss, float) and math.isfinite(gauss)):
+            raise ValueError(gauss)
+        np.random.RandomState().set_state(
+            (kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+
+    def device(v: Any) -> None:
+        if not (isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.dim() == 1):
+            raise ValueError(v)
+
+    checks = {"python": python, "torch": torch_cpu, "numpy": numpy, "cuda": device,
+              "xpu": device}  # fmt: skip
+    for key, value in state.items():
+        check = checks.get(key)
+        try:
+            if check is None:
+                raise ValueError(key)
+            check(value)
+        except Exception:  # what each generator says of a state it cannot take
+            raise ValueError(f"has a bad {name}.{key}: {_show(value)}; allowed: the state "
+                             f"that ddp saves for this generator") from None  # fmt: skip
+
+
+def check_same_model(saved: dict[str, tuple[int, ...]], own: dict[str, tuple[int, ...]],
+                     path: str | Path) -> None:  # fmt: skip
+    """ConfigError naming the first parameter whose name or shape differs between a
+    checkpoint (``saved``: name -> shape) and this model (``own``), with both shapes: one
+    line for a plain and a sharded checkpoint alike, not torch's 40 (or DCP's traceback).
+    """
+    from ddp.errors import ConfigError
+
+    missing = sorted(set(own) - set(saved))
+    extra = sorted(set(saved) - set(own))
+    shapes = [k for k in own if k in saved and tuple(own[k]) != tuple(saved[k])]
+    if not (missing or extra or shapes):
+        return
+    if shapes:
+        k = shapes[0]
+        what = f"{k!r} is {tuple(saved[k])} in the checkpoint and {tuple(own[k])} in this model"
+    else:
+        what = f"keys missing {missing[:3]}, unexpected {extra[:3]}"
+    raise ConfigError(
+        f"checkpoint {str(path)!r} was saved from a different model ({what}); allowed: the "
+        "same model settings, or a fresh checkpoint.dir / checkpoint.resume=none"
+    )
+
+
+def check_like(saved: Any, live: Any, name: str) -> None:
+    """ValueError naming the first value of ``saved`` (a state from a checkpoint) whose
+    kind differs from ``live`` (the same object's state in this run): a mapping's keys
+    present in both, a list's length, numbers (finite), strings, booleans, tensors'
+    shapes. Keys that this run's object lacks are the caller's to drop."""
+    def bad(allowed: str) -> ValueError:
+        return ValueError(f"has a bad {name}: {_show(saved)}; allowed: {allowed}")
+
+    if isinstance(live, dict):
+        if not isinstance(saved, dict):
+            raise bad("a mapping")
+        for key in saved.keys() & live.keys():
+            check_like(saved[key], live[key], f"{name}.{key}")
+    elif isinstance(live, list | tuple):
+        if not isinstance(saved, list | tuple) or len(saved) != len(live):
+            raise bad(f"a list of {len(live)}")
+        for i, (a, b) in enumerate(zip(saved, live, strict=True)):
+            check_like(a, b, f"{name}[{i}]")
+    elif isinstance(live, bool):
+        if type(saved) is not bool:
+            raise bad("true or false")
+    elif isinstance(live, int | float):
+        if type(saved) not in (int, float) or not math.isfinite(saved) or (
+            type(live) is int and type(saved) is not int
+        ):
+            raise bad("an integer" if type(live) is int else "a finite number")
+    elif isinstance(live, str):
+        if not isinstance(saved, str):
+            raise bad("a string")
+    elif isinstance(live, torch.Tensor):
+        if not isinstance(saved, torch.Tensor) or saved.shape != live.shape:
+            raise bad(f"a tensor of shape {tuple(live.shape)}")
+    elif live is None:
+        if saved is not None and type(saved) not in (bool, int, float, str):
+            raise bad("a plain value or null")
 
 
 def _readable(path: Path) -> dict[str, Any] | None:
@@ -465,8 +659,10 @@ def find_latest(directory: str | Path) -> Path | None:
     directory = Path(directory)
     pointer = directory / LATEST
     try:
-        name = pointer.read_text().strip()
-    except (OSError, UnicodeDecodeError):
+        name = read_regular(pointer).decode("utf-8", "replace").strip()
+    except ValueError as exc:
+        if os.path.lexists(pointer):
+            log.warning("%s %s; ignored", pointer, exc)
         name = ""
     # Only a checkpoint name in this directory: never an absolute path, '..' or a link.
     if _STEP_RE.match(name) and _is_checkpoint(directory / name):

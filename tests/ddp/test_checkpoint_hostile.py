@@ -4,6 +4,7 @@ of another model shape with FSDP; crafted meta fields; config numbers that overf
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from ddp import checkpoint as ckpt
 from ddp.errors import ConfigError
@@ -281,3 +283,191 @@ def test_release_leaves_a_lock_that_another_run_took(tmp_path: Path) -> None:
     lock.release()
     assert _lock_info(d)["host"] == "elsewhere"
 
+
+
+# ---- one rank's checkpoints, written by the Checkpointer itself ---------------------------
+def _checkpointer(ck: Path, strategy: str = "ddp", width: int = 16, background: bool = True):  # noqa: ANN202
+    """A Checkpointer on one rank (no process group), its loop state and model."""
+    from torch import nn
+
+    from ddp.checkpointer import Checkpointer
+    from ddp.config import TrainConfig
+    from ddp.dist import Context
+
+    cfg = TrainConfig.from_dict({"ddp": {"strategy": strategy}, "checkpoint": {"dir": str(ck)}})
+    ctx = Context(0, 0, 1, 1, 0, torch.device("cpu"), "gloo", "none", "127.0.0.1", 0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    loop = _loop(opt, sched)
+    return Checkpointer(cfg, ctx, background), loop, model
+
+
+def _loop(opt: torch.optim.Optimizer, sched: object):  # noqa: ANN202
+    from ddp.checkpointer import LoopState
+
+    return LoopState(0, 0, 3, 10, 0, opt, sched, None)
+
+
+def _resume(cp, model) -> dict:  # noqa: ANN001
+    """What a resumed run does with ``cp``'s checkpoint: find, check and restore it all."""
+    state = cp.load()
+    assert state is not None
+    cp.restore_model(state, model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    cp.restore_loop(state, _loop(opt, sched), 0.01, model)
+    return state
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_resume_with_another_model_shape_is_one_line(tmp_path: Path, strategy: str) -> None:
+    """FSDP names the first mismatched key and both shapes, as DDP does (no DCP traceback)."""
+    cp, loop, model = _checkpointer(tmp_path, strategy, background=False)
+    cp.save(loop, model, 3, (0, 3))
+    other, _, wider = _checkpointer(tmp_path, strategy, width=32)
+    with pytest.raises(ConfigError, match="different model") as exc:
+        _resume(other, wider)
+    line = _one_line(exc)
+    assert "'0.weight' is (16, 8) in the checkpoint and (32, 8) in this model" in line, line
+
+
+def _rewrite(path: Path, change) -> None:  # noqa: ANN001
+    """Load a checkpoint file, ``change`` its dict, write it back with a matching digest
+    (a crafted file, or one damaged before its digest was taken)."""
+    import hashlib
+
+    obj = torch.load(path, weights_only=True)
+    change(obj)
+    torch.save(obj, path)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    path.with_name(path.name + ".sha256").write_text(digest + "\n")
+
+
+def _set(key: str, value: object):  # noqa: ANN202
+    """A change that sets ``a/b/0/c`` (a digit indexes a list, or a dict with int keys)."""
+
+    def index(node: object, part: str) -> object:
+        return int(part) if part.isdigit() and (isinstance(node, list) or int(part) in node
+                                                or part not in node) else part  # fmt: skip
+
+    def change(obj: dict) -> None:
+        *path, last = key.split("/")
+        node: object = obj
+        for part in path:
+            node = node[index(node, part)]  # type: ignore[index]
+        node[index(node, last)] = value  # type: ignore[index]
+
+    return change
+
+
+_BAD_FIELDS = [
+    ("global_step", "5"), ("global_step", -1), ("global_step", float("nan")),
+    ("global_step", [3]), ("global_step", True), ("global_step", 2**70), ("epoch", 1.5),
+    ("phase", "0"), ("batches_in_epoch", -2), ("samples_in_epoch", "12"),
+    ("world_size", 0), ("format", "2"), ("format", 99), ("phase_start_step", 10**6),
+    ("rng", "x"), ("rng/0", [1, 2]), ("rng/0/python", (3, (1, 2), None)),
+    ("rng/0/torch", torch.zeros(3, dtype=torch.uint8)), ("rng/0/numpy", ("MT19937", [1], 0, 0, 0.0)),
+    ("rng/0/python", "seed"), ("config", "x"), ("scheduler", [1]), ("scaler", 3),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("key, value", _BAD_FIELDS, ids=[f"{k}={v!r:.20}" for k, v in _BAD_FIELDS])
+def test_a_field_of_the_wrong_type_is_one_line_naming_it(
+    tmp_path: Path, strategy: str, key: str, value: object
+) -> None:
+    """In a plain checkpoint and in a sharded one's meta.pt: checkpoint.resume=PATH stops
+    with one line naming the field; auto-resume skips it for the one before."""
+    cp, loop, model = _checkpointer(tmp_path, strategy, background=False)
+    cp.save(loop, model, 2, (0, 2))
+    cp.save(loop, model, 3, (0, 3))
+    newest = ckpt.find_latest(tmp_path)
+    assert newest is not None
+    _rewrite(newest / ckpt.META if newest.is_dir() else newest, _set(key, value))
+    field = key.split("/")[0]
+    with pytest.raises(ConfigError, match=field) as exc:
+        ckpt.load_checkpoint(newest)
+    assert str(newest) in _one_line(exc)
+    path, state = ckpt.load_latest(tmp_path)  # type: ignore[misc]
+    assert state["global_step"] == 2
+
+
+@pytest.mark.parametrize(
+    "key, value, needle",
+    [("scheduler/last_epoch", "7", "scheduler.last_epoch"),
+     ("scheduler/base_lrs", [0.1, 0.2], "scheduler.base_lrs"),
+     ("optimizer/param_groups/0/lr", "fast", r"optimizer.param_groups\[0\].lr"),
+     ("optimizer/param_groups/0/params", [0], "params"),
+     ("optimizer/state/0/exp_avg", torch.zeros(3), "exp_avg"),
+     ("optimizer/state/9", {"step": torch.tensor(1.0)}, r"optimizer.state\[9\]"),
+     ("config/training/batch_size", "abc", "training.batch_size"),
+     ("model", {}, "different model"), ("scheduler", {}, None)],
+)  # fmt: skip
+def test_the_loop_and_optimizer_state_are_checked_before_use(
+    tmp_path: Path, key: str, value: object, needle: str | None
+) -> None:
+    """What the restore hands to torch (scheduler, optimizer, scaler) and the saved config
+    fit this run's objects, or one line names the first part that does not."""
+    cp, loop, model = _checkpointer(tmp_path, background=False)
+    cp.save(loop, model, 3, (0, 3))
+    _rewrite(ckpt.step_path(tmp_path, 3), _set(key, value))
+    fresh, _, again = _checkpointer(tmp_path)
+    if needle is None:  # nothing saved to check against: the run's own values stay
+        _resume(fresh, again)
+        return
+    with pytest.raises(ConfigError, match=needle) as exc:
+        _resume(fresh, again)
+    _one_line(exc)
+
+
+def test_a_sharded_checkpoint_whose_shards_are_not_a_mapping_is_one_line(tmp_path: Path) -> None:
+    cp, loop, model = _checkpointer(tmp_path, "fsdp", background=False)
+    cp.save(loop, model, 3, (0, 3))
+    _rewrite(ckpt.sharded_path(tmp_path, 3) / ckpt.META, _set("shards", ["__0_0.distcp"]))
+    with pytest.raises(ConfigError, match="shards") as exc:
+        ckpt.load_checkpoint(ckpt.sharded_path(tmp_path, 3))
+    _one_line(exc)
+
+
+def _bounded(fn):  # noqa: ANN001, ANN202
+    """Run ``fn`` in a thread; (finished, its result or exception). A pipe opened for
+    reading waits for a writer: the bound is against that hang only."""
+    box: list = []
+
+    def run() -> None:
+        try:
+            box.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - returned to the test
+            box.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(30)
+    return (not t.is_alive()), (box[0] if box else None)
+
+
+@pytest.mark.parametrize("which", ["latest", "digest", "checkpoint"])
+def test_a_named_pipe_in_a_checkpoint_directory_never_hangs(tmp_path: Path, which: str) -> None:
+    ckpt.save_checkpoint({"global_step": 1}, tmp_path, 1)
+    ckpt.save_checkpoint({"global_step": 2}, tmp_path, 2)
+    newest = ckpt.step_path(tmp_path, 2)
+    victim = {"latest": tmp_path / "latest", "digest": newest.with_name(newest.name + ".sha256"),
+              "checkpoint": newest}[which]  # fmt: skip
+    victim.unlink()
+    os.mkfifo(victim)
+    try:
+        done, found = _bounded(lambda: ckpt.load_latest(tmp_path))
+        assert done, "load_latest hung on a named pipe"
+        assert not isinstance(found, BaseException), repr(found)
+        assert found[1]["global_step"] == (2 if which == "latest" else 1)
+        if which != "latest":
+            done, err = _bounded(lambda: ckpt.load_checkpoint(newest))
+            assert done, "load_checkpoint hung on a named pipe"
+            assert isinstance(err, ConfigError) and "named pipe" in str(err), repr(err)
+    finally:
+        with contextlib.suppress(OSError):  # release a reader left hanging (old code)
+            os.close(os.open(victim, os.O_WRONLY | os.O_NONBLOCK))
