@@ -85,9 +85,8 @@ class _Staged:
             finally:
                 self.fh.close()
             os.replace(self.tmp, self.path)
-        except BaseException:
-            self.discard()
-            raise
+        except BaseException as exc:
+            raise self.failed(exc) from None
         if durable:
             fsync_dir(self.path.parent)
 
@@ -97,14 +96,51 @@ class _Staged:
         with contextlib.suppress(OSError):
             os.unlink(self.tmp)
 
+    def failed(self, exc: BaseException) -> BaseException:
+        """Discard the temp file; what to raise for ``exc``: the file system's OSError
+        (naming this file) where torch wrapped one (:func:`write_error`), else ``exc``."""
+        self.discard()
+        err = write_error(exc)
+        if err is None:
+            return exc
+        if not err.filename:
+            err.filename = str(self.path)
+        return err
+
+
+def write_error(exc: BaseException) -> OSError | None:
+    """The OSError behind a failed write (a full disk, a quota, a read-only file system),
+    wherever it was wrapped; None when the failure is no file system error.
+
+    ``torch.save`` into a file object turns the writer's ``OSError`` into a RuntimeError
+    ("unexpected pos 704 vs 598") that keeps the OSError only as its ``__context__``;
+    ``torch.distributed.checkpoint`` wraps each rank's failure in a CheckpointException
+    (``failures``: rank -> exception). Every place that reports a failed checkpoint
+    write asks this function, so "No space left on device" is what the user reads.
+    """
+    todo: list[BaseException | None] = [exc]
+    seen: set[int] = set()
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            for _, failure in sorted(failures.items(), key=lambda kv: str(kv[0])):
+                todo.append(failure[0] if isinstance(failure, tuple) else failure)
+        todo += [e.__cause__, e.__context__]
+    return None
+
 
 def _atomic_write(path: Path, write: Callable[[Any], None], durable: bool = True) -> None:
     staged = _Staged(path)
     try:
         write(staged.fh)
-    except BaseException:
-        staged.discard()
-        raise
+    except BaseException as exc:
+        raise staged.failed(exc) from None
     staged.commit(durable)
 
 
@@ -125,10 +161,10 @@ def atomic_save_digested(obj: Any, path: str | Path) -> None:
     out = _Digesting(staged.fh)
     try:
         torch.save(obj, out)
+        staged.fh.flush()
         atomic_write_text(out.sha.hexdigest() + "\n", _digest_path(path))
-    except BaseException:
-        staged.discard()
-        raise
+    except BaseException as exc:
+        raise staged.failed(exc) from None
     staged.commit()
 
 
@@ -258,15 +294,9 @@ class _Digesting:
         self.fh = fh
         self.sha = hashlib.sha256()
 
-    error: OSError | None = None  # what the file system said, under torch's own wrapping
-
     def write(self, data: bytes) -> int:
         self.sha.update(data)
-        try:
-            return self.fh.write(data)
-        except OSError as exc:
-            self.error = exc
-            raise
+        return self.fh.write(data)
 
     def flush(self) -> None:
         self.fh.flush()
@@ -347,11 +377,10 @@ def begin_save(
         torch.save({"format": FORMAT_VERSION, **state}, out)
         staged.fh.flush()  # a full disk shows here, in the caller, not in the thread
     except BaseException as exc:
-        staged.discard()
-        err = out.error or (exc if isinstance(exc, OSError) else None)
-        if err is not None:
+        err = staged.failed(exc)
+        if isinstance(err, OSError):
             raise _write_error(directory, path.name, err) from None
-        raise
+        raise err from None
 
     def finalize() -> None:
         try:
@@ -359,12 +388,11 @@ def begin_save(
             atomic_write_text(out.sha.hexdigest() + "\n", _digest_path(path))
             staged.commit()
             atomic_write_text(path.name + "\n", directory / LATEST)
-        except OSError as exc:
-            staged.discard()
-            raise _write_error(directory, path.name, exc) from None
-        except BaseException:
-            staged.discard()
-            raise
+        except BaseException as exc:
+            err = staged.failed(exc)
+            if isinstance(err, OSError):
+                raise _write_error(directory, path.name, err) from None
+            raise err from None
         prune(directory, keep_last, path)
         for stale in directory.glob(".step_*.tmp"):  # left by a writer killed mid-save
             if str(stale) != staged.tmp:
@@ -381,10 +409,18 @@ def prune(directory: Path, keep_last: int, newest: Path) -> None:
             remove_checkpoint(old)
 
 
-def _write_error(directory: Path, name: str, exc: OSError) -> Exception:
-    """A failed write (full disk, quota, read-only) as one line; older checkpoints stay."""
+def _write_error(directory: Path, name: str, exc: OSError, rank: int | None = None) -> Exception:
+    """A failed write (full disk, quota, read-only) as one line; older checkpoints stay.
+
+    Names the file that failed, relative to ``directory``, where the OSError says which
+    (``name`` otherwise), and the rank where several write."""
     from ddp.errors import ConfigError
 
+    if exc.filename:
+        with contextlib.suppress(ValueError):
+            name = str(Path(os.fsdecode(exc.filename)).relative_to(directory))
+    if rank is not None:
+        name += f" (rank {rank})"
     return ConfigError(
         f"checkpoint.dir {str(directory)!r}: writing {name} failed: "
         f"{exc.strerror or exc}; the earlier checkpoints are kept"

@@ -301,7 +301,7 @@ class Checkpointer:
         group = self._group if self.background else None
         directory = final.parent
         mine: dict[str, str] = {}
-        failure: tuple[bool, str] | None = None
+        failure: tuple[bool, bool, str] | None = None
         try:
             written()  # DCP raises the same CheckpointException on every rank
             mine = {f.name: ckpt.sha256_file(f)
@@ -310,6 +310,7 @@ class Checkpointer:
             failure = _describe(exc, self.ctx.rank, directory, tmp.name)
         gathered = ddp.all_gather_object((mine, failure), group=group)
         failures = [f for _, f in gathered if f is not None]
+        failures.sort(key=lambda f: not f[0])  # stable: a rank's own failure first
         outcome = failures[0] if failures else None
         if outcome is None:
             if self.ctx.is_main:
@@ -322,7 +323,7 @@ class Checkpointer:
         if outcome is not None:
             if self.ctx.is_main:
                 ckpt.remove_checkpoint(tmp)  # every rank is done with it (the gather)
-            is_write_error, message = outcome
+            _, is_write_error, message = outcome
             raise ConfigError(message) if is_write_error else RuntimeError(message)
         if self.ctx.is_main:
             log.info("saved %s (%d shards): training blocked %.2fs, durable after %.2fs%s",
@@ -355,10 +356,15 @@ class Checkpointer:
         if not all(ddp.all_gather_object(finite(model))):
             raise diverged(global_step, "the weights are not finite (nan/inf)")
         full = fsdp.full_state_dict(model) if fsdp.is_sharded(model) else None  # collective
-        path = None
+        path, error = None, None
         if self.ctx.is_main:
-            path = str(ckpt.export_final(model, self.dir, self.config.to_yaml(), full))
-        ddp.barrier()
+            try:
+                path = str(ckpt.export_final(model, self.dir, self.config.to_yaml(), full))
+            except OSError as exc:  # a full disk: one line on every rank, none left waiting
+                error = str(ckpt._write_error(Path(self.dir), "final", exc))
+        path, error = ddp.broadcast_object((path, error))
+        if error:
+            raise ConfigError(error)
         return path
 
 
@@ -379,23 +385,30 @@ def _save_now(tmp: Path, model: torch.nn.Module, opt: Any) -> tuple[dict[str, An
         return {}, written
 
 
-def _describe(exc: BaseException, rank: int, directory: Path, name: str) -> tuple[bool, str]:
-    """(is a write error, one line) for a failed sharded save, the same text on every rank.
+def _describe(exc: BaseException, rank: int, directory: Path, name: str
+              ) -> tuple[bool, bool, str]:  # fmt: skip
+    """(about this rank's own failure, is a write error, one line) for a failed sharded save.
 
-    DCP wraps each rank's failure in a CheckpointException (traceback text included);
-    the first failed rank's exception is what is named. An OSError (full disk, quota,
-    read-only) is a ConfigError line, as for a plain checkpoint."""
+    DCP wraps each rank's failure in a CheckpointException (traceback text included) and
+    raises it on every rank. A rank names its own failure where it has one: only there
+    does the exception keep what torch wrapped (an OSError under "unexpected pos", see
+    :func:`ddp.checkpoint.write_error`), since other ranks' exceptions arrive pickled;
+    else the first failed rank's. The caller picks one line for all ranks. An OSError
+    (full disk, quota, read-only) is a ConfigError line, as for a plain checkpoint."""
+    own = True
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
-        rank = min(failures)
+        own = rank in failures
+        rank = rank if own else min(failures)
         first = failures[rank]
         exc = first[0] if isinstance(first, tuple) else first
-    where = f"{name} (rank {rank})"
-    if isinstance(exc, OSError):
-        return True, str(ckpt._write_error(directory, where, exc))
+    err = ckpt.write_error(exc)
+    if err is not None:
+        return own, True, str(ckpt._write_error(directory, name, err, rank))
     text = (str(exc).strip().splitlines() or [""])[0][:300]
-    return False, (f"checkpoint.dir {str(directory)!r}: writing {where} failed: "
-                   f"{type(exc).__name__}: {text}; the earlier checkpoints are kept")  # fmt: skip
+    return own, False, (f"checkpoint.dir {str(directory)!r}: writing {name} (rank {rank}) "
+                        f"failed: {type(exc).__name__}: {text}; the earlier checkpoints are "
+                        "kept")  # fmt: skip
 
 
 def derive_rng(seed: int, step: int, rank: int) -> None:

@@ -471,3 +471,88 @@ def test_a_named_pipe_in_a_checkpoint_directory_never_hangs(tmp_path: Path, whic
     finally:
         with contextlib.suppress(OSError):  # release a reader left hanging (old code)
             os.close(os.open(victim, os.O_WRONLY | os.O_NONBLOCK))
+
+
+# ---- a full disk during a save: one line, the previous checkpoint intact and latest ------
+def _full_disk_save(tmp_path: Path, strategy: str, fill) -> tuple[Path, object]:  # noqa: ANN001
+    """Save step 2 on a small tmpfs, ``fill`` it, save step 4 in the background: the
+    checkpoint directory and what the second save raised (from save() or wait())."""
+    full = tmp_path / "full"
+    _mount_tmpfs(full, "2m")
+    ck = full / "ck"
+    cp, loop, model = _checkpointer(ck, strategy, width=1024)  # 32 KiB tensors
+    cp.save(loop, model, 2, (0, 2))
+    cp.wait()
+    fill(full)
+    try:
+        cp.save(loop, model, 4, (0, 4))
+        cp.wait()
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return ck, exc
+    return ck, None
+
+
+def _assert_kept(ck: Path, err: object, strategy: str) -> None:
+    assert isinstance(err, ConfigError), repr(err)
+    line = str(err)
+    assert "\n" not in line and "No space left on device" in line, line
+    assert f"checkpoint.dir {str(ck)!r}" in line and "earlier checkpoints are kept" in line, line
+    first = ckpt.sharded_path(ck, 2) if strategy == "fsdp" else ckpt.step_path(ck, 2)
+    assert (ck / "latest").read_text().strip() == first.name
+    assert ckpt.load_checkpoint(first)["global_step"] == 2  # intact: digests match
+    left = sorted(p.name for p in ck.iterdir())
+    assert left == sorted([first.name, "latest", ".lock"] if (ck / ".lock").exists() else
+                          [first.name, "latest"] + ([first.name + ".sha256"]
+                                                    if strategy == "ddp" else [])), left
+
+
+@pytest.mark.parametrize("leave", [0, 16 << 10, 40 << 10])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_full_disk_during_a_background_save_is_one_line(
+    tmp_path: Path, strategy: str, leave: int
+) -> None:
+    """The disk fills up while the shards (or the file) are written: torch's own writer
+    says "unexpected pos"; the line says what the file system said, and where."""
+    try:
+        ck, err = _full_disk_save(tmp_path, strategy, lambda m: _fill(m, leave))
+        _assert_kept(ck, err, strategy)
+    finally:
+        subprocess.run(["umount", str(tmp_path / "full")], check=False)
+
+
+@pytest.mark.parametrize("leave", [0, 8 << 10, 12 << 10])  # meta.pt: about 16 KiB
+def test_a_full_disk_while_the_meta_file_is_written_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, leave: int
+) -> None:
+    """Every shard is written; the disk fills just before rank 0 writes meta.pt."""
+    real = ckpt.atomic_save_digested
+    mount = tmp_path / "full"
+
+    def fill_then_save(obj: object, path: Path) -> None:
+        if obj.get("global_step") == 4:  # type: ignore[attr-defined]
+            _fill(mount, leave)
+        real(obj, path)
+
+    monkeypatch.setattr(ckpt, "atomic_save_digested", fill_then_save)
+    try:
+        ck, err = _full_disk_save(tmp_path, "fsdp", lambda m: None)
+        _assert_kept(ck, err, "fsdp")
+        assert str(ck / ".step_000000004.tmp" / "meta.pt") in str(err) or "meta.pt" in str(err)
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_full_disk_during_the_final_export_is_one_line(tmp_path: Path, strategy: str) -> None:
+    full = tmp_path / "full"
+    _mount_tmpfs(full, "2m")
+    try:
+        cp, _, model = _checkpointer(full / "ck", strategy, width=1024)
+        _fill(full, 16 << 10)
+        with pytest.raises(ConfigError, match="No space left on device") as exc:
+            cp.export(model, 7)
+        assert "final" in _one_line(exc)
+        assert not (full / "ck" / "final" / "model.pt").exists()
+        assert not [p for p in (full / "ck" / "final").iterdir() if p.name.endswith(".tmp")]
+    finally:
+        subprocess.run(["umount", str(full)], check=False)
