@@ -817,7 +817,11 @@ def read_regular(path: str | Path, limit: int | None = SMALL_FILE) -> bytes:
 
 
 # ---- one live run per directory ----------------------------------------------------------
-LOCK = ".lock"
+LOCK = ".ddp-lock"
+"""Not ``.lock``: that is ``hpc``'s flock file in a run directory, and a checkpoint.dir
+may be the run directory itself (``checkpoint.dir: .`` under ``hpc submit``). Sharing it
+would find hpc's empty file where a lock belongs, and each heartbeat (a new file) would
+give hpc's flock holders different files."""
 LOCK_REFRESH_S = 60.0
 """How often an owner beats (rewrites its lock with the next heartbeat count)."""
 LOCK_STALE_BEATS = 3
@@ -849,7 +853,7 @@ def process_start(pid: int) -> int | None:
 
 
 class DirLock:
-    """``<dir>/.lock``: which process owns ``dir``, in terms no clock can fake.
+    """``<dir>/.ddp-lock``: which process owns ``dir``, in terms no clock can fake.
 
     Two runs on one checkpoint directory (two ``sbatch`` of the same script) would resume
     each other's checkpoints and overwrite each other's files; the second one stops with
@@ -956,7 +960,12 @@ class DirLock:
                     f"own checkpoint.dir, or delete {str(path)!r} if that run is gone"
                 )
             log.warning("taking over %s: %s", path, why)
-            _remove_if_unchanged(path, key)
+            try:
+                _remove_if_unchanged(path, key)
+            except OSError as exc:
+                raise ConfigError(f"{where}: cannot take over its stale lock {str(path)!r} "
+                                  f"({exc.strerror or exc}); allowed: a writable "
+                                  "directory") from None  # fmt: skip
         raise ConfigError(f"{where}: the lock {LOCK} keeps changing (runs starting at once); "
                           "allowed: one run per checkpoint.dir")  # fmt: skip
 

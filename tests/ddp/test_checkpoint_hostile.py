@@ -276,6 +276,21 @@ def test_the_owner_heartbeat_moves_its_counter(tmp_path: Path) -> None:
             time.sleep(0.01)
 
 
+def test_a_checkpoint_dir_that_is_an_hpc_run_directory_keeps_hpcs_lock_file(
+    tmp_path: Path,
+) -> None:
+    """``checkpoint.dir: .`` under ``hpc submit``: the run directory holds hpc's own
+    (empty) ``.lock``, a flock file. The checkpoint lock is a file of its own."""
+    hpc_lock = tmp_path / ".lock"
+    hpc_lock.write_bytes(b"")
+    lock = ckpt.DirLock.acquire(tmp_path)
+    try:
+        assert hpc_lock.read_bytes() == b"" and _lock_info(tmp_path)["pid"] == os.getpid()
+    finally:
+        lock.release()
+    assert hpc_lock.exists() and not (tmp_path / ckpt.LOCK).exists()
+
+
 def test_release_leaves_a_lock_that_another_run_took(tmp_path: Path) -> None:
     d = tmp_path / "ck"
     lock = ckpt.DirLock.acquire(d)
@@ -556,3 +571,31 @@ def test_a_full_disk_during_the_final_export_is_one_line(tmp_path: Path, strateg
         assert not [p for p in (full / "ck" / "final").iterdir() if p.name.endswith(".tmp")]
     finally:
         subprocess.run(["umount", str(full)], check=False)
+
+
+# ---- the same through python -m ddp: exit 2, one line -------------------------------------
+def _python_m_ddp(cwd: Path, *sets: str) -> subprocess.CompletedProcess:
+    args = [a for s in ("training.max_steps=2", "ddp.strategy=fsdp", "checkpoint.dir=ck", *sets)
+            for a in ("--set", s)]  # fmt: skip
+    return subprocess.run([sys.executable, "-m", "ddp", "uniref50", *args],
+                          env=_launch.base_env(), capture_output=True, text=True, timeout=300,
+                          cwd=cwd)  # fmt: skip
+
+
+def test_python_m_ddp_fsdp_resumes_of_another_shape_or_a_crafted_meta_are_one_line(
+    tmp_path: Path,
+) -> None:
+    first = _python_m_ddp(tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    proc = _python_m_ddp(tmp_path, "model.d_model=32", "training.max_steps=4")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "different model" in lines[0], proc.stderr
+    assert "in the checkpoint and" in lines[0] and "in this model" in lines[0], lines
+    newest = ckpt.find_latest(tmp_path / "ck")
+    assert newest is not None and newest.is_dir()
+    _rewrite(newest / ckpt.META, _set("global_step", "2"))
+    proc = _python_m_ddp(tmp_path, "training.max_steps=4", f"checkpoint.resume={newest}")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "global_step: '2'" in lines[0], proc.stderr
