@@ -472,6 +472,8 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
         raise ValueError(f"is not a loadable checkpoint ({type(exc).__name__})") from None
     if not isinstance(obj, dict) or "format" not in obj or "global_step" not in obj:
         raise ValueError("is not a checkpoint written by ddp")
+    if "sharded" in obj:  # set by the loader, after it checked that directory's shards
+        raise ValueError("names a shard directory itself ('sharded'); only the loader does")
     check_fields(obj)
     if obj["format"] >= 2 and expected is None:
         raise ValueError(f"has no digest file {digest.name}")

@@ -181,13 +181,43 @@ def saved_shapes(directory: Path, prefix: str) -> dict[str, tuple[int, ...]]:
     (``model``), from DCP's metadata read with the safe unpickler."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = _reader(directory).read_metadata()
-    head = prefix + "."
-    return {
-        fqn[len(head):]: tuple(meta.size)
-        for fqn, meta in metadata.state_dict_metadata.items()
-        if fqn.startswith(head) and isinstance(meta, TensorStorageMetadata)
-    }
+    from ddp.errors import ConfigError
+
+    try:
+        metadata = _reader(directory).read_metadata()
+        head = prefix + "."
+        return {
+            fqn[len(head):]: tuple(int(n) for n in meta.size)
+            for fqn, meta in metadata.state_dict_metadata.items()
+            if fqn.startswith(head) and isinstance(meta, TensorStorageMetadata)
+        }
+    except Exception as exc:  # crafted or damaged (its digest was checked: crafted)
+        raise ConfigError(f"checkpoint {str(directory)!r} has unreadable shard metadata "
+                          f"(.metadata: {_first_line(exc)})") from None  # fmt: skip
+
+
+def _first_line(exc: BaseException) -> str:
+    text = (str(exc).strip().splitlines() or [""])[0][:200]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _load(box: dict[str, Any], directory: Path, path: str) -> None:
+    """Collective: DCP's load into ``box``; a failure is one ConfigError line on every
+    rank (DCP raises the same CheckpointException on all): a pickled value the planner
+    refuses, or shards that do not hold what the metadata says."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ddp.errors import ConfigError
+
+    try:
+        dcp.load(box, storage_reader=_reader(directory), planner=_planner())
+    except (Exception, CheckpointException) as exc:
+        failures = getattr(exc, "failures", None)
+        if isinstance(failures, dict) and failures:
+            first = failures[min(failures)]
+            exc = first[0] if isinstance(first, tuple) else first
+        raise ConfigError(f"checkpoint {path!r} cannot be loaded ({_first_line(exc)})") from None
 
 
 def load_model(directory: Path, model: nn.Module, path: str | None = None) -> None:
@@ -197,7 +227,6 @@ def load_model(directory: Path, model: nn.Module, path: str | None = None) -> No
     line naming the first mismatch and both shapes, as for a plain checkpoint
     (:func:`ddp.checkpoint.check_same_model`); every rank reads the same metadata, so
     every rank stops with the same line before any collective."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     from ddp.checkpoint import check_same_model
@@ -206,7 +235,7 @@ def load_model(directory: Path, model: nn.Module, path: str | None = None) -> No
     check_same_model(saved_shapes(directory, "model"),
                      {k: tuple(v.shape) for k, v in msd.items()}, path or directory)  # fmt: skip
     box = {"model": msd}
-    dcp.load(box, storage_reader=_reader(directory), planner=_planner())
+    _load(box, directory, path or str(directory))
     set_model_state_dict(model, box["model"])
 
 
@@ -218,7 +247,6 @@ def load_optimizer(
 
     Their names and whole shapes are checked against this optimizer's first, and the
     meta file's param groups against its groups: one ConfigError line on every rank."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     _, osd = state(model, opt)
@@ -226,7 +254,7 @@ def load_optimizer(
     tensors, _ = split(osd.get("state", {}))
     box = {"optim": tensors or {}}
     _check_optimizer(directory, box["optim"], osd, meta, path or str(directory))
-    dcp.load(box, storage_reader=_reader(directory), planner=_planner())
+    _load(box, directory, path or str(directory))
     full = {"state": merge(box["optim"], meta.get("optim_other")) or {},
             "param_groups": meta.get("param_groups") or osd.get("param_groups")}  # fmt: skip
     set_optimizer_state_dict(model, opt, full)

@@ -599,3 +599,31 @@ def test_python_m_ddp_fsdp_resumes_of_another_shape_or_a_crafted_meta_are_one_li
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "global_step: '2'" in lines[0], proc.stderr
+
+
+def test_a_plain_checkpoint_cannot_point_the_loader_at_unchecked_shards(tmp_path: Path) -> None:
+    """``sharded`` is set by the loader once it checked a directory's digests; a file that
+    brings its own would send the restore to any directory, its shards unchecked."""
+    cp, loop, model = _checkpointer(tmp_path, background=False)
+    cp.save(loop, model, 3, (0, 3))
+    _rewrite(ckpt.step_path(tmp_path, 3), _set("sharded", str(tmp_path / "elsewhere")))
+    with pytest.raises(ConfigError, match="sharded") as exc:
+        ckpt.load_checkpoint(ckpt.step_path(tmp_path, 3))
+    _one_line(exc)
+    assert ckpt.load_latest(tmp_path) is None
+
+
+def test_crafted_shard_metadata_with_matching_digests_is_one_line(tmp_path: Path) -> None:
+    import hashlib
+    import pickle
+
+    cp, loop, model = _checkpointer(tmp_path, "fsdp", background=False)
+    cp.save(loop, model, 3, (0, 3))
+    step = ckpt.sharded_path(tmp_path, 3)
+    (step / ".metadata").write_bytes(pickle.dumps({"not": "DCP metadata"}))
+    digest = hashlib.sha256((step / ".metadata").read_bytes()).hexdigest()
+    _rewrite(step / ckpt.META, _set("shards/.metadata", digest))
+    fresh, _, again = _checkpointer(tmp_path, "fsdp")
+    with pytest.raises(ConfigError, match="metadata") as exc:
+        _resume(fresh, again)
+    _one_line(exc)
