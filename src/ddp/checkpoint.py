@@ -522,6 +522,17 @@ def _is_optimizer(v: Any) -> bool:
             and all(isinstance(g, dict) for g in v["param_groups"]))  # fmt: skip
 
 
+def _is_plain_tree(v: Any) -> bool:
+    """A mapping of strings to plain values (null, booleans, numbers, strings) and lists
+    and mappings of them: what ``TrainConfig.to_dict`` makes, nothing a comparison with
+    this run's config could trip on (a tensor)."""
+    if isinstance(v, dict):
+        return all(isinstance(k, str) and _is_plain_tree(x) for k, x in v.items())
+    if isinstance(v, list | tuple):
+        return all(_is_plain_tree(x) for x in v)
+    return v is None or type(v) in (bool, int, float, str)
+
+
 def _is_shard_list(v: Any) -> bool:
     return isinstance(v, dict) and all(
         isinstance(k, str) and _SHARD_RE.match(k) and isinstance(d, str)
@@ -542,7 +553,8 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "phase_start_step": (_count(0), "an integer >= 0"),
     "world_size": (_count(1), "an integer >= 1"),
     "rng": (lambda v: isinstance(v, list), "a list of every rank's RNG states"),
-    "config": (lambda v: isinstance(v, dict), "a mapping (the run's config)"),
+    "config": (lambda v: isinstance(v, dict) and _is_plain_tree(v),
+               "a mapping of plain values (the run's config)"),
     "scheduler": (lambda v: isinstance(v, dict), "a mapping (a scheduler's state)"),
     "scaler": (lambda v: v is None or isinstance(v, dict), "a mapping or null"),
     "model": (_is_tensor_map, "a mapping of parameter names to tensors"),
@@ -1058,8 +1070,12 @@ class DirLock:
         """Bump the heartbeat if the lock is still this run's; False once it is not."""
         try:
             seen = self._look(self.path)
-        except ValueError:
-            seen = None if not os.path.lexists(self.path) else ({}, ())
+        except ValueError as exc:
+            if os.path.lexists(self.path):
+                log.error("%s %s: this run no longer holds its checkpoint directory",
+                          self.path, exc)  # fmt: skip
+                return False
+            seen = None
         if seen is not None and not self._same_process(seen[0], self.info):
             log.error("%s now names another run (host %s, pid %s): this run no longer "
                       "holds its checkpoint directory", self.path, seen[0].get("host"),
@@ -1165,11 +1181,16 @@ def _remove_if_unchanged(path: Path, key: tuple[Any, ...]) -> None:
 
     Two runs may judge the same stale lock at once; the first replaces it with its own.
     A plain unlink by the second would delete that live lock. So the lock is renamed
-    away first (atomic), and put back if what was renamed is not the one judged."""
+    away first (atomic), and put back if what was renamed is not the one judged. (A third
+    run creating its lock in the instant between the two could still win against the
+    first; the first's heartbeat then finds another owner and says so.)"""
     import uuid
 
     trash = path.with_name(f"{LOCK}.{uuid.uuid4().hex}.stale")
     try:
+        info = os.stat(path, follow_symlinks=False)
+        if (info.st_ino, info.st_mtime_ns, info.st_size) != key[:3]:
+            return  # replaced already: judged again on the next round
         os.rename(path, trash)
     except FileNotFoundError:
         return

@@ -386,7 +386,8 @@ _BAD_FIELDS = [
     ("world_size", 0), ("format", "2"), ("format", 99), ("phase_start_step", 10**6),
     ("rng", "x"), ("rng/0", [1, 2]), ("rng/0/python", (3, (1, 2), None)),
     ("rng/0/torch", torch.zeros(3, dtype=torch.uint8)), ("rng/0/numpy", ("MT19937", [1], 0, 0, 0.0)),
-    ("rng/0/python", "seed"), ("config", "x"), ("scheduler", [1]), ("scaler", 3),
+    ("rng/0/python", "seed"), ("config", "x"), ("config/optim/lr", torch.ones(2)),
+    ("scheduler", [1]), ("scaler", 3),
 ]  # fmt: skip
 
 
