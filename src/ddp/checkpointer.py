@@ -140,6 +140,10 @@ class Checkpointer:
         if path is None:
             return None
         state = ckpt.load_checkpoint(path, verify_shards=False)
+        try:
+            ckpt.check_fields(state, required=ckpt.TRAINER_FIELDS)
+        except ValueError as exc:  # the same file on every rank: the same line on each
+            raise ConfigError(f"checkpoint {path!r} {exc}") from None
         log.info("resuming from %s (step %d)", path, state["global_step"])
         self.resumed_from = path
         check_resumable(state.get("config") or {}, self.config.to_dict(), path,
@@ -159,7 +163,7 @@ class Checkpointer:
                      "(training.seed %d, step %d, rank)", state.get("world_size"), world,
                      self.config.training.seed, state["global_step"])  # fmt: skip
         if "sharded" in state:
-            sharded.load_model(Path(state["sharded"]), model)
+            sharded.load_model(Path(state["sharded"]), model, self.resumed_from)
         else:
             load_model(ddp.unwrap(model), state["model"], self.resumed_from)
 
@@ -167,14 +171,29 @@ class Checkpointer:
         self, state: dict[str, Any], loop: LoopState, base_lr: float, model: torch.nn.Module
     ) -> None:
         """Optimizer, schedule and scaler, then the config's new values on top."""
+        path = self.resumed_from
+        live_sched = loop.sched.state_dict()
+        # Keys this torch does not know are dropped (load_state_dict would set them as
+        # attributes); keys it misses keep this run's values (an older torch wrote it).
+        sched_state = {**live_sched,
+                       **{k: v for k, v in state["scheduler"].items() if k in live_sched}}  # fmt: skip
+        scaler = state.get("scaler") if loop.scaler is not None else None
+        try:
+            ckpt.check_like(sched_state, live_sched, "scheduler")
+            if scaler:
+                ckpt.check_like(scaler, loop.scaler.state_dict(), "scaler")
+            if "sharded" not in state:
+                check_optimizer(state.get("optimizer"), loop.opt)
+        except ValueError as exc:
+            raise ConfigError(f"checkpoint {path!r} {exc}") from None
         if "sharded" in state:
-            sharded.load_optimizer(Path(state["sharded"]), model, loop.opt, state)
+            sharded.load_optimizer(Path(state["sharded"]), model, loop.opt, state, path)
         else:
             loop.opt.load_state_dict(state["optimizer"])
-        loop.sched.load_state_dict(state["scheduler"])
+        loop.sched.load_state_dict(sched_state)
         apply_new_hyperparameters(loop.opt, loop.sched, base_lr, self.config)
-        if loop.scaler is not None and state.get("scaler"):
-            loop.scaler.load_state_dict(state["scaler"])
+        if scaler:
+            loop.scaler.load_state_dict(scaler)
         loop.epoch = state["epoch"]
         samples = state.get("samples_in_epoch")
         if samples is None:  # written before samples_in_epoch: micro-batches of its world
@@ -282,7 +301,7 @@ class Checkpointer:
         group = self._group if self.background else None
         directory = final.parent
         mine: dict[str, str] = {}
-        failure: tuple[bool, str] | None = None
+        failure: tuple[bool, bool, str] | None = None
         try:
             written()  # DCP raises the same CheckpointException on every rank
             mine = {f.name: ckpt.sha256_file(f)
@@ -291,6 +310,7 @@ class Checkpointer:
             failure = _describe(exc, self.ctx.rank, directory, tmp.name)
         gathered = ddp.all_gather_object((mine, failure), group=group)
         failures = [f for _, f in gathered if f is not None]
+        failures.sort(key=lambda f: not f[0])  # stable: a rank's own failure first
         outcome = failures[0] if failures else None
         if outcome is None:
             if self.ctx.is_main:
@@ -303,7 +323,7 @@ class Checkpointer:
         if outcome is not None:
             if self.ctx.is_main:
                 ckpt.remove_checkpoint(tmp)  # every rank is done with it (the gather)
-            is_write_error, message = outcome
+            _, is_write_error, message = outcome
             raise ConfigError(message) if is_write_error else RuntimeError(message)
         if self.ctx.is_main:
             log.info("saved %s (%d shards): training blocked %.2fs, durable after %.2fs%s",
@@ -336,10 +356,15 @@ class Checkpointer:
         if not all(ddp.all_gather_object(finite(model))):
             raise diverged(global_step, "the weights are not finite (nan/inf)")
         full = fsdp.full_state_dict(model) if fsdp.is_sharded(model) else None  # collective
-        path = None
+        path, error = None, None
         if self.ctx.is_main:
-            path = str(ckpt.export_final(model, self.dir, self.config.to_yaml(), full))
-        ddp.barrier()
+            try:
+                path = str(ckpt.export_final(model, self.dir, self.config.to_yaml(), full))
+            except OSError as exc:  # a full disk: one line on every rank, none left waiting
+                error = str(ckpt._write_error(Path(self.dir), "final", exc))
+        path, error = ddp.broadcast_object((path, error))
+        if error:
+            raise ConfigError(error)
         return path
 
 
@@ -360,23 +385,30 @@ def _save_now(tmp: Path, model: torch.nn.Module, opt: Any) -> tuple[dict[str, An
         return {}, written
 
 
-def _describe(exc: BaseException, rank: int, directory: Path, name: str) -> tuple[bool, str]:
-    """(is a write error, one line) for a failed sharded save, the same text on every rank.
+def _describe(exc: BaseException, rank: int, directory: Path, name: str
+              ) -> tuple[bool, bool, str]:  # fmt: skip
+    """(about this rank's own failure, is a write error, one line) for a failed sharded save.
 
-    DCP wraps each rank's failure in a CheckpointException (traceback text included);
-    the first failed rank's exception is what is named. An OSError (full disk, quota,
-    read-only) is a ConfigError line, as for a plain checkpoint."""
+    DCP wraps each rank's failure in a CheckpointException (traceback text included) and
+    raises it on every rank. A rank names its own failure where it has one: only there
+    does the exception keep what torch wrapped (an OSError under "unexpected pos", see
+    :func:`ddp.checkpoint.write_error`), since other ranks' exceptions arrive pickled;
+    else the first failed rank's. The caller picks one line for all ranks. An OSError
+    (full disk, quota, read-only) is a ConfigError line, as for a plain checkpoint."""
+    own = True
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
-        rank = min(failures)
+        own = rank in failures
+        rank = rank if own else min(failures)
         first = failures[rank]
         exc = first[0] if isinstance(first, tuple) else first
-    where = f"{name} (rank {rank})"
-    if isinstance(exc, OSError):
-        return True, str(ckpt._write_error(directory, where, exc))
+    err = ckpt.write_error(exc)
+    if err is not None:
+        return own, True, str(ckpt._write_error(directory, name, err, rank))
     text = (str(exc).strip().splitlines() or [""])[0][:300]
-    return False, (f"checkpoint.dir {str(directory)!r}: writing {where} failed: "
-                   f"{type(exc).__name__}: {text}; the earlier checkpoints are kept")  # fmt: skip
+    return own, False, (f"checkpoint.dir {str(directory)!r}: writing {name} (rank {rank}) "
+                        f"failed: {type(exc).__name__}: {text}; the earlier checkpoints are "
+                        "kept")  # fmt: skip
 
 
 def derive_rng(seed: int, step: int, rank: int) -> None:
@@ -448,7 +480,14 @@ def check_resumable(
     changed = [k for k in after if k in before and before[k] != after[k]]
 
     def per_step(cfg: dict[str, Any], world: int) -> int:
-        return int(cfg.get("training.batch_size", 1)) * int(cfg.get("training.accum", 1)) * world
+        out = world
+        for key in ("training.batch_size", "training.accum"):
+            v = cfg.get(key, 1)
+            if type(v) is not int or v < 1:  # a crafted or damaged checkpoint's config
+                raise ConfigError(f"checkpoint {path!r} has a bad config {key}: {v!r:.60}; "
+                                  "allowed: an integer >= 1")  # fmt: skip
+            out *= v
+        return out
 
     same_step = per_step(before, worlds[0]) == per_step(after, worlds[1])
     for key in changed:
@@ -502,18 +541,38 @@ def apply_new_hyperparameters(opt: Any, sched: Any, base_lr: float, cfg: TrainCo
 def load_model(model: torch.nn.Module, saved: dict[str, Any], path: str) -> None:
     """``load_state_dict`` with one line naming the first mismatch, not torch's 40."""
     own = model.state_dict()
-    missing = sorted(set(own) - set(saved))
-    extra = sorted(set(saved) - set(own))
-    shapes = [k for k in own if k in saved and tuple(own[k].shape) != tuple(saved[k].shape)]
-    if missing or extra or shapes:
-        if shapes:
-            k = shapes[0]
-            what = (f"{k!r} is {tuple(saved[k].shape)} in the checkpoint and "
-                    f"{tuple(own[k].shape)} in this model")  # fmt: skip
-        else:
-            what = f"keys missing {missing[:3]}, unexpected {extra[:3]}"
-        raise ConfigError(
-            f"checkpoint {path!r} was saved from a different model ({what}); allowed: the "
-            "same model settings, or a fresh checkpoint.dir / checkpoint.resume=none"
-        )
+    ckpt.check_same_model({k: tuple(v.shape) for k, v in saved.items()},
+                          {k: tuple(v.shape) for k, v in own.items()}, path)  # fmt: skip
     model.load_state_dict(saved)
+
+
+def check_optimizer(saved: Any, opt: torch.optim.Optimizer) -> None:
+    """ValueError naming the first part of a saved optimizer state that this optimizer
+    cannot take: its groups (their number, sizes and hyper-parameter types) and every
+    per-parameter tensor's shape (torch would load a wrong one and fail steps later)."""
+    live = opt.state_dict()
+    groups = saved["param_groups"]
+    if len(groups) != len(live["param_groups"]):
+        raise ValueError(f"has {len(groups)} optimizer parameter groups; allowed: "
+                         f"{len(live['param_groups'])}, as this optimizer has")  # fmt: skip
+    shapes: dict[Any, tuple[int, ...]] = {}
+    for i, (group, mine) in enumerate(zip(groups, opt.param_groups, strict=True)):
+        ids = group.get("params")
+        if not isinstance(ids, list) or len(ids) != len(mine["params"]):
+            raise ValueError(f"has a bad optimizer.param_groups[{i}].params: {ids!r:.60}; "
+                             f"allowed: {len(mine['params'])} parameter ids")  # fmt: skip
+        shapes.update({k: tuple(p.shape) for k, p in zip(ids, mine["params"], strict=True)})
+        rest = {k: v for k, v in group.items() if k != "params"}
+        ckpt.check_like(rest, live["param_groups"][i], f"optimizer.param_groups[{i}]")
+    for key, values in saved["state"].items():
+        where = f"optimizer.state[{key!r}]"
+        if key not in shapes or not isinstance(values, dict):
+            raise ValueError(f"has a bad {where}: not a parameter of its groups")
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor):
+                if value.dim() and tuple(value.shape) != shapes[key]:
+                    raise ValueError(f"has a bad {where}.{name}: shape {tuple(value.shape)}; "
+                                     f"allowed: {shapes[key]}, the parameter's")  # fmt: skip
+            elif value is not None:
+                ckpt.check_like(value, 0.0 if not isinstance(value, bool) else False,
+                                f"{where}.{name}")  # fmt: skip

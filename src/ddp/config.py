@@ -30,6 +30,22 @@ from ddp.errors import ConfigError
 
 _SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP", "SIGCONT", "SIGXCPU")
 
+# What the numbers may be beyond their meaning: what the libraries they reach can hold.
+# A value past these would pass the range checks below and fail later as an
+# OverflowError or a C++ type error from torch, after the process group exists.
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1
+"""Every integer field: a 64-bit integer (torch's seeds, sizes and counts are int64)."""
+MAX_SECONDS = 365 * 86400.0
+"""Every duration in seconds (timeouts, grace): one year. ``timedelta`` holds 1e14 s,
+C++'s milliseconds 9e15 ms, ``threading``'s waits 9e9 s; none means anything near."""
+FLOAT32_MAX = 3.4028234663852886e38
+"""Learning rates: torch's optimizers compute with them in float32 tensors."""
+MAX_BATCH = 2**31 - 1
+"""Per-rank batch size and accumulation: their product with the world size is a sample
+count that Python's ``islice`` and the samplers take as a C ``ssize_t``."""
+MAX_BUCKET_MB = 1e12
+"""DDP's gradient bucket: torch turns it into an int64 number of bytes."""
+
 
 @dataclass
 class TrainingConfig:
@@ -415,16 +431,16 @@ def _scalar(value: Any, tp: Any, path: str) -> Any:
         if isinstance(value, bool):
             raise ConfigError(f"{path}: expected an integer, got {value!r}")
         if isinstance(value, int):
-            return value
+            return _int64(value, value, path)
         if isinstance(value, float) and value.is_integer():
-            return int(value)
+            return _int64(int(value), value, path)
         if isinstance(value, str):
             try:
                 f = float(value.replace("_", ""))
             except ValueError:
                 f = math.nan
             if f.is_integer():
-                return int(f)
+                return _int64(int(f), value, path)
         raise ConfigError(f"{path}: expected an integer, got {value!r}")
     if tp is float:
         if isinstance(value, bool):
@@ -449,6 +465,15 @@ def _scalar(value: Any, tp: Any, path: str) -> Any:
     raise ConfigError(f"{path}: unsupported type {tp!r}")  # pragma: no cover
 
 
+def _int64(out: int, value: Any, path: str) -> int:
+    """``out`` if it is a 64-bit integer (:data:`INT_MIN`..:data:`INT_MAX`), else one line:
+    every integer field goes through here, so ``1e300`` never reaches torch."""
+    if not INT_MIN <= out <= INT_MAX:
+        raise ConfigError(f"{path}: {value!r} is out of range; allowed: an integer from "
+                          f"{INT_MIN} to {INT_MAX}")  # fmt: skip
+    return out
+
+
 def _validate(obj: Any, where: str) -> None:
     """Range checks that the type alone cannot express."""
 
@@ -458,8 +483,8 @@ def _validate(obj: Any, where: str) -> None:
 
     if isinstance(obj, TrainingConfig):
         for k in ("batch_size", "accum"):
-            if getattr(obj, k) < 1:
-                bad(k, getattr(obj, k), "an integer >= 1")
+            if not 1 <= getattr(obj, k) <= MAX_BATCH:
+                bad(k, getattr(obj, k), f"an integer from 1 to {MAX_BATCH}")
         if obj.epochs < 0:
             bad("epochs", obj.epochs, "an integer >= 0")
         for k in ("max_steps", "max_samples"):
@@ -467,16 +492,20 @@ def _validate(obj: Any, where: str) -> None:
             if v is not None and v < 1:
                 bad(k, v, "an integer >= 1 or null")
     elif isinstance(obj, OptimConfig):
-        if obj.lr <= 0:
-            bad("lr", obj.lr, "a number > 0")
+        if not 0 < obj.lr <= FLOAT32_MAX:
+            bad("lr", obj.lr, f"a number > 0 and at most {FLOAT32_MAX:.4g} (float32)")
         if obj.weight_decay < 0:
             bad("weight_decay", obj.weight_decay, "a number >= 0")
+        if obj.momentum < 0:
+            bad("momentum", obj.momentum, "a number >= 0")
+        if not 0 <= obj.min_lr_ratio <= 1:
+            bad("min_lr_ratio", obj.min_lr_ratio, "a fraction of optim.lr in [0, 1]")
         if obj.warmup_steps < 0:
             bad("warmup_steps", obj.warmup_steps, "an integer >= 0")
         if obj.grad_clip is not None and obj.grad_clip < 0:
             bad("grad_clip", obj.grad_clip, "a number >= 0 or null")
-        if len(obj.betas) != 2:
-            bad("betas", obj.betas, "two numbers")
+        if len(obj.betas) != 2 or not all(0 <= b < 1 for b in obj.betas):
+            bad("betas", obj.betas, "two numbers in [0, 1)")
     elif isinstance(obj, ScalingConfig):
         if obj.base_world_size < 1:
             bad("base_world_size", obj.base_world_size, "an integer >= 1")
@@ -491,10 +520,11 @@ def _validate(obj: Any, where: str) -> None:
         if f is not None and not 0 < f <= 1:
             bad("max_memory_fraction", f, "a number in (0, 1] or null")
     elif isinstance(obj, DDPConfig):
-        if obj.bucket_cap_mb <= 0:
-            bad("bucket_cap_mb", obj.bucket_cap_mb, "a number > 0")
-        if obj.timeout_s is not None and not 0 < obj.timeout_s < math.inf:
-            bad("timeout_s", obj.timeout_s, "a finite number of seconds > 0, or null")
+        if not 0 < obj.bucket_cap_mb <= MAX_BUCKET_MB:
+            bad("bucket_cap_mb", obj.bucket_cap_mb, f"a number > 0 and at most {MAX_BUCKET_MB:g}")
+        if obj.timeout_s is not None and not 0 < obj.timeout_s <= MAX_SECONDS:
+            bad("timeout_s", obj.timeout_s,
+                f"seconds > 0 and at most {MAX_SECONDS:.0f} (a year), or null")
     elif isinstance(obj, DataConfig):
         if obj.num_workers < 0:
             bad("num_workers", obj.num_workers, "an integer >= 0")
@@ -518,13 +548,14 @@ def _validate(obj: Any, where: str) -> None:
             bad("check_every_n_steps", obj.check_every_n_steps, "an integer >= 1")
         if not 0 <= obj.check_interval_s <= 10:
             bad("check_interval_s", obj.check_interval_s, "seconds in [0, 10]")
-        if not 0 <= obj.grace_s < math.inf:
-            bad("grace_s", obj.grace_s, "a finite number of seconds >= 0 (0 = no watchdog)")
+        if not 0 <= obj.grace_s <= MAX_SECONDS:
+            bad("grace_s", obj.grace_s,
+                f"seconds from 0 (no watchdog) to {MAX_SECONDS:.0f} (a year)")
     elif isinstance(obj, PhaseConfig):
         if obj.epochs is not None and obj.epochs < 0:
             bad("epochs", obj.epochs, "an integer >= 0")
-        if obj.lr is not None and obj.lr <= 0:
-            bad("lr", obj.lr, "a number > 0")
+        if obj.lr is not None and not 0 < obj.lr <= FLOAT32_MAX:
+            bad("lr", obj.lr, f"a number > 0 and at most {FLOAT32_MAX:.4g} (float32)")
 
 
 def check_free_section(

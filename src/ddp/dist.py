@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import math
 import os
 import socket
 import sys
@@ -21,6 +20,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ddp import backends
+from ddp.config import MAX_SECONDS
 from ddp.env import DistEnv, detect
 from ddp.errors import ConfigError
 
@@ -86,14 +86,15 @@ def _timeout(value: float | timedelta | None) -> timedelta:
             value = float(raw) if raw else DEFAULT_TIMEOUT_S
         except ValueError:
             raise ConfigError(f"DDP_TIMEOUT={raw!r} is not a number of seconds") from None
-    if isinstance(value, timedelta):
-        return value
-    if not 0 < value < math.inf:  # NaN fails both comparisons
+    seconds = value.total_seconds() if isinstance(value, timedelta) else value
+    # NaN fails both comparisons; past MAX_SECONDS, timedelta or torch's C++ milliseconds
+    # overflow (OverflowError, after the config was accepted).
+    if not (isinstance(seconds, int | float) and 0 < seconds <= MAX_SECONDS):
         raise ConfigError(
-            f"timeout={value!r}; allowed: a positive, finite number of seconds "
+            f"timeout={value!r}; allowed: seconds > 0 and at most {MAX_SECONDS:.0f} (a year) "
             "(ddp.init(timeout=...), ddp.timeout_s, or DDP_TIMEOUT)"
         )
-    return timedelta(seconds=float(value))
+    return value if isinstance(value, timedelta) else timedelta(seconds=float(value))
 
 
 def _set_device(device: torch.device) -> None:

@@ -176,29 +176,133 @@ def save_async(
     return extra, written
 
 
-def load_model(directory: Path, model: nn.Module) -> None:
-    """Collective: the model's shards from ``directory``, resharded to this world size."""
+def saved_shapes(directory: Path, prefix: str) -> dict[str, tuple[int, ...]]:
+    """Every tensor's whole (unsharded) shape in a checkpoint, by name under ``prefix``
+    (``model``), from DCP's metadata read with the safe unpickler."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from ddp.errors import ConfigError
+
+    try:
+        metadata = _reader(directory).read_metadata()
+        head = prefix + "."
+        return {
+            fqn[len(head):]: tuple(int(n) for n in meta.size)
+            for fqn, meta in metadata.state_dict_metadata.items()
+            if fqn.startswith(head) and isinstance(meta, TensorStorageMetadata)
+        }
+    except Exception as exc:  # crafted or damaged (its digest was checked: crafted)
+        raise ConfigError(f"checkpoint {str(directory)!r} has unreadable shard metadata "
+                          f"(.metadata: {_first_line(exc)})") from None  # fmt: skip
+
+
+def _first_line(exc: BaseException) -> str:
+    text = (str(exc).strip().splitlines() or [""])[0][:200]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _load(box: dict[str, Any], directory: Path, path: str) -> None:
+    """Collective: DCP's load into ``box``; a failure is one ConfigError line on every
+    rank (DCP raises the same CheckpointException on all): a pickled value the planner
+    refuses, or shards that do not hold what the metadata says."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ddp.errors import ConfigError
+
+    try:
+        dcp.load(box, storage_reader=_reader(directory), planner=_planner())
+    except (Exception, CheckpointException) as exc:
+        failures = getattr(exc, "failures", None)
+        if isinstance(failures, dict) and failures:
+            first = failures[min(failures)]
+            exc = first[0] if isinstance(first, tuple) else first
+        raise ConfigError(f"checkpoint {path!r} cannot be loaded ({_first_line(exc)})") from None
+
+
+def load_model(directory: Path, model: nn.Module, path: str | None = None) -> None:
+    """Collective: the model's shards from ``directory``, resharded to this world size.
+
+    A checkpoint of another model (a name or a whole shape differs) is one ConfigError
+    line naming the first mismatch and both shapes, as for a plain checkpoint
+    (:func:`ddp.checkpoint.check_same_model`); every rank reads the same metadata, so
+    every rank stops with the same line before any collective."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
+    from ddp.checkpoint import check_same_model
+
     msd, _ = state(model, None)
+    check_same_model(saved_shapes(directory, "model"),
+                     {k: tuple(v.shape) for k, v in msd.items()}, path or directory)  # fmt: skip
     box = {"model": msd}
-    dcp.load(box, storage_reader=_reader(directory), planner=_planner())
+    _load(box, directory, path or str(directory))
     set_model_state_dict(model, box["model"])
 
 
 def load_optimizer(
-    directory: Path, model: nn.Module, opt: torch.optim.Optimizer, meta: dict[str, Any]
+    directory: Path, model: nn.Module, opt: torch.optim.Optimizer, meta: dict[str, Any],
+    path: str | None = None,
 ) -> None:
-    """Collective: the optimizer's shards, with its non-tensor values from ``meta``."""
-    import torch.distributed.checkpoint as dcp
+    """Collective: the optimizer's shards, with its non-tensor values from ``meta``.
+
+    Their names and whole shapes are checked against this optimizer's first, and the
+    meta file's param groups against its groups: one ConfigError line on every rank."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     _, osd = state(model, opt)
     assert osd is not None
     tensors, _ = split(osd.get("state", {}))
     box = {"optim": tensors or {}}
-    dcp.load(box, storage_reader=_reader(directory), planner=_planner())
+    _check_optimizer(directory, box["optim"], osd, meta, path or str(directory))
+    _load(box, directory, path or str(directory))
     full = {"state": merge(box["optim"], meta.get("optim_other")) or {},
             "param_groups": meta.get("param_groups") or osd.get("param_groups")}  # fmt: skip
     set_optimizer_state_dict(model, opt, full)
+
+
+def _flat_shapes(tree: Any, prefix: str = "") -> dict[str, tuple[int, ...]]:
+    """DCP's flat names (``a.b.c``) of a nested dict's tensors, with their whole shapes."""
+    out: dict[str, tuple[int, ...]] = {}
+    for k, v in (tree or {}).items():
+        if isinstance(v, dict):
+            out.update(_flat_shapes(v, f"{prefix}{k}."))
+        elif isinstance(v, torch.Tensor):
+            out[f"{prefix}{k}"] = tuple(v.shape)
+    return out
+
+
+def _check_optimizer(directory: Path, tensors: Any, osd: dict[str, Any],
+                     meta: dict[str, Any], path: str) -> None:  # fmt: skip
+    """ConfigError (one line) if the checkpoint's optimizer cannot be this one's."""
+    from ddp.checkpoint import check_like
+    from ddp.errors import ConfigError
+
+    saved = saved_shapes(directory, "optim")
+    try:
+        for name, shape in _flat_shapes(tensors).items():
+            if name not in saved:
+                raise ValueError(f"misses the optimizer state {name!r}")
+            if saved[name] != shape:
+                raise ValueError(f"has the optimizer state {name!r} of shape {saved[name]}; "
+                                 f"allowed: {shape}, as this optimizer has")  # fmt: skip
+        groups, live = meta.get("param_groups"), osd.get("param_groups")
+        if groups is not None and live is not None:
+            check_like(groups, live, "param_groups")
+        _check_plain(meta.get("optim_other"), "optim_other")
+    except ValueError as exc:
+        raise ConfigError(f"checkpoint {path!r} {exc}") from None
+
+
+def _check_plain(tree: Any, name: str) -> None:
+    """ValueError unless every leaf of ``tree`` (the optimizer's non-tensor values) is
+    null, a boolean or a finite number: what optimizers keep besides tensors."""
+    import math
+
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            _check_plain(v, f"{name}.{k}")
+    elif tree is not None and not (
+        type(tree) in (bool, int) or (type(tree) is float and math.isfinite(tree))
+    ):
+        raise ValueError(f"has a bad {name}: {tree!r:.60}; allowed: null, a boolean or a "
+                         "finite number")  # fmt: skip

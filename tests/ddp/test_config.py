@@ -191,3 +191,95 @@ def test_relative_checkpoint_dir_goes_under_the_run_directory(monkeypatch, tmp_p
     assert cfg.override(["training.epochs=2"]).checkpoint.dir == str(tmp_path / "ck")
     monkeypatch.delenv("HPC_RUN_DIR")
     assert TrainConfig.from_dict({"checkpoint": {"dir": "ck"}}).checkpoint.dir == "ck"
+
+
+# ---- issue 24: numbers past what the libraries they reach can hold ---------------------
+@pytest.mark.parametrize(
+    ("assignment", "allowed"),
+    [
+        ("ddp.timeout_s=1e300", "at most 31536000"),
+        ("preemption.grace_s=1e300", "at most|to 31536000"),
+        ("training.seed=1e300", "from -9223372036854775808 to 9223372036854775807"),
+        ("training.seed=-1e300", "out of range"),
+        ("training.batch_size=1e300", "out of range"),
+        ("training.batch_size=9223372036854775807", "from 1 to 2147483647"),
+        ("training.accum=4294967296", "from 1 to 2147483647"),
+        ("training.epochs=1e300", "out of range"),
+        ("training.max_steps=1e19", "out of range"),
+        ("checkpoint.keep_last=1e300", "out of range"),
+        ("optim.lr=1e300", "float32"),
+        ("optim.betas=[2, 0.9]", r"two numbers in \[0, 1\)"),
+        ("optim.momentum=-1", ">= 0"),
+        ("optim.min_lr_ratio=-5", r"\[0, 1\]"),
+        ("optim.min_lr_ratio=2", r"\[0, 1\]"),
+        ("ddp.bucket_cap_mb=1e300", "at most 1e\\+12"),
+    ],
+)
+def test_numbers_that_would_overflow_later_are_one_line(assignment: str, allowed: str) -> None:
+    """Each of these passed the old checks and failed after start-up: an OverflowError,
+    torch's "Overflow when unpacking long", a C++ type error, a silently negative LR."""
+    with pytest.raises(ConfigError, match=allowed) as exc:
+        TrainConfig().override([assignment])
+    assert "\n" not in str(exc.value) and assignment.split("=")[0] in str(exc.value)
+
+
+def _int_fields() -> list[str]:
+    """Every integer key of the config (sections and their dataclasses, phases too)."""
+    import dataclasses
+    import typing
+
+    out = []
+
+    def walk(cls: type, prefix: str) -> None:
+        for f in dataclasses.fields(cls):
+            tp = typing.get_type_hints(cls)[f.name]
+            if typing.get_origin(tp) is list:  # phases: its first element
+                (item,) = typing.get_args(tp)
+                if dataclasses.is_dataclass(item):
+                    walk(item, f"{prefix}{f.name}.0.")
+                continue
+            args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+            if dataclasses.is_dataclass(args[0]):
+                walk(args[0], f"{prefix}{f.name}.")
+            elif args[0] is int:
+                out.append(f"{prefix}{f.name}")
+
+    walk(TrainConfig, "")
+    return out
+
+
+@pytest.mark.parametrize("key", _int_fields())
+def test_no_integer_key_takes_a_number_beyond_64_bits(key: str) -> None:
+    base = TrainConfig.from_dict({"phases": [{"name": "one"}]})
+    for value in ("1e300", str(2**64), str(-(2**64))):
+        with pytest.raises(ConfigError, match="out of range|allowed|not allowed") as exc:
+            base.override([f"{key}={value}"])
+        assert key in str(exc.value)
+
+
+def test_the_collective_timeout_is_bounded_however_it_is_given(monkeypatch) -> None:  # noqa: ANN001
+    from datetime import timedelta
+
+    from ddp.dist import _timeout
+
+    for value in (1e300, timedelta.max, float("nan"), 0, "30"):
+        with pytest.raises(ConfigError, match="at most 31536000"):
+            _timeout(value)  # type: ignore[arg-type]
+    monkeypatch.setenv("DDP_TIMEOUT", "1e300")
+    with pytest.raises(ConfigError, match="at most 31536000"):
+        _timeout(None)
+    assert _timeout(31536000).total_seconds() == 31536000
+
+
+def test_python_m_ddp_with_a_huge_timeout_is_one_line(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from tests.ddp._launch import base_env
+
+    proc = subprocess.run([sys.executable, "-m", "ddp", "uniref50", "--set", "ddp.timeout_s=1e300"],
+                          env=base_env(), capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "ddp.timeout_s" in lines[0], proc.stderr

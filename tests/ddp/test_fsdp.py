@@ -128,6 +128,8 @@ def test_a_two_rank_checkpoint_reshards_to_other_world_sizes(tmp_path: Path, wor
 def test_kill_9_during_sharded_saves_then_resume_matches(tmp_path: Path) -> None:
     """Three kill -9s of both ranks at random moments (a sharded save every step), then a
     resume to the end: the same weights as a run never interrupted."""
+    from ddp import checkpoint as ckpt
+
     full = {"config": _cfg(tmp_path / "full", max_steps=40), "n": 400}
     full["config"]["checkpoint"]["every_n_steps"] = 1
     _ok(_run(full, world=2))
@@ -148,7 +150,7 @@ def test_kill_9_during_sharded_saves_then_resume_matches(tmp_path: Path) -> None
         for p in procs:
             p.wait(timeout=30)
         steps_seen.append(latest.read_text().strip())
-        (tmp_path / "part" / ".lock").unlink(missing_ok=True)  # its owner is gone for sure
+        (tmp_path / "part" / ckpt.LOCK).unlink(missing_ok=True)  # its owner is gone for sure
     assert len(set(steps_seen)) == 3, steps_seen  # every run got further before its kill
     _ok(_run(part, world=2))
     a, b = _final(tmp_path / "full"), _final(tmp_path / "part")
