@@ -26,7 +26,6 @@ import os
 import pickle
 import random
 import re
-import stat
 import tempfile
 import threading
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ddp import _files
 from ddp.dist import unwrap
 
 log = logging.getLogger("ddp")
@@ -489,14 +489,11 @@ def sha256_file(path: Path) -> str:
     """The digest of a regular file, read in chunks; ValueError for anything else (it is
     opened non-blocking, without following a link, and checked like :func:`read_regular`)."""
     sha = hashlib.sha256()
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0)
     try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        raise ValueError(f"{path.name} cannot be read ({exc.strerror or exc})") from None
+        fd, _ = _files.open_regular(path, follow=False)
+    except _files.NotRegular as exc:
+        raise ValueError(f"{path.name} {exc}") from None
     with os.fdopen(fd, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"{path.name} is not a regular file")
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             sha.update(chunk)
     return sha.hexdigest()
@@ -781,38 +778,9 @@ SMALL_FILE = 1 << 16
 
 
 def _open_regular(path: Path, limit: int | None) -> tuple[bytes, os.stat_result]:
-    """(bytes, fstat) of the regular file ``path``; ValueError with a phrase otherwise."""
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0)
-    try:
-        fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
-    except OSError as exc:
-        if os.path.islink(path):
-            raise ValueError("is a symbolic link; allowed: a regular file") from None
-        raise ValueError(f"cannot be read ({exc.strerror or exc})") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            kind = ("a directory" if stat.S_ISDIR(info.st_mode) else
-                    "a named pipe" if stat.S_ISFIFO(info.st_mode) else
-                    "a device or socket")  # fmt: skip
-            raise ValueError(f"is {kind}; allowed: a regular file")
-        if limit is not None and info.st_size > limit:
-            raise ValueError(f"is {info.st_size:,} bytes; allowed: at most {limit:,}")
-        cap = info.st_size if limit is None else limit
-        chunks, total = [], 0
-        while True:
-            try:
-                chunk = os.read(fd, min(1 << 24, cap + 1 - total))
-            except OSError as exc:
-                raise ValueError(f"cannot be read ({exc.strerror or exc})") from None
-            if not chunk:
-                return b"".join(chunks), info
-            chunks.append(chunk)
-            total += len(chunk)
-            if total > cap:
-                raise ValueError("grew while it was read; allowed: a finished file")
-    finally:
-        os.close(fd)
+    """(bytes, fstat) of the regular file ``path``, never following a link
+    (:func:`ddp._files.read_regular`); ValueError with a phrase otherwise."""
+    return _files.read_regular(path, limit, follow=False)
 
 
 def read_regular(path: str | Path, limit: int | None = SMALL_FILE) -> bytes:

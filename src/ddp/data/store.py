@@ -55,6 +55,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from ddp import _files
 from ddp.errors import ConfigError
 
 FORMAT = 1
@@ -74,51 +75,21 @@ log = logging.getLogger("ddp")
 
 # ---- untrusted files: regular files only, never blocking, bounded -------------------------
 def open_regular(path: str | Path, expected: str) -> int:
-    """A read-only descriptor of the regular file ``path``, else one-line ConfigError.
-
-    Stores and FASTA files are untrusted paths: a named pipe would block ``open``
-    forever, a device would never end. The file is opened ``O_NONBLOCK`` (a FIFO opens
-    at once), then ``fstat`` of the open descriptor (no race with a swap) must say
-    regular file; blocking mode is restored for the reads. ``expected`` completes the
-    message ("expected a FASTA file").
-    """
-    where = str(path)
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    """A read-only descriptor of the regular file ``path`` (:func:`ddp._files.open_regular`:
+    a named pipe is refused, not waited on), else one-line ConfigError; ``expected``
+    completes the message ("expected a FASTA file")."""
     try:
-        fd = os.open(path, flags)
-    except FileNotFoundError:
-        raise ConfigError(f"{where!r} does not exist; expected {expected}") from None
-    except OSError as exc:
-        raise ConfigError(f"{where!r}: cannot read it ({exc.strerror}); expected {expected}"
-                          ) from None  # fmt: skip
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = ("a directory" if stat.S_ISDIR(mode) else "a named pipe"
-                    if stat.S_ISFIFO(mode) else "a device or socket, not a regular file")  # fmt: skip
-            raise ConfigError(f"{where!r} is {kind}; expected {expected}")
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+        return _files.open_regular(path)[0]
+    except _files.NotRegular as exc:
+        raise ConfigError(f"{str(path)!r} {exc}; expected {expected}") from None
 
 
 def read_regular(path: str | Path, expected: str, limit: int) -> bytes:
-    """The bytes of the regular file ``path`` (:func:`open_regular`), at most ``limit``."""
-    where = str(path)
-    with os.fdopen(open_regular(path, expected), "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
-        if size > limit:
-            raise ConfigError(f"{where!r} is {size:,} bytes; expected {expected} of at most "
-                              f"{limit:,} bytes")  # fmt: skip
-        try:
-            data = fh.read(limit + 1)
-        except OSError as exc:
-            raise ConfigError(f"{where!r}: cannot read it ({exc.strerror})") from None
-    if len(data) > limit:
-        raise ConfigError(f"{where!r} grew past {limit:,} bytes while read; expected {expected}")
-    return data
+    """The bytes of the regular file ``path``, at most ``limit`` (one-line ConfigError)."""
+    try:
+        return _files.read_regular(path, limit)[0]
+    except _files.NotRegular as exc:
+        raise ConfigError(f"{str(path)!r} {exc}; expected {expected}") from None
 
 
 def _short(value: Any, n: int = 60) -> str:
