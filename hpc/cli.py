@@ -305,11 +305,19 @@ def cmd_cancel(args: argparse.Namespace, command: list[str] | None) -> int:
 
 
 def _console() -> Any:
-    """A rich console, 120 columns wide when output is not a terminal (pipes, tests)."""
+    """A rich console, 120 columns wide when output is not a terminal (pipes, tests).
+
+    Rich answers a closed pipe by exiting 1 itself (``Console.on_broken_pipe``); here
+    the error goes on to ``hpc._pipes``, so ``hpc clusters | head -1`` ends as every
+    other command does (quietly, 141)."""
     from rich.console import Console
 
-    console = Console()
-    return console if console.is_terminal else Console(width=120)
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            raise BrokenPipeError
+
+    console = _Console()
+    return console if console.is_terminal else _Console(width=120)
 
 
 def cmd_clusters(args: argparse.Namespace, command: list[str] | None) -> int:
@@ -370,7 +378,14 @@ def cmd_scale(args: argparse.Namespace, command: list[str] | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``hpc`` and ``python -m hpc``; returns the exit code."""
+    """Entry point of ``hpc`` and ``python -m hpc``; returns the exit code (141, quietly,
+    once the reader of its output is gone: ``hpc logs RUN | head -1``)."""
+    from hpc._pipes import run_main
+
+    return run_main(lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command: list[str] | None = None
     if "--" in argv:
