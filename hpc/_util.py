@@ -156,18 +156,23 @@ MAX_RUN_FILE = 64 * 1024 * 1024
 read with its own bound): a real one is kilobytes; a bigger one is damage or a trap."""
 
 
-def read_regular(path: Path, what: str, limit: int = MAX_RUN_FILE) -> bytes:
-    """The bytes of a regular file, never blocking and never unbounded.
+def open_regular(path: Path, what: str, *, missing_ok: bool = False) -> int | None:
+    """A read-only descriptor of ``path``, never blocking, checked to be a regular file.
 
     Readers of run directories and stores take untrusted paths: a named pipe there
     would block ``open`` forever, a device or ``/dev/zero`` would never end. The file is
     opened ``O_NONBLOCK`` (a FIFO opens at once instead of waiting for a writer), then
-    ``fstat`` on the open descriptor (no race with a swap) must say regular file, and at
-    most ``limit`` bytes are read. Every refusal is one :class:`UserError` line.
+    ``fstat`` on the open descriptor (no race with a swap) must say regular file. The
+    caller closes it and bounds what it reads. Every refusal is one :class:`UserError`
+    line; a missing file is None with ``missing_ok`` (a log not written yet).
     """
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags)
+    except FileNotFoundError as exc:
+        if missing_ok:
+            return None
+        raise UserError(f"{what}: cannot read {str(path)!r}: {exc.strerror}") from None
     except IsADirectoryError:
         raise UserError(f"{what}: {str(path)!r} is a directory; allowed: a regular file") from None
     except OSError as exc:
@@ -178,6 +183,18 @@ def read_regular(path: Path, what: str, limit: int = MAX_RUN_FILE) -> bytes:
             kind = "a directory" if stat.S_ISDIR(info.st_mode) else (
                 "a named pipe" if stat.S_ISFIFO(info.st_mode) else "not a regular file")
             raise UserError(f"{what}: {str(path)!r} is {kind}; allowed: a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: Path, what: str, limit: int = MAX_RUN_FILE) -> bytes:
+    """The bytes of a regular file (:func:`open_regular`), never more than ``limit``."""
+    fd = open_regular(path, what)
+    assert fd is not None  # missing_ok is False: a missing file raised
+    try:
+        info = os.fstat(fd)
         if info.st_size > limit:
             raise UserError(f"{what}: {str(path)!r} is {info.st_size:,} bytes; allowed: at "
                             f"most {limit:,}")  # fmt: skip

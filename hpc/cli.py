@@ -282,10 +282,10 @@ def cmd_logs(args: argparse.Namespace, command: list[str] | None) -> int:
     logs.follow(path, running, sys.stdout, settle_s=2.0)
     final = states[-1] if states else None
     sys.stderr.write(f"hpc: job ended: {final}\n")
-    code = core.exit_code(ident, runs_dir)  # known for a job that ran here
-    if code is not None:
-        return code
-    return 0 if final in (None, "COMPLETED") else 1
+    code = core.exit_code(ident, runs_dir)  # the job's own: its record's or its scheduler's
+    if final in (None, "COMPLETED"):
+        return 0 if code is None else code
+    return code or 1  # never 0 for a job that did not complete (PBS: qdel can say 0)
 
 
 def cmd_report(args: argparse.Namespace, command: list[str] | None) -> int:
