@@ -37,6 +37,12 @@ class Local(Scheduler):
 
         return [], launchers.local(job)
 
+    def template_values(self, job: Job) -> dict[str, Any]:
+        """The signals ``hpc run`` passes on that ask the job to end, for the trap of a
+        sweep's loop (SIGCONT asks nothing)."""
+        asks_to_end = [s for s in _Forward.SIGNALS if s != signal.SIGCONT]
+        return {"stop_signals": " ".join(s.name.removeprefix("SIG") for s in asks_to_end)}
+
     def owns_id(self, job_id: str) -> bool:
         """``local-PID-START`` (older runs: ``local-PID``)."""
         try:

@@ -263,3 +263,31 @@ def test_a_signal_while_the_start_is_recorded_reaches_the_job(name: str, tmp_pat
     finally:  # the old code left `sleep 60` behind in its own session
         with contextlib.suppress(OSError, ValueError):
             os.killpg(int((tmp_path / "pid").read_text()), signal.SIGKILL)
+
+
+SWEEP_TASK = """\
+trap 'echo TERM > "$HPC_RUN_DIR/got"; exit 7' TERM
+touch "$HPC_RUN_DIR/ready"
+for i in $(seq 600); do sleep 0.1; done
+"""
+
+
+def test_hpc_run_of_a_sweep_stops_after_the_signalled_task_with_its_status(tmp_path: Path) -> None:
+    """The sweep's loop is a shell of its own: it must let the running task answer the
+    signal, start no further task, and end with that task's status (it died of the
+    signal before, 143, whatever the task did)."""
+    argv = _hpc("run", "--runs-dir", "runs", "--sweep", "optim.lr=1,2", "--", "bash", "-c",
+                SWEEP_TASK)  # fmt: skip
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        wait_until(lambda: any((tmp_path / "runs").glob("*/*/ready")), 60, "task 0 to start")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    (ready,) = (tmp_path / "runs").glob("*/*/ready")  # task 1 never started
+    assert (ready.parent / "got").read_text() == "TERM\n"
+    assert proc.returncode == 7, err
+    assert (_record(tmp_path)["state"], _record(tmp_path)["exit_code"]) == ("FAILED", 7)
