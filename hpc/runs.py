@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hpc._util import write_atomic
+from hpc._util import read_regular, write_atomic
 from hpc.errors import UserError
 
 RECORD = "run.json"
@@ -201,9 +201,9 @@ def find(ident: str, runs_dir: Path, history: bool = False) -> tuple[Path, dict[
             return candidate, read_record(candidate)
     if runs_dir.is_dir():
         for rec_path in sorted(runs_dir.glob(f"*/{RECORD}"), reverse=True):
-            try:  # a damaged record elsewhere must not hide the run asked for
-                rec = json.loads(rec_path.read_text(encoding="utf-8"))
-            except (OSError, ValueError, RecursionError):
+            try:  # a damaged record elsewhere (or a named pipe) must not hide the run asked for
+                rec = json.loads(read_regular(rec_path, "run"))
+            except (UserError, ValueError, RecursionError):
                 continue
             if not isinstance(rec, dict):
                 continue

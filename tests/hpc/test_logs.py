@@ -437,3 +437,21 @@ def test_status_and_follow_of_an_earlier_local_job_use_its_own_entry(tmp_path: P
     assert (follow.returncode, follow.stdout) == (0, "first\n"), follow.stderr
     follow = _hpc("logs", "-f", str(run), "--runs-dir", str(runs_dir))
     assert (follow.returncode, follow.stdout) == (5, "second\n"), follow.stderr
+
+
+@pytest.mark.parametrize(("command", "out"), [
+    ("logs", "found\n"), ("status", "local-11-1 UNKNOWN\n"),  # ended, no state recorded
+])
+def test_a_named_pipe_as_another_runs_record_does_not_hang_the_job_id_lookup(
+    command: str, out: str, tmp_path: Path
+) -> None:
+    """Looking a job id up reads every run's record: a named pipe there waited for a
+    writer forever. It is skipped like any other record that cannot be read."""
+    runs_dir = tmp_path / "runs"
+    for name in ("a", "z"):
+        (runs_dir / name).mkdir(parents=True)
+    _record(runs_dir / "a", "local", "local-11-1")
+    _touch(runs_dir / "a" / "output.log", "found\n")
+    os.mkfifo(runs_dir / "z" / "run.json")  # read first: newest name first
+    proc = _hpc(command, "local-11-1", "--runs-dir", str(runs_dir))
+    assert (proc.returncode, proc.stdout) == (0, out), proc.stderr
