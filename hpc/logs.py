@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import errno
 import os
 import re
 import time
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TextIO
 
+from hpc._pipes import reader_gone
 from hpc.errors import UserError
 
 if TYPE_CHECKING:
@@ -193,6 +195,10 @@ def follow(
     ``settle_s``: after the job ends, keep reading until the file has not grown for this
     long. A scheduler may append its own last lines (SLURM's ``CANCELLED`` notice) after
     the job's state changed, and a login node on NFS may see the last writes late.
+
+    A reader of ``out`` that left (``| grep -m1 started``) ends the follow at the next
+    poll with ``BrokenPipeError``, as ``tail -f`` does, although the job may write
+    nothing for hours (a write would be the first to notice).
     """
     fh = None
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -207,6 +213,8 @@ def follow(
                 out.write(decoder.decode(b"", final=True))
                 out.flush()
                 return
+            if reader_gone(out):
+                raise BrokenPipeError(errno.EPIPE, "the reader of the output left")
             time.sleep(poll_s)
     finally:
         if fh is not None:

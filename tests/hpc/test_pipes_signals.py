@@ -291,3 +291,27 @@ def test_hpc_run_of_a_sweep_stops_after_the_signalled_task_with_its_status(tmp_p
     assert (ready.parent / "got").read_text() == "TERM\n"
     assert proc.returncode == 7, err
     assert (_record(tmp_path)["state"], _record(tmp_path)["exit_code"]) == ("FAILED", 7)
+
+
+def test_hpc_logs_follow_ends_when_its_reader_leaves_though_the_job_writes_nothing(
+    tmp_path: Path,
+) -> None:
+    """`hpc logs -f RUN | grep -m1 started`: grep leaves at once, the job goes on
+    quietly for hours; hpc must notice its reader is gone (as tail -f does) instead of
+    following until the job ends."""
+    job = subprocess.Popen(_hpc("run", "--runs-dir", "runs", "--", "bash", "-c",
+                                "echo started; sleep 600"),
+                           cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        def started() -> bool:
+            found = list((tmp_path / "runs").glob("*/output.log"))
+            return bool(found) and "started" in found[0].read_text()
+
+        wait_until(started, 60, "the job to start")
+        (run,) = (tmp_path / "runs").iterdir()
+        line, rc, err = _head_1(_hpc("logs", "-f", str(run)), tmp_path)
+        assert (line, rc, err) == ("started\n", SIGPIPE_EXIT, "")
+    finally:
+        job.send_signal(signal.SIGTERM)  # passed on to the job: it ends
+        job.wait(timeout=60)
