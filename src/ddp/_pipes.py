@@ -16,6 +16,7 @@ The login side (``hpc``) never imports ``ddp`` and this side never imports ``hpc
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import select
 import signal
@@ -78,6 +79,22 @@ def run_main(main: Callable[[], int]) -> int:
         for stream in (sys.stdout, sys.stderr):
             detach(stream)  # both: the exit flush of either must not print or fail
         return SIGPIPE_EXIT
+
+
+class OutputHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """A log handler for stdout that goes quiet once nobody reads it.
+
+    ``logging`` answers a failed write with a traceback on stderr per record, so
+    ``python -m ddp RECIPE | head -1`` printed one for every log line of the run. The
+    run goes on instead (metrics and checkpoints are files; only the echo is lost), as
+    ``hpc run`` keeps a job going when its own stdout goes away.
+    """
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        if reader_gone(self.stream):
+            detach(self.stream)  # later records and the buffered rest go nowhere, quietly
+            return
+        super().handleError(record)
 
 
 def default_sigpipe() -> None:

@@ -315,3 +315,22 @@ def test_hpc_logs_follow_ends_when_its_reader_leaves_though_the_job_writes_nothi
     finally:
         job.send_signal(signal.SIGTERM)  # passed on to the job: it ends
         job.wait(timeout=60)
+
+
+def test_training_whose_stdout_reader_left_goes_on_quietly(tmp_path: Path) -> None:
+    """`python -m ddp RECIPE | head -1`: the trainer logs to stdout; logging printed a
+    traceback per record once the reader left. The run goes on quietly instead (its
+    metrics and checkpoints are files: only the echo is lost) and exits 0."""
+    import importlib.util
+
+    from tests.support.parts import require
+
+    require(importlib.util.find_spec("torch") is not None, "torch is not installed")
+    argv = [sys.executable, "-m", "ddp", "gnn", "--max_steps", "6", "--set",
+            "logging.every_n_steps=1", "checkpoint.dir=" + str(tmp_path / "ck")]
+    proc = _quiet_exit(argv, tmp_path)  # no reader from the first line on
+    err = proc.stderr
+    assert proc.returncode == 0 and "Traceback" not in err and "Logging error" not in err, err
+    steps = [json.loads(ln)["step"] for ln in (tmp_path / "ck" / "metrics.jsonl").open()
+             if "loss" in ln]  # fmt: skip
+    assert steps and max(steps) == 6
