@@ -163,19 +163,19 @@ def _tee(source: IO[bytes], sink: IO[bytes], log: Path) -> None:
 
     Each side may fail on its own: stdout's reader gone (``hpc run | head -1``, a pager
     quit early), a hung-up terminal, the log's disk full. The failed side is dropped,
-    once and with one line unless it is a reader that left (coreutils' tee stays quiet
-    there too), and the other goes on getting every byte: the job is never blocked or
-    killed by SIGPIPE because hpc stopped reading, and its log holds all it wrote.
+    with one line unless it is a reader that left (quiet, as ``tee -p`` is), and the
+    other goes on getting every byte: the job is never blocked or killed by SIGPIPE
+    because hpc stopped reading, and its log holds all it wrote.
     """
     out = getattr(sys.stdout, "buffer", None)
     echo = sys.stdout is not None
-    logging = True
+    to_log = True
     for chunk in iter(lambda: source.read1(65536), b""):  # type: ignore[attr-defined]
-        if logging:
+        if to_log:
             try:
                 _write_all(sink, chunk)  # unbuffered: `hpc logs -f` reads it while it runs
             except OSError as exc:
-                logging = False
+                to_log = False
                 _say(f"hpc: cannot write the log {str(log)!r}: {exc.strerror}; the job goes "
                      "on, its output only here")  # fmt: skip
         if echo:
