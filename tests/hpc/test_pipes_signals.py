@@ -62,6 +62,7 @@ def _head_1(argv: list[str], cwd: Path) -> tuple[str, int, str]:
     finally:
         proc.kill()
         proc.wait()
+        _end_job(cwd)  # an `hpc run` that failed left its job
     return line, rc, err
 
 
@@ -155,6 +156,14 @@ def _record(tmp_path: Path) -> dict:
     return json.loads(rec.read_text())
 
 
+def _end_job(tmp_path: Path) -> None:
+    """Kill what a failed test left running: the job has its own session (hpc's pid is
+    not the job's), recorded as ``local-PID-START``."""
+    for rec in (tmp_path / "runs").glob("*/run.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError, AttributeError):
+            os.killpg(int(json.loads(rec.read_text())["job_id"].split("-")[1]), signal.SIGKILL)
+
+
 def _log_lines(tmp_path: Path) -> list[str]:
     (log,) = (tmp_path / "runs").glob("*/output.log")
     return log.read_text().splitlines()
@@ -230,6 +239,7 @@ def test_hpc_run_passes_signals_to_the_job_and_exits_with_its_status(
     finally:
         proc.kill()
         proc.wait()
+        _end_job(tmp_path)
     assert (tmp_path / "got").read_text() == f"{name}\n"
     assert proc.returncode == 7 and "never" not in out, err
     rec = _record(tmp_path)
@@ -287,6 +297,7 @@ def test_hpc_run_of_a_sweep_stops_after_the_signalled_task_with_its_status(tmp_p
     finally:
         proc.kill()
         proc.wait()
+        _end_job(tmp_path)
     (ready,) = (tmp_path / "runs").glob("*/*/ready")  # task 1 never started
     assert (ready.parent / "got").read_text() == "TERM\n"
     assert proc.returncode == 7, err
@@ -334,3 +345,38 @@ def test_training_whose_stdout_reader_left_goes_on_quietly(tmp_path: Path) -> No
     steps = [json.loads(ln)["step"] for ln in (tmp_path / "ck" / "metrics.jsonl").open()
              if "loss" in ln]  # fmt: skip
     assert steps and max(steps) == 6
+
+
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM], ids=lambda s: s.name)
+def test_hpc_run_of_the_trainer_passes_the_preemption_signal_on(
+    signum: signal.Signals, tmp_path: Path
+) -> None:
+    """The issue's case: SIGUSR1 or SIGTERM to `hpc run` of a training run. The trainer
+    gets it, saves its checkpoint and exits 75; hpc records and returns that status."""
+    import importlib.util
+
+    from tests.support.parts import require
+
+    require(importlib.util.find_spec("torch") is not None, "torch is not installed")
+    ck = tmp_path / "ck"
+    argv = _hpc("run", "--runs-dir", "runs", "--", sys.executable, "-m", "ddp", "gnn",
+                "--epochs", "100000", "--set", "logging.every_n_steps=1",
+                f"checkpoint.dir={ck}")  # fmt: skip
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        def stepping() -> bool:  # the trainer's metrics go to its run directory
+            found = list((tmp_path / "runs").glob("*/metrics.jsonl"))
+            return bool(found) and '"loss"' in found[0].read_text()
+
+        wait_until(stepping, 120, "the trainer's first logged step")
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.wait()
+        _end_job(tmp_path)
+    assert proc.returncode == 75, err
+    assert list(ck.glob("step_*.pt")), "no checkpoint saved on the signal"
+    rec = _record(tmp_path)
+    assert (rec["state"], rec["exit_code"]) == ("FAILED", 75)
