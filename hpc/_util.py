@@ -160,19 +160,25 @@ MAX_RUN_FILE = 64 * 1024 * 1024
 read with its own bound): a real one is kilobytes; a bigger one is damage or a trap."""
 
 
-def open_regular(path: Path, what: str) -> BinaryIO:
+def open_regular(path: Path, what: str, *, missing_ok: bool = False) -> BinaryIO | None:
     """``path`` opened for reading in binary, only if it is a regular file; never blocks.
 
     Readers of run directories and stores take untrusted paths: a named pipe there
     would block ``open`` forever, a device or ``/dev/zero`` would never end. The file is
     opened ``O_NONBLOCK`` (a FIFO opens at once instead of waiting for a writer), then
     ``fstat`` on the open descriptor (no race with a swap) must say regular file. For a
-    reader that streams (a long ``metrics.jsonl``); :func:`read_regular` reads whole.
-    Every refusal is one :class:`UserError` line.
+    reader that streams (a long ``metrics.jsonl``, a log being followed), which bounds
+    what it reads; :func:`read_regular` reads whole. Every refusal is one
+    :class:`UserError` line; a missing file is None with ``missing_ok`` (a log not
+    written yet).
     """
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags)
+    except FileNotFoundError as exc:
+        if missing_ok:
+            return None
+        raise UserError(f"{what}: cannot read {str(path)!r}: {exc.strerror}") from None
     except IsADirectoryError:
         raise UserError(f"{what}: {str(path)!r} is a directory; allowed: a regular file") from None
     except OSError as exc:
@@ -190,31 +196,22 @@ def open_regular(path: Path, what: str) -> BinaryIO:
 
 
 def read_regular(path: Path, what: str, limit: int = MAX_RUN_FILE) -> bytes:
-    """The bytes of a regular file, never blocking and never unbounded.
-
-    Opened by :func:`open_regular` (regular files only, non-blocking), and at most
-    ``limit`` bytes are read. Every refusal is one :class:`UserError` line.
-    """
-    with open_regular(path, what) as fh:
+    """The bytes of a regular file (:func:`open_regular`), never more than ``limit``."""
+    fh = open_regular(path, what)
+    assert fh is not None  # missing_ok is False: a missing file raised
+    with fh:
         size = os.fstat(fh.fileno()).st_size
         if size > limit:
             raise UserError(f"{what}: {str(path)!r} is {size:,} bytes; allowed: at "
                             f"most {limit:,}")  # fmt: skip
-        chunks: list[bytes] = []
-        total = 0
-        while True:
-            try:
-                chunk = fh.read(min(1 << 20, limit + 1 - total))
-            except OSError as exc:
-                raise UserError(f"{what}: cannot read {str(path)!r}: {exc.strerror}") from None
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-            if total > limit:
-                raise UserError(f"{what}: {str(path)!r} grew past {limit:,} bytes while "
-                                "being read; allowed: a finished file")  # fmt: skip
-        return b"".join(chunks)
+        try:
+            data = fh.read(limit + 1)
+        except OSError as exc:
+            raise UserError(f"{what}: cannot read {str(path)!r}: {exc.strerror}") from None
+        if len(data) > limit:
+            raise UserError(f"{what}: {str(path)!r} grew past {limit:,} bytes while "
+                            "being read; allowed: a finished file")  # fmt: skip
+        return data
 
 
 def write_atomic(path: Path, text: str | bytes, what: str = "--output") -> None:

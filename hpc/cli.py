@@ -282,10 +282,10 @@ def cmd_logs(args: argparse.Namespace, command: list[str] | None) -> int:
     logs.follow(path, running, sys.stdout, settle_s=2.0)
     final = states[-1] if states else None
     sys.stderr.write(f"hpc: job ended: {final}\n")
-    code = core.exit_code(ident, runs_dir)  # known for a job that ran here
-    if code is not None:
-        return code
-    return 0 if final in (None, "COMPLETED") else 1
+    code = core.exit_code(ident, runs_dir)  # the job's own: its record's or its scheduler's
+    if final in (None, "COMPLETED"):
+        return 0 if code is None else code
+    return code or 1  # never 0 for a job that did not complete (PBS: qdel can say 0)
 
 
 def cmd_report(args: argparse.Namespace, command: list[str] | None) -> int:
@@ -310,11 +310,18 @@ def _console() -> Any:
     Markup is off: what the commands print is the user's text (run and profile names,
     queue names, paths, sweep labels), and ``[/x]`` in it raised ``MarkupError`` while
     ``[bold]`` restyled it. Styles are given as ``rich.text.Text`` objects instead.
-    """
+
+    Rich answers a closed pipe by exiting 1 itself (``Console.on_broken_pipe``); here
+    the error goes on to ``hpc._pipes``, so ``hpc clusters | head -1`` ends as every
+    other command does (quietly, 141)."""
     from rich.console import Console
 
-    console = Console(markup=False)
-    return console if console.is_terminal else Console(width=120, markup=False)
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            raise BrokenPipeError
+
+    console = _Console(markup=False)
+    return console if console.is_terminal else _Console(width=120, markup=False)
 
 
 def cmd_clusters(args: argparse.Namespace, command: list[str] | None) -> int:
@@ -377,7 +384,14 @@ def cmd_scale(args: argparse.Namespace, command: list[str] | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``hpc`` and ``python -m hpc``; returns the exit code."""
+    """Entry point of ``hpc`` and ``python -m hpc``; returns the exit code (141, quietly,
+    once the reader of its output is gone: ``hpc logs RUN | head -1``)."""
+    from hpc._pipes import run_main
+
+    return run_main(lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command: list[str] | None = None
     if "--" in argv:

@@ -295,9 +295,10 @@ def locate(ident: str, runs_dir: Path, cluster: str | None = None
 
     if not ident.strip() or any(c in ident for c in ", \t\n"):
         raise UserError(f"id: {ident!r}; allowed: one run directory, run name or job id")
-    found = runs.find(ident, runs_dir)
+    found = runs.find(ident, runs_dir, history=True)
     if found is not None:
-        run_dir, rec = found
+        run_dir = found[0]
+        rec = runs.job_entry(found[1], ident)  # an earlier job of a resumed run: that one
         if not rec.get("job_id"):
             raise UserError(f"id: {ident!r} names a run that has no job id (submit failed: "
                             f"{rec.get('error', 'unknown')})")
@@ -340,12 +341,13 @@ def status(ident: str, runs_dir: Path, cluster: str | None = None) -> tuple[str,
 
 
 def exit_code(ident: str, runs_dir: Path) -> int | None:
-    """The exit code a run's record holds (jobs that ran here to the end), else None."""
-    from hpc import runs
-
-    found = runs.find(ident, runs_dir)
-    code = found[1].get("exit_code") if found else None
-    return code if isinstance(code, int) and not isinstance(code, bool) else None
+    """The exit code of a job that ended: its record's (a job that ran here to the
+    end), else its scheduler's; None when neither can say."""
+    job_id, scheduler, rec = locate(ident, runs_dir)
+    code = (rec or {}).get("exit_code")
+    if isinstance(code, int) and not isinstance(code, bool):
+        return code
+    return scheduler.exit_code(job_id)
 
 
 def task_states(ident: str, runs_dir: Path) -> list[tuple[str, str, JobState]]:

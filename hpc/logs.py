@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import errno
 import os
 import re
 import time
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TextIO
 
+from hpc._pipes import reader_gone
 from hpc.errors import UserError
 
 if TYPE_CHECKING:
@@ -193,6 +195,10 @@ def follow(
     ``settle_s``: after the job ends, keep reading until the file has not grown for this
     long. A scheduler may append its own last lines (SLURM's ``CANCELLED`` notice) after
     the job's state changed, and a login node on NFS may see the last writes late.
+
+    A reader of ``out`` that left (``| grep -m1 started``) ends the follow at the next
+    poll with ``BrokenPipeError``, as ``tail -f`` does, although the job may write
+    nothing for hours (a write would be the first to notice).
     """
     fh = None
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -207,6 +213,8 @@ def follow(
                 out.write(decoder.decode(b"", final=True))
                 out.flush()
                 return
+            if reader_gone(out):
+                raise BrokenPipeError(errno.EPIPE, "the reader of the output left")
             time.sleep(poll_s)
     finally:
         if fh is not None:
@@ -246,12 +254,15 @@ def _reopen_if_replaced(
             return fh
         _drain(fh, decoder, out)  # the rest of the rotated file first
         fh.close()
-    try:
-        return open(path, "rb")  # noqa: SIM115 - closed by follow
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise UserError(f"logs: cannot read {str(path)!r}: {exc.strerror}") from None
+    return _open_log(path)
+
+
+def _open_log(path: Path) -> Any:
+    """The log opened for reading, None while it does not exist; a named pipe (whose
+    ``open`` would wait for a writer forever) or a device is refused (``open_regular``)."""
+    from hpc._util import open_regular
+
+    return open_regular(path, "logs", missing_ok=True)  # closed by the caller
 
 
 def _drain(fh: Any, decoder: codecs.IncrementalDecoder, out: TextIO) -> None:
@@ -264,14 +275,23 @@ def _drain(fh: Any, decoder: codecs.IncrementalDecoder, out: TextIO) -> None:
 
 
 def print_log(path: Path, out: TextIO) -> None:
-    """Print a finished job's log (``hpc logs`` without ``-f``)."""
-    if not path.is_file():
-        if path.exists():  # a folder (or a FIFO) where the log should be
-            raise UserError(f"logs: {str(path)!r} is not a file; allowed: a job log "
-                            "(move what is there out of the way)")  # fmt: skip
+    """Print a job's log as it is now (``hpc logs`` without ``-f``).
+
+    Bounded by the size the log has when opened: a job that writes faster than the
+    terminal reads would otherwise keep this going for as long as it runs (``-f`` is
+    for that)."""
+    fh = _open_log(path)
+    if fh is None:
         raise UserError(f"logs: {str(path)!r} does not exist yet (the job has not started?); "
                         "allowed: hpc logs -f to wait for it")  # fmt: skip
-    follow(path, lambda: False, out)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    with fh:
+        left = os.fstat(fh.fileno()).st_size
+        while left > 0 and (chunk := fh.read(min(65536, left))):
+            left -= len(chunk)
+            out.write(decoder.decode(chunk))
+    out.write(decoder.decode(b"", final=True))
+    out.flush()
 
 
 def locate(ident: str, runs_dir: Path) -> tuple[Path, str | None]:
@@ -279,7 +299,7 @@ def locate(ident: str, runs_dir: Path) -> tuple[Path, str | None]:
     None: the latest), or a job id, an array task's included (``12345_3``, ``123[3].server``)."""
     from hpc import runs
 
-    found = runs.find(ident, runs_dir)
+    found = runs.find(ident, runs_dir, history=True)  # a resumed run's earlier jobs too
     if found is not None:
         run_dir, record = found
         is_job = ident.strip() not in (str(run_dir), run_dir.name) and not Path(ident).is_dir()
@@ -289,7 +309,7 @@ def locate(ident: str, runs_dir: Path) -> tuple[Path, str | None]:
     if key is not None and key[1] is not None:  # a task: find the array's run by its number
         with contextlib.suppress(UserError):
             for candidate in (key[0], *(s.array_of(ident.strip()) for s in known)):
-                found = runs.find(candidate, runs_dir) if candidate else None
+                found = runs.find(candidate, runs_dir, history=True) if candidate else None
                 if found is not None:
                     return found[0], ident.strip()
     raise UserError(f"logs: {ident!r} is neither a run directory nor a job id of a run under "

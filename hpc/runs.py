@@ -225,8 +225,9 @@ def _check_record(record: dict[str, Any], path: Path) -> None:
                             "record written by hpc submit --sweep")  # fmt: skip
 
 
-def find(ident: str, runs_dir: Path) -> tuple[Path, dict[str, Any]] | None:
-    """A run directory given by path, by name under ``runs_dir``, or by its job id."""
+def find(ident: str, runs_dir: Path, history: bool = False) -> tuple[Path, dict[str, Any]] | None:
+    """A run directory given by path, by name under ``runs_dir``, or by its job id;
+    ``history``: also by the id of an earlier submission (``--resume``) of the run."""
     if not ident.strip():
         raise UserError("id: empty; allowed: a run directory, its name, or a job id")
     for candidate in (Path(ident), runs_dir / ident):
@@ -244,7 +245,24 @@ def find(ident: str, runs_dir: Path) -> tuple[Path, dict[str, Any]] | None:
                 continue
             if not isinstance(rec, dict):
                 continue
-            job_id = str(rec.get("job_id") or "")
-            if job_id and (job_id == ident or job_id.split(".")[0] == ident):
+            earlier = rec.get("submissions") if history else None
+            entries = [*(earlier if isinstance(earlier, list) else []), rec]
+            if any(_has_id(e, ident) for e in entries):
                 return rec_path.parent, _load(rec_path)  # the one asked for: checked
     return None
+
+
+def job_entry(record: dict[str, Any], ident: str) -> dict[str, Any]:
+    """The entry of ``record`` (itself or an earlier submission) whose job ``ident`` is;
+    the record itself, its latest job, when ``ident`` names the run rather than a job."""
+    earlier = record.get("submissions")
+    for entry in [record, *reversed(earlier if isinstance(earlier, list) else [])]:
+        if _has_id(entry, ident):
+            return entry
+    return record
+
+
+def _has_id(entry: Any, ident: str) -> bool:
+    """Whether a record's entry is the job ``ident`` (PBS: also its number alone)."""
+    job_id = str(entry.get("job_id") or "") if isinstance(entry, dict) else ""
+    return bool(job_id) and (job_id == ident or job_id.split(".")[0] == ident)

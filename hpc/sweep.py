@@ -374,7 +374,7 @@ def shell(run_dir: Path, task: SweepTask) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None = None) -> int:
     """``python -m hpc.sweep shell RUN_DIR [--index N]``: what an array task evals::
 
         task=$(python -m hpc.sweep shell "$HPC_RUN_DIR") || exit 2
@@ -405,6 +405,13 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"hpc sweep: error: {exc}\n")
         return exc.exit_code
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """:func:`_main`, ending quietly (141) when nobody reads its output (``hpc._pipes``)."""
+    from hpc._pipes import run_main
+
+    return run_main(lambda: _main(argv))
 
 
 if __name__ == "__main__":

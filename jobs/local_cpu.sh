@@ -6,4 +6,4 @@ set -eo pipefail
 
 export OMP_NUM_THREADS=1
 
-torchrun --standalone --nnodes 1 --nproc_per_node 2 -m ddp dpo --config configs/dpo.yaml
+exec torchrun --standalone --nnodes 1 --nproc_per_node 2 -m ddp dpo --config configs/dpo.yaml

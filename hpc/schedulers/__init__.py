@@ -196,6 +196,12 @@ class Scheduler:
         """Ask the scheduler to end the job (SchedulerError when it refuses)."""
         raise NotImplementedError
 
+    def exit_code(self, job_id: str) -> int | None:
+        """The exit code of a job that ended, as a shell reports it (128+N for a job
+        signal N ended), from what the scheduler keeps of it; None when it cannot say
+        (``hpc logs -f`` then goes by the state alone)."""
+        return None
+
 
 _NAME = r"^[a-z][a-z0-9_]*\Z"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import signal
@@ -10,8 +11,9 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
+from hpc._pipes import detach, reader_gone
 from hpc.errors import UserError
 from hpc.schedulers import JobState, Scheduler, Submission
 
@@ -35,6 +37,12 @@ class Local(Scheduler):
         from hpc import launchers
 
         return [], launchers.local(job)
+
+    def template_values(self, job: Job) -> dict[str, Any]:
+        """The signals ``hpc run`` passes on that ask the job to end, for the trap of a
+        sweep's loop (SIGCONT asks nothing)."""
+        asks_to_end = [s for s in _Forward.SIGNALS if s != signal.SIGCONT]
+        return {"stop_signals": " ".join(s.name.removeprefix("SIG") for s in asks_to_end)}
 
     def owns_id(self, job_id: str) -> bool:
         """``local-PID-START`` (older runs: ``local-PID``)."""
@@ -65,35 +73,30 @@ class Local(Scheduler):
         and ``hpc cancel`` work while it runs. The id is ``local-PID-START``: START is
         the process's start time (clock ticks since boot, /proc/PID/stat), so a later
         cancel can tell the run from an unrelated process that reused the pid.
+
+        The job outlives anything that happens to hpc's own output (:func:`_tee`) and
+        gets the signals sent to hpc (:class:`_Forward`), so the exit code returned and
+        recorded is always the job's own.
         """
         from hpc.runs import create_free
 
         log = create_free(Path(run_dir), "output", ".log")  # a resumed run keeps older logs
-        with log.open("wb") as sink:
+        with open(log, "wb", buffering=0) as sink, _Forward() as forward:
             # Its own session: `hpc cancel` signals the whole job (srun-like), not only bash.
             proc = subprocess.Popen(
                 self.submit_command(script), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+            forward.to(proc.pid)  # before anything else: a signal from now on is the job's
             job_id = f"local-{proc.pid}-{_start_ticks(proc.pid)}"
             if on_start is not None:
                 on_start(job_id)
             assert proc.stdout is not None
-            out = sys.stdout.buffer if hasattr(sys.stdout, "buffer") else None
-            old = _forward_signals(proc.pid)  # Ctrl-C and kills reach the job's session
-            try:
-                for chunk in iter(lambda: proc.stdout.read1(65536), b""):  # type: ignore[union-attr]
-                    sink.write(chunk)
-                    sink.flush()  # `hpc logs -f` reads the log while the job runs
-                    if out is not None:
-                        out.write(chunk)
-                        out.flush()
-                    else:
-                        sys.stdout.write(chunk.decode(errors="replace"))
-                rc = proc.wait()
-            finally:
-                for signum, handler in old.items():
-                    signal.signal(signum, handler)
+            _tee(proc.stdout, sink, log)
+            # Wait without reaping: while the job is a zombie its pid (the group's id)
+            # cannot be reused, so a signal forwarded until here reaches no stranger.
+            os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+        rc = proc.wait()
         # killed by signal N: 128+N, as a shell says
         return Submission(job_id, exit_code=128 - rc if rc < 0 else rc)
 
@@ -110,22 +113,102 @@ class Local(Scheduler):
         os.killpg(pid, signal.SIGTERM)  # the job's session leader: every process of the job
 
 
-def _forward_signals(pgid: int) -> dict[int, Any]:
-    """Pass SIGINT, SIGTERM and SIGHUP on to the job's process group while it runs.
+class _Forward:
+    """Pass the signals sent to ``hpc run`` on to the job's process group while it runs.
 
     The job has its own session (so ``hpc cancel`` can signal all of it), which also
-    means a terminal's Ctrl-C no longer reaches it directly. Forwarding keeps the job's
-    own reaction (the trainer checkpoints on SIGTERM) and ``hpc run`` waits for it."""
+    means a terminal's Ctrl-C, a hang-up or a batch system's warning signal no longer
+    reaches it directly; without forwarding, hpc died of them (SIGUSR1's default is to
+    terminate) and the job ran on with nobody reading its output. The list is srun's,
+    which forwards these to its tasks. The handlers are in place before the job exists:
+    a signal that comes earlier waits for it (:meth:`to`); one that comes when no job
+    could be started is taken by hpc itself, as it would have been without a job.
+    """
 
-    def forward(signum: int, frame: Any) -> None:
+    SIGNALS = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGUSR1,
+               signal.SIGUSR2, signal.SIGALRM, signal.SIGCONT)  # fmt: skip
+
+    def __init__(self) -> None:
+        self.pgid: int | None = None
+        self.pending: list[int] = []
+        self.old: dict[int, Any] = {}
+
+    def __enter__(self) -> _Forward:
+        for signum in self.SIGNALS:
+            with contextlib.suppress(ValueError):  # not the main thread: nothing to forward
+                self.old[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.pgid is None:
+            self.pending.append(signum)
+            return
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signum)
+            os.killpg(self.pgid, signum)
 
-    old: dict[int, Any] = {}
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        with contextlib.suppress(ValueError):  # not the main thread: nothing to forward
-            old[signum] = signal.signal(signum, forward)
-    return old
+    def to(self, pgid: int) -> None:
+        """Forward to ``pgid`` from now on, first what came before it existed."""
+        self.pgid = pgid
+        while self.pending:
+            self._handle(self.pending.pop(0), None)
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self.old.items():
+            signal.signal(signum, handler)
+        if self.pgid is None and self.pending:  # no job took them: they were hpc's
+            signal.raise_signal(self.pending[0])
+
+
+def _tee(source: IO[bytes], sink: IO[bytes], log: Path) -> None:
+    """Copy the job's output to its log and to hpc's stdout until the job closes it.
+
+    Each side may fail on its own: stdout's reader gone (``hpc run | head -1``, a pager
+    quit early), a hung-up terminal, the log's disk full. The failed side is dropped,
+    with one line unless it is a reader that left (quiet, as ``tee -p`` is), and the
+    other goes on getting every byte: the job is never blocked or killed by SIGPIPE
+    because hpc stopped reading, and its log holds all it wrote.
+    """
+    out = getattr(sys.stdout, "buffer", None)
+    echo = sys.stdout is not None
+    to_log = True
+    for chunk in iter(lambda: source.read1(65536), b""):  # type: ignore[attr-defined]
+        if to_log:
+            try:
+                _write_all(sink, chunk)  # unbuffered: `hpc logs -f` reads it while it runs
+            except OSError as exc:
+                to_log = False
+                _say(f"hpc: cannot write the log {str(log)!r}: {exc.strerror}; the job goes "
+                     "on, its output only here")  # fmt: skip
+        if echo:
+            try:
+                if out is not None:
+                    out.write(chunk)
+                    out.flush()
+                else:
+                    sys.stdout.write(chunk.decode(errors="replace"))
+            except OSError as exc:
+                echo = False
+                if not reader_gone(sys.stdout):
+                    _say(f"hpc: cannot write to stdout: {exc.strerror}; the job goes on, "
+                         f"its log: {str(log)!r}")  # fmt: skip
+                detach(sys.stdout)  # what is still buffered goes nowhere, without an error
+
+
+def _write_all(fh: IO[bytes], data: bytes) -> None:
+    """All of ``data`` to an unbuffered file (a write may take part of it)."""
+    view = memoryview(data)
+    while view:
+        written = fh.write(view)
+        if not written:
+            raise OSError(errno.EIO, "the log took no more bytes")
+        view = view[written:]
+
+
+def _say(line: str) -> None:
+    """One line on stderr, unless stderr is gone too (then there is nobody to tell)."""
+    with contextlib.suppress(OSError):
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
 
 
 def _parse(job_id: str) -> tuple[int, int | None]:

@@ -391,6 +391,19 @@ class PBS(Scheduler):
         found = query([job_id]).get(job_id)
         return JobState(found["State"]) if found else JobState.UNKNOWN
 
+    def exit_code(self, job_id: str) -> int | None:
+        """``Exit_status`` (``qstat -x``): the script's code below 256, 256+N for a job
+        that signal N ended (128+N here, as a shell says it); PBS's own negative codes
+        (``-29``: walltime) are no exit code of the job, so None."""
+        found = query([job_id]).get(job_id) or {}
+        try:
+            status = int(found.get("Exit_status", ""))
+        except ValueError:
+            return None
+        if status < 0:
+            return None
+        return 128 + status - 256 if status >= 256 else status
+
     def cancel(self, job_id: str) -> None:
         """``qdel ID``."""
         proc = run(["qdel", job_id])

@@ -153,6 +153,27 @@ class Slurm(Scheduler):
                     return state
         return JobState.UNKNOWN
 
+    def exit_code(self, job_id: str) -> int | None:
+        """``ExitCode=CODE:SIGNAL`` from scontrol, else sacct (``-c``: the jobcomp log)
+        once the controller forgot the job. An array's is its worst task's (scontrol
+        shows a record per task)."""
+        proc = run(["scontrol", "show", "job", job_id])
+        shown = proc.stdout if proc.returncode == 0 else ""
+        pairs = re.findall(r"(?<![A-Za-z])ExitCode=([0-9]+):([0-9]+)", shown)  # not Derived...
+        for argv in (
+            ["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "ExitCode"],
+            ["sacct", "-c", "-n", "-P", "-j", job_id, "-o", "ExitCode"],
+        ):
+            if pairs:
+                break
+            proc = run(argv)
+            lines = [ln.strip() for ln in proc.stdout.splitlines() if ln.strip()]
+            last = re.fullmatch(r"([0-9]+):([0-9]+)", lines[-1]) if lines else None
+            if proc.returncode == 0 and last:  # a requeued job: its last run is the last line
+                pairs = [last.groups()]
+        codes = [128 + int(sig) if int(sig) else int(code) for code, sig in pairs]
+        return max(codes) if codes else None
+
     def cancel(self, job_id: str) -> None:
         """``scancel -v ID``; a refusal is a SchedulerError with scancel's own line.
 

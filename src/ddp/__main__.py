@@ -53,6 +53,14 @@ def _wants_help(argv: Sequence[str]) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command; 141, quietly, once nobody reads its output (``ddp._pipes``), but
+    for a training run, which goes on without its echo and ends with its own status."""
+    from ddp._pipes import run_main
+
+    return run_main(lambda: _main(argv))
+
+
+def _main(argv: Sequence[str] | None) -> int:
     from ddp import recipes
 
     argv = list(sys.argv[1:] if argv is None else argv)

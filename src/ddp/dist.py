@@ -20,6 +20,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ddp import backends
+from ddp._pipes import OutputHandler
 from ddp.config import MAX_SECONDS
 from ddp.env import DistEnv, detect
 from ddp.errors import ConfigError
@@ -70,7 +71,7 @@ def setup_logging(rank: int, level: int = logging.INFO) -> None:
     """
     if log.handlers:
         return
-    handler = logging.StreamHandler(sys.stdout)
+    handler = OutputHandler(sys.stdout)  # quiet once stdout's reader left (ddp._pipes)
     prefix = "" if rank == 0 else f"[rank {rank}] "
     handler.setFormatter(logging.Formatter(prefix + "%(message)s"))
     log.addHandler(handler)

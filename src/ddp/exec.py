@@ -31,6 +31,7 @@ import shutil
 import sys
 from collections.abc import Mapping, Sequence
 
+from ddp._pipes import default_sigpipe, run_main
 from ddp.dist import check_resolves
 from ddp.env import DistEnv, detect, job_id
 from ddp.errors import ConfigError
@@ -58,6 +59,11 @@ def exec_vars(info: DistEnv, environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command; 141, quietly, once nobody reads its output (``ddp._pipes``)."""
+    return run_main(lambda: _main(argv))
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     show = False
     while args and args[0] != "--":
@@ -96,6 +102,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if show:
         print(" ".join(f"{k}={v}" for k, v in exported.items()), file=sys.stderr)
     exe = shutil.which(args[0]) or args[0]
+    sys.stdout.flush()  # what this process printed goes before the command's output
+    sys.stderr.flush()
+    default_sigpipe()  # CMD ends on a closed pipe as it would under a shell
     try:
         os.execv(exe, args)
     except OSError as exc:

@@ -113,7 +113,7 @@ def test_a_log_replaced_by_a_directory_says_so(tmp_path, capsys):
     (run / "t-5.out").mkdir()
     assert main(["logs", str(run), "--runs-dir", str(tmp_path / "runs")]) == 2
     line = _one_line(capsys)
-    assert "not a file" in line and "does not exist" not in line
+    assert "is a directory" in line and "does not exist" not in line
 
 
 # ---- hpc report (hpc/report.py) ---------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -240,3 +241,217 @@ def test_print_log(tmp_path: Path):
     logs.print_log(log, out)
     assert out.getvalue() == "done\n"
     assert "does not exist yet" in _error(logs.print_log, tmp_path / "b.out", out)
+
+
+# ---- what is not a regular file, and a log that never stops growing ----------------------
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
+
+
+def _not_a_file(kind: str, path: Path) -> None:
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        path.symlink_to("/dev/zero")  # endless: a reader without a bound never stops
+    elif kind == "loop":
+        path.symlink_to(path.name)
+    else:
+        path.mkdir()
+
+
+@pytest.mark.parametrize("follow", [False, True], ids=["print", "follow"])
+@pytest.mark.parametrize(("kind", "says"), [
+    ("fifo", "is a named pipe"), ("device", "not a regular file"), ("dir", "is a directory"),
+    ("loop", "cannot read"),
+])
+def test_a_log_that_is_not_a_regular_file_is_one_line_not_a_hang(
+    kind: str, says: str, follow: bool, tmp_path: Path
+) -> None:
+    """A named pipe blocked `hpc logs -f` in open() forever; /dev/zero never ended."""
+    run = tmp_path / "run"
+    run.mkdir()
+    _record(run, "local", "local-1-1")  # finished: ends at once, after one read of its log
+    _not_a_file(kind, run / "output.log")
+    argv = [sys.executable, "-m", "hpc", "logs", *(["-f"] if follow else []), str(run)]
+    proc = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          env=ENV, timeout=60)  # only against a true hang  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("hpc: error: logs: ") and says in line and "output.log" in line
+
+
+def test_print_log_prints_what_the_log_holds_when_asked(tmp_path: Path) -> None:
+    """A job that writes faster than the terminal reads would keep plain `hpc logs`
+    going forever: it prints the log as it was when opened."""
+    log = _touch(tmp_path / "job.out", "x" * 200_000)
+
+    class Growing(io.StringIO):
+        appended = 0
+
+        def write(self, text: str) -> int:
+            if self.appended < 1000:  # the job appends while we print (bounded: the old code)
+                self.appended += 1
+                with open(log, "a") as fh:
+                    fh.write("y" * 65536)
+            return super().write(text)
+
+    out = Growing()
+    logs.print_log(log, out)
+    assert out.getvalue() == "x" * 200_000
+
+
+# ---- a resumed run's earlier jobs ----------------------------------------------------------
+
+
+def test_locate_finds_an_earlier_job_of_a_resumed_run(tmp_path: Path) -> None:
+    slurm, pbs = tmp_path / "s", tmp_path / "p"
+    slurm.mkdir()
+    pbs.mkdir()
+    _record(slurm, "slurm", "100", "101")
+    _record(pbs, "pbs", "123.pbs01", "124.pbs01")
+    assert logs.locate("100", tmp_path) == (slurm, "100")
+    assert logs.locate("123.pbs01", tmp_path) == (pbs, "123.pbs01")
+    assert logs.locate("123", tmp_path) == (pbs, "123")  # qsub's number alone, as for the latest
+    earlier = _touch(slurm / "train-100.out", "first job\n")
+    assert logs.find_log(*logs.locate("100", tmp_path)) == earlier
+
+
+def test_hpc_logs_of_an_earlier_local_job(tmp_path: Path) -> None:
+    runs_dir = tmp_path / "runs"
+    run = runs_dir / "r"
+    run.mkdir(parents=True)
+    _record(run, "local", "local-11-1", "local-12-2")
+    _touch(run / "output.log", "first\n")
+    _touch(run / "output-2.log", "second\n")
+    argv = [sys.executable, "-m", "hpc", "logs", "local-11-1", "--runs-dir", str(runs_dir)]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=ENV, timeout=60)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "first\n", "")
+
+
+# ---- hpc logs -f ends with the job's own exit code (real SLURM and OpenPBS) ----------------
+
+FAIL_3 = ["bash", "-c", "echo about to fail; exit 3"]
+
+
+def _hpc(*args: str) -> subprocess.CompletedProcess[str]:
+    """The CLI with the environment as the fixtures left it (SLURM_CONF, PBS's PATH)."""
+    env = {**os.environ, "PYTHONPATH": ENV["PYTHONPATH"]}
+    return subprocess.run([sys.executable, "-m", "hpc", *args], capture_output=True, text=True,
+                          env=env, timeout=240)  # only against a true hang  # fmt: skip
+
+
+def _follow_exit(runs: Path, *submit: str) -> tuple[str, int, str]:
+    """Submit, then `hpc logs -f` the run: (job id, its exit code, what it printed)."""
+    sub = _hpc("submit", "--runs-dir", str(runs), *submit)
+    assert sub.returncode == 0, sub.stderr
+    (run,) = runs.iterdir()
+    follow = _hpc("logs", "-f", str(run), "--runs-dir", str(runs))
+    return sub.stdout.strip(), follow.returncode, follow.stdout + follow.stderr
+
+
+@pytest.mark.slurm
+def test_follow_of_a_slurm_job_exits_with_its_exit_code(slurm_cluster, tmp_path: Path) -> None:
+    job_id, code, printed = _follow_exit(tmp_path / "runs", "--cluster", "slurm", "--queue",
+                                         "debug", "--ppn", "1", "--walltime", "00:05:00", "--",
+                                         *FAIL_3)  # fmt: skip
+    assert code == 3, printed
+    assert "about to fail" in printed and "job ended: FAILED" in printed
+    assert slurm_cluster.wait(job_id) == "FAILED"
+
+
+@pytest.mark.pbs
+def test_follow_of_a_pbs_job_exits_with_its_exit_code(openpbs, tmp_path: Path) -> None:
+    from tests.support.parts import require_exe
+
+    require_exe("mpiexec.hydra", "mpiexec.mpich")
+    spec = tmp_path / "three.yaml"
+    spec.write_text(json.dumps({"name": "three", "cluster": "pbs", "wrap": "never",
+                                "launcher": "mpiexec", "walltime": "00:05:00",
+                                "command": FAIL_3}))  # fmt: skip
+    job_id, code, printed = "", -1, ""
+    try:
+        job_id, code, printed = _follow_exit(tmp_path / "runs", str(spec))
+    finally:
+        openpbs.delete_all([job_id] if job_id else [])
+    assert code == 3, printed
+    assert "about to fail" in printed and "job ended: FAILED" in printed
+
+
+# the scheduler's exit code as a shell says it, from the clients' real answers
+SCONTROL = {  # `scontrol show job` of SLURM 22.05 (tests/support/slurm.py), cut to the fields
+    "3": "JobId=7 JobName=wrap JobState=FAILED Reason=NonZeroExitCode Dependency=(null) "
+         "ExitCode=3:0 DerivedExitCode=0:0",
+    "signal": "JobId=8 JobState=FAILED Reason=NonZeroExitCode ExitCode=0:12 DerivedExitCode=0:0",
+    "array": "JobId=9 ArrayJobId=9 ArrayTaskId=1 JobState=FAILED ExitCode=1:0\n\n"
+             "JobId=10 ArrayJobId=9 ArrayTaskId=0 JobState=COMPLETED ExitCode=0:0",
+}
+
+
+@pytest.mark.parametrize(("case", "code"), [("3", 3), ("signal", 140), ("array", 1)])
+def test_slurm_exit_code_from_scontrol(case: str, code: int, fake_bin) -> None:
+    from hpc.schedulers import get
+
+    fake_bin("scontrol", f"echo '{SCONTROL[case]}'")
+    assert get("slurm").exit_code("7") == code
+
+
+def test_slurm_exit_code_from_the_jobcomp_log_once_scontrol_forgot(fake_bin) -> None:
+    from hpc.schedulers import get
+
+    fake_bin("scontrol", "echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1")
+    fake_bin("sacct", 'if [ "$1" = "-c" ]; then printf "0:0\\n2:0\\n"; '  # requeued: last run
+                      "else echo 'Slurm accounting storage is disabled' >&2; fi")  # fmt: skip
+    assert get("slurm").exit_code("7") == 2
+    fake_bin("sacct", "exit 1")
+    assert get("slurm").exit_code("7") is None
+
+
+@pytest.mark.parametrize(("data", "code"), [
+    ("failed-exit3.json", 3), ("shared-deleted.json", 143), ("shared-walltime.json", None),
+    ("shared-finished.json", 0),
+])
+def test_pbs_exit_code_from_qstat(data: str, code: int | None, fake_bin) -> None:
+    """Recorded ``qstat -x -f -F json`` answers of the real OpenPBS (tests/hpc/data/openpbs)."""
+    from hpc.schedulers import get
+
+    path = Path(__file__).with_name("data") / "openpbs" / data
+    job_id = next(iter(json.loads(path.read_text())["Jobs"]))
+    fake_bin("qstat", f"cat '{path}'")
+    assert get("pbs").exit_code(job_id) == code
+
+
+def test_status_and_follow_of_an_earlier_local_job_use_its_own_entry(tmp_path: Path) -> None:
+    runs_dir = tmp_path / "runs"
+    run = runs_dir / "r"
+    run.mkdir(parents=True)
+    first = {"name": "t", "scheduler": "local", "job_id": "local-11-1", "script": "job.sh",
+             "state": "COMPLETED", "exit_code": 0}  # fmt: skip
+    runs.write_record(run, {**first, "job_id": "local-12-2", "script": "job-2.sh",
+                            "state": "FAILED", "exit_code": 5, "submissions": [first]})  # fmt: skip
+    _touch(run / "output.log", "first\n")
+    _touch(run / "output-2.log", "second\n")
+    status = _hpc("status", "local-11-1", "--runs-dir", str(runs_dir))
+    assert (status.returncode, status.stdout) == (0, "local-11-1 COMPLETED\n"), status.stderr
+    follow = _hpc("logs", "-f", "local-11-1", "--runs-dir", str(runs_dir))
+    assert (follow.returncode, follow.stdout) == (0, "first\n"), follow.stderr
+    follow = _hpc("logs", "-f", str(run), "--runs-dir", str(runs_dir))
+    assert (follow.returncode, follow.stdout) == (5, "second\n"), follow.stderr
+
+
+@pytest.mark.parametrize(("command", "out"), [
+    ("logs", "found\n"), ("status", "local-11-1 UNKNOWN\n"),  # ended, no state recorded
+])
+def test_a_named_pipe_as_another_runs_record_does_not_hang_the_job_id_lookup(
+    command: str, out: str, tmp_path: Path
+) -> None:
+    """Looking a job id up reads every run's record: a named pipe there waited for a
+    writer forever. It is skipped like any other record that cannot be read."""
+    runs_dir = tmp_path / "runs"
+    for name in ("a", "z"):
+        (runs_dir / name).mkdir(parents=True)
+    _record(runs_dir / "a", "local", "local-11-1")
+    _touch(runs_dir / "a" / "output.log", "found\n")
+    os.mkfifo(runs_dir / "z" / "run.json")  # read first: newest name first
+    proc = _hpc(command, "local-11-1", "--runs-dir", str(runs_dir))
+    assert (proc.returncode, proc.stdout) == (0, out), proc.stderr

@@ -72,6 +72,13 @@ def prepare(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command; 141, quietly, once nobody reads its output (``ddp._pipes``)."""
+    from ddp._pipes import run_main
+
+    return run_main(lambda: _main(argv))
+
+
+def _main(argv: Sequence[str] | None) -> int:
     p = _Parser(prog="python -m ddp.data", description="Prepare token stores.")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     f = sub.add_parser("prepare-fasta", help="tokenize a FASTA file (gzip too) into a store")

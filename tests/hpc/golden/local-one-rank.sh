@@ -4,4 +4,4 @@
 
 set -eo pipefail
 
-python train.py 'it'"'"'s'
+exec python train.py 'it'"'"'s'

@@ -15,11 +15,15 @@ ulimit -c 0
 # exit code is the last failing task's
 sweep_dir="$HPC_RUN_DIR"
 rc=0
+# a signal passed on by hpc run reaches the running task too: let it answer, then stop
+stop=
+trap 'stop=1' HUP INT QUIT TERM USR1 USR2 ALRM
 for task_index in $(seq 0 1); do
+  [ -z "$stop" ] || break
   (
     task=$(python -m hpc.sweep shell "$sweep_dir" --index "$task_index") || exit 2
     eval "$task"
-    torchrun --standalone --nnodes 1 --nproc_per_node 2 -m ddp dpo --config configs/dpo.yaml --set optim.lr=1e-4 "${HPC_SWEEP_ARGS[@]}"
+    exec torchrun --standalone --nnodes 1 --nproc_per_node 2 -m ddp dpo --config configs/dpo.yaml --set optim.lr=1e-4 "${HPC_SWEEP_ARGS[@]}"
   ) || rc=$?
 done
 exit "$rc"

@@ -11,4 +11,4 @@ export DOLLAR='$HOME and `x`'
 # setup lines from the spec
 ulimit -c 0
 
-torchrun --standalone --nnodes 1 --nproc_per_node 2 -m ddp dpo --config configs/dpo.yaml --set optim.lr=1e-4
+exec torchrun --standalone --nnodes 1 --nproc_per_node 2 -m ddp dpo --config configs/dpo.yaml --set optim.lr=1e-4
