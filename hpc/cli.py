@@ -13,6 +13,8 @@ The command to run comes after ``--``: ``hpc render --cluster aurora -- python t
 from __future__ import annotations
 
 import argparse
+import math
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -34,6 +36,29 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> Any:  # type: ignore[override]
         raise UserError(message if self.prog == "hpc" else f"{self.prog}: {message}")
+
+
+MAX_COUNT = 10_000_000
+"""Largest count a flag takes (GPUs, batch, steps): past any machine, short of overflow."""
+
+
+def _whole(text: str) -> int:
+    """An argparse type: ASCII digits only (``int()`` takes ``٣`` and ``３``), 0..MAX_COUNT."""
+    if not re.fullmatch(r"[0-9]{1,8}", text.strip()) or int(text) > MAX_COUNT:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not allowed; allowed: a whole number in ASCII digits, 0 to {MAX_COUNT:,}")
+    return int(text)
+
+
+def _finite(text: str) -> float:
+    """An argparse type: a finite number (``float()`` takes ``nan``, ``inf``, ``1e999``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or not text.strip().isascii():
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: a finite number")
+    return value
 
 
 def _job_args(p: argparse.ArgumentParser) -> None:
@@ -84,7 +109,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
                            help="one job array over every combination: each task runs with "
                                 "--set KEY=V in its own folder (repeat for more keys)")
-            p.add_argument("--max-parallel", type=int, metavar="N",
+            p.add_argument("--max-parallel", type=_whole, metavar="N",
                            help="with --sweep: at most N tasks at once (SLURM %%N, PBS -J ...%%N)")
             p.set_defaults(func=cmd_submit, local=name == "run")
     for name, fn in (("status", "cmd_status"), ("cancel", "cmd_cancel")):
@@ -121,14 +146,14 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 def _scale_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("scale", parents=[common], help="lr / warmup / effective batch for 1..N GPUs")
-    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--gpus", type=_whole, required=True)
     p.add_argument("--rule", default="linear",
                    help="none, linear, sqrt or cap:N (factor min(gpus/base-gpus, N), N >= 1)")
-    p.add_argument("--base-lr", type=float, required=True)
-    p.add_argument("--base-warmup", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--accum", type=int, default=1)
-    p.add_argument("--base-gpus", type=int, default=1,
+    p.add_argument("--base-lr", type=_finite, required=True)
+    p.add_argument("--base-warmup", type=_whole, default=0)
+    p.add_argument("--batch-size", type=_whole, default=1)
+    p.add_argument("--accum", type=_whole, default=1)
+    p.add_argument("--base-gpus", type=_whole, default=1,
                    help="GPU count base-lr was tuned at (scaling.base_world_size)")
     p.set_defaults(func=cmd_scale)
 

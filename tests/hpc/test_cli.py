@@ -288,3 +288,21 @@ def test_submit_resume_of_a_missing_run_is_one_line(tmp_path: Path, capsys: pyte
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "resume: 'runs/nope' is not a run directory" in err
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["scale", "--gpus", "\u0668", "--base-lr", "1e-3"],     # Arabic-Indic 8: int() takes it
+    ["scale", "--gpus", "\uff18", "--base-lr", "1e-3"],     # full-width 8
+    ["scale", "--gpus", "99999999999", "--base-lr", "1"],   # past any machine
+    ["scale", "--gpus", "8", "--base-lr", "nan"],
+    ["scale", "--gpus", "8", "--base-lr", "1e999"],         # float() gives inf
+    ["scale", "--gpus", "8", "--base-lr=-inf"],
+    ["scale", "--gpus", "8", "--base-lr", "1", "--batch-size", "\u0663"],
+    ["submit", "--cluster", "local", "--sweep", "optim.lr=1,2", "--max-parallel", "\u0661",
+     "--dry-run", "--", "true"],
+])
+def test_numeric_flags_take_ascii_whole_numbers_and_finite_floats(argv, capsys) -> None:
+    """argparse's int/float took non-ASCII digits, nan and inf; each is one line, exit 2."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "allowed:" in err, err
