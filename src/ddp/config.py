@@ -139,32 +139,43 @@ class CheckpointConfig:
             self.dir = os.path.join(os.path.abspath(run_dir), self.dir)
 
 
-def check_sweep_checkpoint(
-    directory: str | None, environ: typing.Mapping[str, str] | None = None
-) -> None:
-    """A sweep task keeps its checkpoints in a folder of its own.
+SWEEP_PATHS = {
+    "checkpoint.dir": "a later task would resume an earlier one's checkpoint and train 0 steps",
+    "logging.metrics_file": "every task would append its metrics to one file",
+}
+"""Paths a sweep task must keep to itself, and what sharing one would do."""
+
+
+def check_sweep_paths(cfg: TrainConfig, environ: typing.Mapping[str, str] | None = None) -> None:
+    """A sweep task keeps its checkpoints and its metrics in a folder of its own.
 
     ``hpc submit --sweep`` runs each task with ``HPC_SWEEP_INDEX`` set, its own folder
     as ``HPC_RUN_DIR`` and the keys its overrides set in ``HPC_SWEEP_KEYS``. A
-    ``checkpoint.dir`` outside that folder which the sweep did not set per task is the
-    same folder for every task: a later task would resume an earlier one's checkpoint,
-    train 0 steps and end COMPLETED. hpc refuses ``--set checkpoint.dir=`` at submit; a
-    recipe flag (``--output_dir``) or a ``--config`` file only shows here.
+    ``checkpoint.dir`` (or an explicit ``logging.metrics_file``) outside that folder which
+    the sweep did not set per task is the same path for every task: a later task would
+    resume an earlier one's checkpoint, train 0 steps and end COMPLETED. hpc refuses
+    ``--set checkpoint.dir=`` at submit; a recipe flag (``--output_dir``) or a
+    ``--config`` file only shows here. A relative metrics file is taken from the job's
+    working directory, the same for every task, so it is refused too.
     """
     env = os.environ if environ is None else environ
     run_dir = env.get("HPC_RUN_DIR")
-    if not directory or env.get("HPC_SWEEP_INDEX") is None or not run_dir:
+    if env.get("HPC_SWEEP_INDEX") is None or not run_dir:
         return
-    if "checkpoint.dir" in env.get("HPC_SWEEP_KEYS", "").split(","):
-        return  # swept: hpc checked at submit that each task gets its own
-    task, target = os.path.realpath(run_dir), os.path.realpath(directory)
-    if os.path.commonpath([task, target]) != task:
-        raise ConfigError(
-            f"checkpoint.dir: {directory!r} is outside this sweep task's folder {run_dir!r}, "
-            "so every task would share it (a later task would resume an earlier one's "
-            "checkpoint and train 0 steps); allowed: no checkpoint.dir (each task keeps its "
-            "own), a relative one, or a --sweep of checkpoint.dir with one folder per task"
-        )
+    swept = env.get("HPC_SWEEP_KEYS", "").split(",")
+    metrics = cfg.logging.metrics_file
+    for key, path in (("checkpoint.dir", cfg.checkpoint.dir),
+                      ("logging.metrics_file", None if metrics == "auto" else metrics)):
+        if not path or key in swept:  # swept: hpc checked at submit that each task gets its own
+            continue
+        task, target = os.path.realpath(run_dir), os.path.realpath(path)
+        if os.path.commonpath([task, target]) != task:
+            raise ConfigError(
+                f"{key}: {path!r} is outside this sweep task's folder {run_dir!r}, so every "
+                f"task would share it ({SWEEP_PATHS[key]}); allowed: no {key} (each task "
+                f"keeps its own), one inside the task's folder, or a --sweep of {key} with "
+                "one per task"
+            )
 
 
 @dataclass

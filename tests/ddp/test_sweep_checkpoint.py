@@ -1,4 +1,4 @@
-"""A sweep task checkpoints in a folder of its own (issue 24).
+"""A sweep task checkpoints and logs its metrics in a folder of its own (issue 24).
 
 ``hpc submit --sweep`` refuses ``--set checkpoint.dir=/shared`` at submit
 (tests/hpc/test_sweep_cli.py); a recipe flag (``--output_dir``) or a ``--config`` file
@@ -66,3 +66,32 @@ def test_outside_a_sweep_any_folder_is_fine(task: Path, tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch):  # fmt: skip
     monkeypatch.delenv("HPC_SWEEP_INDEX")
     assert _resolve(flags={"output_dir": str(tmp_path / "x")}) == str(tmp_path / "x")
+
+
+@pytest.mark.parametrize("value", ["ABS", "metrics.jsonl"])
+def test_a_metrics_file_every_task_would_share_is_one_line(value: str, task: Path,
+                                                          tmp_path: Path):  # fmt: skip
+    """An explicit ``logging.metrics_file`` outside the task's folder (an absolute path, or
+    a relative one, taken from the job's working directory: the same for every task)."""
+    path = str(tmp_path / "all.jsonl") if value == "ABS" else value
+    with pytest.raises(ConfigError) as info:
+        _resolve(sets=(f"logging.metrics_file={path}",))
+    message = str(info.value)
+    assert "logging.metrics_file" in message and "sweep task" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("sets", [(), ("logging.metrics_file=auto",), ("logging.metrics_file=null",)])
+def test_the_default_metrics_file_or_none_is_fine(sets: tuple[str, ...], task: Path):
+    cfg = recipes.resolve(recipes.get("uniref50"), None, list(sets), {})
+    assert cfg.logging.metrics_file in ("auto", None, "")
+
+
+def test_a_metrics_file_inside_the_task_or_swept_is_fine(task: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch):  # fmt: skip
+    inside = str(task / "m.jsonl")
+    cfg = recipes.resolve(recipes.get("uniref50"), None, [f"logging.metrics_file={inside}"], {})
+    assert cfg.logging.metrics_file == inside
+    monkeypatch.setenv("HPC_SWEEP_KEYS", "optim.lr,logging.metrics_file")
+    outside = str(tmp_path / "x.jsonl")
+    cfg = recipes.resolve(recipes.get("uniref50"), None, [f"logging.metrics_file={outside}"], {})
+    assert cfg.logging.metrics_file == outside

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
-from ddp.config import TrainConfig, check_free_section, check_sweep_checkpoint, read_yaml
+from ddp.config import TrainConfig, check_free_section, check_sweep_paths, read_yaml
 from ddp.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -233,7 +233,7 @@ def resolve(
         if value is not None:
             values[flag.key] = value
     cfg = cfg.with_values(values).override(list(sets))
-    check_sweep_checkpoint(cfg.checkpoint.dir)
+    check_sweep_paths(cfg)
     check_free_section(cfg, "model", recipe.DEFAULTS.get("model", {}))
     check_free_section(cfg, "recipe", recipe.DEFAULTS.get("recipe", {}))
     check_model_values(cfg.model)
