@@ -311,13 +311,20 @@ def test_qrerun_reruns_the_function_under_the_same_id(pbs: Path, openpbs: OpenPB
 
 
 def test_walltime_signal_requeues_before_the_end(pbs: Path) -> None:
-    """PBS sends no signal before the walltime: the ranks' own timer does (here 2 s in)."""
+    """PBS sends no signal before the walltime: the ranks' own timer does (here 10 s in).
+
+    Every run of the job gets the same timer, the rerun too: it must reach the function
+    and return before its own 10 s are up, or it is signalled and requeued again (the
+    plugin working as designed). With a 2 s timer a rerun on a loaded 2-core machine
+    (mpiexec, Python and torch start-up) missed it and the result said 2 requeues; so
+    the timer leaves start-up room, and the count asserted is "at least one"."""
     require_exe("mpiexec.hydra", "mpiexec.mpich")
-    ex = hpc.executor(cluster="pbs", walltime="00:01:00", signal="USR2@58", folder=pbs / "jobs")
+    ex = hpc.executor(cluster="pbs", walltime="00:01:00", signal="USR2@50", folder=pbs / "jobs")
     job = ex.submit(hpc.distributed(Resumable()), str(pbs / "started"))
-    wait_done(job, 120)
-    assert job.result()[:2] == ("resumed", 1)
-    assert "SUBMITIT_PBS_DEADLINE=$(( $(date +%s) + 2 ))" in job.paths.submission_file.read_text()
+    wait_done(job, 240)
+    outcome, interrupted, _ = job.result()
+    assert outcome == "resumed" and interrupted >= 1
+    assert "SUBMITIT_PBS_DEADLINE=$(( $(date +%s) + 10 ))" in job.paths.submission_file.read_text()
 
 
 def test_map_array_is_one_pbs_array(pbs: Path) -> None:
