@@ -275,7 +275,7 @@ def cmd_logs(args: argparse.Namespace, command: list[str] | None) -> int:
         return 0
     ident = job or str(run_dir)
     states: list[Any] = []
-    state, poll_s = core.watch(ident, runs_dir)  # the run found once, not once a poll
+    state, poll_s = core.watch(ident, runs_dir, run_dir)  # found once, not once a poll
 
     def running() -> bool:
         states.append(state())

@@ -371,7 +371,8 @@ def _sweep_entries(ident: str, rec: dict[str, Any]) -> list[tuple[int, str]]:
     return out
 
 
-def watch(ident: str, runs_dir: Path) -> tuple[Callable[[], JobState], float]:
+def watch(ident: str, runs_dir: Path, run_dir: Path | None = None
+          ) -> tuple[Callable[[], JobState], float]:
     """(the job's state now, the longest interval to ask it at) for ``hpc logs -f``.
 
     The run is found once (not once a poll), and the scheduler is asked for this one
@@ -385,6 +386,8 @@ def watch(ident: str, runs_dir: Path) -> tuple[Callable[[], JobState], float]:
 
     job_id, scheduler, rec = locate(ident, runs_dir)
     found = runs.find(ident, runs_dir, history=True) if rec is not None else None
+    if rec is None and run_dir is not None and (run_dir / runs.RECORD).is_file():
+        rec = runs.read_record(run_dir)  # an array task's id: its run's record
     try:
         poll_s = clusters.load(str(rec["cluster"])).poll_s if rec and rec.get("cluster") else None
     except UserError:  # a profile gone since (a user's own): the default

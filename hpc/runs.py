@@ -274,7 +274,7 @@ def find(ident: str, runs_dir: Path, history: bool = False) -> tuple[Path, dict[
     if not runs_dir.is_dir():
         return None
     key = index_key(ident)
-    index = _read_index(runs_dir)
+    index = _read_index(runs_dir, key)
     for attempt in range(2):
         if index is None:  # missing or damaged: rebuilt (or, read-only, read in memory)
             index = _rebuild_index(runs_dir)
@@ -347,12 +347,13 @@ def _record_or_none(path: Path) -> Any:
         return None
 
 
-def _read_index(runs_dir: Path) -> _Index | None:
-    """The index of ``runs_dir``; None when it is missing or not a readable file.
+def _read_index(runs_dir: Path, key: str | None = None) -> _Index | None:
+    """The index of ``runs_dir`` (with ``key``: its lines for that key only, the rest
+    looked at, not parsed); None when it is missing or not a readable file.
 
     Untrusted like every file here: read as a regular file, bounded; a line that does
-    not parse is skipped, and a run name that is not one plain folder name (``..``,
-    ``a/b``) is never followed."""
+    not parse is skipped (and marks the index damaged), and a run name that is not one
+    plain folder name (``..``, ``a/b``) is never followed."""
     path = runs_dir / INDEX_DIR / INDEX
     if os.path.islink(path.parent) or os.path.islink(path):  # hpc's own, never a link
         return None
@@ -362,11 +363,15 @@ def _read_index(runs_dir: Path) -> _Index | None:
         return None
     runs: dict[str, list[str]] = {}
     stamp, damaged = -1, False
+    prefix = None if key is None else json.dumps(key) + "\t"
     for line in text.split("\n"):
         if not line:
             continue
         if line.startswith("@") and line[1:].isascii() and line[1:].isdigit():
             stamp = int(line[1:])
+            continue
+        if prefix is not None and not line.startswith(prefix):
+            damaged = damaged or not line.startswith('"')  # no line of hpc's starts so
             continue
         key, tab, name = line.partition("\t")
         try:
