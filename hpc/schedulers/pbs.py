@@ -225,13 +225,22 @@ class _JsonStream:
         if len(self.buf) - self.pos > _MAX_VALUE:
             raise ValueError(f"qstat JSON: one value is over {_MAX_VALUE:,} characters")
         # as much again as the value read so far: a long value is read in O(its size)
-        chunk = self.src.read(max(_CHUNK, len(self.buf) - self.pos))
-        if isinstance(chunk, bytes):
-            chunk = self.bytes_decoder.decode(chunk, final=not chunk)
-        if not chunk:
-            self.eof = True
-            return False
-        self.buf = self.buf[self.pos:] + chunk
+        size = max(_CHUNK, len(self.buf) - self.pos)
+        # what the client wrote so far (read1), not `size` of it: a pipe's read(size)
+        # would wait for all of it, and damage early in a long answer would go unseen
+        raw = getattr(self.src, "buffer", self.src)
+        read = getattr(raw, "read1", None) or self.src.read
+        text = ""
+        while not text:
+            chunk = read(size)
+            if not chunk:
+                text = self.bytes_decoder.decode(b"", final=True)
+                if not text:
+                    self.eof = True
+                    return False
+            else:
+                text = self.bytes_decoder.decode(chunk) if isinstance(chunk, bytes) else chunk
+        self.buf = self.buf[self.pos:] + text
         self.pos = 0
         return True
 

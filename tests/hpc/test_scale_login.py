@@ -439,3 +439,22 @@ def test_unknown_ids_in_qstats_errors_are_matched_without_a_scan():
     gone = pbs_mod._gone("qstat: Unknown Job Id 4242.s.example\nqstat: 17.s Job has finished, "
                          "use -x or -H to obtain historical job information\n", ids)
     assert gone == {"4242.s", "17.s"}
+
+
+def test_a_damaged_streamed_answer_ends_the_client_and_tries_the_next_form(fake_bin):
+    """The reader stops at the damage; the client, still writing, is ended (not waited
+    for), and the next form answers."""
+    fake_bin("qstat", """case "$*" in
+  *"-F json"*) echo '{"Jobs": {"1.s": [oops, "the rest of a damaged line"],'; exec sleep 600 ;;
+  *) printf 'Job Id: 1.s\\n    job_state = R\\n' ;;
+esac""")
+    assert pbs_mod.query(["1.s"])["1.s"]["State"] == "RUNNING"
+    assert [c.split()[3] for c in _calls(fake_bin)] == ["-F", "1.s"]
+
+
+def test_a_qstat_that_hangs_mid_answer_is_given_up(fake_bin, monkeypatch):
+    """The bound is the point here: a client that never finishes its answer."""
+    monkeypatch.setattr(pbs_mod, "QSTAT_TIMEOUT_S", 0.5)
+    fake_bin("qstat", """echo '{"Jobs": {"1.s": {"job_state": "R"},'; exec sleep 600""")
+    assert pbs_mod.query(["1.s"]) == {}
+    assert len(_calls(fake_bin)) == 1  # a hung client: no form after it is tried either
