@@ -5,8 +5,9 @@ A scheduler is one module here that defines ``SCHEDULER``, a subclass of
 cluster profile that names it. Everything that differs between PBS, SLURM and this
 machine lives in that module: the template and script suffix, the launchers it can
 start ranks with, the queue directive, the environment it adds to a job, its own
-checks, and submit/status/cancel through its command-line clients. Nothing outside
-the module branches on a scheduler's name.
+checks, and submit/status/cancel through its command-line clients (``statuses``:
+many ids in one query, where the clients allow it). Nothing outside the module
+branches on a scheduler's name.
 
 States are a :class:`JobState`, so callers never see scheduler-specific letters.
 """

@@ -1,4 +1,5 @@
-"""SLURM: sbatch --parsable; squeue, then sacct (or its jobcomp log), then scontrol; scancel."""
+"""SLURM: sbatch --parsable; squeue -j A,B,C (batched), then scontrol, then sacct (or its
+jobcomp log); scancel."""
 
 from __future__ import annotations
 
