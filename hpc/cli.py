@@ -279,10 +279,11 @@ def cmd_submit(args: argparse.Namespace, command: list[str] | None) -> int:
 
 
 def cmd_status(args: argparse.Namespace, command: list[str] | None) -> int:
-    """Print ``JOBID STATE`` with the state normalized; a sweep adds a line per task."""
-    job_id, state = core.status(args.id, Path(args.runs_dir), args.cluster)
+    """Print ``JOBID STATE`` with the state normalized; a sweep adds a line per task
+    (the job and its tasks are one scheduler query)."""
+    job_id, state, tasks = core.run_status(args.id, Path(args.runs_dir), args.cluster)
     sys.stdout.write(f"{job_id} {state}\n")
-    for task_id, label, task_state in core.task_states(args.id, Path(args.runs_dir)):
+    for task_id, label, task_state in tasks:
         sys.stdout.write(f"{task_id} {task_state} {label}\n")
     return 0
 
@@ -299,12 +300,13 @@ def cmd_logs(args: argparse.Namespace, command: list[str] | None) -> int:
         return 0
     ident = job or str(run_dir)
     states: list[Any] = []
+    state, poll_s = core.watch(ident, runs_dir, run_dir)  # found once, not once a poll
 
     def running() -> bool:
-        states.append(core.status(ident, runs_dir)[1])
+        states.append(state())
         return not states[-1].ended and states[-1] != "UNKNOWN"
 
-    logs.follow(path, running, sys.stdout, settle_s=2.0)
+    logs.follow(path, running, sys.stdout, settle_s=2.0, ask=logs.Backoff(1.0, poll_s))
     final = states[-1] if states else None
     sys.stderr.write(f"hpc: job ended: {final}\n")
     code = core.exit_code(ident, runs_dir)  # the job's own: its record's or its scheduler's

@@ -101,6 +101,9 @@ class Cluster:
     min_walltime: int | None = None
     device_order: tuple[int, ...] = ()
     env_prepend: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: Longest interval (s) between scheduler queries of ``hpc logs -f``; the default
+    #: is a minute, the refresh NCAR's PBS qstat cache serves (see clusters/pbs.yaml).
+    poll_s: float = 60.0
     sources: tuple[str, ...] = ()
 
     @property

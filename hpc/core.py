@@ -331,13 +331,77 @@ def locate(ident: str, runs_dir: Path, cluster: str | None = None
 
 def status(ident: str, runs_dir: Path, cluster: str | None = None) -> tuple[str, JobState]:
     """The job's id and state; a job that ran here to the end answers from its record."""
+    job_id, state, _ = run_status(ident, runs_dir, cluster, tasks=False)
+    return job_id, state
+
+
+def run_status(ident: str, runs_dir: Path, cluster: str | None = None, tasks: bool = True
+               ) -> tuple[str, JobState, list[tuple[str, str, JobState]]]:
+    """(job id, its state, (task id, label, state) of each sweep task) in one batched
+    scheduler query: ``hpc status`` of a 1,000-task sweep asks once, not 1,001 times
+    (:meth:`~hpc.schedulers.Scheduler.statuses`). Tasks that run here one after
+    another have no ids of their own: their state is the job's, from its record once
+    it ended. ``tasks=False``: the job alone."""
     from hpc.schedulers import JobState
 
     job_id, scheduler, rec = locate(ident, runs_dir, cluster)
+    sweep = _sweep_entries(ident, rec) if tasks and rec is not None else []
     recorded = (rec or {}).get("state")
     if scheduler.runs_here and recorded not in (None, "RUNNING"):
-        return job_id, JobState(str(recorded))
-    return job_id, scheduler.status(job_id)
+        state = JobState(str(recorded))
+        return job_id, state, [(job_id, label, state) for _, label in sweep]
+    if scheduler.array_index_var is None:  # tasks are the job's, one after another
+        state = scheduler.statuses([job_id])[job_id]
+        return job_id, state, [(job_id, label, state) for _, label in sweep]
+    ids = {scheduler.task_id(job_id, index): label for index, label in sweep}
+    states = scheduler.statuses([job_id, *ids])
+    return job_id, states[job_id], [(tid, label, states[tid]) for tid, label in ids.items()]
+
+
+def _sweep_entries(ident: str, rec: dict[str, Any]) -> list[tuple[int, str]]:
+    """(array index, label) of each task a sweep run's record lists (checked: the record
+    is untrusted)."""
+    out = []
+    for task in rec.get("sweep") or []:
+        index = task.get("index") if isinstance(task, dict) else None
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise UserError(f"run: {ident!r}: run.json's sweep entry {task!r} has no index; "
+                            "allowed: a record written by hpc submit --sweep")
+        out.append((index, str(task.get("label"))))
+    return out
+
+
+def watch(ident: str, runs_dir: Path, run_dir: Path | None = None
+          ) -> tuple[Callable[[], JobState], float]:
+    """(the job's state now, the longest interval to ask it at) for ``hpc logs -f``.
+
+    The run is found once (not once a poll), and the scheduler is asked for this one
+    job only; a job that runs here answers from its own record (re-read, one file).
+    The interval is the cluster profile's ``poll_s`` (how often the site lets one
+    user ask its scheduler; ``hpc.logs.Backoff`` grows towards it)."""
+    from hpc import profiles as clusters
+    from hpc import runs
+    from hpc.cluster import Cluster
+    from hpc.schedulers import JobState
+
+    job_id, scheduler, rec = locate(ident, runs_dir)
+    found = runs.find(ident, runs_dir, history=True) if rec is not None else None
+    if rec is None and run_dir is not None and (run_dir / runs.RECORD).is_file():
+        rec = runs.read_record(run_dir)  # an array task's id: its run's record
+    try:
+        poll_s = clusters.load(str(rec["cluster"])).poll_s if rec and rec.get("cluster") else None
+    except UserError:  # a profile gone since (a user's own): the default
+        poll_s = None
+    poll_s = Cluster.poll_s if poll_s is None else poll_s
+
+    def state() -> JobState:
+        if scheduler.runs_here and found is not None:
+            entry = runs.job_entry(runs.read_record(found[0]), ident)
+            if entry.get("state") not in (None, "RUNNING"):
+                return JobState(str(entry["state"]))
+        return scheduler.statuses([job_id])[job_id]
+
+    return state, float(poll_s)
 
 
 def exit_code(ident: str, runs_dir: Path) -> int | None:
@@ -351,31 +415,15 @@ def exit_code(ident: str, runs_dir: Path) -> int | None:
 
 
 def task_states(ident: str, runs_dir: Path) -> list[tuple[str, str, JobState]]:
-    """(task id, label, state) of each task of a sweep run; empty for other runs.
-
-    Tasks that run here one after another have no ids of their own: their state is the
-    job's, from its record once it ended.
-    """
+    """(task id, label, state) of each task of a sweep run; empty for other runs (see
+    :func:`run_status`, which asks for the job and its tasks in the same query)."""
     from hpc import runs
 
     found = runs.find(ident, runs_dir)
     rec = found[1] if found else {}
-    tasks = rec.get("sweep") or []
-    if not tasks or not rec.get("job_id"):
+    if not rec.get("sweep") or not rec.get("job_id"):
         return []
-    job_id, scheduler, _ = locate(ident, runs_dir)
-    out = []
-    for task in tasks:
-        index = task.get("index") if isinstance(task, dict) else None
-        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-            raise UserError(f"run: {ident!r}: run.json's sweep entry {task!r} has no index; "
-                            "allowed: a record written by hpc submit --sweep")
-        if scheduler.array_index_var is None:
-            out.append((job_id, str(task.get("label")), status(ident, runs_dir)[1]))
-        else:
-            tid = scheduler.task_id(job_id, index)
-            out.append((tid, str(task.get("label")), scheduler.status(tid)))
-    return out
+    return run_status(ident, runs_dir)[2]
 
 
 def cancel(ident: str, runs_dir: Path, cluster: str | None = None) -> str:

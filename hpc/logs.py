@@ -176,17 +176,46 @@ def _ids(subs: list[dict[str, Any]]) -> str:
     return ", ".join(str(s.get("job_id")) for s in subs if s.get("job_id")) or "none"
 
 
+class Backoff:
+    """When ``hpc logs -f`` asks the scheduler again: now, then after ``first_s``, and
+    twice as long each time up to ``most_s`` (the profile's ``poll_s``).
+
+    A shared scheduler answers every user's queries; a follow that asked every half
+    second for a day-long job made 170,000 of them. The log itself is a local file
+    and is still read every poll: only the scheduler is asked less often, so the end
+    of a job shows at most ``most_s`` late. ``clock``: for tests.
+    """
+
+    def __init__(self, first_s: float = 1.0, most_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.most_s = most_s
+        self.interval = min(first_s, most_s)
+        self.clock = clock
+        self.next: float | None = None
+
+    def due(self) -> bool:
+        """True when it is time to ask (and then the next time is set)."""
+        now = self.clock()
+        if self.next is not None and now < self.next:
+            return False
+        self.next = now + self.interval
+        self.interval = min(self.interval * 2, self.most_s)
+        return True
+
+
 def follow(
     path: Path,
     is_running: Callable[[], bool],
     out: TextIO,
     poll_s: float = 0.5,
     settle_s: float = 0.0,
+    ask: Backoff | None = None,
 ) -> None:
     """Print ``path`` and then what is appended to it until the job ends.
 
-    ``is_running`` is asked *before* each read, so once it says False one more read
-    prints everything the job wrote before it ended. A file that does not exist yet is
+    ``is_running`` is asked before a read (every read, or when ``ask`` says it is
+    time: a scheduler query backs off, the file read does not), so once it says False
+    one more read prints everything the job wrote before it ended. A file that does not exist yet is
     waited for; one truncated in place is read again from the start; one replaced
     (rotation: a new inode at the path) is read to its end, then the new one from the
     start. Bytes are decoded incrementally, so a UTF-8 character split across two
@@ -203,8 +232,10 @@ def follow(
     fh = None
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     try:
+        running = True
         while True:
-            running = is_running()
+            if ask is None or ask.due():
+                running = is_running()
             fh = _reopen_if_replaced(path, fh, decoder, out)
             if fh is not None:
                 _drain(fh, decoder, out)

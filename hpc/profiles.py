@@ -50,7 +50,7 @@ CLUSTER_KEYS = (
     "account_required", "account_env", "queue_directive", "queues", "max_nodes",
     "system", "place", "filesystems", "constraint", "gpu_directive", "gpus_per_node",
     "cpus_per_task", "launcher", "module_use", "modules", "setup", "env", "extends",
-    "shell", "directives", "min_walltime", "device_order", "env_prepend",
+    "shell", "directives", "min_walltime", "device_order", "env_prepend", "poll_s",
 )
 QUEUE_KEYS = (
     "nodes", "walltime", "bins", "description", "min_walltime", "by_request", "directive",
@@ -278,8 +278,28 @@ def load(name: str, environ: dict[str, str] | None = None, cwd: Path | None = No
         min_walltime=_walltime(data, "min_walltime", where),
         device_order=device_order,
         env_prepend=_env_prepend(data, where),
+        poll_s=_poll_s(data, where),
         sources=tuple(sources),
     )
+
+
+#: ``poll_s`` bounds: a tenth of a second (a local job: a pid check, no scheduler) to
+#: an hour (longer would leave ``hpc logs -f`` running long after its job ended).
+POLL_S_RANGE = (0.1, 3600.0)
+
+
+def _poll_s(data: dict[str, Any], where: str) -> float:
+    """``poll_s``: the longest interval at which ``hpc logs -f`` asks the scheduler (it
+    starts at 1 s and doubles up to this); seconds, a number in :data:`POLL_S_RANGE`."""
+    value = data.get("poll_s")
+    if value is None:
+        return Cluster.poll_s
+    lo, hi = POLL_S_RANGE
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not lo <= value <= hi):  # NaN fails both comparisons
+        raise UserError(f"{where}: poll_s: {value!r} is not allowed; allowed: seconds, a "
+                        f"number from {lo:g} to {hi:g}")
+    return float(value)
 
 
 def _shell(data: dict[str, Any], where: str) -> str:

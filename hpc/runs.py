@@ -3,6 +3,16 @@
 ``runs/NAME-YYYYmmdd-HHMMSS/`` holds the rendered script, the resolved spec
 (``spec.yaml``), and ``run.json`` with the submit command, scheduler, job id, git
 commit and dirty flag. A name that exists already gets ``-2``, ``-3``, ...
+
+``runs/.index/jobs`` finds a run by job id without reading every record (``hpc
+status 12345`` among 10,000 runs reads one): a line ``"KEY"<TAB>"RUN"`` per job id of
+each record (KEY is the id without a PBS server name, so every spelling of it finds
+the run), appended under ``runs/.index/lock`` with each record write, and a line
+``@NS`` for the mtime of ``runs/`` when the index last knew all of it (the index has
+a folder of its own so that writing it leaves that mtime alone). It is a cache, never
+trusted: a hit is checked against the record it names, a name is one folder of
+``runs/`` only, and an index that is missing, damaged, names a record that no longer
+holds the id, or is older than ``runs/`` on a miss, is rebuilt from the records.
 """
 
 from __future__ import annotations
@@ -21,6 +31,9 @@ from hpc.errors import UserError
 
 RECORD = "run.json"
 LOCK = ".lock"
+INDEX_DIR = ".index"
+INDEX = "jobs"
+INDEX_LOCK = "lock"
 
 
 def check_runs_dir(runs_dir: Path) -> Path:
@@ -64,11 +77,13 @@ def new_run_dir(runs_dir: Path, name: str, now: float | None = None) -> Path:
     for path in _run_dirs(runs_dir, name, now):
         try:
             path.mkdir()
-            return path
         except FileExistsError:
             continue
         except OSError as exc:
             raise UserError(f"runs-dir: cannot create {str(path)!r}: {exc.strerror}") from None
+        if _has_index_dir(runs_dir):
+            _index_append(runs_dir, [], stamp=True)  # the index still knows all of runs/
+        return path
     raise UserError(f"runs-dir: too many runs named {name!r} in {str(runs_dir)!r}")
 
 
@@ -151,9 +166,25 @@ def locked(run_dir: Path) -> Iterator[None]:
 
 
 def write_record(run_dir: Path, record: dict[str, Any]) -> None:
-    """Write ``run.json`` atomically (mkstemp + rename) so a reader never sees half of it."""
-    write_atomic(run_dir / RECORD, json.dumps(record, indent=2, sort_keys=True) + "\n",
-                 "run directory")  # fmt: skip
+    """Write ``run.json`` atomically (mkstemp + rename) so a reader never sees half of it,
+    and its job ids into the index beside it in the same step: under the index lock, so
+    a rebuild sees both or neither, and the index line first, so a write cut short
+    leaves a line whose record lacks the id (found stale and rebuilt), never a record
+    the index misses."""
+    text = json.dumps(record, indent=2, sort_keys=True) + "\n"
+    lines = _index_lines(run_dir.name, record)
+    if not lines:
+        write_atomic(run_dir / RECORD, text, "run directory")
+        return
+    if not _has_index_dir(run_dir.parent):  # no index (yet): made by the first lookup
+        write_atomic(run_dir / RECORD, text, "run directory")
+        if _has_index_dir(run_dir.parent):  # a rebuild began meanwhile: maybe before
+            _index_append(run_dir.parent, lines)  # our write, so add it (after the swap)
+        return
+    with _index_locked(run_dir.parent) as held:
+        if held:
+            _index_append(run_dir.parent, lines, locked=True)
+        write_atomic(run_dir / RECORD, text, "run directory")
 
 
 def update_submission(run_dir: Path, script: str, **changes: Any) -> None:
@@ -227,7 +258,10 @@ def _check_record(record: dict[str, Any], path: Path) -> None:
 
 def find(ident: str, runs_dir: Path, history: bool = False) -> tuple[Path, dict[str, Any]] | None:
     """A run directory given by path, by name under ``runs_dir``, or by its job id;
-    ``history``: also by the id of an earlier submission (``--resume``) of the run."""
+    ``history``: also by the id of an earlier submission (``--resume``) of the run.
+
+    By job id the index (see the module docstring) names the run: one record is read,
+    whatever the number of runs."""
     if not ident.strip():
         raise UserError("id: empty; allowed: a run directory, its name, or a job id")
     for candidate in (Path(ident), runs_dir / ident):
@@ -237,19 +271,255 @@ def find(ident: str, runs_dir: Path, history: bool = False) -> tuple[Path, dict[
             is_run = False
         if is_run:
             return candidate, read_record(candidate)
-    if runs_dir.is_dir():
-        for rec_path in sorted(runs_dir.glob(f"*/{RECORD}"), reverse=True):
-            try:  # a damaged record elsewhere (or a FIFO) must not hide the run asked for
-                rec = json.loads(read_regular(rec_path, "run").decode("utf-8"))
-            except (UserError, ValueError, RecursionError):
+    if not runs_dir.is_dir():
+        return None
+    key = index_key(ident)
+    index = _read_index(runs_dir, key)
+    for attempt in range(2):
+        if index is None:  # missing or damaged: rebuilt (or, read-only, read in memory)
+            index = _rebuild_index(runs_dir)
+        stale = False
+        for name in sorted(index.runs.get(key, ()), reverse=True):  # newest name first
+            rec = _record_or_none(runs_dir / name / RECORD)
+            entries = _entries(rec)
+            if not any(index_key(str(e.get("job_id") or "")) == key for e in entries):
+                stale = True  # the record is gone, damaged, or no longer holds the id
                 continue
-            if not isinstance(rec, dict):
-                continue
-            earlier = rec.get("submissions") if history else None
-            entries = [*(earlier if isinstance(earlier, list) else []), rec]
-            if any(_has_id(e, ident) for e in entries):
-                return rec_path.parent, _load(rec_path)  # the one asked for: checked
+            if any(_has_id(e, ident) for e in (entries if history else entries[-1:])):
+                _check_record(rec, runs_dir / name / RECORD)  # the one asked for: checked
+                return runs_dir / name, rec
+        if attempt == 0 and not index.rebuilt and (
+                stale or index.damaged or index.older_than(runs_dir)):
+            index = None
+            continue
+        return None
     return None
+
+
+def index_key(job_id: str) -> str:
+    """How the index files a job id: without a PBS server name (``123`` of
+    ``123.host.domain``, ``123[]`` of ``123[].host``), so each spelling finds it."""
+    return job_id.split(".")[0]
+
+
+class _Index:
+    """What an index says: run names per key, and the mtime of ``runs/`` it knew."""
+
+    def __init__(self, runs: dict[str, list[str]], stamp: int, rebuilt: bool = False,
+                 damaged: bool = False) -> None:
+        self.runs = runs
+        self.stamp = stamp
+        self.rebuilt = rebuilt
+        self.damaged = damaged
+
+    def older_than(self, runs_dir: Path) -> bool:
+        """Whether ``runs/`` changed since (a run copied in or removed, or made by an
+        older hpc): its mtime is not the one the index last recorded."""
+        try:
+            return os.stat(runs_dir).st_mtime_ns != self.stamp
+        except OSError:
+            return True
+
+
+def _entries(record: Any) -> list[dict[str, Any]]:
+    """A record's earlier submissions then itself (its entries that are objects)."""
+    if not isinstance(record, dict):
+        return []
+    earlier = record.get("submissions")
+    return [e for e in [*(earlier if isinstance(earlier, list) else []), record]
+            if isinstance(e, dict)]
+
+
+def _index_lines(name: str, record: Any) -> list[str]:
+    """The index lines of run ``name``: one per distinct key of its job ids."""
+    keys = dict.fromkeys(index_key(str(e["job_id"])) for e in _entries(record)
+                         if isinstance(e.get("job_id"), str) and e["job_id"])
+    run = json.dumps(name)
+    return [f"{json.dumps(key)}\t{run}\n" for key in keys]
+
+
+def _record_or_none(path: Path) -> Any:
+    """A record parsed, None when it is missing or damaged (another run's problem must
+    not hide the run asked for: a FIFO, binary, or JSON nested past the parser)."""
+    try:
+        return json.loads(read_regular(path, "run").decode("utf-8"))
+    except (UserError, ValueError, RecursionError):
+        return None
+
+
+def _read_index(runs_dir: Path, key: str | None = None) -> _Index | None:
+    """The index of ``runs_dir`` (with ``key``: its lines for that key only, the rest
+    looked at, not parsed); None when it is missing or not a readable file.
+
+    Untrusted like every file here: read as a regular file, bounded; a line that does
+    not parse is skipped (and marks the index damaged), and a run name that is not one
+    plain folder name (``..``, ``a/b``) is never followed."""
+    path = runs_dir / INDEX_DIR / INDEX
+    if os.path.islink(path.parent) or os.path.islink(path):  # hpc's own, never a link
+        return None
+    try:
+        text = read_regular(path, "runs index").decode("utf-8", errors="replace")
+    except UserError:
+        return None
+    runs: dict[str, list[str]] = {}
+    stamp, damaged = -1, False
+    prefix = None if key is None else json.dumps(key) + "\t"
+    for line in text.split("\n"):
+        if not line:
+            continue
+        if line.startswith("@") and line[1:].isascii() and line[1:].isdigit():
+            stamp = int(line[1:])
+            continue
+        if prefix is not None and not line.startswith(prefix):
+            damaged = damaged or not line.startswith('"')  # no line of hpc's starts so
+            continue
+        key, tab, name = line.partition("\t")
+        try:
+            key, name = json.loads(key), json.loads(name)
+        except (ValueError, RecursionError):
+            damaged = True
+            continue
+        if not tab or not isinstance(key, str) or not _plain_name(name):
+            damaged = True  # hpc never writes such a line: do not trust what is left
+            continue
+        names = runs.setdefault(key, [])
+        if name not in names:
+            names.append(name)
+    return _Index(runs, stamp, damaged=damaged)
+
+
+def _plain_name(name: Any) -> bool:
+    """A run's folder name as the index may hold it: one path component under runs/."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
+            and "\0" not in name)
+
+
+def _rebuild_index(runs_dir: Path) -> _Index:
+    """Read every record once and write the index anew (atomically); the index as read.
+
+    Under the index lock, so no record write happens between the scan and the swap.
+    Where ``runs/`` is read-only the index is only held in memory for this lookup."""
+    with _index_locked(runs_dir) as held:
+        try:
+            stamp = os.stat(runs_dir).st_mtime_ns  # before the scan: a later change is newer
+        except OSError:
+            stamp = -1
+        runs: dict[str, list[str]] = {}
+        lines = [f"@{stamp}\n"]
+        for rec_path in sorted(runs_dir.glob(f"*/{RECORD}")):
+            name = rec_path.parent.name
+            for line in _index_lines(name, _record_or_none(rec_path)):
+                lines.append(line)
+                runs.setdefault(json.loads(line.partition("\t")[0]), []).append(name)
+        if held:
+            path = runs_dir / INDEX_DIR / INDEX
+            with contextlib.suppress(OSError):
+                if os.path.lexists(path) and not path.is_file() or os.path.islink(path):
+                    os.unlink(path)  # a FIFO or a link planted where the index goes
+            with contextlib.suppress(UserError):
+                write_atomic(path, "".join(lines), "runs index")
+    return _Index(runs, stamp, rebuilt=True)
+
+
+def _has_index_dir(runs_dir: Path) -> bool:
+    """Whether ``runs_dir`` has an index folder (made by the first lookup by job id, so
+    that ``runs/`` holds nothing but runs until an index serves)."""
+    import stat
+
+    try:
+        return stat.S_ISDIR(os.lstat(runs_dir / INDEX_DIR).st_mode)
+    except OSError:
+        return False
+
+
+def _index_dir(runs_dir: Path) -> Path | None:
+    """``runs_dir/.index``, made if missing; None where it cannot be (a read-only
+    ``runs/``). Something else planted under that name (a link elsewhere, a file) is
+    removed first: the name is hpc's own."""
+    import stat
+
+    folder = runs_dir / INDEX_DIR
+    for _ in range(2):
+        try:
+            if stat.S_ISDIR(os.lstat(folder).st_mode):
+                return folder
+            os.unlink(folder)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return None
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            continue
+        except OSError:
+            return None
+    return None
+
+
+@contextlib.contextmanager
+def _index_locked(runs_dir: Path) -> Iterator[bool]:
+    """Hold ``runs_dir/.index/lock`` (flock); yields False when it cannot be had (a
+    read-only ``runs/``, a planted FIFO or link): then the index is left alone and
+    the next lookup that misses rebuilds it."""
+    import fcntl
+    import stat
+
+    folder = _index_dir(runs_dir)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        if folder is None:
+            raise OSError("no index folder")
+        fd = os.open(folder / INDEX_LOCK, flags, 0o644)
+    except OSError:
+        yield False
+        return
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            yield False
+            return
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            yield True
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _index_append(runs_dir: Path, lines: list[str], stamp: bool = False,
+                  locked: bool = False) -> None:
+    """Append ``lines`` (and with ``stamp`` the mtime of ``runs/`` now) to an index that
+    exists; one that cannot be appended to is removed, to be rebuilt when next needed
+    (an index that silently missed a record would hide that run)."""
+    if not locked:
+        with _index_locked(runs_dir) as held:
+            if held:
+                _index_append(runs_dir, lines, stamp, locked=True)
+        return
+    import stat
+
+    path = runs_dir / INDEX_DIR / INDEX
+    if not os.path.lexists(path):
+        return  # no index yet: the first lookup builds it from the records
+    if stamp:
+        try:
+            lines = [*lines, f"@{os.stat(runs_dir).st_mtime_ns}\n"]
+        except OSError:
+            return
+    flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError("not a regular file")
+            os.write(fd, "".join(lines).encode("utf-8"))
+        finally:
+            os.close(fd)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def job_entry(record: dict[str, Any], ident: str) -> dict[str, Any]:
@@ -263,6 +533,15 @@ def job_entry(record: dict[str, Any], ident: str) -> dict[str, Any]:
 
 
 def _has_id(entry: Any, ident: str) -> bool:
-    """Whether a record's entry is the job ``ident`` (PBS: also its number alone)."""
+    """Whether a record's entry is the job ``ident``: the same id, its number alone
+    (PBS ``123`` of ``123.server``), or another spelling of the same server (qsub
+    prints ``123.host.domain``, qstat and users may say ``123.host``)."""
     job_id = str(entry.get("job_id") or "") if isinstance(entry, dict) else ""
-    return bool(job_id) and (job_id == ident or job_id.split(".")[0] == ident)
+    if not job_id:
+        return False
+    if job_id == ident or job_id.split(".")[0] == ident:
+        return True
+    number, _, server = job_id.partition(".")
+    asked_number, _, asked = ident.partition(".")
+    return (number == asked_number and bool(server) and bool(asked)
+            and (server.startswith(asked + ".") or asked.startswith(server + ".")))

@@ -9,13 +9,13 @@ the id forms submitit uses for them (``123[].srv_4``).
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
-import subprocess
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import IO, TYPE_CHECKING, Any
 
-from hpc.schedulers import JobState, Scheduler, SchedulerError, last_line, run
+from hpc.schedulers import JobState, Scheduler, SchedulerError, chunks, last_line, run, stream
 
 if TYPE_CHECKING:
     from hpc.job import Job
@@ -147,73 +147,291 @@ def _info(pbs_id: str, attrs: dict[str, Any]) -> dict[str, str]:
     return out
 
 
-def read_qstat_json(text: str | bytes) -> dict[str, dict[str, str]]:
-    """Info per job from ``qstat -x -f -F json [-t]``, keyed by PBS id and submitit id."""
-    if isinstance(text, bytes):
-        text = text.decode(errors="replace")
-    data = loads_qstat_json(text)
-    jobs = data.get("Jobs") or {}
-    if not isinstance(jobs, dict):
-        raise ValueError("qstat JSON: 'Jobs' is not a mapping")
-    out: dict[str, dict[str, str]] = {}
-    for pbs_id, attrs in jobs.items():
-        if isinstance(attrs, dict):
-            info = _info(str(pbs_id), attrs)
-            out[str(pbs_id)] = info
-            out[submitit_id(str(pbs_id), attrs)] = info
+class QstatInfo(dict):  # type: ignore[type-arg]
+    """What a qstat reader found: info per job keyed by PBS id and submitit id, and
+    :attr:`by_key` per server-free key (:func:`job_key`), so a lookup in another
+    spelling of the server name is one dict access, never a scan of every job."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_key: dict[str, dict[str, str]] = {}
+
+    def add(self, pbs_id: str, attrs: dict[str, Any]) -> None:
+        """Keep one job (its few attributes, as :func:`_info` makes them)."""
+        info = _info(pbs_id, attrs)
+        self[pbs_id] = info
+        self[submitit_id(pbs_id, attrs)] = info
+        self.by_key.setdefault(job_key(pbs_id), info)
+
+
+_KEY = re.compile(r"^([0-9]+)(?:\[([0-9]*)\])?")
+
+
+def job_key(job_id: str) -> str:
+    """A job's id without its server: ``123`` for ``123.host.domain``, ``123.host``
+    and ``123`` alike; ``123[4]`` for subjob ``123[4].srv`` and submitit's
+    ``123[].srv_4``; an array's own ``123[].srv`` is ``123`` (no plain job shares its
+    number). qsub prints the full name (``123.aurora-pbs-0001.hostmgmt...``) where
+    qstat may print a shorter one, or cut the id to its column: the id is
+    normalised once, here, where it is asked and where it is read."""
+    match = _SUBMITIT_ARRAY.match(job_id)
+    if match:
+        return f"{_seq(match['parent'])}[{match['index']}]"
+    match = _KEY.match(job_id)
+    if match is None:
+        return job_id
+    return match.group(1) + (f"[{match.group(2)}]" if match.group(2) else "")
+
+
+def _wanted(job_ids: Iterable[str] | None) -> set[str] | None:
+    return None if job_ids is None else {job_key(j) for j in job_ids}
+
+
+_WS = re.compile(r"[ \t\n\r]*")
+_TOKEN = re.compile(r'["{}\[\]]')
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_SCALAR = re.compile(r"[^\s,}\]]*")
+#: Characters read from qstat at a time, and the most one value (one job's attributes)
+#: may take: a real job is a few kilobytes; a bigger one is damage.
+_CHUNK = 256 * 1024
+_MAX_VALUE = 64 * 1024 * 1024
+
+
+class _JsonStream:
+    """``qstat -F json`` read a value at a time as it streams.
+
+    Each value is decoded with :class:`json.JSONDecoder` (C speed) from a buffer that
+    holds the current job and at most one chunk more; what was read is dropped. A job
+    that strict JSON refuses (PBS Pro before 2021: unescaped backslashes in
+    ``Variable_List``) is cut out by a tolerant scan and read as
+    :func:`loads_qstat_json` reads a whole answer.
+    """
+
+    def __init__(self, source: str | bytes | IO[str] | IO[bytes]) -> None:
+        if isinstance(source, bytes):
+            source = source.decode(errors="replace")
+        self.src = None if isinstance(source, str) else source
+        self.buf = source if isinstance(source, str) else ""
+        self.eof = self.src is None
+        self.pos = 0
+        self.decoder = json.JSONDecoder(strict=False)
+        self.bytes_decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def _more(self) -> bool:
+        """Read the next chunk (dropping what was read); False at the end."""
+        if self.eof or self.src is None:
+            self.eof = True
+            return False
+        if len(self.buf) - self.pos > _MAX_VALUE:
+            raise ValueError(f"qstat JSON: one value is over {_MAX_VALUE:,} characters")
+        # as much again as the value read so far: a long value is read in O(its size)
+        size = max(_CHUNK, len(self.buf) - self.pos)
+        # what the client wrote so far (read1), not `size` of it: a pipe's read(size)
+        # would wait for all of it, and damage early in a long answer would go unseen
+        raw = getattr(self.src, "buffer", self.src)
+        read = getattr(raw, "read1", None) or self.src.read
+        text = ""
+        while not text:
+            chunk = read(size)
+            if not chunk:
+                text = self.bytes_decoder.decode(b"", final=True)
+                if not text:
+                    self.eof = True
+                    return False
+            else:
+                text = self.bytes_decoder.decode(chunk) if isinstance(chunk, bytes) else chunk
+        self.buf = self.buf[self.pos:] + text
+        self.pos = 0
+        return True
+
+    def peek(self) -> str:
+        """The next character that is not white space ("" at the end)."""
+        while True:
+            match = _WS.match(self.buf, self.pos)
+            self.pos = match.end() if match else self.pos
+            if self.pos < len(self.buf):
+                return self.buf[self.pos]
+            if not self._more():
+                return ""
+
+    def expect(self, char: str) -> None:
+        if self.peek() != char:
+            found = self.peek() or "the end"
+            raise ValueError(f"qstat JSON: {found!r} where {char!r} belongs")
+        self.pos += 1
+
+    def value(self) -> Any:
+        """The next JSON value."""
+        self.peek()
+        while True:
+            try:
+                obj, end = self.decoder.raw_decode(self.buf, self.pos)
+            except json.JSONDecodeError as exc:
+                cut = exc.msg.startswith("Unterminated string") or exc.pos >= len(self.buf) - 8
+                if not self.eof and cut:  # the value goes on in the next chunk
+                    self._more()
+                    continue
+                return self._lenient()
+            if end >= len(self.buf) and not self.eof:  # a number or word may go on
+                self._more()
+                continue
+            self.pos = end
+            return obj
+
+    def _lenient(self) -> Any:
+        """The value at ``pos`` that strict JSON refused, cut out and read leniently."""
+        while (end := _value_end(self.buf, self.pos, self.eof)) is None:
+            if not self._more() and (end := _value_end(self.buf, self.pos, True)) is None:
+                raise ValueError("qstat JSON: the answer ends inside a value")
+        text = self.buf[self.pos:end]
+        self.pos = end
+        return loads_qstat_json(text)
+
+
+def _value_end(buf: str, start: int, eof: bool) -> int | None:
+    """Where the JSON value at ``start`` ends, strings and nesting followed and escapes
+    taken as pairs whatever they are; None while it may go on past ``buf``."""
+    if start >= len(buf):
+        return None
+    if buf[start] == '"':
+        match = _STRING.match(buf, start)
+        return match.end() if match else None
+    if buf[start] not in "{[":
+        end = _SCALAR.match(buf, start).end()  # type: ignore[union-attr]
+        return end if end < len(buf) or eof else None
+    depth, pos = 0, start
+    while (token := _TOKEN.search(buf, pos)) is not None:
+        if token.group() == '"':
+            match = _STRING.match(buf, token.start())
+            if match is None:
+                return None
+            pos = match.end()
+            continue
+        depth += 1 if token.group() in "{[" else -1
+        pos = token.end()
+        if depth == 0:
+            return pos
+    return None
+
+
+def _qstat_json_jobs(source: str | bytes | IO[str] | IO[bytes]) -> Iterator[tuple[str, Any]]:
+    """(id, attributes) of each job in a ``qstat -F json`` answer, one at a time."""
+    reader = _JsonStream(source)
+    if reader.peek() == "":  # no answer at all (no job matched)
+        return
+    reader.expect("{")
+    if reader.peek() == "}":
+        return
+    while True:
+        key = reader.value()
+        if not isinstance(key, str):
+            raise ValueError("qstat JSON: a key that is not a string")
+        reader.expect(":")
+        if key == "Jobs" and reader.peek() == "{":
+            reader.expect("{")
+            while reader.peek() != "}":
+                job = reader.value()
+                if not isinstance(job, str):
+                    raise ValueError("qstat JSON: a job id that is not a string")
+                reader.expect(":")
+                yield job, reader.value()
+                if reader.peek() == ",":
+                    reader.pos += 1
+            reader.expect("}")
+        else:
+            value = reader.value()
+            if key == "Jobs" and value and not isinstance(value, dict):
+                raise ValueError("qstat JSON: 'Jobs' is not a mapping")
+        if reader.peek() == ",":
+            reader.pos += 1
+            continue
+        reader.expect("}")
+        return
+
+
+def read_qstat_json(source: str | bytes | IO[str] | IO[bytes],
+                    wanted: Iterable[str] | None = None) -> QstatInfo:
+    """Info per job from ``qstat -x -f -F json [-t]``, keyed by PBS id and submitit id.
+
+    ``source``: the answer, or a stream of it (read as it comes, one job at a time);
+    ``wanted``: the ids asked for (any server spelling, submitit's array form): only
+    those are kept, so memory is flat in jobs not asked for (``qstat -t`` of a
+    50,000-subjob array asked for one subjob); None keeps every job.
+    """
+    keys = _wanted(wanted)
+    out = QstatInfo()
+    for pbs_id, attrs in _qstat_json_jobs(source):
+        if isinstance(attrs, dict) and (keys is None or job_key(pbs_id) in keys):
+            out.add(pbs_id, attrs)
     return out
 
 
-def _join_continuations(text: str) -> list[str]:
+def _lines(source: str | IO[str]) -> Iterator[str]:
+    """The lines of an answer (a string, or a stream read as it comes)."""
+    if isinstance(source, str):
+        yield from source.splitlines()
+    else:
+        for line in source:
+            yield line.rstrip("\r\n")
+
+
+def _join_continuations(source: str | IO[str]) -> Iterator[str]:
     """``qstat -f`` wraps long values onto lines that start with a tab: join them back."""
-    lines: list[str] = []
-    for raw in text.splitlines():
-        if raw.startswith("\t") and lines:
-            lines[-1] += raw[1:]
-        else:
-            lines.append(raw)
-    return lines
+    last: str | None = None
+    for raw in _lines(source):
+        if raw.startswith("\t") and last is not None:
+            last += raw[1:]
+            continue
+        if last is not None:
+            yield last
+        last = raw
+    if last is not None:
+        yield last
 
 
-def read_qstat_text(text: str) -> dict[str, dict[str, str]]:
-    """Info per job from ``qstat -f`` (blocks of ``Job Id: ID`` and ``    key = value``)."""
-    out: dict[str, dict[str, str]] = {}
+def read_qstat_text(source: str | IO[str], wanted: Iterable[str] | None = None) -> QstatInfo:
+    """Info per job from ``qstat -f`` (blocks of ``Job Id: ID`` and ``    key = value``),
+    read as it streams and keeping only ``wanted`` jobs (see :func:`read_qstat_json`)."""
+    keys = _wanted(wanted)
+    out = QstatInfo()
     pbs_id: str | None = None
     attrs: dict[str, str] = {}
 
     def flush() -> None:
-        if pbs_id is not None:
-            info = _info(pbs_id, attrs)
-            out[pbs_id] = info
-            out[submitit_id(pbs_id, attrs)] = info
+        if pbs_id is not None and (keys is None or job_key(pbs_id) in keys):
+            out.add(pbs_id, attrs)
 
-    for line in _join_continuations(text):
+    for line in _join_continuations(source):
         if line.startswith("Job Id:"):
             flush()
             pbs_id, attrs = line.split(":", 1)[1].strip(), {}
-        elif pbs_id is not None and " = " in line:
+        elif pbs_id is not None and " = " in line and (keys is None or job_key(pbs_id) in keys):
             key, value = line.strip().split(" = ", 1)
             attrs[key.strip()] = value.strip()
     flush()
     return out
 
 
-def read_qstat_plain(text: str) -> dict[str, dict[str, str]]:
+def read_qstat_plain(source: str | IO[str], wanted: Iterable[str] | None = None) -> QstatInfo:
     """Info per job from plain ``qstat`` (a table; the S column is the state letter).
 
     Long ids are cut to the column width and end in ``*``; they are kept as the
-    prefix they are, and matched by sequence number.
+    prefix they are, and matched by their key (:func:`job_key`).
     """
-    out: dict[str, dict[str, str]] = {}
-    for line in text.splitlines():
+    keys = _wanted(wanted)
+    out = QstatInfo()
+    for line in _lines(source):
         words = line.split()
         if len(words) < 6 or not re.match("[0-9]", words[0]):
             continue
         pbs_id, letter = words[0].rstrip("*"), words[-2]
+        if keys is not None and job_key(pbs_id) not in keys:
+            continue
         state = normalize(letter) if letter not in ("F", "X") else GONE
         info = {"JobID": pbs_id, "State": state.value, "job_state": letter, "queue": words[-1]}
         out[pbs_id] = info
         out[submitit_id(pbs_id)] = info
+        out.by_key.setdefault(job_key(pbs_id), info)
     return out
 
 
@@ -223,40 +441,65 @@ def _seq(job_id: str) -> str:
     return match.group(0) if match else job_id
 
 
-def _index(job_id: str) -> str | None:
-    """The array index in a subjob id (``123[4].srv``) or a submitit array id (``123[].srv_4``)."""
-    match = _SUBMITIT_ARRAY.match(job_id) or _SUBJOB.match(job_id)
-    return match["index"] if match else None
-
-
 def lookup(info: dict[str, dict[str, str]], job_id: str) -> dict[str, str] | None:
-    """The entry for ``job_id``: exact, else the same sequence number and array index
-    (qstat may print another form of the server name than qsub did, or cut the id)."""
+    """The entry for ``job_id``: exact, else the same job in another spelling of the
+    server name (or cut by plain qstat): the same :func:`job_key`, one dict access
+    on a reader's answer (a plain dict is keyed once, here)."""
     if job_id in info:
         return info[job_id]
-    for key, value in info.items():
-        if _seq(key) == _seq(job_id) and _index(key) == _index(job_id):
-            return value
-    return None
-
-
-def _run(argv: list[str]) -> subprocess.CompletedProcess[str] | None:
-    """Run a PBS client; None when it is missing or hangs (the caller falls back)."""
-    try:
-        return run(argv, timeout=QSTAT_TIMEOUT_S)
-    except SchedulerError:
-        return None
+    by_key = getattr(info, "by_key", None)
+    if by_key is None:
+        by_key = {}
+        for key, value in info.items():
+            by_key.setdefault(job_key(key), value)
+    return by_key.get(job_key(job_id))
 
 
 def _gone(stderr: str, ids: Iterable[str]) -> set[str]:
-    """Ids qstat says it does not know (any more), from its error lines."""
-    gone = set()
+    """Ids qstat says it does not know (any more), from its error lines: each number
+    in such a line names the ids of that sequence number (a dict access, no scan)."""
+    by_seq: dict[str, list[str]] = {}
+    for job_id in ids:
+        by_seq.setdefault(_seq(job_id), []).append(job_id)
+    gone: set[str] = set()
     for line in stderr.splitlines():
         if "Unknown Job Id" in line or "has finished" in line:
-            for job_id in ids:
-                if re.search(rf"(^|[^0-9]){re.escape(_seq(job_id))}([^0-9]|$)", line):
-                    gone.add(job_id)
+            for number in re.findall(r"[0-9]+", line):
+                gone.update(by_seq.get(number, ()))
     return gone
+
+
+def _subjob_array(job_id: str) -> str | None:
+    """``123[].srv`` for subjob ``123[4].srv``; None for any other id."""
+    match = re.match(r"([0-9]+)\[[0-9]+\](.*)\Z", job_id)
+    return f"{match.group(1)}[]{match.group(2)}" if match else None
+
+
+def _query_ids(ids: list[str]) -> dict[str, list[str]]:
+    """What to name to qstat -> the asked ids its answer covers. A subjob is asked
+    through its array (``-t`` lists every subjob) when the array is asked too or
+    two or more of its subjobs are: one id instead of a thousand."""
+    plain = [pbs_query_id(j) for j in ids]
+    arrays: dict[str, int] = {}
+    for q in plain:
+        parent = _subjob_array(q)
+        arrays[parent or q] = arrays.get(parent or q, 0) + (1 if parent else 2)
+    out: dict[str, list[str]] = {}
+    for job_id, q in zip(ids, plain, strict=True):
+        parent = _subjob_array(q)
+        name = parent if parent is not None and arrays.get(parent, 0) >= 2 else q
+        out.setdefault(name, []).append(job_id)
+    return out
+
+
+def _stream(argv: list[str], reader: Callable[[IO[str]], QstatInfo]
+            ) -> tuple[QstatInfo, int, str] | None:
+    """Run a PBS client, its answer read as it streams; None when it is missing or
+    hangs (the caller falls back). A damaged answer raises the reader's error."""
+    try:
+        return stream(argv, reader, timeout=QSTAT_TIMEOUT_S)
+    except SchedulerError:
+        return None
 
 
 def query(job_ids: Iterable[str]) -> dict[str, dict[str, str]]:
@@ -267,29 +510,41 @@ def query(job_ids: Iterable[str]) -> dict[str, dict[str, str]]:
        PBS Pro; Torque, whose ``-x`` means XML and yields no ``Job Id:`` blocks).
     3. ``qstat IDS``: anything with a qstat at all.
 
-    qstat exits non-zero when one id is unknown but still prints the others, so the
-    output is read whatever the exit code; ids it calls unknown or finished (no
-    history kept) get the state ``FINISHED``: done, outcome only in the job's files.
-    An answer that names none of the ids moves on to the next form.
+    One call names many ids (an array's subjobs by the array's one id, see
+    :func:`_query_ids`; a thousand ids or 32 KiB at most per call, see
+    :func:`hpc.schedulers.chunks`), and its answer is read as it streams, keeping only
+    the jobs asked for. qstat exits non-zero when one id is unknown but still prints
+    the others, so the output is read whatever the exit code; ids it calls unknown or
+    finished (no history kept) get the state ``FINISHED``: done, outcome only in the
+    job's files. An answer that names none of the ids moves on to the next form.
     """
     ids = list(dict.fromkeys(job_ids))
-    query_ids = list(dict.fromkeys(pbs_query_id(j) for j in ids))
+    covers = _query_ids(ids)
+    out: dict[str, dict[str, str]] = {}
+    for group in chunks(covers, sep=1):
+        asked = [j for q in group for j in covers[q]]
+        out.update(_query_group(group, asked))
+    return out
+
+
+def _query_group(query_ids: list[str], ids: list[str]) -> dict[str, dict[str, str]]:
+    """:func:`query` of one call's worth of ids, each form in turn."""
     arrays = ["-t"] if any("[" in q for q in query_ids) else []
-    attempts: list[tuple[list[str], Callable[[str], dict[str, dict[str, str]]]]] = [
+    readers: list[tuple[list[str], Callable[..., QstatInfo]]] = [
         (["qstat", "-x", "-f", "-F", "json", *arrays, *query_ids], read_qstat_json),
         (["qstat", "-x", "-f", *arrays, *query_ids], read_qstat_text),
         (["qstat", "-f", *arrays, *query_ids], read_qstat_text),
         (["qstat", *arrays, *query_ids], read_qstat_plain),
     ]
-    for argv, reader in attempts:
-        proc = _run(argv)
-        if proc is None:
-            break
+    for argv, reader in readers:
         try:
-            info = reader(proc.stdout) if proc.stdout.strip() else {}
+            done = _stream(argv, lambda text, reader=reader: reader(text, ids))  # type: ignore[misc]
         except (ValueError, AttributeError, TypeError):
             continue
-        gone = _gone(proc.stderr, ids)
+        if done is None:
+            break
+        info, _, stderr = done
+        gone = _gone(stderr, ids)
         out: dict[str, dict[str, str]] = {}
         for job_id in ids:
             found = lookup(info, job_id)
@@ -310,7 +565,7 @@ def state_of(info: dict[str, dict[str, str]], job_id: str) -> JobState:
 
 def parse_qstat_json(text: str, job_id: str) -> JobState:
     """State of one job from ``qstat -x -f -F json``."""
-    return state_of(read_qstat_json(text), job_id)
+    return state_of(read_qstat_json(text, [job_id]), job_id)
 
 
 def parse_qstat_text(text: str) -> JobState:
@@ -388,8 +643,14 @@ class PBS(Scheduler):
 
     def status(self, job_id: str) -> JobState:
         """The state :func:`query` finds (JSON, then text, then plain qstat)."""
-        found = query([job_id]).get(job_id)
-        return JobState(found["State"]) if found else JobState.UNKNOWN
+        return self.statuses([job_id])[job_id]
+
+    def statuses(self, job_ids: Sequence[str]) -> dict[str, JobState]:
+        """Every id's state from :func:`query`: one ``qstat`` names them all (an
+        array's subjobs by the array's id), its answer streamed."""
+        found = query(job_ids)
+        return {j: JobState(found[j]["State"]) if j in found else JobState.UNKNOWN
+                for j in dict.fromkeys(job_ids)}
 
     def exit_code(self, job_id: str) -> int | None:
         """``Exit_status`` (``qstat -x``): the script's code below 256, 256+N for a job

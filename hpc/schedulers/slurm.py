@@ -1,13 +1,15 @@
-"""SLURM: sbatch --parsable; squeue, then sacct (or its jobcomp log), then scontrol; scancel."""
+"""SLURM: sbatch --parsable; squeue -j A,B,C (batched), then scontrol, then sacct (or its
+jobcomp log); scancel."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc.errors import UserError
-from hpc.schedulers import JobState, Scheduler, SchedulerError, last_line, run
+from hpc.schedulers import JobState, Scheduler, SchedulerError, chunks, last_line, run
 
 if TYPE_CHECKING:
     from hpc.cluster import Cluster
@@ -17,6 +19,9 @@ if TYPE_CHECKING:
 # [0-9], not \d: \d and str.isdigit take any script's digits (١٢٣, １２３), which no
 # scheduler gives and int() would quietly read as 123.
 _JOB_ID = re.compile(r"^[0-9]+(_[0-9]+)?\Z")
+#: Most job numbers asked of scontrol one call each (it takes one id); past this one
+#: call lists every job the controller holds.
+SCONTROL_ONE_BY_ONE = 4
 _MAP = {
     "PENDING": "PENDING", "REQUEUED": "PENDING", "REQUEUE_HOLD": "PENDING",
     "REQUEUE_FED": "PENDING", "RESV_DEL_HOLD": "PENDING", "SUSPENDED": "PENDING",
@@ -41,6 +46,100 @@ def _first(text: str) -> str | None:
         if line.strip():
             return line.strip()
     return None
+
+
+def _asked(ids: list[str]) -> list[str]:
+    """The ids to name in a query: a task ``N_k`` is left out when its array ``N`` is
+    asked too (``squeue -r -j N`` lists every task of it)."""
+    numbers = {j for j in ids if "_" not in j}
+    return [j for j in ids if "_" not in j or j.partition("_")[0] not in numbers]
+
+
+def _in_range(index: str, spec: str) -> bool:
+    """Whether array index ``index`` is in ``spec`` (``0-999``, ``1,3-5``, ``0-9%2``:
+    how squeue, scontrol and sacct print the tasks of an array not yet started)."""
+    if not index.isascii() or not index.isdigit():
+        return False
+    value = int(index)
+    for part in spec.partition("%")[0].split(","):
+        lo, dash, hi = part.partition("-")
+        if lo.isascii() and lo.isdigit() and (hi.isascii() and hi.isdigit() if dash else True):
+            if int(lo) <= value <= (int(hi) if dash else int(lo)):
+                return True
+    return False
+
+
+def _settle(found: dict[str, JobState], ids: Iterable[str],
+            answers: list[tuple[str, str, str]], first: bool) -> None:
+    """Give each of ``ids`` its state from ``answers`` ((id, array id, state word) in
+    the client's order) where it has none yet; a known word only (UNKNOWN asks on).
+
+    An id is answered by the line of that id; a task of an array not yet started by
+    the array's line (``123_[0-999]``); an array's own id (``123``) by the first line
+    of its tasks (``first``: squeue's and scontrol's order) or, for sacct, the last
+    (a requeued job's latest run is its last line)."""
+    exact: dict[str, str] = {}
+    by_array: dict[str, str] = {}
+    ranges: dict[str, list[tuple[str, str]]] = {}
+    for job, array, word in answers:
+        if first:
+            exact.setdefault(job, word)
+            by_array.setdefault(array, word)
+        else:
+            exact[job] = word
+            by_array[array] = word
+        number, _, task = job.partition("_")
+        if task.startswith("["):
+            ranges.setdefault(number, []).append((task.strip("[]"), word))
+    for job_id in ids:
+        if job_id in found:
+            continue
+        number, _, task = job_id.partition("_")
+        word = exact.get(job_id) if task else exact.get(job_id) or by_array.get(job_id)
+        if word is None and task:
+            word = next((w for spec, w in ranges.get(number, []) if _in_range(task, spec)), None)
+        state = normalize(word) if word is not None else JobState.UNKNOWN
+        if state != JobState.UNKNOWN:
+            found[job_id] = state
+
+
+def _squeue_lines(text: str) -> list[tuple[str, str, str]]:
+    """``%i|%A|%T`` lines: (job or task id, array job id, state)."""
+    out = []
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) == 3 and parts[0]:
+            out.append((parts[0], parts[1] or parts[0].partition("_")[0], parts[2]))
+    return out
+
+
+def _scontrol_records(text: str) -> list[tuple[str, str, str]]:
+    """``scontrol -o show job`` records (one a line with -o; also read when a record
+    spans lines): (``JobId`` or ``ArrayJobId_ArrayTaskId``, array id, ``JobState``)."""
+    out = []
+    for record in re.split(r"(?:^|\s)(?=JobId=)", text):
+        fields = dict(re.findall(r"(?<!\S)([A-Za-z]+)=(\S*)", record))
+        if "JobId" not in fields or "JobState" not in fields:
+            continue
+        array, task = fields.get("ArrayJobId"), fields.get("ArrayTaskId")
+        if array and task:
+            job = f"{array}_{task}" if task.isdigit() else f"{array}_[{task}]"
+        else:
+            job = fields["JobId"]
+        out.append((job, array or job, fields["JobState"]))
+        if array and task and fields["JobId"] != array:  # the task's own id answers too
+            out.append((fields["JobId"], fields["JobId"], fields["JobState"]))
+    return out
+
+
+def _sacct_lines(text: str) -> list[tuple[str, str, str]]:
+    """``JobID|State`` lines (``-P``): (job or task id, its array's number, state)."""
+    out = []
+    for line in text.splitlines():
+        job, sep, state = line.strip().partition("|")
+        if sep and job:
+            out.append((job, job.partition("_")[0], state))
+    return out
 
 
 class Slurm(Scheduler):
@@ -126,32 +225,48 @@ class Slurm(Scheduler):
         raise SchedulerError(f"sbatch: no job id in its answer: {last_line(stdout)!r}")
 
     def status(self, job_id: str) -> JobState:
-        """squeue while queued or running; then scontrol, then sacct (no accounting needed).
+        """The state :meth:`statuses` finds for one id."""
+        return self.statuses([job_id])[job_id]
 
-        ``scontrol show job`` knows a finished job for MinJobAge seconds and always its
-        latest run. sacct comes last: without accounting storage it says "accounting
-        storage is disabled", but with a jobcomp log ``sacct -c`` still answers; a
-        requeued job has one record a run there, so the last line is the current one.
+    def statuses(self, job_ids: Sequence[str]) -> dict[str, JobState]:
+        """Every id's state in as few calls as the answers allow, each one batched.
+
+        1. ``squeue -h -r -t all -j A,B,C -o %i|%A|%T``: queued, running and recently
+           ended jobs (``-t all``: those the controller still holds, MinJobAge seconds
+           after the end; ``-r``: an array's tasks one a line). An array's id answers
+           for all its tasks, so a task whose array is asked too is not named again:
+           a 1,000-task sweep is one call. Ids the controller does not know are left
+           out of the answer (a list of two or more; one unknown id alone is an error).
+        2. For ids still unanswered (the client failed, or refused one id),
+           ``scontrol -o show job NUMBER`` once per job number (an array's number
+           shows every task); for more than :data:`SCONTROL_ONE_BY_ONE` numbers one
+           ``scontrol -o show job`` of every job the controller holds.
+        3. ``sacct -X -n -P -j A,B,C -o JobID,State``, then ``sacct -c`` (the jobcomp
+           log, answering without accounting storage): a requeued job has a line a
+           run, so the last line of an id is its current state.
         """
-        proc = run(["squeue", "-h", "-j", job_id, "-o", "%T"])
-        if proc.returncode == 0 and _first(proc.stdout):
-            return normalize(_first(proc.stdout) or "")
-        proc = run(["scontrol", "show", "job", job_id])
-        match = re.search(r"JobState=(\S+)", proc.stdout) if proc.returncode == 0 else None
-        if match and normalize(match.group(1)) != "UNKNOWN":
-            return normalize(match.group(1))
-        for argv in (
-            ["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "State"],
-            ["sacct", "-c", "-n", "-P", "-j", job_id, "-o", "State"],
-        ):
-            proc = run(argv)
-            lines = [ln.strip() for ln in proc.stdout.splitlines() if ln.strip()]
-            disabled = "accounting storage is disabled" in (proc.stdout + proc.stderr).lower()
-            if proc.returncode == 0 and lines and not disabled:
-                state = normalize(lines[-1])
-                if state != "UNKNOWN":
-                    return state
-        return JobState.UNKNOWN
+        ids = list(dict.fromkeys(job_ids))
+        found: dict[str, JobState] = {}
+        for group in chunks(_asked(ids), sep=1):
+            proc = run(["squeue", "-h", "-r", "-t", "all", "-j", ",".join(group),
+                        "-o", "%i|%A|%T"])
+            if proc.returncode == 0:
+                _settle(found, ids, _squeue_lines(proc.stdout), first=True)
+        left = [j for j in ids if j not in found]
+        numbers = list(dict.fromkeys(j.partition("_")[0] for j in left))
+        # scontrol takes one id: a few jobs one call each, more all of them in one call
+        for number in numbers if len(numbers) <= SCONTROL_ONE_BY_ONE else [None]:
+            proc = run(["scontrol", "-o", "show", "job", *([number] if number else [])])
+            if proc.returncode == 0:
+                _settle(found, left, _scontrol_records(proc.stdout), first=True)
+        for flag in ("-X", "-c"):
+            left = [j for j in ids if j not in found]
+            for group in chunks(left, sep=1):
+                proc = run(["sacct", flag, "-n", "-P", "-j", ",".join(group), "-o", "JobID,State"])
+                disabled = "accounting storage is disabled" in (proc.stdout + proc.stderr).lower()
+                if proc.returncode == 0 and not disabled:
+                    _settle(found, group, _sacct_lines(proc.stdout), first=False)
+        return {j: found.get(j, JobState.UNKNOWN) for j in ids}
 
     def exit_code(self, job_id: str) -> int | None:
         """``ExitCode=CODE:SIGNAL`` from scontrol, else sacct (``-c``: the jobcomp log)

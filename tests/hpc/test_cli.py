@@ -215,7 +215,7 @@ def test_status_and_cancel_through_the_run_record(fake_bin, tmp_path: Path, caps
 
 
 def test_status_without_record_detects_the_scheduler(fake_bin, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    fake_bin("squeue", "echo RUNNING")
+    fake_bin("squeue", "echo '99|99|RUNNING'")
     assert main(["status", "99", "--runs-dir", str(tmp_path)]) == 0
     assert capsys.readouterr().out.strip() == "99 RUNNING"
     fake_bin("qstat", "echo '{\"Jobs\": {\"5.s\": {\"job_state\": \"Q\"}}}'")

@@ -61,7 +61,8 @@ def test_submit_and_follow_a_job(request: pytest.FixtureRequest, tmp_path: Path,
             break
         time.sleep(0.2)
     assert state == "COMPLETED"
-    (run_dir,) = (tmp_path / "runs").iterdir()  # the log is kept in the run directory
+    # the log is kept in the run directory (runs/.index: the job-id index status made)
+    (run_dir,) = [p for p in (tmp_path / "runs").iterdir() if not p.name.startswith(".")]
     log = (run_dir / f"hpc_probe-{job_id}.out").read_text()
     assert sorted(log.split("\n")[:2]) == ["rank=0 arg=a b;$(x)", "rank=1 arg=a b;$(x)"]
 

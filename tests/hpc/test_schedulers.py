@@ -52,12 +52,13 @@ def test_pbs_qstat_parsers() -> None:
 
 def test_slurm_status_falls_back_past_disabled_accounting(fake_bin) -> None:
     fake_bin("squeue", "echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1")
-    fake_bin("sacct", """if [ "$1" = "-c" ]; then echo COMPLETED; else
+    fake_bin("sacct", """if [ "$1" = "-c" ]; then echo '12|COMPLETED'; else
 echo 'Slurm accounting storage is disabled' >&2; exit 1; fi""")
     fake_bin("scontrol", "exit 1")
     assert get("slurm").status("12") == "COMPLETED"
     log = fake_bin.log.read_text()
-    assert "sacct -X -n -P -j 12 -o State" in log and "sacct -c -n -P -j 12 -o State" in log
+    assert "sacct -X -n -P -j 12 -o JobID,State" in log
+    assert "sacct -c -n -P -j 12 -o JobID,State" in log
 
 
 def test_slurm_status_asks_scontrol_before_sacct(fake_bin) -> None:
@@ -71,7 +72,7 @@ def test_slurm_status_of_a_requeued_job_is_its_latest_run(fake_bin) -> None:
     """The jobcomp log holds one record a run: the first REQUEUED, the last the outcome."""
     fake_bin("squeue", "exit 0")
     fake_bin("scontrol", "echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1")
-    fake_bin("sacct", """if [ "$1" = "-c" ]; then printf 'REQUEUED\nCOMPLETED\n'; else
+    fake_bin("sacct", """if [ "$1" = "-c" ]; then printf '12|REQUEUED\n12|COMPLETED\n'; else
 echo 'Slurm accounting storage is disabled' >&2; exit 1; fi""")
     assert get("slurm").status("12") == "COMPLETED"
 
@@ -133,5 +134,5 @@ def test_status_output_that_is_not_utf8_is_read(fake_bin) -> None:
     """A job name or variable in Latin-1 inside qstat's or squeue's answer."""
     fake_bin("qstat", r"""printf '{"Jobs": {"3.s": {"job_state": "R", "Job_Name": "caf\xe9"}}}'""")
     assert get("pbs").status("3.s") == "RUNNING"
-    fake_bin("squeue", r"printf 'RUNNING\n'; printf 'caf\xe9\n' >&2")
+    fake_bin("squeue", r"printf '4|4|RUNNING\n'; printf 'caf\xe9\n' >&2")
     assert get("slurm").status("4") == "RUNNING"

@@ -66,10 +66,13 @@ def test_sweep_submits_one_array_and_records_its_tasks(
     manifest = json.loads((run / "sweep.json").read_text())
     assert manifest["max_parallel"] == 2 and len(manifest["tasks"]) == 4
 
-    # status: the array, then a line per task, asked by its own id
-    fake_bin("squeue", 'case "$3" in 91_0) echo COMPLETED;; 91_1) echo RUNNING;; '
-                       '91) echo RUNNING;; *) echo PENDING;; esac')
+    # status: the array, then a line per task, all from one query of the array's id
+    fake_bin("squeue", '[ "$*" = "-h -r -t all -j 91 -o %i|%A|%T" ] || exit 1; '
+                       'printf "91_1|91|RUNNING\n91_0|91|COMPLETED\n91_2|91|PENDING\n'
+                       '91_3|91|PENDING\n"')
+    calls = len(fake_bin.log.read_text().splitlines())
     assert main(["status", str(run), "--runs-dir", "runs"]) == 0
+    assert fake_bin.log.read_text().splitlines()[calls:] == ["squeue -h -r -t all -j 91 -o %i|%A|%T"]
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "91 RUNNING"
     assert lines[1:3] == ["91_0 COMPLETED optim.lr=1e-3 training.batch_size=8",
