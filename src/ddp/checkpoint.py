@@ -1,7 +1,9 @@
 """Atomic checkpoints, resume lookup and export for single-device inference.
 
 A checkpoint is ``<dir>/step_<N>.pt`` plus ``step_<N>.pt.sha256``, the digest of its
-bytes; ``<dir>/latest`` names the newest complete one. Both are written through :func:`atomic_save` / :func:`atomic_write_text`
+bytes, and ``step_<N>.ranks/``: one small file per rank with that rank's own state (its
+RNG streams; :func:`write_rank_state`); ``<dir>/latest`` names the newest complete one.
+All are written through :func:`atomic_save` / :func:`atomic_write_text`
 (temp file in the same directory, fsync, ``os.replace``, fsync of the directory),
 and ``latest`` only moves after its checkpoint is durable, so a ``kill -9`` at any
 instant leaves ``latest`` pointing at a complete file. Loading falls back to the
@@ -28,7 +30,7 @@ import random
 import re
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +45,11 @@ LATEST = "latest"
 DIGEST_SUFFIX = ".sha256"
 _STEP_RE = re.compile(r"^step_(\d+)(\.pt)?\Z")  # a file, or a sharded checkpoint's directory
 META = "meta.pt"  # in a sharded checkpoint: everything but the shards (ddp.checkpointer)
-FORMAT_VERSION = 2  # 2: sha256 sidecar, RNG states as plain values (weights_only loads)
+FORMAT_VERSION = 3  # 2: sha256 sidecar, RNG states as plain values (weights_only loads)
+# 3: each rank's state in its own rank file (``rank_files``), no gathered ``rng`` list
+RANK_FILE_LIMIT = 1 << 20
+"""At most this many bytes in one rank file (about 13 KB when sound: RNG states)."""
+_RANK_HEADER = b"ddp-rank-state sha256="
 
 
 def fsync_dir(path: Path) -> None:
@@ -224,21 +230,43 @@ def sharded_path(directory: str | Path, step: int) -> Path:
 
 
 def staging_path(path: Path) -> Path:
-    """Where a sharded checkpoint's shards are written before it is complete: a dot name
-    that the resume lookup (:data:`_STEP_RE`) never takes for a checkpoint."""
+    """Where a sharded checkpoint's shards, or a checkpoint's rank files, are written
+    before it is complete: a dot name that the resume lookup (:data:`_STEP_RE`) never
+    takes for a checkpoint."""
     return path.with_name(f".{path.name}.tmp")
 
 
-def remove_stale_staging(directory: Path) -> None:
+def rank_dir(checkpoint: str | Path) -> Path:
+    """Where a checkpoint's rank files live: beside ``step_N.pt``, the directory
+    ``step_N.ranks``; in a sharded checkpoint, its own directory (beside the shards)."""
+    checkpoint = Path(checkpoint)
+    return checkpoint.with_suffix(".ranks") if checkpoint.suffix == ".pt" else checkpoint
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank_{rank:06d}.pt"
+
+
+_STAGING_RE = re.compile(r"^\.step_(\d+)(\.ranks)?\.tmp\Z")
+_RANKS_DIR_RE = re.compile(r"^step_(\d+)\.ranks\Z")
+
+
+def remove_stale_staging(directory: Path, before: int | None = None) -> None:
     """Delete staging directories left by a run killed mid-save, and checkpoint
     directories left half-deleted (:func:`remove_checkpoint`).
 
-    Only while no save of this run is in flight (the directory lock keeps other runs out).
+    Only while no save of this run is in flight (the directory lock keeps other runs out),
+    or, with ``before``, only the staging directories of steps before it: other ranks may
+    be writing their rank files for a later step while rank 0 finishes this one.
     """
     for pattern in (".step_*.tmp", ".step_*.old"):
         for stale in directory.glob(pattern):
-            if stale.is_dir() and not stale.is_symlink():
-                remove_checkpoint(stale)
+            if not stale.is_dir() or stale.is_symlink():
+                continue
+            m = _STAGING_RE.match(stale.name)
+            if before is not None and m and int(m.group(1)) >= before:
+                continue
+            remove_checkpoint(stale)
 
 
 def _is_checkpoint(p: Path) -> bool:
@@ -262,7 +290,8 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
 
 
 def remove_checkpoint(path: Path) -> None:
-    """Delete a checkpoint file with its digest, or a sharded checkpoint's directory.
+    """Delete a checkpoint file with its digest and rank files, or a sharded checkpoint's
+    directory.
 
     A ``step_N`` directory is first renamed to a hidden ``.step_N.old``: a kill during
     the deletion would otherwise leave a ``step_N`` with some shards (or none) that
@@ -272,7 +301,7 @@ def remove_checkpoint(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         import shutil
 
-        if _STEP_RE.match(path.name):
+        if _STEP_RE.match(path.name) or _RANKS_DIR_RE.match(path.name):
             trash = path.with_name(f".{path.name}.old")
             shutil.rmtree(trash, ignore_errors=True)
             try:
@@ -282,6 +311,15 @@ def remove_checkpoint(path: Path) -> None:
                 pass  # delete it in place
         shutil.rmtree(path, ignore_errors=True)
         return
+    if path.suffix == ".pt":
+        # Its rank files first: a kill now leaves a file without them, which the resume
+        # skips and pruning removes, never rank files that no checkpoint names.
+        ranks = rank_dir(path)
+        if ranks.is_dir() and not ranks.is_symlink():
+            remove_checkpoint(ranks)
+        elif ranks.is_symlink():
+            with contextlib.suppress(FileNotFoundError):
+                ranks.unlink()
     for gone in (path, _digest_path(path)):
         with contextlib.suppress(FileNotFoundError):
             gone.unlink()
@@ -369,6 +407,12 @@ def begin_save(
     with ``background=True`` the finalize runs in a thread (:class:`PendingSave`).
     ``latest`` moves only after the checkpoint file is durable.
     """
+    return stage_save(state, directory, step).finish(keep_last, background)
+
+
+def stage_save(state: dict[str, Any], directory: str | Path, step: int) -> StagedCheckpoint:
+    """The first half of :func:`begin_save`: ``state`` serialised under a temp name, its
+    digest computed; nothing visible yet. A write error is one ConfigError line."""
     directory = Path(directory)
     path = step_path(directory, step)
     staged = _Staged(path)
@@ -381,25 +425,57 @@ def begin_save(
         if isinstance(err, OSError):
             raise _write_error(directory, path.name, err) from None
         raise err from None
+    return StagedCheckpoint(path, staged, out.sha, step)
 
-    def finalize() -> None:
-        try:
-            # The digest lands first: a checkpoint is never visible without one.
-            atomic_write_text(out.sha.hexdigest() + "\n", _digest_path(path))
-            staged.commit()
-            atomic_write_text(path.name + "\n", directory / LATEST)
-        except BaseException as exc:
-            err = staged.failed(exc)
-            if isinstance(err, OSError):
-                raise _write_error(directory, path.name, err) from None
-            raise err from None
-        prune(directory, keep_last, path)
-        for stale in directory.glob(".step_*.tmp"):  # left by a writer killed mid-save
-            if str(stale) != staged.tmp:
-                with contextlib.suppress(FileNotFoundError):
-                    stale.unlink()
 
-    return PendingSave(path, finalize, background)
+class StagedCheckpoint:
+    """A checkpoint file serialised by :func:`stage_save`, made visible by :meth:`finish`
+    (or dropped by :meth:`discard`): between the two, the caller may agree with the other
+    ranks that their rank files are written."""
+
+    def __init__(self, path: Path, staged: _Staged, sha: Any, step: int) -> None:
+        self.path, self._staged, self._sha, self._step = path, staged, sha, step
+
+    def discard(self) -> None:
+        self._staged.discard()
+
+    def finish(self, keep_last: int, background: bool, ranks: Path | None = None) -> PendingSave:
+        """Finalize (in a thread with ``background``): digest file, fsync, rename,
+        ``latest``, pruning. ``ranks``: the staging directory holding every rank's file
+        (:func:`write_rank_state`), all durable already; it becomes ``step_<N>.ranks``
+        just before the checkpoint file appears, so a visible checkpoint always has its
+        rank files (a kill in between leaves neither, or rank files no resume reads)."""
+        path, staged, directory = self.path, self._staged, self.path.parent
+
+        def finalize() -> None:
+            committed = False
+            try:
+                if ranks is not None:
+                    remove_checkpoint(path)  # the same step from an older run, rank files too
+                # The digest lands first: a checkpoint is never visible without one.
+                atomic_write_text(self._sha.hexdigest() + "\n", _digest_path(path))
+                if ranks is not None:
+                    os.replace(ranks, rank_dir(path))
+                    fsync_dir(directory)
+                staged.commit()
+                committed = True
+                atomic_write_text(path.name + "\n", directory / LATEST)
+            except BaseException as exc:
+                if ranks is not None and not committed:
+                    remove_checkpoint(ranks)
+                    remove_checkpoint(rank_dir(path))
+                err = staged.failed(exc)
+                if isinstance(err, OSError):
+                    raise _write_error(directory, path.name, err) from None
+                raise err from None
+            prune(directory, keep_last, path)
+            for stale in directory.glob(".step_*.tmp"):  # left by a writer killed mid-save
+                if str(stale) != staged.tmp and not stale.is_dir():
+                    with contextlib.suppress(FileNotFoundError):
+                        stale.unlink()
+            remove_stale_staging(directory, before=self._step)
+
+        return PendingSave(path, finalize, background)
 
 
 def prune(directory: Path, keep_last: int, newest: Path) -> None:
@@ -431,24 +507,27 @@ def _digest_path(path: Path) -> Path:
     return path.with_name(path.name + DIGEST_SUFFIX)
 
 
-def read_checkpoint(path: Path) -> dict[str, Any]:
+def read_checkpoint(path: Path, ranks: bool = True) -> dict[str, Any]:
     """Load one checkpoint, checked; raises ValueError naming what is wrong with it.
 
     For a sharded checkpoint (a directory) this is its meta file, after every shard's
     digest was checked; ``"sharded"`` then names the directory the shards are read from.
     Every field it holds is checked (:func:`check_fields`): a crafted or damaged value
     is a line naming the field, never a traceback later in the run.
+
+    ``ranks``: also read every rank file (:func:`read_rank_state`) and check the shards
+    each one lists: what one process needs to trust a whole checkpoint. False leaves
+    them to the ranks of a resumed run, each reading its own (``ddp.checkpointer``), so
+    no process reads W files.
     """
     if path.is_dir() and not path.is_symlink():
-        obj = read_checkpoint(path / META)
+        obj = read_checkpoint(path / META, ranks=False)
         if not obj.get("shards"):
             raise ValueError("lists no shards")
-        for name, digest in obj["shards"].items():
-            shard = path / name
-            if shard.is_symlink() or not shard.is_file():
-                raise ValueError(f"misses its shard {name}")
-            if sha256_file(shard) != digest:
-                raise ValueError(f"has a damaged shard {name} (digest mismatch)")
+        check_shards(path, obj["shards"])
+        if ranks and obj.get("rank_files"):
+            for rank in range(obj.get("world_size", 1)):  # stops at the first missing file
+                check_shards(path, read_rank_state(path, rank, obj).get("rank_shards") or {})
         obj["sharded"] = str(path)
         return obj
     if path.is_symlink():
@@ -463,6 +542,21 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
         expected = None
     if expected is not None and hashlib.sha256(data).hexdigest() != expected:
         raise ValueError(f"does not match its digest {digest.name} (damaged)")
+    obj = _load_bytes(data)
+    if "sharded" in obj:  # set by the loader, after it checked that directory's shards
+        raise ValueError("names a shard directory itself ('sharded'); only the loader does")
+    check_fields(obj)
+    if obj["format"] >= 2 and expected is None:
+        raise ValueError(f"has no digest file {digest.name}")
+    if ranks and obj.get("rank_files") and path.name != META:
+        for rank in range(obj.get("world_size", 1)):  # stops at the first missing file
+            read_rank_state(path, rank, obj)
+    return obj
+
+
+def _load_bytes(data: bytes) -> dict[str, Any]:
+    """A checkpoint's (or rank file's) payload, loaded the safe way; ValueError if it
+    holds anything but tensors and plain values, or is no dict that ddp writes."""
     try:
         obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:  # what weights_only refuses to build
@@ -472,11 +566,82 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
         raise ValueError(f"is not a loadable checkpoint ({type(exc).__name__})") from None
     if not isinstance(obj, dict) or "format" not in obj or "global_step" not in obj:
         raise ValueError("is not a checkpoint written by ddp")
-    if "sharded" in obj:  # set by the loader, after it checked that directory's shards
-        raise ValueError("names a shard directory itself ('sharded'); only the loader does")
-    check_fields(obj)
-    if obj["format"] >= 2 and expected is None:
-        raise ValueError(f"has no digest file {digest.name}")
+    return obj
+
+
+def check_shards(directory: Path, digests: dict[str, str]) -> None:
+    """ValueError naming the first of ``digests`` (shard file name -> sha256) that is
+    missing from ``directory`` or whose bytes do not match."""
+    for name, digest in digests.items():
+        shard = directory / name
+        if shard.is_symlink() or not shard.is_file():
+            raise ValueError(f"misses its shard {name}")
+        if sha256_file(shard) != digest:
+            raise ValueError(f"has a damaged shard {name} (digest mismatch)")
+
+
+# ---- each rank's own state -----------------------------------------------------------------
+#: What a rank file must hold (:func:`write_rank_state`).
+RANK_FIELDS = ("format", "global_step", "world_size", "rank", "rank_rng")
+
+
+def write_rank_state(directory: str | Path, rank: int, state: dict[str, Any]) -> Path:
+    """Write this rank's own state into ``directory/rank_<R>.pt``, atomically and durably
+    (temp file, fsync, rename, fsync of the directory). Every rank writes its own file
+    and reads only its own on resume: no rank receives or parses the others' states,
+    so neither the bytes a save moves nor any file grows with the number of ranks.
+
+    The file is one line ``ddp-rank-state sha256=<hex>`` and the ``torch.save`` bytes it
+    is the digest of: a flipped byte is caught as in a checkpoint file, without a second
+    file per rank (at 100k ranks, a digest file each would double the files created in
+    one directory at every save)."""
+    buf = io.BytesIO()
+    torch.save({"format": FORMAT_VERSION, **state, "rank": rank}, buf)
+    data = buf.getvalue()
+    header = _RANK_HEADER + hashlib.sha256(data).hexdigest().encode() + b"\n"
+    path = Path(directory) / rank_file_name(rank)
+    _atomic_write(path, lambda fh: fh.write(header + data))
+    return path
+
+
+def read_rank_state(checkpoint: str | Path, rank: int, saved: dict[str, Any]) -> dict[str, Any]:
+    """Rank ``rank``'s file of ``checkpoint`` (its ``step_N.pt`` or sharded directory),
+    checked; ValueError naming the file and what is wrong with it.
+
+    It is untrusted input like the checkpoint: a regular file (never a pipe or a link,
+    at most :data:`RANK_FILE_LIMIT` bytes), its digest line matching, loaded with
+    ``weights_only``, every field checked (:func:`check_fields`, RNG states tried on
+    throwaway generators), and its step, world size and rank those of ``saved`` (the
+    checkpoint's own fields) and of its name: a rank file copied from another checkpoint
+    or another rank is refused."""
+    path = rank_dir(checkpoint) / rank_file_name(rank)
+    where = f"{path.parent.name}/{path.name}"
+    try:
+        data = read_regular(path, RANK_FILE_LIMIT)
+    except ValueError as exc:
+        if not os.path.lexists(path):
+            raise ValueError(f"misses its rank file {where}") from None
+        raise ValueError(f"has a rank file {where} that {exc}") from None
+    head, newline, payload = data.partition(b"\n")
+    if not newline or not head.startswith(_RANK_HEADER):
+        raise ValueError(f"has a rank file {where} that is not one ddp writes (no digest "
+                         "line)")  # fmt: skip
+    if hashlib.sha256(payload).hexdigest().encode() != head[len(_RANK_HEADER):]:
+        raise ValueError(f"has a damaged rank file {where} (digest mismatch)")
+    try:
+        obj = _load_bytes(payload)
+        check_fields(obj, required=RANK_FIELDS)
+        for key, want in (("global_step", saved.get("global_step")),
+                          ("world_size", saved.get("world_size")), ("rank", rank)):  # fmt: skip
+            if obj[key] != want:
+                raise ValueError(f"has a bad {key}: {_show(obj[key])}; allowed: {want!r}, "
+                                 "the checkpoint's")  # fmt: skip
+        for name in obj.get("rank_shards") or {}:
+            if not re.fullmatch(rf"__{rank}_\d+\.distcp", name):
+                raise ValueError(f"has a bad rank_shards: {name!r}; allowed: this rank's "
+                                 f"shards (__{rank}_N.distcp)")  # fmt: skip
+    except ValueError as exc:
+        raise ValueError(f"has a rank file {where} that {exc}") from None
     return obj
 
 
@@ -550,6 +715,11 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "phase_start_step": (_count(0), "an integer >= 0"),
     "world_size": (_count(1), "an integer >= 1"),
     "rng": (lambda v: isinstance(v, list), "a list of every rank's RNG states"),
+    "rank_files": (lambda v: type(v) is bool, "true or false"),
+    "rank": (_count(0), "an integer >= 0"),
+    "rank_rng": (lambda v: v is None or isinstance(v, dict), "a mapping of one rank's RNG "
+                 "states"),
+    "rank_shards": (_is_shard_list, "a mapping of shard file names to sha256 digests"),
     "config": (lambda v: isinstance(v, dict) and _is_plain_tree(v),
                "a mapping of plain values (the run's config)"),
     "scheduler": (lambda v: isinstance(v, dict), "a mapping (a scheduler's state)"),
@@ -589,8 +759,13 @@ def check_fields(obj: dict[str, Any], required: tuple[str, ...] = ()) -> None:
     if obj.get("phase_start_step", 0) > obj.get("global_step", _I64):
         raise ValueError(f"has a bad phase_start_step: {obj['phase_start_step']} is after "
                          f"its global_step {obj['global_step']}")  # fmt: skip
-    for i, state in enumerate(obj.get("rng") or []):
+    if obj.get("rank", -1) >= obj.get("world_size", _I64):
+        raise ValueError(f"has a bad rank: {obj['rank']} is not below its world_size "
+                         f"{obj['world_size']}")  # fmt: skip
+    for i, state in enumerate(obj.get("rng") or []):  # written before rank files
         check_rng_state(state, f"rng[{i}]")
+    if obj.get("rank_rng") is not None:
+        check_rng_state(obj["rank_rng"], "rank_rng")
 
 
 def check_rng_state(state: Any, name: str = "rng") -> None:
@@ -693,9 +868,9 @@ def check_like(saved: Any, live: Any, name: str) -> None:
             raise bad("a plain value or null")
 
 
-def _readable(path: Path) -> dict[str, Any] | None:
+def _readable(path: Path, ranks: bool = True) -> dict[str, Any] | None:
     try:
-        return read_checkpoint(path)
+        return read_checkpoint(path, ranks)
     except ValueError as exc:  # damaged, foreign or crafted: skip it, never crash resume
         log.warning("checkpoint %s %s; trying an older one", path, exc)
         return None
@@ -720,31 +895,41 @@ def find_latest(directory: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def load_latest(directory: str | Path) -> tuple[Path, dict[str, Any]] | None:
-    """Load the newest valid checkpoint in ``directory``; None when there is none."""
+def readable_checkpoints(
+    directory: str | Path, ranks: bool = True
+) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """The valid checkpoints in ``directory`` with their contents, the one ``latest``
+    names first, then the others newest first; each damaged one is skipped with a
+    warning. ``ranks``: as for :func:`read_checkpoint`."""
     directory = Path(directory)
     first = find_latest(directory)
     candidates = [first] if first else []
     candidates += [p for p in reversed(list_checkpoints(directory)) if p != first]
     for path in candidates:
-        obj = _readable(path)
+        obj = _readable(path, ranks)
         if obj is not None:
-            return path, obj
-    return None
+            yield path, obj
 
 
-def load_checkpoint(path: str | Path, verify_shards: bool = True) -> dict[str, Any]:
+def load_latest(directory: str | Path, ranks: bool = True) -> tuple[Path, dict[str, Any]] | None:
+    """Load the newest valid checkpoint in ``directory``; None when there is none."""
+    return next(readable_checkpoints(directory, ranks), None)
+
+
+def load_checkpoint(
+    path: str | Path, verify_shards: bool = True, ranks: bool = True
+) -> dict[str, Any]:
     """Load the checkpoint a user named; any problem is one ConfigError line.
 
     ``verify_shards=False`` reads a sharded checkpoint's meta file only (the other ranks,
-    once rank 0 has checked every shard)."""
+    once rank 0 has checked every shard); ``ranks``: as for :func:`read_checkpoint`."""
     try:
         p = Path(path)
         if not verify_shards and p.is_dir() and not p.is_symlink():
-            obj = read_checkpoint(p / META)
+            obj = read_checkpoint(p / META, ranks=False)
             obj["sharded"] = str(p)
             return obj
-        return read_checkpoint(p)
+        return read_checkpoint(p, ranks=ranks and verify_shards)
     except ValueError as exc:
         from ddp.errors import ConfigError
 

@@ -118,45 +118,95 @@ class Checkpointer:
     def load(self) -> dict[str, Any] | None:
         """Collective: the checkpoint to resume from (``checkpoint.resume``), or None.
 
-        Rank 0 finds and checks it (every shard's digest, for a sharded one); the
-        others then read it, or only its meta file."""
+        Rank 0 finds and checks it (every shard's digest, for a sharded one of the old
+        layout; its meta file and ``.metadata`` otherwise); every rank then reads it, or
+        only its meta file, and its own rank file (:meth:`_read_own`): no rank reads
+        another's state. A rank file missing or damaged on any rank is every rank's
+        line (``checkpoint.resume: PATH``), or, under ``auto``, a step back to the next
+        older checkpoint, as for a damaged checkpoint file. The agreement is one
+        all-reduce of one integer per checkpoint tried."""
         c = self.config.checkpoint
         if c.resume == "none" or (c.resume == "auto" and not self.dir):
             return None
-        path, error = None, None
-        if self.ctx.is_main:
+        auto = c.resume == "auto"
+        found = None  # rank 0: the checkpoints of the directory, newest first
+        while True:
+            path, error = None, None
+            if self.ctx.is_main:
+                try:
+                    if auto:
+                        if found is None:
+                            found = ckpt.readable_checkpoints(self.dir, ranks=False)  # type: ignore[arg-type]
+                        nxt = next(found, None)
+                        path = str(nxt[0]) if nxt else None
+                    else:
+                        ckpt.load_checkpoint(c.resume, ranks=False)
+                        path = c.resume
+                except ConfigError as exc:
+                    error = str(exc)
+            path, error = ddp.broadcast_object((path, error))
+            if error:
+                raise ConfigError(error)
+            if path is None:
+                return None
+            state = ckpt.load_checkpoint(path, verify_shards=False)
             try:
-                if c.resume == "auto":
-                    found = ckpt.load_latest(self.dir)  # type: ignore[arg-type]
-                    path = str(found[0]) if found else None
-                else:
-                    ckpt.load_checkpoint(c.resume)
-                    path = c.resume
-            except ConfigError as exc:
-                error = str(exc)
-        path, error = ddp.broadcast_object((path, error))
-        if error:
-            raise ConfigError(error)
-        if path is None:
-            return None
-        state = ckpt.load_checkpoint(path, verify_shards=False)
-        try:
-            ckpt.check_fields(state, required=ckpt.TRAINER_FIELDS)
-        except ValueError as exc:  # the same file on every rank: the same line on each
-            raise ConfigError(f"checkpoint {path!r} {exc}") from None
+                ckpt.check_fields(state, required=ckpt.TRAINER_FIELDS)
+            except ValueError as exc:  # the same file on every rank: the same line on each
+                raise ConfigError(f"checkpoint {path!r} {exc}") from None
+            problem = self._read_own(state, path)
+            first = self._first(None if problem is None else self.ctx.rank)
+            if first is None:
+                break
+            line = ddp.broadcast_object(problem, src=first)
+            if not auto:
+                raise ConfigError(f"checkpoint.resume: {path!r} {line}")
+            if self.ctx.is_main:
+                log.warning("checkpoint %s %s; trying an older one", path, line)
         log.info("resuming from %s (step %d)", path, state["global_step"])
         self.resumed_from = path
         check_resumable(state.get("config") or {}, self.config.to_dict(), path,
                         (state.get("world_size") or 1, self.ctx.world_size))  # fmt: skip
         return state
 
+    def _read_own(self, state: dict[str, Any], path: str) -> str | None:
+        """Put this rank's own RNG states into ``state["rank_rng"]`` (None where this world
+        size differs from the checkpoint's: derived then); what is wrong, or None.
+
+        Reads this rank's file only, at the same world size. A sharded checkpoint also
+        has the shards of the saved ranks this rank stands for (``rank``, ``rank +
+        world``, ...) checked against the digests their files list: every shard is
+        checked once, by one rank, and no rank checks more than its share. A checkpoint
+        of the earlier layout holds every rank's states in one list (``rng``): this rank's
+        is taken from it."""
+        rank, world = self.ctx.rank, self.ctx.world_size
+        saved_world = state.get("world_size") or 1
+        gathered = state.pop("rng", None) or []
+        state["rank_rng"] = None
+        if not state.get("rank_files"):
+            if saved_world == world and len(gathered) == world:
+                state["rank_rng"] = gathered[rank]
+            return None
+        sharded = "sharded" in state
+        mine = range(rank, saved_world, world) if sharded else (
+            [rank] if saved_world == world else [])  # fmt: skip
+        try:
+            for saved_rank in mine:
+                own = ckpt.read_rank_state(path, saved_rank, state)
+                if sharded:
+                    ckpt.check_shards(Path(path), own.get("rank_shards") or {})
+                if saved_world == world:
+                    state["rank_rng"] = own["rank_rng"]
+        except ValueError as exc:
+            return str(exc)
+        return None
+
     def restore_model(self, state: dict[str, Any], model: torch.nn.Module) -> None:
         """Collective for sharded checkpoints: this rank's RNG streams (same world size
-        only) and the weights (resharded to this world size)."""
-        rngs = state.get("rng") or []
+        only, from :meth:`load`) and the weights (resharded to this world size)."""
         world = self.ctx.world_size
-        if state.get("world_size") == world and len(rngs) == world:
-            ckpt.set_rng_state(rngs[self.ctx.rank], self.ctx.device)
+        if state.get("rank_rng") is not None:
+            ckpt.set_rng_state(state["rank_rng"], self.ctx.device)
         else:
             derive_rng(self.config.training.seed, state["global_step"], self.ctx.rank)
             log.info("checkpoint from world size %s, running on %d: RNG streams derived from "
@@ -205,39 +255,77 @@ class Checkpointer:
     def save(
         self, loop: LoopState, model: torch.nn.Module, global_step: int, at: tuple[int, int]
     ) -> None:
-        """Collective: every rank's RNG to rank 0, which writes the checkpoint file (DDP),
-        or every rank its shards (FSDP); finished in the background by default.
+        """Collective: every rank writes its own state (its RNG streams) into its own rank
+        file, and rank 0 the checkpoint file (DDP), or every rank its shards (FSDP);
+        finished in the background by default.
 
+        No rank receives another's state: what the ranks must agree on (finite weights,
+        every write done) is one all-reduce of one integer each (:meth:`_first`), so the
+        bytes a save moves per rank do not grow with the number of ranks.
         ``at`` is the (epoch, micro-batch) a resumed run starts from."""
         if not self.dir:
             return
-        gathered = ddp.all_gather_object((ckpt.rng_state(self.ctx.device), finite(model)))
-        if not all(ok for _, ok in gathered):
+        if self._first(None if finite(model) else self.ctx.rank) is not None:
             raise diverged(global_step, "the weights are not finite (nan/inf)")
+        own = {"global_step": global_step, "world_size": self.ctx.world_size,
+               "rank_rng": ckpt.rng_state(self.ctx.device)}  # fmt: skip
         if self.config.ddp.strategy == "fsdp":
-            self._save_sharded(loop, model, global_step, at, [rng for rng, _ in gathered])
+            self._save_sharded(loop, model, global_step, at, own)
             return
+        t0 = time.perf_counter()
+        directory = Path(self.dir)
+        final = ckpt.step_path(directory, global_step)
+        ranks = ckpt.staging_path(ckpt.rank_dir(final))
+        failure: tuple[bool, str] | None = None
+        error: BaseException | None = None
+        staged = None
+        try:
+            self.wait()  # rank 0: the save before, finished; its error is every rank's
+            _write_own(ranks, self.ctx.rank, own)
+            if self.ctx.is_main:
+                state = {"model": ckpt.model_state(model), "optimizer": loop.opt.state_dict(),
+                         **self._common(loop, global_step, at)}  # fmt: skip
+                staged = ckpt.stage_save(state, directory, global_step)
+        except Exception as exc:  # every rank raises the first failed rank's line
+            failure = (isinstance(exc, ConfigError), _first_line(exc))
+            error = exc
+        first = self._first(None if failure is None else self.ctx.rank)
+        if first is not None:
+            if self.ctx.is_main:
+                if staged is not None:
+                    staged.discard()
+                ckpt.remove_checkpoint(ranks)  # every rank is past its write (the all-reduce)
+            is_config, line = ddp.broadcast_object(failure, src=first)
+            if first == self.ctx.rank and error is not None:
+                raise error
+            raise ConfigError(line) if is_config else RuntimeError(line)
         if self.ctx.is_main:
-            t0 = time.perf_counter()
-            state = {
-                "model": ckpt.model_state(model),
-                "optimizer": loop.opt.state_dict(),
-                **self._common(loop, global_step, at, [rng for rng, _ in gathered]),
-            }
-            self.wait()  # one save in flight at a time; its error surfaces here
+            assert staged is not None
             c = self.config.checkpoint
-            pending = ckpt.begin_save(state, self.dir, global_step, c.keep_last, self.background)
-            self._pending = pending
+            self._pending = staged.finish(c.keep_last, self.background, ranks)
             if not self.background:
                 self.wait()
-            log.info("saved %s in %.2fs%s", pending.path, time.perf_counter() - t0,
+            log.info("saved %s in %.2fs%s", final, time.perf_counter() - t0,
                      " (fsync continues in the background)" if self.background else "")  # fmt: skip
-        ddp.barrier()
 
-    def _common(
-        self, loop: LoopState, global_step: int, at: tuple[int, int], rngs: list[Any]
-    ) -> dict[str, Any]:
-        """What every checkpoint holds besides the model and optimizer state."""
+    def _first(self, mine: int | None, group: Any = None) -> int | None:
+        """Collective: the smallest of every rank's ``mine`` (None: nothing to report), in
+        one all-reduce of one integer, on ``group`` (a Gloo group: a CPU tensor) or the
+        default group (this rank's device). What ranks agree on with it (a failure, and
+        whose) costs the same bytes at any world size, where a gather would grow with it."""
+        import torch.distributed as tdist
+
+        if self.ctx.world_size <= 1 or not (tdist.is_available() and tdist.is_initialized()):
+            return mine
+        device = torch.device("cpu") if group is not None else self.ctx.device
+        box = torch.tensor([_NOBODY if mine is None else mine], dtype=torch.int64, device=device)
+        tdist.all_reduce(box, op=tdist.ReduceOp.MIN, group=group)
+        value = int(box.item())
+        return None if value == _NOBODY else value
+
+    def _common(self, loop: LoopState, global_step: int, at: tuple[int, int]) -> dict[str, Any]:
+        """What every checkpoint holds besides the model and optimizer state (each rank's
+        RNG states are in its own rank file: ``rank_files``)."""
         epoch, batch = at
         return {
             "scheduler": loop.sched.state_dict(),
@@ -249,15 +337,16 @@ class Checkpointer:
             "global_step": global_step,
             "phase_start_step": loop.phase_start,
             "world_size": self.ctx.world_size,
-            "rng": rngs,
+            "rank_files": True,
             "config": self.config.to_dict(),
         }
 
     def _save_sharded(self, loop: LoopState, model: torch.nn.Module, global_step: int,
-                      at: tuple[int, int], rngs: list[Any]) -> None:  # fmt: skip
-        """Collective: every rank's shards into the staging directory ``.step_N.tmp``; once
-        every rank's write is done, rank 0 adds the meta file (with every shard's digest),
-        renames the directory to ``step_N`` and moves ``latest`` (:meth:`_finalize_sharded`).
+                      at: tuple[int, int], own: dict[str, Any]) -> None:  # fmt: skip
+        """Collective: every rank's shards into the staging directory ``.step_N.tmp``, then
+        its rank file (its RNG states and its shards' digests); once every rank's write is
+        done, rank 0 adds the meta file, renames the directory to ``step_N`` and moves
+        ``latest`` (:meth:`_finalize_sharded`).
 
         In the background (the default) only the copy of this rank's shards to CPU memory
         blocks the loop; the write and the finalize run in a thread, on a Gloo group of
@@ -274,7 +363,7 @@ class Checkpointer:
         ddp.barrier()
         meta = None
         if self.ctx.is_main:  # taken now: the loop moves on while the shards are written
-            meta = copy.deepcopy({**self._common(loop, global_step, at, rngs),
+            meta = copy.deepcopy({**self._common(loop, global_step, at),
                                   "format": ckpt.FORMAT_VERSION})  # fmt: skip
         if self.background:
             self._group = ddp.dist.checkpoint_group()  # collective the first time (all ranks)
@@ -286,59 +375,61 @@ class Checkpointer:
         blocked = time.perf_counter() - t0
 
         def finalize() -> None:
-            self._finalize_sharded(written, tmp, final, meta, blocked, t0)
+            self._finalize_sharded(written, tmp, final, meta, own, blocked, t0)
 
         self._pending = ckpt.PendingSave(final, finalize, self.background)
         if not self.background:
             self.wait()
 
-    def _finalize_sharded(self, written: Any, tmp: Path, final: Path,
-                          meta: dict[str, Any] | None, blocked: float, t0: float) -> None:  # fmt: skip
-        """Collective (on the save's group): wait for this rank's write, agree that every
-        rank's succeeded, then rank 0 makes the checkpoint visible. Every rank raises the
-        same error (the first failed rank's, as one line) or none, so a failure never
-        leaves a rank waiting in a collective the others skip."""
+    def _finalize_sharded(self, written: Any, tmp: Path, final: Path, meta: dict[str, Any] | None,
+                          own: dict[str, Any], blocked: float, t0: float) -> None:  # fmt: skip
+        """Collective (on the save's group): wait for this rank's write, write its rank file
+        (with its shards' digests), agree that every rank's succeeded, then rank 0 makes
+        the checkpoint visible. Every rank raises the same error (the first failed rank's,
+        as one line) or none, so a failure never leaves a rank waiting in a collective the
+        others skip. The agreement is an all-reduce of one integer and a broadcast of one
+        line: no rank receives the others' digests or states."""
         group = self._group if self.background else None
         directory = final.parent
-        mine: dict[str, str] = {}
+        rank, world = self.ctx.rank, self.ctx.world_size
         failure: tuple[bool, bool, str] | None = None
         try:
             written()  # DCP raises the same CheckpointException on every rank
-            mine = {f.name: ckpt.sha256_file(f)
-                    for f in tmp.glob(f"__{self.ctx.rank}_*.distcp")}  # fmt: skip
+            own["rank_shards"] = {f.name: ckpt.sha256_file(f)
+                                  for f in tmp.glob(f"__{rank}_*.distcp")}  # fmt: skip
+            ckpt.write_rank_state(tmp, rank, own)
         except BaseException as exc:  # CheckpointException is one
-            failure = _describe(exc, self.ctx.rank, directory, tmp.name)
-        gathered = ddp.all_gather_object((mine, failure), group=group)
-        failures = [f for _, f in gathered if f is not None]
-        failures.sort(key=lambda f: not f[0])  # stable: a rank's own failure first
-        outcome = failures[0] if failures else None
-        if outcome is None:
+            failure = _describe(exc, rank, directory, tmp.name)
+        # A rank's own failure first (it has the file system's words), then rank order.
+        key = None if failure is None else rank + (0 if failure[0] else world)
+        first = self._first(key, group)
+        outcome = None
+        if first is not None:
+            outcome = ddp.broadcast_object(failure, src=first % world, group=group)
+        else:
             if self.ctx.is_main:
                 assert meta is not None
                 try:
-                    self._publish(gathered, tmp, final, meta)
+                    self._publish(tmp, final, meta)
                 except BaseException as exc:  # reported on every rank
                     outcome = _describe(exc, 0, directory, final.name)
             outcome = ddp.broadcast_object(outcome, group=group)
         if outcome is not None:
             if self.ctx.is_main:
-                ckpt.remove_checkpoint(tmp)  # every rank is done with it (the gather)
+                ckpt.remove_checkpoint(tmp)  # every rank is done with it (the all-reduce)
             _, is_write_error, message = outcome
             raise ConfigError(message) if is_write_error else RuntimeError(message)
         if self.ctx.is_main:
             log.info("saved %s (%d shards): training blocked %.2fs, durable after %.2fs%s",
-                     final, len(gathered), blocked, time.perf_counter() - t0,
+                     final, world, blocked, time.perf_counter() - t0,
                      " (written in the background)" if self.background else "")  # fmt: skip
 
-    def _publish(self, gathered: list[Any], tmp: Path, final: Path, meta: dict[str, Any]) -> None:
-        """Rank 0, every shard written: the meta file with every shard's digest, the rename
-        into place, ``latest``, keep-last pruning and stale staging directories."""
+    def _publish(self, tmp: Path, final: Path, meta: dict[str, Any]) -> None:
+        """Rank 0, every shard and rank file written: the meta file with the digest of
+        DCP's ``.metadata`` (each rank's file has its own shards'), the rename into place,
+        ``latest``, keep-last pruning and stale staging directories."""
         directory = final.parent
-        digests: dict[str, str] = {}
-        for part, _ in gathered:
-            digests.update(part)
-        digests[".metadata"] = ckpt.sha256_file(tmp / ".metadata")
-        meta["shards"] = digests
+        meta["shards"] = {".metadata": ckpt.sha256_file(tmp / ".metadata")}
         ckpt.atomic_save_digested(meta, tmp / ckpt.META)
         ckpt.remove_checkpoint(final)  # a checkpoint of the same step from an older run
         os.replace(tmp, final)
@@ -353,7 +444,7 @@ class Checkpointer:
         self.wait()
         if not (self.dir and c.save_final):
             return None
-        if not all(ddp.all_gather_object(finite(model))):
+        if self._first(None if finite(model) else self.ctx.rank) is not None:
             raise diverged(global_step, "the weights are not finite (nan/inf)")
         full = fsdp.full_state_dict(model) if fsdp.is_sharded(model) else None  # collective
         path, error = None, None
@@ -366,6 +457,24 @@ class Checkpointer:
         if error:
             raise ConfigError(error)
         return path
+
+
+_NOBODY = 1 << 62
+"""What :meth:`Checkpointer._first` reads as "no rank reported anything"."""
+
+
+def _write_own(directory: Path, rank: int, own: dict[str, Any]) -> None:
+    """This rank's rank file into the staging directory; a write error is one line
+    naming the file and the rank (:func:`ddp.checkpoint.write_error`)."""
+    try:
+        ckpt.write_rank_state(directory, rank, own)
+    except OSError as exc:
+        raise ckpt._write_error(directory.parent, directory.name, exc, rank) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    """An error as the one line the other ranks raise for it."""
+    return str(exc) if isinstance(exc, ConfigError) else sharded._first_line(exc)
 
 
 def _save_now(tmp: Path, model: torch.nn.Module, opt: Any) -> tuple[dict[str, Any], Any]:

@@ -5,9 +5,10 @@ Layout (one directory per checkpoint, beside the ``step_N.pt`` files of DDP runs
     step_000000120/
         __0_0.distcp __1_0.distcp ...   every rank's shards of model and optimizer state
         .metadata                       DCP's index of the shards
-        meta.pt  meta.pt.sha256         rank 0: everything else, and every shard's digest
+        rank_000000.pt rank_000001.pt   each rank's own: its RNG states, its shards' digests
+        meta.pt  meta.pt.sha256         rank 0: everything else, and .metadata's digest
 
-Every rank writes its own shards into the staging directory ``.step_N.tmp``
+Every rank writes its own shards and rank file into the staging directory ``.step_N.tmp``
 (collectively; by default in the background, :func:`save_async`), then, once every
 rank's write has finished, rank 0 adds the meta file and renames the directory into
 place; ``latest`` moves after that, so a ``kill -9`` at any moment leaves ``latest`` on a
