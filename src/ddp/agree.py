@@ -189,8 +189,12 @@ class Agreement:
         self._groups = groups  # leader index -> ProcessGroupGloo backend
         self._own = None if layout.own is None else groups[layout.own]  # I am group rank 0
         self._up = None if layout.up is None else groups[layout.up]  # the parent is group rank 0
-        self._value = torch.zeros(1)
-        self._below = tuple(torch.zeros(1) for _ in layout.children)
+        # [flag, hops]: the hops a message's value has travelled (a measurement that costs
+        # one float beside the flag: the bench reads it, the loop does not).
+        self._value = torch.zeros(2)
+        self._below = tuple(torch.zeros(2) for _ in layout.children)
+        self._step = torch.tensor([0.0, 1.0])
+        self.last_hops = 0  # sequential messages before this rank knew the last round's answer
         self._seq = 0
         self._broken: BaseException | None = None
         self._queue: queue.SimpleQueue[Round | None] = queue.SimpleQueue()
@@ -200,10 +204,11 @@ class Agreement:
     @property
     def buffers(self) -> tuple[torch.Tensor, ...]:
         """Every tensor a round reads or writes (CPU; tests check they never reach a device)."""
-        return (self._value, *self._below)
+        return (self._value, *self._below, self._step)
 
     @property
     def hops(self) -> int:
+        """Sequential messages of a round by the layout's arithmetic (``2 * depth``)."""
         return self.layout.hops
 
     def start(self, flag: bool) -> Round:
@@ -243,28 +248,32 @@ class Agreement:
 
     def _round(self, flag: bool) -> bool:
         """Up: the max of this rank's flag and its children's, sent to the parent; down:
-        the root's answer, received from the parent and sent on to the children."""
+        the root's answer, received from the parent and sent on to the children. The
+        second float counts hops: the longest path up, then each hop down."""
         import torch
 
         tag = self._seq % _TAG_SPAN
         self._seq += 1
         value = self._value
-        value.fill_(1.0 if flag else 0.0)
+        value[0], value[1] = (1.0 if flag else 0.0), 0.0
         if self._below:
             assert self._own is not None
             works = [self._own.recv([buf], i + 1, tag) for i, buf in enumerate(self._below)]
             for work, buf in zip(works, self._below, strict=True):
                 work.wait()
-                torch.maximum(value, buf, out=value)
+                torch.maximum(value, buf.add_(self._step), out=value)
         if self._up is not None:
             self._up.send([value], 0, tag).wait()
             self._up.recv([value], 0, tag).wait()
+            value.add_(self._step)
         if self._below:
             assert self._own is not None
             sends = [self._own.send([value], i + 1, tag) for i in range(len(self._below))]
             for work in sends:
                 work.wait()
-        return bool(value.numpy()[0] > 0)  # a CPU tensor: no device wait
+        answer, hops = value.tolist()  # a CPU tensor: no device wait
+        self.last_hops = int(hops)
+        return answer > 0
 
 
 def block_size(store: Any, rank: int, local_world_size: int | None) -> int:

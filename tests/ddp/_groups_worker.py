@@ -10,71 +10,14 @@ and whether a flag raised on one rank reaches every rank.
 
 from __future__ import annotations
 
-import collections
 import json
-import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as tdist
 
-
-def sockets() -> int:
-    """This process's open sockets (listening and connected)."""
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-        except OSError:
-            pass
-    return n
-
-
-class Counting(tdist.Store):
-    """The job's store, counting each request this process makes to it."""
-
-    def __init__(self, inner: tdist.Store) -> None:
-        super().__init__()
-        self.inner = inner
-        self.calls: collections.Counter[str] = collections.Counter()
-
-    def set(self, key, value):  # noqa: ANN001, ANN201
-        self.calls["set"] += 1
-        return self.inner.set(key, value)
-
-    def get(self, key):  # noqa: ANN001, ANN201
-        self.calls["get"] += 1
-        return self.inner.get(key)
-
-    def add(self, key, value):  # noqa: ANN001, ANN201
-        self.calls["add"] += 1
-        return self.inner.add(key, value)
-
-    def compare_set(self, key, expected, desired):  # noqa: ANN001, ANN201
-        self.calls["compare_set"] += 1
-        return self.inner.compare_set(key, expected, desired)
-
-    def wait(self, keys, timeout=None):  # noqa: ANN001, ANN201
-        self.calls["wait"] += 1
-        return self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
-
-    def check(self, keys):  # noqa: ANN001, ANN201
-        self.calls["check"] += 1
-        return self.inner.check(keys)
-
-    def delete_key(self, key):  # noqa: ANN001, ANN201
-        self.calls["delete_key"] += 1
-        return self.inner.delete_key(key)
-
-    def num_keys(self):  # noqa: ANN201
-        self.calls["num_keys"] += 1
-        return self.inner.num_keys()
-
-    def set_timeout(self, timeout):  # noqa: ANN001, ANN201
-        return self.inner.set_timeout(timeout)
-
-    def total(self) -> int:
-        return sum(self.calls.values())
+from bench.scale_dist import Counting, sockets  # the benchmark's own counters
 
 
 def main() -> None:
@@ -82,7 +25,7 @@ def main() -> None:
     import ddp
     import ddp.dist
 
-    boxes: list[Counting] = []
+    boxes: list[Any] = []
     real_store = ddp.dist.rendezvous_store
 
     def counted_store(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -112,6 +55,7 @@ def main() -> None:
     before = sockets()
     group = ddp.dist.checkpoint_group()
     record["checkpoint_sockets"] = sockets() - before
+    ddp.barrier()  # no rank's first collective on it connects to a rank still counting
     record["gathered"] = ddp.all_gather_object(ctx.rank, group=group)
     (out / f"rank{ctx.rank}.json").write_text(json.dumps(record))
     ddp.shutdown()
