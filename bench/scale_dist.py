@@ -173,6 +173,7 @@ def worker(out: Path, votes: int, arms: list[str]) -> None:
         times.append(time.perf_counter() - t0)
     rec["tree_vote_s"] = statistics.median(times)
     rec["tree_hops_seen"] = agreement.last_hops  # counted by the messages themselves
+    rec["tree_busy_s"] = _busy_rounds(lambda: agreement.start(False), votes)
     if "mesh" in arms:
         ddp.barrier()
         s0, r0, t0 = sockets(), store.total(), time.perf_counter()
@@ -187,6 +188,8 @@ def worker(out: Path, votes: int, arms: list[str]) -> None:
             tdist.all_reduce(flag, op=tdist.ReduceOp.MAX, group=mesh)
             times.append(time.perf_counter() - t0)
         rec["mesh_vote_s"] = statistics.median(times)
+        rec["mesh_busy_s"] = _busy_rounds(lambda: tdist.all_reduce(
+            flag, op=tdist.ReduceOp.MAX, group=mesh, async_op=True), votes)  # fmt: skip
         rec["mesh_hops"] = 2 * (ctx.world_size - 1)  # Gloo's ring all-reduce
     ddp.barrier()
     s0, r0 = sockets(), store.total()
@@ -194,6 +197,23 @@ def worker(out: Path, votes: int, arms: list[str]) -> None:
     rec["ckpt_sockets"], rec["ckpt_requests"] = sockets() - s0, store.total() - r0
     (out / f"rank{ctx.rank}.json").write_text(json.dumps(rec))
     ddp.shutdown()
+
+
+def _busy_rounds(start: Any, votes: int) -> float:
+    """Median time from starting a round to its end while this rank's main thread runs
+    Python (holding the GIL, as a training loop between torch calls does)."""
+    import ddp
+
+    times = []
+    for _ in range(votes):
+        ddp.barrier()
+        t0, job, spin = time.perf_counter(), start(), 0
+        done = getattr(job, "done", None) or job.is_completed
+        while not done():
+            spin += sum(range(100))
+        times.append(time.perf_counter() - t0)
+        job.wait() if hasattr(job, "is_completed") else job.result()
+    return statistics.median(times)
 
 
 # ---- the driver -------------------------------------------------------------------------
@@ -310,6 +330,7 @@ def summarize(world: int, recs: list[dict[str, Any]]) -> dict[str, Any]:
         row[f"{arm}_requests_per_rank"] = sum(r[f"{arm}_requests"] for r in recs) / world
         if f"{arm}_vote_s" in recs[0]:
             row[f"{arm}_vote_s"] = statistics.median(r[f"{arm}_vote_s"] for r in recs)
+            row[f"{arm}_busy_s"] = statistics.median(r[f"{arm}_busy_s"] for r in recs)
             row[f"{arm}_hops"] = recs[0][f"{arm}_hops"]
         if f"{arm}_build_s" in recs[0]:
             row[f"{arm}_build_s"] = statistics.median(r[f"{arm}_build_s"] for r in recs)
@@ -340,23 +361,28 @@ def report(rows: list[dict[str, Any]], rate: float, per_node: int) -> list[str]:
     lines = [f"ranks per simulated node: {per_node}; store rate: {rate:,.0f} requests/s "
              "(one libuv TCPStore, this machine)", ""]  # fmt: skip
     head = ("W", "tree sockets mean/max (predicted)", "tree req/rank (predicted)",
-            "tree hops seen/layout", "tree vote ms", "mesh sockets", "mesh req/rank",
-            "mesh hops", "mesh vote ms", "ckpt sockets max", "ckpt req/rank")
+            "tree hops seen/layout", "tree vote ms idle/busy", "mesh sockets",
+            "mesh req/rank", "mesh hops", "mesh vote ms idle/busy", "ckpt sockets max",
+            "ckpt req/rank")
     lines.append(" | ".join(head))
+    nan = float("nan")
     for r in rows:
         mean, most, req = predicted(r["W"], min(per_node, r["W"]))
         lines.append(" | ".join([
             str(r["W"]),
             f"{r['tree_sockets_mean']:.2f}/{r['tree_sockets_max']} ({mean:.2f}/{most})",
             f"{r['tree_requests_per_rank']:.2f} ({req:.2f})",
-            f"{r['tree_hops_seen']}/{r['tree_hops']}", f"{r['tree_vote_s'] * 1e3:.2f}",
+            f"{r['tree_hops_seen']}/{r['tree_hops']}",
+            f"{r['tree_vote_s'] * 1e3:.2f}/{r['tree_busy_s'] * 1e3:.1f}",
             f"{r.get('mesh_sockets_mean', float('nan')):.1f}",
             f"{r.get('mesh_requests_per_rank', float('nan')):.1f}",
-            str(r.get("mesh_hops", "-")), f"{r.get('mesh_vote_s', float('nan')) * 1e3:.2f}",
+            str(r.get("mesh_hops", "-")),
+            f"{r.get('mesh_vote_s', nan) * 1e3:.2f}/{r.get('mesh_busy_s', nan) * 1e3:.1f}",
             str(r["ckpt_sockets_max"]), f"{r['ckpt_requests_per_rank']:.2f}",
         ]))  # fmt: skip
     ws = [r["W"] for r in rows]
     big = [r for r in rows if r["W"] >= 4]
+    big = big if len(big) >= 2 else rows
     bw = [r["W"] for r in big]
     lines += ["", f"fitted exponents (log-log least squares; W = {ws[0]}..{ws[-1]} and "
               f"{bw[0]}..{bw[-1]}; done-when: <= 0.1 for the tree's):"]  # fmt: skip

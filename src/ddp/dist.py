@@ -29,7 +29,7 @@ from ddp.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-    from ddp.agree import Agreement
+    from ddp.agree import Agreement, GroupAgreement
 
 log = logging.getLogger("ddp")
 
@@ -418,26 +418,24 @@ def reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
     return out / world if out.is_floating_point() or out.is_complex() else out // world
 
 
-def agreement() -> Agreement | None:
-    """The tree :func:`init` built for one-flag agreements among all ranks (ddp.agree),
-    used by the preemption vote; None before init and at world size 1."""
-    return _AGREE
+def agreement() -> Agreement | GroupAgreement | None:
+    """How the ranks agree on one flag (the preemption vote, lockstep evaluation): the
+    tree :func:`init` built (:mod:`ddp.agree`); the default group when a script made
+    the process group itself; None when not distributed."""
+    if _AGREE is not None:
+        return _AGREE
+    if not _distributed():
+        return None
+    from ddp.agree import GroupAgreement
+
+    return GroupAgreement()
 
 
 def any_rank(flag: bool) -> bool:
-    """Collective, blocking: True when ``flag`` is set on any rank. O(log W) messages over
-    the agreement tree, CPU only (no device wait); ``flag`` itself at world size 1 or
-    when a script made the process group itself (then the default group carries it)."""
-    if _AGREE is not None:
-        return _AGREE.agree(flag)
-    if not _distributed():
-        return flag
-    import torch
-    import torch.distributed as tdist
-
-    box = torch.tensor([1.0 if flag else 0.0])
-    tdist.all_reduce(box, op=tdist.ReduceOp.MAX)
-    return bool(box.numpy()[0] > 0)
+    """Collective, blocking: True when ``flag`` is set on any rank (CPU only, no device
+    wait; O(log W) messages over :func:`init`'s tree)."""
+    way = agreement()
+    return flag if way is None else way.agree(flag)
 
 
 def checkpoint_group() -> Any:

@@ -46,7 +46,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ddp.agree import Agreement, Round
+    from ddp.agree import Agreement, GroupAgreement, Round, WorkRound
 
 log = logging.getLogger("ddp")
 
@@ -75,7 +75,7 @@ class Vote:
     """
 
     def __init__(
-        self, every: int, world_size: int, agreement: Agreement | None = None,
+        self, every: int, world_size: int, agreement: Agreement | GroupAgreement | None = None,
         interval_s: float = 0.0,
     ) -> None:  # fmt: skip
         import torch
@@ -83,10 +83,14 @@ class Vote:
         self.every = every
         self.base = every
         self.interval_s = interval_s
-        self.distributed = world_size > 1 and agreement is not None
+        if agreement is None and world_size > 1:  # a process group made without ddp.init
+            from ddp.agree import GroupAgreement
+
+            agreement = GroupAgreement()
+        self.distributed = world_size > 1
         self.agreement = agreement
         self._local = (torch.zeros(1),)  # world size 1: the tests' view of "the buffers"
-        self._round: Round | None = None
+        self._round: Round | WorkRound | None = None
         self.late = 0
 
     def pace(self, step_time_s: float) -> None:

@@ -111,3 +111,27 @@ def test_init_adds_no_group_of_every_rank(tmp_path):
     # Per rank: a set per group, two look-ups each side of each tree edge, the block size:
     # 6 + 1/block on average at any W (a full mesh: ~2W + 5).
     assert sum(r["extra_requests"] for r in recs) / world <= 7, recs
+
+
+OWN_GROUP = r"""
+import torch.distributed as tdist
+tdist.init_process_group("gloo")  # the script's own group: ddp.init builds no tree then
+import ddp, ddp.dist
+from ddp.preemption import Vote
+ctx = ddp.init()
+assert ddp.dist.agreement() is not None
+first = ddp.dist.any_rank(ctx.rank == 1)
+vote = Vote(1, ctx.world_size, ddp.dist.agreement())
+assert not vote.step(1, flagged=ctx.rank == 1)  # started at step 1, read at step 2
+print(first, ddp.dist.any_rank(False), vote.step(2, flagged=False))
+tdist.destroy_process_group()
+"""
+
+
+def test_a_process_group_made_by_the_script_still_agrees():
+    """Without ddp.init's tree the default group carries the agreement, as before."""
+    procs = _launch.start(["-c", OWN_GROUP], world=2)
+    results = _launch.finish(procs, timeout=120)
+    for rank, (rc, out, err) in enumerate(results):
+        assert rc == 0, f"rank {rank}: {err[-3000:]}"
+        assert out.split()[-3:] == ["True", "False", "True"], out
