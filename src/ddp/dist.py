@@ -15,6 +15,8 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -27,6 +29,8 @@ from ddp.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
+
+    from ddp.agree import Agreement, GroupAgreement
 
 log = logging.getLogger("ddp")
 
@@ -60,7 +64,7 @@ class Context:
 
 
 _CONTEXT: Context | None = None
-_CPU_GROUP: Any = None  # a Gloo group beside a GPU backend: control messages on the CPU
+_AGREE: Agreement | None = None  # the ranks' tree for one-flag agreements (ddp.agree)
 _CKPT_GROUP: Any = None  # a Gloo group for checkpoint collectives in a background thread
 
 
@@ -148,22 +152,26 @@ def _init(
     _set_device(choice.device)
     if info.world_size > 1 and not tdist.is_initialized():
         atexit.register(_at_exit)
-        info = check_resolves(info)
+        info, address = resolve_master(info)
         os.environ.update(info.torchrun_vars())  # for libraries that read env:// themselves
+        store = rendezvous_store(info, limit, address)
         tdist.init_process_group(
             backend=choice.backend,
             # The prefix torch's own init_method path adds: keys never meet an agent's.
-            store=tdist.PrefixStore("default_pg", rendezvous_store(info, limit)),
+            store=tdist.PrefixStore("default_pg", store),
             rank=info.rank,
             world_size=info.world_size,
             timeout=limit,
         )
-        # Small control messages (the preemption vote) get a Gloo group of their own: on
-        # the device a read makes the host wait for the GPU every step, and on the default
-        # Gloo group they queue behind DDP's gradient buckets (measured: 0.88x the loop's
-        # speed with the vote on the default group, 1.0x on its own group).
-        global _CPU_GROUP
-        _CPU_GROUP = tdist.new_group(backend="gloo", timeout=limit)
+        # Small control messages (the preemption vote) travel apart from the training
+        # collectives: on the device a read makes the host wait for the GPU every step,
+        # and on the default Gloo group they queue behind DDP's gradient buckets
+        # (measured: 0.88x the loop's speed with the vote on the default group, 1.0x
+        # apart). A tree of small Gloo groups, not one group of every rank: see ddp.agree.
+        from ddp import agree
+
+        global _AGREE
+        _AGREE = agree.build(store, info.rank, info.world_size, info.local_world_size, limit)
     _CONTEXT = Context(
         info.rank, info.local_rank, info.world_size, info.local_world_size, info.node_rank,
         choice.device, choice.backend, info.launcher, info.master_addr, info.master_port,
@@ -181,65 +189,133 @@ def _init(
     return _CONTEXT
 
 
-def _resolvable(host: str, port: int) -> bool:
+def _address(host: str, port: int) -> str | None:
+    """The first address ``host`` resolves to (one look-up), or None when it has none.
+
+    TCPStore tries the same first address when given the name; rank 0's store listens
+    on every interface and both families, so the numeric form reaches it the same way."""
     try:
-        socket.getaddrinfo(host, port)
-    except socket.gaierror:
-        return False
-    return True
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):  # UnicodeError: a label IDNA cannot encode
+        return None
+    return str(found[0][4][0]) if found else None
 
 
-def check_resolves(info: DistEnv) -> DistEnv:
-    """Fail in a second, not after the store's timeout, when the master host has no address.
+def resolve_master(info: DistEnv) -> tuple[DistEnv, str]:
+    """``info`` (with the bare host when the site suffix does not resolve) and the master's
+    numeric address: the one name look-up of this rank.
 
-    A derived host with ``DDP_MASTER_ADDR_SUFFIX`` that does not resolve falls back to
-    the bare host name (every rank takes the same decision from the same DNS), so a
-    site suffix in a cluster profile does not break a node without that network.
+    Everything after it (the probes, TCPStore, rank 0's own client) is given the number,
+    so 127k ranks ask the name service once each, not once per probe. Fails in a second,
+    not after the store's timeout, when the master host has no address. A derived host
+    with ``DDP_MASTER_ADDR_SUFFIX`` that does not resolve falls back to the bare host
+    name (every rank takes the same decision from the same DNS; the only case with a
+    second look-up), so a site suffix in a cluster profile does not break a node without
+    that network.
     """
-    if _resolvable(info.master_addr, info.master_port):
-        return info
+    address = _address(info.master_addr, info.master_port)
+    if address is not None:
+        return info, address
     suffix = os.environ.get("DDP_MASTER_ADDR_SUFFIX", "")
     if suffix and not os.environ.get("MASTER_ADDR") and info.master_addr.endswith(suffix):
         bare = info.master_addr[: -len(suffix)]
-        if _resolvable(bare, info.master_port):
+        address = _address(bare, info.master_port)
+        if address is not None:
             log.warning("master %s does not resolve; using %s", info.master_addr, bare)
-            return replace(info, master_addr=bare)
+            return replace(info, master_addr=bare), address
     raise ConfigError(
         f"master address {info.master_addr!r} ({info.launcher}) does not resolve; "
         "set MASTER_ADDR, or DDP_MASTER_ADDR_SUFFIX to the site's host-name suffix"
     )
 
 
+def check_resolves(info: DistEnv) -> DistEnv:
+    """:func:`resolve_master` without the address (``ddp.exec``: the script it starts
+    resolves again in its own ``ddp.init``)."""
+    return resolve_master(info)[0]
+
+
 STORE_ANSWER_S = 60.0
-"""How long a store that accepted the connection may take to answer the handshake.
+"""How long a store that accepts connections may take to answer a client, at small scale.
 
-A TCPStore answers in milliseconds; past this the program on the port is not one."""
+A TCPStore answers in milliseconds; past this the program on the port is not one. The
+budget grows with the world (:func:`handshake_budget`): every rank connects at once, and
+rank 0's one store thread answers them in turn."""
+
+STORE_ANSWER_PER_RANK_S = 1e-3
+"""Added to the budget per rank: ~8x the time this machine's store took per client
+handshake with 64 ranks connecting at once (bench/scale_dist.py), 127 s at 127,488 ranks."""
+
+PROBE_FIRST_S = 1.0
+"""The first probe for a listener, if the store has not answered by then."""
+
+PROBE_CAP_S = 10.0
+"""Probes back off (doubling, with jitter) up to this interval."""
 
 
-def rendezvous_store(info: DistEnv, timeout: timedelta) -> Any:
-    """The job's TCPStore, with a one-line error on every rank when the port is taken.
+def handshake_budget(world_size: int, timeout_s: float) -> float:
+    """Seconds a listening store may take to answer: :data:`STORE_ANSWER_S` plus
+    :data:`STORE_ANSWER_PER_RANK_S` per rank, and never past the collective timeout."""
+    return min(timeout_s, STORE_ANSWER_S + world_size * STORE_ANSWER_PER_RANK_S)
 
-    ``init_process_group(init_method="tcp://...")`` builds the same store, but when
-    another program holds MASTER_PORT rank 0 dies with a 30-line traceback and the
-    other ranks connect to that program and wait for an answer that never comes,
-    whatever the timeout (TCPStore's handshake has none). Here rank 0 reports the
-    taken port in one line; the other ranks first wait (up to ``timeout``, as
-    TCPStore's own connect retries do) until something accepts connections, then
-    give the handshake :data:`STORE_ANSWER_S` seconds. Under torchrun the elastic
-    agent already hosts the store (``TORCHELASTIC_USE_AGENT_STORE=True``), so every
-    rank is a client, as in torch's own ``_create_c10d_store``.
+
+def _use_libuv() -> bool:
+    """torch's own choice for its TCPStore (libuv unless ``USE_LIBUV=0``): the libuv
+    server is the one built for tens of thousands of clients."""
+    return os.environ.get("USE_LIBUV", "1") == "1"
+
+
+def probe_delays() -> Iterator[float]:
+    """Seconds before each probe for the store's listener: :data:`PROBE_FIRST_S`, doubling up
+    to :data:`PROBE_CAP_S`, each drawn from the upper half of its interval (jitter: ranks
+    that started together do not probe in step)."""
+    import random
+
+    delay = PROBE_FIRST_S
+    while True:
+        yield delay * random.uniform(0.5, 1.0)
+        delay = min(delay * 2, PROBE_CAP_S)
+
+
+def _accepts(address: str, port: int) -> bool:
+    """One connection attempt: does something listen at ``address:port``?"""
+    try:
+        socket.create_connection((address, port), timeout=5).close()
+    except OSError:
+        return False
+    return True
+
+
+def rendezvous_store(info: DistEnv, timeout: timedelta, address: str | None = None) -> Any:
+    """The job's TCPStore (libuv), with a one-line error on every rank when the port is taken.
+
+    ``address``: the master's numeric address from :func:`resolve_master` (default: the
+    host name, looked up again). ``init_process_group(init_method="tcp://...")`` builds the
+    same store, but when another program holds MASTER_PORT rank 0 dies with a 30-line
+    traceback and the other ranks connect to that program and wait for an answer that
+    never comes, whatever the timeout (TCPStore's handshake has none). Here rank 0
+    reports the taken port in one line; every other rank starts its client at once and,
+    only if it has no answer yet, probes for a listener with backing-off, jittered
+    intervals (:data:`PROBE_FIRST_S` doubling to :data:`PROBE_CAP_S`: a rank whose store
+    answers at once opens no extra connection, and a late rank 0 is not met by 127k
+    ranks probing in step). From the first probe that finds a listener the store has
+    :func:`handshake_budget` seconds to answer; with none by ``timeout`` rank 0 never
+    started. Under torchrun the elastic agent already hosts the store
+    (``TORCHELASTIC_USE_AGENT_STORE=True``), so every rank is a client, as in torch's own
+    ``_create_c10d_store``.
     """
     import threading
     import time
 
     from torch.distributed import TCPStore
 
-    host, port = info.master_addr, info.master_port
-    where = f"MASTER_ADDR:MASTER_PORT {host}:{port}"
+    port = info.master_port
+    host = address or info.master_addr
+    where = f"MASTER_ADDR:MASTER_PORT {info.master_addr}:{port}"
     if info.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         try:
-            return TCPStore(host, port, info.world_size, True, timeout,
-                            wait_for_workers=False, multi_tenant=True)  # fmt: skip
+            return TCPStore(host, port, info.world_size, True, timeout, wait_for_workers=False,
+                            multi_tenant=True, use_libuv=_use_libuv())  # fmt: skip
         except RuntimeError as exc:  # DistNetworkError
             if "EADDRINUSE" in str(exc) or "address already in use" in str(exc):
                 raise ConfigError(
@@ -247,38 +323,45 @@ def rendezvous_store(info: DistEnv, timeout: timedelta) -> Any:
                     "rendezvous store there); set MASTER_PORT to a free port"
                 ) from None
             raise
-    deadline = time.monotonic() + timeout.total_seconds()
-    while True:  # wait for a listener, as TCPStore's connect retries would
-        try:
-            socket.create_connection((host, port), timeout=5).close()
-            break
-        except OSError as exc:
-            if time.monotonic() > deadline:
-                raise ConfigError(
-                    f"nothing accepted connections at {where} within "
-                    f"{timeout.total_seconds():.0f} s ({exc.strerror or exc}); did rank 0 start?"
-                ) from None
-            time.sleep(0.5)
     box: list[Any] = []
+    answered = threading.Event()
 
     def connect() -> None:
         try:
             box.append(TCPStore(host, port, info.world_size, False, timeout))
         except BaseException as exc:  # handed to the caller below
             box.append(exc)
+        answered.set()
 
-    worker = threading.Thread(target=connect, name="ddp-store-connect", daemon=True)
-    worker.start()
-    worker.join(STORE_ANSWER_S)
-    if not box:
+    threading.Thread(target=connect, name="ddp-store-connect", daemon=True).start()
+    limit_s = timeout.total_seconds()
+    budget = handshake_budget(info.world_size, limit_s)
+    deadline = time.monotonic() + limit_s
+    listening = False
+    for delay in probe_delays():
+        if answered.wait(delay):
+            break
+        if _accepts(host, port):
+            listening = True
+            if not answered.wait(budget):
+                raise ConfigError(
+                    f"{where} accepts connections but does not answer as the job's "
+                    f"rendezvous store within {budget:.0f} s: another program holds the "
+                    "port; set MASTER_PORT to a free port"
+                )
+            break
+        if time.monotonic() > deadline:
+            break
+    if box and not isinstance(box[0], BaseException):
+        return box[0]
+    if not listening and not _accepts(host, port):
         raise ConfigError(
-            f"{where} accepts connections but does not answer as the job's rendezvous "
-            f"store within {STORE_ANSWER_S:.0f} s: another program holds the port; "
-            "set MASTER_PORT to a free port"
+            f"nothing accepted connections at {where} within {limit_s:.0f} s; "
+            "did rank 0 start?"
         )
-    if isinstance(box[0], BaseException):
+    if box:
         raise box[0]
-    return box[0]
+    raise ConfigError(f"{where}: no rendezvous store answered within {limit_s:.0f} s")
 
 
 def get_context() -> Context | None:
@@ -336,11 +419,24 @@ def reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
     return out / world if out.is_floating_point() or out.is_complex() else out // world
 
 
-def cpu_group() -> Any:
-    """The Gloo group :func:`init` made for small CPU control messages, apart from the
-    training collectives (None before init, or when a script made the group itself:
-    the default group then)."""
-    return _CPU_GROUP
+def agreement() -> Agreement | GroupAgreement | None:
+    """How the ranks agree on one flag (the preemption vote, lockstep evaluation): the
+    tree :func:`init` built (:mod:`ddp.agree`); the default group when a script made
+    the process group itself; None when not distributed."""
+    if _AGREE is not None:
+        return _AGREE
+    if not _distributed():
+        return None
+    from ddp.agree import GroupAgreement
+
+    return GroupAgreement()
+
+
+def any_rank(flag: bool) -> bool:
+    """Collective, blocking: True when ``flag`` is set on any rank (CPU only, no device
+    wait; O(log W) messages over :func:`init`'s tree)."""
+    way = agreement()
+    return flag if way is None else way.agree(flag)
 
 
 def checkpoint_group() -> Any:
@@ -348,17 +444,41 @@ def checkpoint_group() -> Any:
     asynchronous checkpoint saves use (DCP's ``async_save`` and the finalize after it).
 
     Those collectives run in a background thread while the main thread trains on the
-    default group and votes on :func:`cpu_group`; two threads issuing collectives on one
-    group could pair one thread's collective with the other's on a peer. None when not
-    distributed; forgotten by :func:`shutdown`.
+    default group; two threads issuing collectives on one group could pair one thread's
+    collective with the other's on a peer. None when not distributed; forgotten by
+    :func:`shutdown`.
+
+    DCP needs a group of every rank, but not a full mesh: made only when a background
+    save first needs it, and connected lazily (``TORCH_GLOO_LAZY_INIT``, torch >= 2.7;
+    an older torch connects every pair as before), so making it costs each rank one
+    listening socket and rank 0's store one address per rank; a pair connects when a
+    collective first sends over it (DCP's plan gather and scatter: rank 0 to every rank;
+    the rings and trees of the others: a few peers each).
     """
     global _CKPT_GROUP
     if _CKPT_GROUP is None and _distributed():
         import torch.distributed as tdist
 
         limit = _CONTEXT.timeout_s if _CONTEXT is not None else None
-        _CKPT_GROUP = tdist.new_group(backend="gloo", timeout=_timeout(limit))
+        with _lazy_gloo():
+            _CKPT_GROUP = tdist.new_group(backend="gloo", timeout=_timeout(limit))
     return _CKPT_GROUP
+
+
+@contextmanager
+def _lazy_gloo() -> Iterator[None]:
+    """Gloo groups made inside connect their pairs on first use (torch reads
+    ``TORCH_GLOO_LAZY_INIT`` when it makes a group's device; ``new_group`` takes no Gloo
+    options). The caller's own setting is restored after."""
+    old = os.environ.get("TORCH_GLOO_LAZY_INIT")
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
+        else:
+            os.environ["TORCH_GLOO_LAZY_INIT"] = old
 
 
 def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
@@ -429,15 +549,22 @@ def print0(*args: Any, **kwargs: Any) -> None:
 
 def shutdown() -> None:
     """Destroy the process group (if any) and forget the context; safe to call twice."""
-    global _CONTEXT, _CPU_GROUP, _CKPT_GROUP
+    global _CONTEXT, _AGREE, _CKPT_GROUP
     import torch.distributed as tdist
 
+    _close_agreement()
     if tdist.is_available() and tdist.is_initialized():
-        tdist.destroy_process_group()  # every group, the CPU one included
+        tdist.destroy_process_group()  # every group, the checkpoint one included
     _quiesce()
     _CONTEXT = None
-    _CPU_GROUP = None
+    _AGREE = None
     _CKPT_GROUP = None
+
+
+def _close_agreement() -> None:
+    """Stop the agreement's thread (rounds already started finish first)."""
+    if _AGREE is not None:
+        _AGREE.close()
 
 
 def _at_exit() -> None:
@@ -447,6 +574,7 @@ def _at_exit() -> None:
     import torch.distributed as tdist
 
     gc.collect()  # main() has returned: its DDP model is garbage now
+    _close_agreement()
     if tdist.is_available() and tdist.is_initialized():
         tdist.destroy_process_group()
     _quiesce()

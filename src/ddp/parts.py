@@ -322,8 +322,8 @@ def eval_batches(
     Under FSDP every forward is a collective, so ranks go in ``lockstep``: as many
     batches as the rank with the most (the others repeat a batch of theirs with weight
     0, adding nothing; a rank with no batch at all borrows the first sample of ``pad``,
-    a one-sample dataset) and one agreement per batch on stopping (a CPU all_reduce on
-    the control group; evaluation is not the hot loop).
+    a one-sample dataset) and one agreement per batch on stopping (a round of the ranks'
+    CPU tree, :func:`ddp.dist.any_rank`; evaluation is not the hot loop).
     """
     if not lockstep:
         for batch in loader:
@@ -331,7 +331,6 @@ def eval_batches(
                 return
             yield batch, 1.0
         return
-    import torch.distributed as tdist
     from torch.utils.data import DataLoader
 
     import ddp
@@ -339,9 +338,7 @@ def eval_batches(
     n = max(ddp.all_gather_object(len(loader)))
     it, spare = iter(loader), None
     for _ in range(n):
-        flag = torch.tensor([1.0 if stop() else 0.0])
-        tdist.all_reduce(flag, op=tdist.ReduceOp.MAX, group=ddp.dist.cpu_group())
-        if flag.numpy()[0]:
+        if ddp.dist.any_rank(stop()):
             return
         batch = next(it, None)
         if batch is not None:

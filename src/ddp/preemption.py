@@ -6,7 +6,8 @@ SignalConnector; the checkpoint itself is the Checkpointer's):
 - :class:`SignalWatch`: a handler that only sets a flag, and a watchdog for a rank that
   cannot act (below);
 - :class:`Vote`: every rank learns, at the same step, whether any rank got a signal,
-  over a CPU side channel so the hot loop never waits for the device;
+  over a CPU side channel (a tree, :mod:`ddp.agree`) so the hot loop never waits for
+  the device;
 - :func:`requeue`: SLURM's ``scontrol requeue`` after the preemption checkpoint (a PBS
   job's rerun belongs to the PBS job environment, not here);
 - :class:`Preempted`: the exit (75, ``EX_TEMPFAIL``) once the checkpoint is durable.
@@ -42,7 +43,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ddp.agree import Agreement, GroupAgreement, Round, WorkRound
 
 log = logging.getLogger("ddp")
 
@@ -60,44 +64,49 @@ class Preempted(SystemExit):
 class Vote:
     """Whether any rank got a preemption signal, known on every rank at the same step.
 
-    Every ``every`` steps each rank writes its flag into a CPU tensor and starts an
-    asynchronous MAX all_reduce on ``ddp.dist.cpu_group()``, a Gloo group of its own
-    (never queued behind DDP's gradient buckets). The vote started at step s is read
-    at step s + ``every``, the same step on every rank, so all ranks stop together. By
-    then the one-float collective finished long ago: ``is_completed()`` is tried first
-    and ``wait()`` covers only a late one (counted in ``late``). Nothing here reads a
-    device tensor, so the loop never makes the host wait for the GPU.
+    Every ``every`` steps each rank starts a round of ``agreement``
+    (:class:`ddp.agree.Agreement`: a tree of small Gloo groups, O(log W) hops, run by a
+    background thread, never queued behind DDP's gradient buckets). The round started at
+    step s is read at step s + ``every``, the same step on every rank, so all ranks stop
+    together. By then the round finished long ago: :meth:`~ddp.agree.Round.done` is tried
+    first and waiting covers only a late one (counted in ``late``). The loop hands the
+    thread a Python bool and gets one back: it touches no tensor, so it never makes the
+    host wait for the GPU.
     """
 
     def __init__(
-        self, every: int, world_size: int, group: Any = None, interval_s: float = 0.0
-    ) -> None:
+        self, every: int, world_size: int, agreement: Agreement | GroupAgreement | None = None,
+        interval_s: float = 0.0,
+    ) -> None:  # fmt: skip
         import torch
 
         self.every = every
         self.base = every
         self.interval_s = interval_s
+        if agreement is None and world_size > 1:  # a process group made without ddp.init
+            from ddp.agree import GroupAgreement
+
+            agreement = GroupAgreement()
         self.distributed = world_size > 1
-        self.group = group
-        self._buf = (torch.zeros(1), torch.zeros(1))  # CPU, double-buffered
-        self._cur = 0
-        self._work: Any = None
+        self.agreement = agreement
+        self._local = (torch.zeros(1),)  # world size 1: the tests' view of "the buffers"
+        self._round: Round | WorkRound | None = None
         self.late = 0
 
     def pace(self, step_time_s: float) -> None:
         """Space votes about ``interval_s`` apart, given a step time every rank agrees on
         (the mean from a log point's collective: all ranks change pace at the same step).
 
-        On a small machine each vote's Gloo thread competes with the ranks' compute; one
+        On a small machine each vote's thread competes with the ranks' compute; one
         vote every ``interval_s`` seconds keeps that cost negligible at any step time.
         """
         if self.base and self.interval_s and step_time_s > 0:
             self.every = max(self.base, min(10_000, int(self.interval_s / step_time_s)))
 
     @property
-    def buffers(self) -> tuple[Any, Any]:
+    def buffers(self) -> tuple[Any, ...]:
         """The CPU tensors the vote travels in (tests check they never sit on a device)."""
-        return self._buf
+        return self.agreement.buffers if self.agreement is not None else self._local
 
     def step(self, step: int, flagged: bool) -> bool:
         """At an optimizer step boundary: True when the ranks agreed to stop now."""
@@ -105,16 +114,10 @@ class Vote:
             return False
         if self.settle():
             return True
-        self._cur ^= 1
-        buf = self._buf[self._cur]
-        buf.fill_(1.0 if flagged else 0.0)
         if not self.distributed:
             return flagged
-        import torch.distributed as tdist
-
-        self._work = tdist.all_reduce(
-            buf, op=tdist.ReduceOp.MAX, group=self.group, async_op=True
-        )
+        assert self.agreement is not None
+        self._round = self.agreement.start(flagged)
         return False
 
     def final(self, flagged: bool) -> bool:
@@ -128,22 +131,17 @@ class Vote:
             return True
         if not self.distributed:
             return flagged
-        import torch
-        import torch.distributed as tdist
-
-        flag = torch.tensor([1.0 if flagged else 0.0])
-        tdist.all_reduce(flag, op=tdist.ReduceOp.MAX, group=self.group)
-        return bool(flag.numpy()[0])
+        assert self.agreement is not None
+        return self.agreement.agree(flagged)
 
     def settle(self) -> bool:
         """Finish the vote in flight (before a save, or leaving the epoch): True = stop."""
-        if self._work is None:
+        if self._round is None:
             return False
-        if not self._work.is_completed():
+        if not self._round.done():
             self.late += 1
-        self._work.wait()
-        self._work = None
-        return bool(self._buf[self._cur].numpy()[0])  # a CPU view: no device sync
+        job, self._round = self._round, None
+        return job.result()
 
 
 def requeue(enabled: bool) -> None:

@@ -8,7 +8,8 @@ TensorBoard and W&B, :mod:`ddp.parts` the small building blocks.
 
 The hot loop has no host-device synchronisation between log points: losses
 accumulate in place into preallocated device tensors, the preemption vote travels as
-a CPU tensor over a Gloo group (:class:`~ddp.preemption.Vote`), and nothing is read
+a CPU tensor over a tree of small Gloo groups (:class:`~ddp.preemption.Vote`,
+:mod:`ddp.agree`), and nothing is read
 back from the device except every ``logging.every_n_steps`` and at checkpoints. (fp16
 is the exception torch imposes: GradScaler reads its overflow flag every step.)
 
@@ -32,7 +33,7 @@ import ddp
 from ddp import fsdp, parts
 from ddp.checkpointer import Checkpointer, LoopState, diverged
 from ddp.config import TrainConfig
-from ddp.dist import Context, cpu_group
+from ddp.dist import Context, agreement
 from ddp.loggers import Loggers, fmt
 from ddp.preemption import PREEMPTED_EXIT_CODE, Preempted, SignalWatch, Vote, requeue
 
@@ -437,7 +438,7 @@ class Trainer:
         self._signals = SignalWatch(p.signals, self._on_signal, self.ctx.rank, p.grace_s)
         self._signals.install()
         every = p.check_every_n_steps if self._signals.installed else 0
-        self._vote = Vote(every, self.ctx.world_size, cpu_group(), p.check_interval_s)
+        self._vote = Vote(every, self.ctx.world_size, agreement(), p.check_interval_s)
 
     def _on_signal(self, signum: int) -> None:
         self._signal = signum  # only a flag: the loop acts at the step boundary

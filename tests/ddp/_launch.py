@@ -24,15 +24,22 @@ def base_env() -> dict[str, str]:
     return env
 
 
-def start(args: list[str], world: int = 2) -> list[subprocess.Popen]:
-    """Start ``python ARGS`` once per rank; returns the processes in rank order."""
+def start(
+    args: list[str], world: int = 2, local_world: int | None = None
+) -> list[subprocess.Popen]:
+    """Start ``python ARGS`` once per rank; returns the processes in rank order.
+
+    ``local_world``: ranks per simulated node (default: all on one), as torchrun numbers
+    them (node ``rank // local_world``, local rank ``rank % local_world``)."""
     port = free_port()
+    local = local_world or world
     procs = []
     for rank in range(world):
         env = base_env()
         env.update(
-            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-            LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+            RANK=str(rank), LOCAL_RANK=str(rank % local), WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(local), GROUP_RANK=str(rank // local),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
         )  # fmt: skip
         procs.append(
             subprocess.Popen(

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
+import itertools
+import json
+import socket
 import subprocess
 import sys
+import threading
+import time
 
-from tests.ddp.launch_utils import clean_env
+import pytest
+
+from tests.ddp.launch_utils import clean_env, free_port
 
 SCRIPT = r"""
 import torch, ddp
@@ -87,3 +96,136 @@ def test_site_suffix_falls_back_to_bare_host(tmp_path):
                          timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-1] == "localhost"
+
+
+# ---- rendezvous at scale (issue 28) ---------------------------------------------------------
+class _CountingProxy:
+    """Forwards every connection to ``port`` and counts the connections it accepted."""
+
+    def __init__(self, port: int) -> None:
+        self.upstream = port
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(64)
+        self.port = self.listener.getsockname()[1]
+        self.accepted = 0
+        self.socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            try:
+                up = socket.create_connection(("127.0.0.1", self.upstream))
+            except OSError:
+                conn.close()
+                continue
+            self.socks += [conn, up]
+            for a, b in ((conn, up), (up, conn)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.listener.close()
+        for s in self.socks:
+            s.close()
+
+
+def _wait_listening(port: int, proc: subprocess.Popen, limit_s: float = 60.0) -> None:
+    """Until something listens on ``port`` (``proc`` starting it); the bound is for a hang."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise AssertionError(f"nothing listened on {port}: {proc.poll()}")
+
+
+RENDEZVOUS = r"""
+import ipaddress, json, socket, sys
+import torch.distributed as tdist
+names, hosts = [], []
+real_gai, real_store = socket.getaddrinfo, tdist.TCPStore
+
+def gai(host, *a, **k):
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        names.append(host)  # a name, not a number: a look-up in the name service
+    return real_gai(host, *a, **k)
+
+def store(host, *a, **k):
+    hosts.append(host)
+    return real_store(host, *a, **k)
+
+socket.getaddrinfo, tdist.TCPStore = gai, store
+import ddp, ddp.dist
+ddp.dist.PROBE_FIRST_S = 20.0  # "at once" on a loaded machine: no probe unless silent 10 s
+ddp.init(timeout=60)
+print(json.dumps({"names": names, "store_hosts": hosts}))
+ddp.shutdown()
+"""
+
+
+def test_rendezvous_looks_up_the_master_once_and_probes_only_a_silent_store():
+    """Each rank asks the name service once (TCPStore is given the number), and a rank
+    whose store answers at once opens one connection to it: no probe beside it."""
+    port = free_port()
+    proxy = _CountingProxy(port)
+    procs: list[subprocess.Popen] = []
+    try:
+        for rank, via in ((0, port), (1, proxy.port)):
+            env = clean_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                            LOCAL_WORLD_SIZE="2", MASTER_ADDR="localhost",
+                            MASTER_PORT=str(via))  # fmt: skip
+            procs.append(subprocess.Popen([sys.executable, "-c", RENDEZVOUS], env=env,
+                                          text=True, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE))  # fmt: skip
+            if rank == 0:  # the proxy accepts at once: rank 1 starts once the store listens
+                _wait_listening(port, procs[0])
+        results = [p.communicate(timeout=120) for p in procs]
+    finally:
+        proxy.close()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (out, err) in zip(procs, results, strict=True):
+        assert p.returncode == 0, err[-3000:]
+        rec = json.loads(out.strip().splitlines()[-1])
+        assert rec["names"] == ["localhost"], rec
+        assert rec["store_hosts"] and all(ipaddress.ip_address(h) for h in rec["store_hosts"])
+    assert proxy.accepted == 1
+
+
+def test_handshake_budget_grows_with_the_world_and_stops_at_the_timeout():
+    from ddp import dist
+
+    small, big = dist.handshake_budget(2, 1800.0), dist.handshake_budget(127_488, 1800.0)
+    assert small == pytest.approx(dist.STORE_ANSWER_S, abs=0.01)
+    assert big > small + 100  # 127k clients queue at one store thread
+    assert dist.handshake_budget(127_488, 30.0) == 30.0
+
+
+def test_probes_back_off_with_jitter_up_to_a_cap():
+    from ddp import dist
+
+    delays = list(itertools.islice(dist.probe_delays(), 12))
+    caps = [min(dist.PROBE_FIRST_S * 2**i, dist.PROBE_CAP_S) for i in range(12)]
+    assert all(c / 2 <= d <= c for d, c in zip(delays, caps, strict=True)), delays
+    assert caps[-1] == dist.PROBE_CAP_S and len(set(delays)) > 6  # jittered, not in step
