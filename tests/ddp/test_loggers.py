@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -51,8 +52,8 @@ def test_metrics_are_not_duplicated_across_a_resume(tmp_path: Path) -> None:
     cfg["checkpoint"]["every_n_steps"] = 2
     cfg["training"]["max_steps"] = 3  # saves at 2 and 3; pretend 3 was never written
     _ok(_launch.run([WORKER, json.dumps({"config": cfg, "n": 32})], world=2))
-    for p in ck.glob("step_000000003*"):
-        p.unlink()
+    for p in ck.glob("step_000000003*"):  # the checkpoint and its ranks' folder
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
     (ck / "latest").write_text("step_000000002.pt\n")
     cfg["training"]["max_steps"] = None
     _ok(_launch.run([WORKER, json.dumps({"config": cfg, "n": 32})], world=2))
