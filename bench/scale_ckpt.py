@@ -8,7 +8,9 @@ Ranks are local processes (Gloo, CPU, a tiny model), one world size at a time. T
 bytes are counted by wrapping torch.distributed's collectives during the save (the
 result each rank receives: an all-reduce's tensor, the others' parts of an all-gather,
 a broadcast's tensor on every rank but its source); object collectives are counted
-through the tensor collectives they are made of.
+through the tensor collectives they are made of. With ``--strategy fsdp`` the bytes that
+torch.distributed.checkpoint's own save planning moves, and the size of its
+``.metadata``, are shown apart: they are DCP's, not the checkpointer's.
 
 Usage: python bench/scale_ckpt.py [--worlds 2,4,8,16,32] [--strategy ddp|fsdp]
        [--src DIR] [--json FILE]
@@ -46,14 +48,18 @@ class Counter:
 
     def __init__(self) -> None:
         self.received = 0
+        self.by_dcp = 0  # of which torch.distributed.checkpoint's own planning carried
         self.calls: dict[str, int] = {}
         self._lock = threading.Lock()
         self._saved: list[tuple[Any, str, Any]] = []
 
     def _add(self, name: str, nbytes: int) -> None:
+        dcp = _from_dcp()
         with self._lock:
             self.received += nbytes
-            self.calls[name] = self.calls.get(name, 0) + 1
+            self.by_dcp += nbytes if dcp else 0
+            key = f"dcp:{name}" if dcp else name
+            self.calls[key] = self.calls.get(key, 0) + 1
 
     def _received(self, name: str, args: tuple, kwargs: dict) -> int:
         import torch
@@ -108,6 +114,16 @@ class Counter:
         self._saved.clear()
 
 
+def _from_dcp() -> bool:
+    """Whether torch.distributed.checkpoint (DCP's save planning) made this call."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if "torch/distributed/checkpoint/" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
 # ---- one rank ------------------------------------------------------------------------------
 def worker(spec: dict[str, Any]) -> None:
     """One rank: two saves (the first warms up: groups, allocators), the second counted;
@@ -154,6 +170,7 @@ def worker(spec: dict[str, Any]) -> None:
     ddp.barrier()  # the lock is free for the resume
     files = [p for p in Path(spec["dir"]).rglob("*") if p.is_file() and "final" not in p.parts]
     largest = max(files, key=lambda p: p.stat().st_size)
+    index = [p.stat().st_size for p in files if p.name == ".metadata"]  # DCP's, FSDP only
     model2, loop2 = build()
     cp2 = Checkpointer(config("auto"), ctx)
     cp2.open()
@@ -165,10 +182,11 @@ def worker(spec: dict[str, Any]) -> None:
         resume_cpu = time.process_time() - cpu0
     cp2.close()
     result = {
-        "rank": ctx.rank, "received": save.received, "calls": save.calls,
+        "rank": ctx.rank, "received": save.received, "received_dcp": save.by_dcp,
+        "calls": save.calls,
         "save_s": save_wall, "resume_cpu_s": resume_cpu, "resume_received": resume.received,
         "largest": largest.stat().st_size, "largest_name": str(largest.relative_to(spec["dir"])),
-        "files": len(files),
+        "files": len(files), "dcp_metadata": max(index, default=0),
     }  # fmt: skip
     (Path(spec["out"]) / f"{ctx.rank}.json").write_text(json.dumps(result))
     ddp.shutdown()
@@ -216,10 +234,13 @@ def run_world(world: int, strategy: str, src: Path, timeout: float = 600) -> dic
         "world": world,
         "received_max": max(r["received"] for r in ranks),
         "received_rank0": ranks[0]["received"],
+        "received_dcp_max": max(r["received_dcp"] for r in ranks),
+        "received_own_max": max(r["received"] - r["received_dcp"] for r in ranks),
         "calls": ranks[-1]["calls"],
         "largest": max(r["largest"] for r in ranks),
         "largest_name": ranks[0]["largest_name"],
         "files": ranks[0]["files"],
+        "dcp_metadata": ranks[0]["dcp_metadata"],
         "resume_cpu_max": cpu[-1],
         "resume_cpu_median": cpu[len(cpu) // 2],
         "save_s_max": max(r["save_s"] for r in ranks),
@@ -264,7 +285,7 @@ def main() -> None:
         rows.append(run_world(w, args.strategy, Path(args.src)))
         r = rows[-1]
         print(f"W={w:3d}: received/rank/save {r['received_max']} B (rank 0 {r['received_rank0']}"
-              f" B), largest file {r['largest']} B ({r['largest_name']}), {r['files']} files, "
+              f" B; DCP's planning {r['received_dcp_max']} B), largest file {r['largest']} B ({r['largest_name']}), {r['files']} files, "
               f"resume CPU/rank max {r['resume_cpu_max'] * 1e3:.1f} ms median "
               f"{r['resume_cpu_median'] * 1e3:.1f} ms  [{time.monotonic() - t0:.0f} s]",
               flush=True)  # fmt: skip
@@ -275,7 +296,9 @@ def main() -> None:
     print("|---" * (len(worlds) + 2 + len(TARGETS)) + "|")
     fits: dict[str, Any] = {}
     for key, label, unit in (("received_max", "bytes received per save", "B"),
+                             ("received_own_max", "of which not DCP's", "B"),
                              ("largest", "largest file of a save", "B"),
+                             ("dcp_metadata", "DCP's .metadata (FSDP)", "B"),
                              ("resume_cpu_max", "resume CPU (slowest rank)", "s"),
                              ("resume_cpu_median", "resume CPU (median rank)", "s")):  # fmt: skip
         values = [r[key] for r in rows]

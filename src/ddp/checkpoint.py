@@ -616,6 +616,9 @@ def read_rank_state(checkpoint: str | Path, rank: int, saved: dict[str, Any]) ->
     or another rank is refused."""
     path = rank_dir(checkpoint) / rank_file_name(rank)
     where = f"{path.parent.name}/{path.name}"
+    if path.parent.is_symlink():  # it could lead anywhere, as a checkpoint file could
+        raise ValueError(f"has a rank directory {path.parent.name} that is a symbolic link; "
+                         "allowed: a directory")  # fmt: skip
     try:
         data = read_regular(path, RANK_FILE_LIMIT)
     except ValueError as exc:

@@ -207,6 +207,19 @@ def test_a_crafted_damaged_or_missing_rank_file_is_one_line_or_the_one_before(
     assert not Path("/tmp/ddp-rank-file-ran-code").exists()
 
 
+def test_a_rank_directory_that_is_a_symbolic_link_is_one_line(tmp_path: Path) -> None:
+    """``step_N.ranks`` pointing elsewhere (another run's rank files, any directory)."""
+    _, newest = _two_saves(tmp_path, "ddp")
+    ranks = ckpt.rank_dir(newest)
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-elsewhere"
+    ranks.rename(elsewhere)
+    ranks.symlink_to(elsewhere)
+    with pytest.raises(ConfigError, match="step_000000003.ranks that is a symbolic link") as exc:
+        _resumed(tmp_path, "ddp", str(newest))
+    _one_line(exc)
+    assert _resumed(tmp_path, "ddp")[0]["global_step"] == 2
+
+
 # ---- saves: what is left behind, and what is never touched ----------------------------------
 def test_a_save_removes_older_staging_and_never_a_later_steps(tmp_path: Path) -> None:
     """Rank files are staged in ``.step_N.ranks.tmp``; rank 0 finishing step N removes
