@@ -356,7 +356,7 @@ def block_size(store: Any, rank: int, local_world_size: int | None) -> int:
 
 
 def _device() -> Any:
-    """A Gloo device whose pairs connect on first use (where torch has ``lazy_init``;
+    """A Gloo device whose pairs connect on first use (torch >= 2.8 has ``lazy_init``;
     otherwise each small group connects its few members when made).
 
     One per group, not one shared: lazily connected pairs of two groups on one device

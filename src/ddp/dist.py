@@ -243,8 +243,9 @@ budget grows with the world (:func:`handshake_budget`): every rank connects at o
 rank 0's one store thread answers them in turn."""
 
 STORE_ANSWER_PER_RANK_S = 1e-3
-"""Added to the budget per rank: ~8x the time this machine's store took per client
-handshake with 64 ranks connecting at once (bench/scale_dist.py), 127 s at 127,488 ranks."""
+"""Added to the budget per rank (127 s at 127,488 ranks): ~4x what one client's handshake
+and torch's init barrier (about 5 requests) cost rank 0's store at the slowest rate
+measured on a shared 2-core machine (18k requests/s, bench/scale_dist.py)."""
 
 PROBE_FIRST_S = 1.0
 """The first probe for a listener, if the store has not answered by then."""
@@ -449,7 +450,7 @@ def checkpoint_group() -> Any:
     :func:`shutdown`.
 
     DCP needs a group of every rank, but not a full mesh: made only when a background
-    save first needs it, and connected lazily (``TORCH_GLOO_LAZY_INIT``, torch >= 2.7;
+    save first needs it, and connected lazily (``TORCH_GLOO_LAZY_INIT``, torch >= 2.8;
     an older torch connects every pair as before), so making it costs each rank one
     listening socket and rank 0's store one address per rank; a pair connects when a
     collective first sends over it (DCP's plan gather and scatter: rank 0 to every rank;
