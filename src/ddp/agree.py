@@ -33,7 +33,9 @@ process made before, which differs between a leader and its children.
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import queue
 import threading
 from dataclasses import dataclass
@@ -364,10 +366,16 @@ def _device() -> Any:
     out). So a rank has at most two listening sockets, one per group."""
     from torch.distributed import ProcessGroupGloo
 
+    # GLOO_SOCKET_IFNAME names the interface, as torch's own Gloo groups read it: the
+    # default device binds the host name's address, which on a host whose name resolves
+    # to 127.0.0.1 (network namespaces, some clusters) other hosts cannot reach.
+    iface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    make = (functools.partial(ProcessGroupGloo.create_device, interface=iface) if iface
+            else ProcessGroupGloo.create_default_device)  # fmt: skip
     try:
-        return ProcessGroupGloo.create_default_device(lazy_init=True)
+        return make(lazy_init=True)
     except TypeError:  # no lazy_init: each group connects its few members when made
-        return ProcessGroupGloo.create_default_device()
+        return make()
 
 
 def build(
