@@ -327,20 +327,27 @@ def rendezvous_store(info: DistEnv, timeout: timedelta, address: str | None = No
     box: list[Any] = []
     answered = threading.Event()
 
+    limit_s = timeout.total_seconds()
+    # The client outlives the deadline below: when nothing listens, this rank stops with
+    # its one line before torch's client times out and logs its retries with C++ stacks.
+    patience = timeout + timedelta(seconds=PROBE_CAP_S + 30.0)
+
     def connect() -> None:
         try:
-            box.append(TCPStore(host, port, info.world_size, False, timeout))
+            store = TCPStore(host, port, info.world_size, False, patience)
+            store.set_timeout(timeout)  # the job's own limit for every later request
+            box.append(store)
         except BaseException as exc:  # handed to the caller below
             box.append(exc)
         answered.set()
 
     threading.Thread(target=connect, name="ddp-store-connect", daemon=True).start()
-    limit_s = timeout.total_seconds()
     budget = handshake_budget(info.world_size, limit_s)
     deadline = time.monotonic() + limit_s
     listening = False
     for delay in probe_delays():
-        if answered.wait(delay):
+        left = deadline - time.monotonic()
+        if left <= 0 or answered.wait(min(delay, left)):
             break
         if _accepts(host, port):
             listening = True
@@ -350,8 +357,6 @@ def rendezvous_store(info: DistEnv, timeout: timedelta, address: str | None = No
                     f"rendezvous store within {budget:.0f} s: another program holds the "
                     "port; set MASTER_PORT to a free port"
                 )
-            break
-        if time.monotonic() > deadline:
             break
     if box and not isinstance(box[0], BaseException):
         return box[0]

@@ -229,3 +229,17 @@ def test_probes_back_off_with_jitter_up_to_a_cap():
     caps = [min(dist.PROBE_FIRST_S * 2**i, dist.PROBE_CAP_S) for i in range(12)]
     assert all(c / 2 <= d <= c for d, c in zip(delays, caps, strict=True)), delays
     assert caps[-1] == dist.PROBE_CAP_S and len(set(delays)) > 6  # jittered, not in step
+
+
+def test_no_rank_0_is_one_line_and_no_store_client_noise():
+    """Nothing listens: the rank stops at its timeout with one line, before torch's store
+    client gives up and logs its retries with C++ stacks (the client starts at once)."""
+    env = clean_env(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", "import ddp; ddp.init(timeout=3)"], env=env,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines() == [
+        f"ddp: error: nothing accepted connections at MASTER_ADDR:MASTER_PORT "
+        f"127.0.0.1:{env['MASTER_PORT']} within 3 s; did rank 0 start?"
+    ]
