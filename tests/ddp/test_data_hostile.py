@@ -31,6 +31,7 @@ from ddp.recipes._common import encode
 from ddp.recipes.uniref50 import read_fasta
 from tests.ddp._launch import base_env
 from tests.support.parts import require
+from tests.support.signals import default_signals
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "src" / "ddp" / "recipes" / "data" / "uniref50_tiny.fasta"
@@ -468,7 +469,7 @@ def test_signal_during_prepare_leaves_nothing(tmp_path: Path, sig: signal.Signal
     proc = subprocess.Popen([sys.executable, "-c", _BLOCKING_PREPARE, "prepare-fasta", str(src),
                              "--out", str(tmp_path / "st")], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=base_env())  # fmt: skip
+                            env=base_env(), preexec_fn=default_signals)  # fmt: skip
     try:
         assert proc.stdout.readline() == "ready\n", proc.communicate(timeout=60)
         assert [p for p in listing(tmp_path) if ".st.tmp-" in p], listing(tmp_path)
@@ -480,6 +481,31 @@ def test_signal_during_prepare_leaves_nothing(tmp_path: Path, sig: signal.Signal
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "interrupted" in lines[0] and sig.name in lines[0], lines
     assert listing(tmp_path) == ["a.fasta"]
+
+
+def test_an_ignored_sighup_stays_ignored_during_prepare(tmp_path: Path) -> None:
+    """Under nohup (SIGHUP ignored at start) a hang-up must not stop the preparation:
+    the store's signal guard takes over only signals still at their default."""
+    src = tmp_path / "a.fasta"
+    src.write_bytes(residues(2000))
+
+    def nohup() -> None:
+        default_signals()
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    proc = subprocess.Popen([sys.executable, "-c", _BLOCKING_PREPARE, "prepare-fasta", str(src),
+                             "--out", str(tmp_path / "st")], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=base_env(), preexec_fn=nohup)  # fmt: skip
+    try:
+        assert proc.stdout.readline() == "ready\n", proc.communicate(timeout=60)
+        proc.send_signal(signal.SIGHUP)
+        _, err = proc.communicate(input="", timeout=120)  # stdin's end lets it go on
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert len(TokenStore(tmp_path / "st")) > 0
+    assert not [p for p in listing(tmp_path) if ".st.tmp-" in p], listing(tmp_path)
 
 
 _BLOCKING_TRAIN = _BLOCKING_PREPARE.replace("from ddp.data.__main__ import main",

@@ -22,6 +22,7 @@ import pytest
 
 from tests.hpc.conftest import REPO
 from tests.support.polling import wait_until
+from tests.support.signals import default_signals
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
 SIGPIPE_EXIT = 128 + signal.SIGPIPE
@@ -231,7 +232,7 @@ def test_hpc_run_passes_signals_to_the_job_and_exits_with_its_status(
     proc = subprocess.Popen(_hpc("run", "--runs-dir", "runs", "--", "bash", "-c",
                                  TRAPPER.format(name=name)),
                             cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+                            text=True, preexec_fn=default_signals)  # fmt: skip
     try:
         wait_until((tmp_path / "ready").exists, 60, "the job to set its trap")
         proc.send_signal(signum)
