@@ -235,7 +235,7 @@ def _job_sees(job: Any) -> str:
     if not job.spec.expand_vars or not any(re.search(VAR, w) for w in words):
         return ""
     environ = {**os.environ, **job.cluster.env, **job.spec.env}  # the spec's own exports too
-    seen, missing = zip(*(expand_here(w, environ) for w in words))
+    seen, missing = zip(*(expand_here(w, environ) for w in words), strict=True)
     unknown = sorted({name for names in missing for name in names})
     note = f" (not set here: {', '.join(unknown)})" if unknown else ""
     return comment(f"# the job sees{note}: {shlex.join(seen)}") + "\n"

@@ -60,7 +60,7 @@ def _run_local(tmp_path: Path, values: dict[str, str], args: list[str]) -> subpr
 @given(values=st.lists(VALUE, min_size=3, max_size=3), args=st.lists(WORD, max_size=5))
 def test_variables_expand_and_nothing_else_runs(tmp_path: Path, values: list[str],
                                                 args: list[str]) -> None:
-    env = dict(zip(NAMES, values))
+    env = dict(zip(NAMES, values, strict=True))
     proc = _run_local(tmp_path, env, args)
     expected = [_expected(a, env) for a in args]
     assert not (tmp_path / MARK).exists(), "injected text was executed"
