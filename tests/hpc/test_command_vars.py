@@ -132,6 +132,16 @@ def test_expand_vars_must_be_a_boolean(tmp_path: Path) -> None:
         make_job("local", command=["true"], expand_vars="yes")
 
 
+def test_the_run_record_keeps_the_opt_in(tmp_path: Path) -> None:
+    """spec.yaml of a run directory is a spec again (--resume): expand_vars must survive."""
+    from hpc.spec import JobSpec
+
+    job = make_job("local", command=["echo", "$HOME"], expand_vars=True)
+    again = JobSpec.from_mapping(job.to_dict())
+    assert again.expand_vars and again.command == ["echo", "$HOME"]
+    assert "expand_vars" not in make_job("local", command=["echo"]).to_dict()
+
+
 # --- the CLI: hpc run here, --dry-run, the real SLURM --------------------------------
 
 WRITER = ("import pathlib, sys; p = pathlib.Path(sys.argv[sys.argv.index('--work_dir') + 1]); "
