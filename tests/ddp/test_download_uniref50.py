@@ -22,6 +22,7 @@ from ddp.data.download import DownloadError, download, parse_metalink
 from ddp.data.fasta import TOKENIZER, VOCAB_SIZE
 from ddp.data.store import TokenStore
 from ddp.errors import ConfigError
+from tests.support.polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,6 +61,9 @@ class Mirror:
         self.cut_at: int | None = None  # the next FASTA transfer stops after this many bytes
         self.cuts = 0  # how many transfers to cut
         self.ignore_range = False
+        self.stall = False  # send half the FASTA, then hold the connection until released
+        self.sent_half = threading.Event()
+        self.release = threading.Event()
         self.requests: list[tuple[str, str | None]] = []
 
 
@@ -95,6 +99,13 @@ def mirror() -> Iterator[tuple[Mirror, str]]:
             body = data[start:]
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
+            if name.endswith(".gz") and state.stall:
+                self.wfile.write(body[: len(body) // 2])
+                self.wfile.flush()
+                state.sent_half.set()
+                state.release.wait(60)  # bound against a hang only: the test releases it
+                self.close_connection = True
+                return
             if name.endswith(".gz") and state.cuts and state.cut_at is not None:
                 state.cuts -= 1
                 self.wfile.write(body[: state.cut_at])  # then the connection closes early
@@ -177,6 +188,36 @@ def test_interrupted_run_leaves_a_part_that_the_next_run_resumes(mirror, tmp_pat
     assert [r[1] for r in state.requests if r[0].endswith(".gz")] == [f"bytes={len(data) // 2}-"]
     assert (to / "uniref50.fasta.gz").read_bytes() == data
     assert TokenStore(to / "uniref50.fasta.gz.tokens", TOKENIZER, VOCAB_SIZE).n_seqs == n
+
+
+def test_ctrl_c_mid_transfer_keeps_only_the_part(mirror, tmp_path: Path) -> None:
+    import signal
+
+    state, base = mirror
+    data, _ = _publish(state)
+    state.stall = True
+    to = tmp_path / "data"
+    proc = subprocess.Popen([sys.executable, "-m", "ddp.data", "download-uniref50", "--url", base,
+                             "--to", str(to)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"})
+    try:
+        assert state.sent_half.wait(60), "the transfer never started"
+        part = to / "uniref50.fasta.gz.part"
+        # the client has written what it received: interrupt it mid-transfer
+        wait_until(lambda: part.is_file() and part.stat().st_size > 0, 60, "bytes in the part",
+                   ended=lambda: proc.poll())
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        state.release.set()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == (
+        "ddp.data: interrupted by SIGINT; no partial store is left (a download keeps only "
+        "its .part, to resume)")
+    assert _finished_names(to) == []  # no FASTA at its name, no store
+    assert data.startswith(part.read_bytes())
 
 
 def test_checksum_mismatch_is_one_line_exit_2_and_nothing_looks_finished(mirror,

@@ -132,6 +132,19 @@ def test_expand_vars_must_be_a_boolean(tmp_path: Path) -> None:
         make_job("local", command=["true"], expand_vars="yes")
 
 
+@pytest.mark.parametrize("cluster", ["slurm", "pbs", "aurora", "perlmutter"])
+def test_batch_scripts_parse_with_variables(cluster: str) -> None:
+    extra = {"account": "p"} if cluster in ("aurora", "perlmutter") else {}
+    job = make_job(cluster, expand_vars=True, command=[
+        "python", "-m", "ddp", "uniref50", "--work_dir", "${PBS_O_WORKDIR}/x",
+        "--datafile", f"$SCRATCH/d $(touch {MARK})`x`*"], **extra)
+    text = render(job)
+    assert '--work_dir "${PBS_O_WORKDIR:?}"/x' in text
+    assert f"\"${{SCRATCH:?}}\"'/d $(touch {MARK})`x`*'" in text
+    proc = subprocess.run(["bash", "-n"], input=text.encode(), capture_output=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_the_run_record_keeps_the_opt_in(tmp_path: Path) -> None:
     """spec.yaml of a run directory is a spec again (--resume): expand_vars must survive."""
     from hpc.spec import JobSpec

@@ -261,8 +261,8 @@ def _transfer(url: str, part: Path, size: int, md5: hashlib._Hash, total: int | 
         mode = "ab" if size else "wb"
         with open(part, mode) as out:
             while True:
-                try:
-                    piece = resp.read(PIECE)
+                try:  # read1: what has arrived (a bar that moves, a Ctrl-C that is heard)
+                    piece = resp.read1(PIECE)
                 except (OSError, http.client.HTTPException) as exc:  # a reset, IncompleteRead
                     out.flush()
                     why = str(exc) or type(exc).__name__
