@@ -175,7 +175,8 @@ def test_interrupted_run_leaves_a_part_that_the_next_run_resumes(mirror, tmp_pat
     data, n = _publish(state)
     state.cut_at, state.cuts = len(data) // 2, 1
     to = tmp_path / "data"
-    with pytest.raises(DownloadError, match="run again to resume"):
+    with pytest.raises(DownloadError, match=f"{len(data) // 2:,} bytes kept in .*run again to "
+                       "resume"):
         download(base, to, tries=1)
     assert (to / "uniref50.fasta.gz.part").read_bytes() == data[: len(data) // 2]
     assert _finished_names(to) == []  # nothing at the final name, no store

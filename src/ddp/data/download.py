@@ -43,6 +43,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ddp.errors import ConfigError
 
@@ -116,7 +117,7 @@ def parse_metalink(data: bytes, name: str = FASTA) -> Expected:
                       "release metalink")  # fmt: skip
 
 
-def _open(url: str, start: int = 0) -> urllib.response.addinfourl:  # type: ignore[name-defined]
+def _open(url: str, start: int = 0) -> http.client.HTTPResponse:
     headers = {"User-Agent": "hpc-ddp (python -m ddp.data download-uniref50)"}
     if start:
         headers["Range"] = f"bytes={start}-"
@@ -141,7 +142,7 @@ def fetch_metalink(base: str) -> Expected | None:
     return parse_metalink(data)
 
 
-def _hash_file(path: Path) -> tuple[int, hashlib._Hash]:  # type: ignore[name-defined]
+def _hash_file(path: Path) -> tuple[int, Any]:
     md5 = hashlib.md5(usedforsecurity=False)
     size = 0
     with open(path, "rb") as fh:
@@ -151,9 +152,9 @@ def _hash_file(path: Path) -> tuple[int, hashlib._Hash]:  # type: ignore[name-de
     return size, md5
 
 
-def _content_total(resp: object, start: int) -> int | None:
+def _content_total(resp: http.client.HTTPResponse, start: int) -> int | None:
     """The whole file's size the response implies (Content-Range, else Content-Length)."""
-    headers = resp.headers  # type: ignore[attr-defined]
+    headers = resp.headers
     cr = headers.get("Content-Range", "")
     m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", cr.strip())
     if m:
@@ -217,10 +218,11 @@ def _download(base: str, to: Path, progress: Progress | None, say: Callable[[str
                 meta.unlink()
             raise
         except _Broken as exc:
-            if attempt + 1 == tries:
-                raise DownloadError(f"{url}: {exc} after {tries} tries; {size:,} bytes kept in "
-                                    f"{part}: run again to resume") from None  # fmt: skip
             size, md5 = exc.size, exc.md5
+            if attempt + 1 == tries:
+                raise DownloadError(f"{url}: {exc} after {tries} tr{'ies' if tries > 1 else 'y'};"
+                                    f" {size:,} bytes kept in {part}: run again to resume"
+                                    ) from None  # fmt: skip
             say(f"{url}: {exc}; resuming at {size:,} bytes")
             if attempt:
                 time.sleep(backoff_s * 2 ** (attempt - 1))
@@ -234,13 +236,13 @@ def _download(base: str, to: Path, progress: Progress | None, say: Callable[[str
 class _Broken(Exception):
     """A transfer that ended early: where it got to, to resume from there."""
 
-    def __init__(self, why: str, size: int, md5: hashlib._Hash) -> None:  # type: ignore[name-defined]
+    def __init__(self, why: str, size: int, md5: Any) -> None:
         super().__init__(why)
         self.size, self.md5 = size, md5
 
 
-def _transfer(url: str, part: Path, size: int, md5: hashlib._Hash, total: int | None,  # type: ignore[name-defined]
-              progress: Progress | None) -> tuple[int, hashlib._Hash, int | None]:  # type: ignore[name-defined]
+def _transfer(url: str, part: Path, size: int, md5: Any, total: int | None,
+              progress: Progress | None) -> tuple[int, Any, int | None]:
     """Append to ``part`` from byte ``size`` on; (size, md5, total) when the server's body
     ended where it said; :class:`_Broken` when it ended early or the network failed."""
     try:
