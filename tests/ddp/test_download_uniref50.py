@@ -221,6 +221,41 @@ def test_ctrl_c_mid_transfer_keeps_only_the_part(mirror, tmp_path: Path) -> None
     assert data.startswith(part.read_bytes())
 
 
+def test_a_terminal_gets_a_progress_bar(mirror, tmp_path: Path) -> None:
+    state, base = mirror
+    _publish(state)
+    main_fd, side_fd = os.openpty()
+    chunks: list[bytes] = []
+
+    def drain() -> None:  # read while the child writes: a full terminal buffer would block it
+        while True:
+            try:
+                chunk = os.read(main_fd, 1 << 16)
+            except OSError:  # EIO: the terminal's other side is closed, all is read
+                return
+            if not chunk:
+                return
+            chunks.append(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "ddp.data", "download-uniref50", "--url",
+                               base, "--to", str(tmp_path / "d")], stderr=side_fd,
+                              stdout=subprocess.PIPE, timeout=120,
+                              env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}",
+                                   "COLUMNS": "100", "TERM": "xterm"})
+    finally:
+        os.close(side_fd)
+        reader.join(timeout=30)
+        os.close(main_fd)
+    out = b"".join(chunks)
+    assert proc.returncode == 0
+    text = out.decode(errors="replace")
+    assert "download uniref50.fasta.gz" in text and "\x1b[" in text  # rich's live bar
+    assert "download: " not in text  # the plain log lines are for logs only
+
+
 def test_checksum_mismatch_is_one_line_exit_2_and_nothing_looks_finished(mirror,
                                                                          tmp_path: Path) -> None:
     state, base = mirror
@@ -235,6 +270,7 @@ def test_checksum_mismatch_is_one_line_exit_2_and_nothing_looks_finished(mirror,
     assert lines[0].startswith("ddp.data: error: uniref50.fasta.gz: MD5 ")
     assert f"RELEASE.metalink says {'0' * 32}" in lines[0]
     assert list(to.iterdir()) == []  # no FASTA, no part, no store
+    assert "\x1b[" not in proc.stderr  # no terminal: plain lines, no progress bar
 
 
 def test_size_mismatch_after_a_resume_removes_the_part(mirror, tmp_path: Path) -> None:

@@ -221,6 +221,16 @@ def test_dry_run_shows_what_the_job_sees(tmp_path: Path) -> None:
     assert "the job sees" not in proc.stdout  # the script itself does not depend on here
 
 
+def test_the_flag_opts_in_and_is_in_the_regenerate_line(tmp_path: Path) -> None:
+    proc = _hpc("render", "--cluster", "local", "--expand-vars", "--", "echo", "$HOME/x",
+                cwd=tmp_path, env={})
+    assert proc.returncode == 0, proc.stderr
+    assert 'echo "${HOME:?}"/x' in proc.stdout
+    assert "regenerate: hpc render --cluster local --expand-vars -- echo '$HOME/x'" in proc.stdout
+    plain = _hpc("render", "--cluster", "local", "--", "echo", "$HOME/x", cwd=tmp_path, env={})
+    assert "echo '$HOME/x'" in plain.stdout and "the job sees" not in plain.stderr
+
+
 @pytest.mark.slurm
 def test_slurm_job_writes_under_its_scratch(slurm_cluster, tmp_path: Path) -> None:
     from tests.test_e2e_schedulers import FINAL, log_of, wait_status

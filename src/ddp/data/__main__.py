@@ -33,6 +33,9 @@ def default_out(fasta: Path) -> Path:
 
 
 def _progress_bar():  # noqa: ANN202 - rich types stay lazy
+    """A rich bar on stderr: the terminal the callers check (``sys.stderr.isatty()``),
+    leaving stdout to the one summary line a script may read."""
+    from rich.console import Console
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -42,7 +45,8 @@ def _progress_bar():  # noqa: ANN202 - rich types stay lazy
     )
 
     return Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                    TransferSpeedColumn(), TimeRemainingColumn(), transient=False)  # fmt: skip
+                    TransferSpeedColumn(), TimeRemainingColumn(), transient=False,
+                    console=Console(stderr=True))  # fmt: skip
 
 
 def prepare(args: argparse.Namespace) -> int:
