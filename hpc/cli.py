@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import shlex
 import sys
@@ -75,6 +76,9 @@ def _job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wrap", help="auto, always or never: run the command under python -m ddp.exec")
     p.add_argument("--env", action="append", default=[], metavar="K=V", help="export K=V in the job")
     p.add_argument("--templates", help="directory of templates overriding the built-in ones")
+    p.add_argument("--expand-vars", action="store_true", default=None,
+                   help="let command words use $NAME/${NAME}, expanded by the job's shell "
+                        "(as expand_vars: true in a spec)")
     p.add_argument("-o", "--output", help="write the script here instead of printing it")
 
 
@@ -189,6 +193,8 @@ def _overrides(args: argparse.Namespace, command: list[str] | None) -> dict[str,
         out["env"] = _env_pairs(args.env)
     if command:
         out["command"] = command
+    if args.expand_vars:
+        out["expand_vars"] = True
     return out
 
 
@@ -206,6 +212,8 @@ def _regen_command(args: argparse.Namespace, command: list[str] | None) -> str:
         words += ["--env", item]
     if args.templates:
         words += ["--templates", args.templates]
+    if args.expand_vars:
+        words.append("--expand-vars")
     if getattr(args, "no_account", False):
         words.append("--no-account")
     if args.output:
@@ -213,6 +221,24 @@ def _regen_command(args: argparse.Namespace, command: list[str] | None) -> str:
     if command:
         words += ["--", *command]
     return shlex.join(words)
+
+
+def _job_sees(job: Any) -> str:
+    """``# the job sees: WORDS`` when the spec's command uses variables (``expand_vars``),
+    each one replaced by its value here; "" otherwise. Why: the script shows
+    ``"${SCRATCH:?}"/x``, and whether that is the folder meant is known only with the value.
+    """
+    from hpc.launchers import VAR, expand_here
+    from hpc.render import comment
+
+    words = job.spec.command
+    if not job.spec.expand_vars or not any(re.search(VAR, w) for w in words):
+        return ""
+    environ = {**os.environ, **job.cluster.env, **job.spec.env}  # the spec's own exports too
+    seen, missing = zip(*(expand_here(w, environ) for w in words), strict=True)
+    unknown = sorted({name for names in missing for name in names})
+    note = f" (not set here: {', '.join(unknown)})" if unknown else ""
+    return comment(f"# the job sees{note}: {shlex.join(seen)}") + "\n"
 
 
 # --- commands -----------------------------------------------------------------------
@@ -227,6 +253,9 @@ def cmd_render(args: argparse.Namespace, command: list[str] | None) -> int:
     job = core.build_job(args.spec, _overrides(args, command), defer_account=args.no_account)
     text = core.render_job(job, regenerate=_regen_command(args, command), templates=args.templates,
                            script=args.output)
+    seen = _job_sees(job)
+    if seen:
+        sys.stderr.write(seen)
     if args.output:
         out = Path(args.output)
         write_atomic(out, text)
@@ -268,6 +297,7 @@ def cmd_submit(args: argparse.Namespace, command: list[str] | None) -> int:
     if args.dry_run:
         argv = plan.scheduler.submit_command(args.output) if args.output else plan.argv
         sys.stdout.write(plan.text)
+        sys.stdout.write(_job_sees(plan.job))
         sys.stdout.write(f"# submit: {shlex.join(argv)}\n")
         return 0
     done = core.submit(plan)

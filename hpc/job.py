@@ -74,6 +74,7 @@ class Job:
             "directives": list(s.directives), "launcher": self.launcher,
             "gpus_per_node": self.gpus_per_node, "cpus_per_task": self.cpus_per_task,
             "wrap": "always" if self.wrapped else "never", "filesystems": self.filesystems,
+            "expand_vars": s.expand_vars or None,  # absent when off: older run records alike
         }
         if s.description:
             out["description"] = s.description

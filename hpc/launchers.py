@@ -4,13 +4,22 @@ Each scheduler's ``launch`` picks one of these builders. The builders return wor
 :func:`sh_join` quotes every word that comes from the user (``shlex.quote``); only
 the ``Raw`` fragments written in this module (``"$SLURM_JOB_ID"`` and the like)
 go into the script as they are.
+
+A spec with ``expand_vars: true`` lets its command words name site variables
+(``$SCRATCH/x``, ``${PBS_O_WORKDIR}``): :func:`var_word` writes each such word as
+single-quoted literal pieces joined to ``"${NAME:?}"`` pieces, so the job's shell
+expands the variable and nothing else (no command substitution, backticks, globs or
+word splitting, in the word or in the variable's value). Opt-in, because a word that is
+itself shell code (``bash -c 'echo $x'``) would otherwise see its ``$x`` replaced by the
+outer shell, a value turned into code. ``:?``: an unset or empty variable ends the job
+naming it, rather than running with ``/x`` for ``$SCRATCH/x``.
 """
 
 from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from hpc.spec import PYTHON
@@ -23,6 +32,54 @@ _BARE_PYTHON = r"^python(3(\.\d+)?)?\Z"  # compiled on first use (re's cache)
 
 class Raw(str):
     """Shell text written by this module, never by the user: not quoted."""
+
+
+#: ``$NAME`` or ``${NAME}``, NAME a shell identifier: the only expansion a word may ask for.
+VAR = r"\$(?:([A-Za-z_][A-Za-z0-9_]*)|\{([A-Za-z_][A-Za-z0-9_]*)\})"
+
+
+def var_pieces(word: str) -> list[tuple[str, bool]]:
+    """``word`` as (text, is_variable_name) pieces, in order; empty literal pieces left out."""
+    pieces: list[tuple[str, bool]] = []
+    at = 0
+    for m in re.finditer(VAR, word):
+        if m.start() > at:
+            pieces.append((word[at:m.start()], False))
+        pieces.append((m.group(1) or m.group(2), True))
+        at = m.end()
+    if at < len(word):
+        pieces.append((word[at:], False))
+    return pieces
+
+
+def var_word(word: str) -> str:
+    """One shell word in which only ``$NAME``/``${NAME}`` is expanded (see the module doc).
+
+    Literal pieces go through ``shlex.quote`` (single quotes: nothing inside is special),
+    each variable as ``"${NAME:?}"`` (double quotes: its value is not split, globbed or
+    expanded again); adjacent quoted pieces make one word. A word without a variable is
+    exactly ``shlex.quote(word)``.
+    """
+    pieces = var_pieces(word)
+    if not any(is_var for _, is_var in pieces):
+        return shlex.quote(word)
+    return "".join(f'"${{{text}:?}}"' if is_var else shlex.quote(text) for text, is_var in pieces)
+
+
+def expand_here(word: str, environ: Mapping[str, str]) -> tuple[str, list[str]]:
+    """(``word`` as the job will see it where ``environ`` is the job's, names not set
+    there): an unknown variable is left as ``$NAME`` for ``--dry-run`` to show."""
+    missing: list[str] = []
+    out: list[str] = []
+    for text, is_var in var_pieces(word):
+        if is_var and environ.get(text):
+            out.append(environ[text])
+        elif is_var:
+            missing.append(text)
+            out.append(f"${{{text}}}")
+        else:
+            out.append(text)
+    return "".join(out), missing
 
 
 def sh_join(words: Iterable[str]) -> str:
@@ -43,6 +100,8 @@ def wrapped(job: Job) -> list[str]:
     torchrun-style script runs unchanged under mpiexec or srun.
     """
     cmd = list(job.spec.command)
+    if job.spec.expand_vars:  # Raw: written as var_word made it, not quoted again
+        cmd = [Raw(var_word(w)) if re.search(VAR, w) else w for w in cmd]
     if job.wrapped:
         return [python_of(cmd), "-m", "ddp.exec", "--", *cmd]
     return cmd

@@ -38,7 +38,7 @@ SPEC_KEYS = (
     "name", "description", "cluster", "nodes", "ppn", "walltime", "queue", "partition",
     "account", "command", "env", "modules", "setup", "python", "output_dir", "signal",
     "requeue", "directives", "launcher", "gpus_per_node", "cpus_per_task", "wrap",
-    "filesystems",
+    "filesystems", "expand_vars",
 )
 WRAP_MODES = ("auto", "always", "never")
 LAUNCHERS = ("auto", "mpiexec", "srun", "torchrun")
@@ -77,6 +77,9 @@ class JobSpec:
     cpus_per_task: int | None = None
     wrap: str = "auto"
     filesystems: str | None = None
+    #: ``$NAME``/``${NAME}`` in command words expanded by the job's shell (opt-in: see
+    #: :func:`hpc.launchers.var_word`); off, every word reaches the command byte-exact.
+    expand_vars: bool = False
     source: str | None = None  # the spec file, as the user named it
 
     @classmethod
@@ -121,6 +124,7 @@ class JobSpec:
                 )
             kw["signal"] = sig
         kw["requeue"] = _bool(data, "requeue")
+        kw["expand_vars"] = _bool(data, "expand_vars")
         kw["directives"] = [directive_line(d, "directives") for d in _strings(data, "directives")]
         kw["launcher"] = _choice(data, "launcher", LAUNCHERS, "auto")
         kw["wrap"] = _choice(data, "wrap", WRAP_MODES, "auto")

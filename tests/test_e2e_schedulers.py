@@ -33,9 +33,10 @@ FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL"
 pytestmark = pytest.mark.slurm
 
 
-def hpc(*args: str, cwd: Path = ROOT, check: bool = True) -> subprocess.CompletedProcess[str]:
+def hpc(*args: str, cwd: Path = ROOT, check: bool = True,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """The real CLI in a subprocess, as a user runs it (SLURM_CONF comes from the fixture)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     proc = subprocess.run([PY, "-m", "hpc", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=120)
     if check:
@@ -43,10 +44,10 @@ def hpc(*args: str, cwd: Path = ROOT, check: bool = True) -> subprocess.Complete
     return proc
 
 
-def submit(*args: str, runs: Path) -> tuple[str, Path]:
+def submit(*args: str, runs: Path, env: dict[str, str] | None = None) -> tuple[str, Path]:
     """`hpc submit ...`: the job id it prints and the run directory it made."""
     before = set(runs.iterdir()) if runs.exists() else set()
-    job_id = hpc("submit", "--runs-dir", str(runs), *args).stdout.strip()
+    job_id = hpc("submit", "--runs-dir", str(runs), *args, env=env).stdout.strip()
     assert job_id.isdigit(), job_id
     (run_dir,) = set(runs.iterdir()) - before
     return job_id, run_dir
@@ -99,18 +100,34 @@ def write_spec(path: Path, command: list[str], **fields) -> Path:
     return path
 
 
+def scratch(tmp: Path) -> Path:
+    """A site $SCRATCH as jobs/uniref50.yaml expects it (seed 004's layout): the shipped
+    tiny FASTA as data/uniref50.fasta.gz, as download-uniref50 leaves it."""
+    import gzip
+
+    from ddp.recipes import DATA_DIR
+
+    root = tmp / "scratch"
+    (root / "data").mkdir(parents=True)
+    data = (DATA_DIR / "uniref50_tiny.fasta").read_bytes()
+    (root / "data" / "uniref50.fasta.gz").write_bytes(gzip.compress(data, mtime=0))
+    return root
+
+
 # ------------------------------------------------------------------------- SLURM
 
 
 def test_hpc_submit_uniref50_runs_to_completion(slurm_cluster, tmp_path):
     runs = tmp_path / "runs"
-    job_id, run_dir = submit("jobs/uniref50.yaml", "--queue", "debug", runs=runs)
+    site = scratch(tmp_path)
+    job_id, run_dir = submit("jobs/uniref50.yaml", "--queue", "debug", runs=runs,
+                             env={"SCRATCH": str(site)})
     assert wait_status(job_id, runs) == "COMPLETED", log_of(run_dir)
     log = log_of(run_dir)
     assert "Initialized DDP: rank=0, world_size=2, local_rank=0" in log
     assert re.search(r"done: steps=\d+, train_loss=", log), log
-    # checkpoints and the exported model live in the run directory
-    final = run_dir / "checkpoints" / "uniref50" / "final" / "model.pt"
+    # the spec's --work_dir $SCRATCH/experiments, expanded by the job's shell
+    final = site / "experiments" / "final" / "model.pt"
     assert final.is_file() and (final.parent / "config.yaml").is_file()
     record = json.loads((run_dir / "run.json").read_text())
     assert record["job_id"] == job_id and record["git_commit"]
@@ -119,7 +136,8 @@ def test_hpc_submit_uniref50_runs_to_completion(slurm_cluster, tmp_path):
 def test_plain_sbatch_of_checked_in_script(slurm_cluster, tmp_path):
     """`sbatch jobs/uniref50.slurm` works as checked in (log and checkpoints redirected)."""
     out = tmp_path / "plain.out"
-    env = dict(os.environ, HPC_RUN_DIR=str(tmp_path))  # keep checkpoints out of the repo
+    site = scratch(tmp_path)
+    env = dict(os.environ, HPC_RUN_DIR=str(tmp_path), SCRATCH=str(site))
     proc = subprocess.run(
         ["sbatch", "--parsable", f"--output={out}", "jobs/uniref50.slurm"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=True,
@@ -128,14 +146,14 @@ def test_plain_sbatch_of_checked_in_script(slurm_cluster, tmp_path):
     state = slurm_cluster.wait(job_id, timeout=150)
     assert state == "COMPLETED", out.read_text()
     assert "world_size=2" in out.read_text()
-    assert (tmp_path / "checkpoints" / "uniref50" / "final" / "model.pt").is_file()
+    assert (site / "experiments" / "final" / "model.pt").is_file()
 
 
 def test_two_nodes_srun(slurm_cluster, tmp_path):
     """The same recipe job over both emulated nodes: srun -N2, one rank on each."""
     runs = tmp_path / "runs"
     job_id, run_dir = submit("jobs/uniref50.yaml", "--queue", "debug", "--nodes", "2",
-                             "--ppn", "1", runs=runs)
+                             "--ppn", "1", runs=runs, env={"SCRATCH": str(scratch(tmp_path))})
     assert wait_status(job_id, runs) == "COMPLETED", log_of(run_dir)
     script = (run_dir / "job.slurm").read_text()
     assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=1" in script

@@ -332,7 +332,8 @@ def store_path(fasta: Path, cache: str | Path | None = None) -> Path:
 
 
 def resolve_store(data: str | Path, cache: str | Path | None = None) -> Path:
-    """Collective: the store directory for ``data`` (a store, or a FASTA file).
+    """Collective: the store directory for ``data`` (a store, a FASTA file, or seed 004's
+    ``processed_uniref50.pt``, converted as a FASTA is prepared).
 
     Given a FASTA file, rank 0 prepares its store once if it is missing or older
     than the file (the other ranks wait in a broadcast, which also carries rank 0's
@@ -352,10 +353,16 @@ def resolve_store(data: str | Path, cache: str | Path | None = None) -> Path:
     error: str | None = None
     if ddp.is_main_process():
         try:
-            check_fasta(p)
+            if p.suffix != ".pt":  # seed 004's processed_uniref50.pt: ddp.data.processed
+                check_fasta(p)
             if not (out / HEADER).is_file() or not is_current(out, p):
                 log.info("preparing %s -> %s (once; later runs reuse it)", p, out)
-                prepare_fasta(p, out, PlainProgress(log.info), force=out.exists())
+                if p.suffix == ".pt":
+                    from ddp.data.processed import prepare_pt
+
+                    prepare_pt(p, out, force=out.exists())
+                else:
+                    prepare_fasta(p, out, PlainProgress(log.info), force=out.exists())
         except Interrupted as exc:  # the job was stopped while preparing: end by the signal
             log.warning("%s while preparing %s: its partial store was removed", exc, out)
             exc.redeliver()
