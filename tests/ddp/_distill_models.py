@@ -44,8 +44,8 @@ def _tokenizer(lines: list[str]):  # noqa: ANN202
                                    model_max_length=32)  # fmt: skip
 
 
-def encoder(out: Path, hidden: int, seed: int, lines: list[str]) -> Path:
-    """A SentenceTransformer folder at ``out``: tiny BERT (2 layers) + mean pooling."""
+def encoder(out: Path, hidden: int, seed: int, lines: list[str], layers: int = 2) -> Path:
+    """A SentenceTransformer folder at ``out``: a small BERT + mean pooling."""
     import torch
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
@@ -54,8 +54,8 @@ def encoder(out: Path, hidden: int, seed: int, lines: list[str]) -> Path:
     hf = out.parent / f"{out.name}_hf"
     tok = _tokenizer(lines)
     torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=2,
-                     num_attention_heads=2, intermediate_size=2 * hidden,
+    cfg = BertConfig(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers,
+                     num_attention_heads=max(2, hidden // 64), intermediate_size=2 * hidden,
                      max_position_embeddings=64)  # fmt: skip
     BertModel(cfg).save_pretrained(hf)
     tok.save_pretrained(hf)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -394,8 +395,11 @@ def build(config: TrainConfig) -> Built:
     def get_teacher() -> Any:
         nonlocal teacher
         if teacher is None:
+            t0 = time.perf_counter()
             teacher = load_st(r["teacher_model"], config, r["teacher_dtype"]).to(device)
             teacher.eval().requires_grad_(False)
+            log.info("teacher %r loaded in %.2f s (%s)", r["teacher_model"],
+                     time.perf_counter() - t0, r["teacher_dtype"])  # fmt: skip
         return teacher
 
     def encode(texts: list[str]) -> torch.Tensor:
