@@ -239,3 +239,17 @@ def test_missing_sentence_transformers_is_one_line_naming_the_extra(
     assert out.returncode == 2, out.stderr
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "pip install 'hpc-ddp[distill]'" in lines[0], out.stderr
+
+
+def test_online_teacher_gives_the_cached_targets(models: dict[str, Path], tmp_path: Path) -> None:
+    """``--teacher_cache false`` (the benchmark's other arm) trains on the same targets."""
+    cached = distill.build(_cfg(models, tmp_path / "a"))
+    online = distill.build(_cfg(models, tmp_path / "b", "recipe.teacher_cache=false"))
+    assert online.train_data.teacher is None and online.step_fn is not None
+    assert not (tmp_path / "b" / "teacher_cache" / "train.pt").exists()
+    items = [online.train_data[i] for i in range(5)]
+    batch = online.collate_fn(items)
+    loss_online = online.step_fn(online.model, batch)["loss"].detach()
+    loss_cached = cached.model(cached.collate_fn([cached.train_data[i] for i in range(5)]))["loss"].detach()
+    assert torch.allclose(batch["teacher"], cached.train_data.teacher[:5], atol=1e-5)
+    assert float(loss_online) == pytest.approx(float(loss_cached), abs=1e-5)
