@@ -253,3 +253,25 @@ def test_online_teacher_gives_the_cached_targets(models: dict[str, Path], tmp_pa
     loss_cached = cached.model(cached.collate_fn([cached.train_data[i] for i in range(5)]))["loss"].detach()
     assert torch.allclose(batch["teacher"], cached.train_data.teacher[:5], atol=1e-5)
     assert float(loss_online) == pytest.approx(float(loss_cached), abs=1e-5)
+
+
+def test_a_damaged_or_planted_cache_is_one_line(models: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    cfg = _cfg(models, out, "phases.1.skip=true")
+    distill.build(cfg)
+    emb = out / "teacher_cache" / "train.pt"
+    good = torch.load(emb, weights_only=True)
+    for bad, expected in [
+        (torch.full_like(good, float("nan")), "holds nan/inf"),
+        ({"not": "a tensor"}, "holds dict"),
+        (good[:5], r"holds \(5, 48\); allowed: a float matrix of at least 48 rows"),
+    ]:
+        torch.save(bad, emb)
+        with pytest.raises(ConfigError, match=expected) as exc:
+            distill.build(cfg)
+        assert "\n" not in str(exc.value)
+    emb.unlink()
+    emb.symlink_to(tmp_path / "elsewhere.pt")  # a link planted in the run directory
+    torch.save(good, tmp_path / "elsewhere.pt")
+    with pytest.raises(ConfigError, match="is a symbolic link"):
+        distill.build(cfg)

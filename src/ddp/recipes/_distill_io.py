@@ -180,7 +180,8 @@ def _parquet(p: Path, what: str) -> list[dict[str, Any]]:
 
 
 def _hf_dataset(p: Path, what: str) -> list[dict[str, Any]]:
-    if not (p / "dataset_info.json").exists() and not (p / "state.json").exists():
+    marks = ("dataset_info.json", "state.json", "dataset_dict.json")  # what save_to_disk writes
+    if not any((p / m).is_file() for m in marks):
         raise ConfigError(f"{what}: {p} is a folder but not a saved Hugging Face dataset; "
                           "allowed: a text, .jsonl or .parquet file, or a save_to_disk folder")  # fmt: skip
     try:
