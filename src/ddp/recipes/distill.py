@@ -1,36 +1,48 @@
-"""Teacher-to-student embedding distillation in two phases (seed 000).
+"""Teacher-to-student embedding distillation in two phases (seed 000), on real models.
 
 The seed distils a large retriever (``infly/inf-retriever-v1-pro``) into
-``all-mpnet-base-v2``. Nothing is downloaded here: the teacher is a fixed random
-bag-of-words encoder built from ``recipe.teacher_seed`` and the student a smaller
-one, both over token ids of generated "sentences" (topic-mixture token draws),
-so the recipe runs anywhere in seconds and the whole DDP path is the real one.
-``--teacher_model`` / ``--student_model`` are accepted and recorded in the
-exported config; they select no hub weights (a log line says so).
+``sentence-transformers/all-mpnet-base-v2``. Both are loaded here exactly as a user
+loads them, ``SentenceTransformer(hub id or local folder)``, with
+``trust_remote_code`` off unless ``--trust_remote_code`` is given and the teacher in
+``--teacher_dtype`` (bf16/fp16 halve its memory). The corpus is ``--train_data``: a
+text file (one text per line), JSON Lines or Parquet with a text field, or a saved
+Hugging Face dataset; each batch is tokenized with the student's own tokenizer.
 
-The teacher is frozen, so its embeddings are computed once at build time (a
-teacher cache, as large-scale distillation does too) and the trained module is
-the student alone: the Trainer's ``final/model.pt`` is exactly what inference needs.
+The teacher is frozen, so its embedding of every training text is computed once,
+sharded across the ranks, and cached under the run directory
+(:mod:`ddp.recipes._distill_io`); every phase, epoch and resume reads it, and a resumed
+run does not even load the teacher. ``--teacher_cache false`` runs the teacher on each
+batch instead (for a corpus too large for the disk, and for bench/distill_cache.py).
 
-Two modes (``model.use_projection``):
+Two modes (``--use_projection``):
 
-* projection: a linear head maps the student dim to the teacher dim and the loss
-  is ``1 - cos(head(student), teacher)``;
-* MRL (Matryoshka, ``--use_projection=False``): no head; for every prefix size m
-  in ``model.mrl_dims`` the in-batch cosine-similarity matrix of the first m student
-  dims is pulled towards the teacher's (MSE), so truncated embeddings stay usable.
+* projection (default): a ``Dense`` module (student width -> teacher width, no
+  activation) is appended after the student's pooling and the loss is
+  ``1 - cos(student, teacher)``; the exported model embeds into the teacher's space.
+* MRL (``--use_projection=False``): no head. For every prefix width m in
+  ``model.mrl_dims`` (default: the student width halved down to 8, at most 5 sizes) the
+  in-batch cosine-similarity matrix of the first m dims is pulled towards the
+  teacher's (MSE), Matryoshka-style, so truncated embeddings stay usable. Similarity
+  matrices compare across widths, so the student keeps its own width.
 
-Phases map onto the Trainer's ``phases:`` (own epochs, LR, sample cap, skip; a
-fresh optimizer each). ``--save_to_artifacts`` writes an inference export to
-``--artifacts_dir`` once training ends: plain torch (``model.pt`` + ``config.json``,
-loaded by :func:`load_artifacts`) and, when sentence-transformers is installed,
-also the SentenceTransformer layout (``modules.json``).
+Phases are the Trainer's ``phases:`` (own epochs, LR, sample cap, skip; a fresh
+optimizer each), with the seed's defaults. Evaluation on ``--val_data``: the cosine to
+the teacher (projection mode), the gap between the student's and the teacher's
+similarities to anchor texts per prefix, and, when the file holds (query, positive)
+pairs, recall@k and MRR of each query's positive among all positives.
+
+Export: ``final/sentence_transformer`` beside the Trainer's ``final/model.pt`` (and a
+copy in ``--artifacts_dir`` with ``--save_to_artifacts``), written by
+``SentenceTransformer.save``: only sentence-transformers' own modules, so
+``SentenceTransformer(path)`` loads it with no custom code.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import os
+import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,43 +52,47 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 
+import ddp
 from ddp.config import TrainConfig
 from ddp.errors import ConfigError
 from ddp.recipes import Built, Flag, seeded_model
+from ddp.recipes._distill_io import EXTRA, cache_key, read_corpus, teacher_embeddings
 
 log = logging.getLogger("ddp")
 
 NAME = "distill"
-DESCRIPTION = "embedding distillation: frozen teacher -> small student, 2 phases, proj or MRL"
+DESCRIPTION = "embedding distillation: SentenceTransformer teacher -> student, 2 phases, proj or MRL"
+
+DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 DEFAULTS: dict[str, Any] = {
     "training": {"batch_size": 64, "epochs": 1, "seed": 0},
-    "optim": {"name": "adamw", "lr": 5e-3, "weight_decay": 0.0, "schedule": "linear",
+    # weight_decay 0.01 and grad_clip 1.0: sentence-transformers' own fit() defaults.
+    "optim": {"name": "adamw", "lr": 2e-5, "weight_decay": 0.01, "schedule": "linear",
               "warmup_steps": 0, "grad_clip": 1.0},  # fmt: skip
     "phases": [
-        {"name": "phase1", "epochs": 1, "lr": 1e-2, "max_samples": 1024},
-        {"name": "phase2", "epochs": 3, "lr": 5e-3, "max_samples": 4096},
+        {"name": "phase1", "epochs": 1, "lr": 2e-5, "max_samples": 100000},
+        {"name": "phase2", "epochs": 3, "lr": 5e-6, "max_samples": 500000},
     ],
+    # A Hugging Face encoder's pooler (BERT, MPNet) gets no gradient from a pooled-token
+    # loss; DDP must be told, or its second step fails waiting for those gradients.
+    "ddp": {"find_unused_parameters": True},
     "checkpoint": {"dir": "checkpoints/distill"},
     "logging": {"every_n_steps": 10},
-    "model": {
-        "vocab_size": 256, "max_len": 16,
-        "teacher_dim": 64, "teacher_emb_dim": 16, "teacher_hidden": 128,
-        "student_dim": 32, "student_hidden": 64,
-        "use_projection": True, "mrl_dims": [8, 16, 32],
-    },  # fmt: skip
+    "model": {"use_projection": True, "mrl_dims": [], "max_seq_length": None},
     "recipe": {
         "teacher_model": "infly/inf-retriever-v1-pro",
         "student_model": "sentence-transformers/all-mpnet-base-v2",
-        "n_train": 4096, "n_eval": 512, "n_topics": 8, "n_anchors": 32,
-        "data_seed": 1, "teacher_seed": 7,
+        "train_data": None, "val_data": None, "text_field": "text",
+        "teacher_dtype": "float32", "teacher_batch_size": 64, "teacher_cache": True,
+        "trust_remote_code": False, "n_anchors": 64, "recall_at": [1, 5, 10],
         "save_to_artifacts": False, "artifacts_dir": "./artifacts",
     },  # fmt: skip
 }
 
 FLAGS = [
-    Flag("--teacher_model", "recipe.teacher_model", str, "teacher name (recorded; local tiny teacher)"),
-    Flag("--student_model", "recipe.student_model", str, "student name (recorded; local tiny student)"),
+    Flag("--teacher_model", "recipe.teacher_model", str, "teacher: hub id or local folder"),
+    Flag("--student_model", "recipe.student_model", str, "student: hub id or local folder"),
     Flag("--use_projection", "model.use_projection", bool, "projection head (true) or MRL (false)"),
     Flag("--batch_size", "training.batch_size", int, "batch size per rank"),
     Flag("--phase1_epochs", "phases.0.epochs", int, "phase 1 epochs"),
@@ -88,290 +104,380 @@ FLAGS = [
     Flag("--skip_phase1", "phases.0.skip", bool, "skip phase 1 (true/false)"),
     Flag("--skip_phase2", "phases.1.skip", bool, "skip phase 2 (true/false)"),
     Flag("--save_to_artifacts", "recipe.save_to_artifacts", bool, "export for inference at the end"),
-    Flag("--artifacts_dir", "recipe.artifacts_dir", str, "where --save_to_artifacts writes"),
+    Flag("--artifacts_dir", "recipe.artifacts_dir", str,
+         "where --save_to_artifacts writes (relative: inside the run directory)"),  # fmt: skip
+    Flag("--train_data", "recipe.train_data", str, "corpus: .txt lines, .jsonl, .parquet, dataset dir"),
+    Flag("--val_data", "recipe.val_data", str, "held-out texts, or query/positive pairs"),
+    Flag("--text_field", "recipe.text_field", str, "the text field of .jsonl/.parquet records"),
+    Flag("--teacher_dtype", "recipe.teacher_dtype", str, "teacher weights: " + ", ".join(DTYPES)),
+    Flag("--max_seq_length", "model.max_seq_length", int, "token limit (teacher and student)"),
+    Flag("--teacher_cache", "recipe.teacher_cache", bool, "cache teacher embeddings on disk"),
+    Flag("--trust_remote_code", "recipe.trust_remote_code", bool, "run model code from the hub"),
+    Flag("--precision", "precision", str, "student training precision: fp32, bf16, fp16"),
 ]
 
-PAD = 0
+
+# ---- models -----------------------------------------------------------------------------
+def _require() -> Any:
+    """sentence-transformers, or one line naming the extra to install."""
+    try:
+        import sentence_transformers
+    except ImportError:
+        raise ConfigError(f"the distill recipe needs sentence-transformers: {EXTRA}") from None
+    return sentence_transformers
 
 
-# ---- data --------------------------------------------------------------------------------
-def make_sentences(n: int, vocab: int, max_len: int, n_topics: int, seed: int) -> torch.Tensor:
-    """``n`` padded token rows: each sentence mixes one topic's preferred words with background.
-
-    Topics give the teacher's embedding space real structure (near and far pairs),
-    so similarity distillation has something to learn.
-    """
-    g = torch.Generator().manual_seed(seed)
-    words = torch.arange(1, vocab)
-    topic_words = torch.stack([words[torch.randperm(vocab - 1, generator=g)[:24]]
-                               for _ in range(n_topics)])  # fmt: skip
-    tokens = torch.full((n, max_len), PAD, dtype=torch.long)
-    lengths = torch.randint(max(2, max_len // 3), max_len + 1, (n,), generator=g)
-    topics = torch.randint(0, n_topics, (n,), generator=g)
-    for i in range(n):
-        L = int(lengths[i])
-        from_topic = torch.rand(L, generator=g) < 0.7
-        tw = topic_words[topics[i]][torch.randint(0, 24, (L,), generator=g)]
-        bg = torch.randint(1, vocab, (L,), generator=g)
-        tokens[i, :L] = torch.where(from_topic, tw, bg)
-    return tokens
+def load_st(name: str, config: TrainConfig, dtype: str = "float32") -> Any:
+    """``SentenceTransformer(name)``: the one path for hub ids and local folders."""
+    st = _require()
+    kwargs: dict[str, Any] = {}
+    if dtype != "float32":
+        kwargs["dtype"] = dtype if dtype == "auto" else getattr(torch, dtype)
+    try:
+        model = st.SentenceTransformer(
+            name, device="cpu", trust_remote_code=bool(config.recipe["trust_remote_code"]),
+            model_kwargs=kwargs or None,
+        )  # fmt: skip
+    except (OSError, ValueError) as exc:  # a missing folder, an unknown hub id, offline
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"cannot load SentenceTransformer {name!r}: {first}"[:400]) from None
+    max_len = config.model["max_seq_length"]
+    if max_len is not None:
+        model.max_seq_length = int(max_len)
+    return model
 
 
-class Encoder(nn.Module):
-    """Bag-of-words encoder: mean of token embeddings (padding masked), then an MLP."""
-
-    def __init__(self, vocab: int, dim: int, hidden: int, out: int) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, dim, padding_idx=PAD)
-        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, out))
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        mask = (tokens != PAD).unsqueeze(-1).to(self.emb.weight.dtype)
-        pooled = (self.emb(tokens) * mask).sum(1) / mask.sum(1).clamp(min=1)
-        return self.mlp(pooled)
+def tokenize(st: Any, texts: list[str]) -> dict[str, Any]:
+    """Features for ``texts`` from the model's own tokenizer (``preprocess`` since 6.0)."""
+    fn = getattr(st, "preprocess", None) or st.tokenize
+    return dict(fn(texts))
 
 
-def make_teacher(m: dict[str, Any], seed: int) -> Encoder:
-    """The fixed teacher: same weights on every rank and in every run with this seed."""
-
-    def make() -> Encoder:
-        t = Encoder(m["vocab_size"], m["teacher_emb_dim"], m["teacher_hidden"], m["teacher_dim"])
-        nn.init.normal_(t.emb.weight, std=1.0)
-        for layer in (t.mlp[0], t.mlp[2]):  # zero biases: similarities centred on 0
-            nn.init.zeros_(layer.bias)
-        return t
-
-    return seeded_model(seed, make).requires_grad_(False).eval()
+def _dense(in_features: int, out_features: int) -> nn.Module:
+    try:
+        from sentence_transformers.sentence_transformer.modules import Dense
+    except ImportError:  # sentence-transformers < 6
+        from sentence_transformers.models import Dense
+    return Dense(in_features, out_features, activation_function=nn.Identity())
 
 
-class DistillDataset(Dataset):
-    """Token rows with their cached teacher embeddings."""
-
-    def __init__(self, tokens: torch.Tensor, teacher: torch.Tensor) -> None:
-        self.tokens, self.teacher = tokens, teacher
-
-    def __len__(self) -> int:
-        return self.tokens.shape[0]
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"tokens": self.tokens[i], "teacher": self.teacher[i]}
+def _width(st: Any) -> int:
+    get = getattr(st, "get_embedding_dimension", None) or st.get_sentence_embedding_dimension
+    return int(get())
 
 
-# ---- student -----------------------------------------------------------------------------
-class Student(nn.Module):
-    """Student encoder, plus the projection head in projection mode.
+class DistillModel(nn.Module):
+    """The student SentenceTransformer (with its Dense head in projection mode).
 
-    ``forward(batch)`` returns the training loss (so the Trainer's default step
-    works); :meth:`encode` gives the inference embedding (student dim, no head,
-    as the seed's saved SentenceTransformer would).
+    ``forward(batch)`` returns the training loss, so the Trainer's default step and DDP
+    wrap it unchanged; :meth:`embed` is what ``encode()`` of the export computes.
     """
 
-    def __init__(self, m: dict[str, Any]) -> None:
+    def __init__(self, st: Any, use_projection: bool, mrl_dims: list[int]) -> None:
         super().__init__()
-        self.encoder = Encoder(m["vocab_size"], m["student_dim"], m["student_hidden"],
-                               m["student_dim"])  # fmt: skip
-        self.use_projection = bool(m["use_projection"])
-        self.proj = nn.Linear(m["student_dim"], m["teacher_dim"]) if self.use_projection else None
-        self.mrl_dims = [int(d) for d in m["mrl_dims"]]
+        self.st = st
+        self.use_projection = use_projection
+        self.mrl_dims = mrl_dims
 
-    def encode(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Inference embedding: the head's output (teacher space) or the MRL embedding."""
-        s = self.encoder(tokens)
-        return self.proj(s) if self.proj is not None else s
+    def embed(self, features: dict[str, Any]) -> torch.Tensor:
+        return self.st(dict(features))["sentence_embedding"]
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        s = self.encode(batch["tokens"]).float()
+    def forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        s = self.embed(batch["features"]).float()
         t = batch["teacher"].float()
-        if self.proj is not None:
+        if self.use_projection:
             cos = F.cosine_similarity(s, t, dim=-1)
             return {"loss": (1 - cos).mean(), "cos": cos.mean().detach()}
         t_sim = _sim(t, t)
-        losses = [F.mse_loss(_sim(s[:, :d], s[:, :d]), t_sim) for d in self.mrl_dims]
-        return {"loss": torch.stack(losses).mean(), "mrl_full": losses[-1].detach()}
+        losses = [F.mse_loss(_sim(s[:, :m], s[:, :m]), t_sim) for m in self.mrl_dims]
+        return {"loss": torch.stack(losses).mean(), "sim_mse": losses[0].detach()}
 
 
 def _sim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return F.normalize(a, dim=-1) @ F.normalize(b, dim=-1).T
 
 
-def _check(m: dict[str, Any]) -> None:
-    dims = [int(d) for d in m["mrl_dims"]]
-    if not dims or dims != sorted(dims) or dims[-1] > m["student_dim"] or dims[0] < 1:
-        raise ConfigError(
-            f"model.mrl_dims: {m['mrl_dims']!r}; expected increasing sizes in "
-            f"[1, model.student_dim={m['student_dim']}]"
-        )
-    for k in ("vocab_size", "max_len", "teacher_dim", "student_dim"):
-        if m[k] < 2:
-            raise ConfigError(f"model.{k}: {m[k]!r}; expected an integer >= 2")
+def mrl_dims(given: list[Any], width: int) -> list[int]:
+    """The MRL prefix widths, widest first; derived (halvings down to 8) when empty."""
+    if not given:
+        dims, d = [], width
+        while d >= 8 and len(dims) < 5:
+            dims.append(d)
+            d //= 2
+        return dims or [width]
+    if not all(isinstance(d, int) and not isinstance(d, bool) and 1 <= d <= width for d in given):
+        raise ConfigError(f"model.mrl_dims: {given!r}; allowed: widths in [1, {width}] "
+                          "(the student's embedding width)")  # fmt: skip
+    return sorted(set(given), reverse=True)
 
 
-def make_eval_fn(anchors: DistillDataset) -> Any:
-    """Per-sample metrics, so the Trainer's summed eval is exact across ranks.
+def make_student(config: TrainConfig, teacher_dim: int) -> DistillModel:
+    """The student as loaded, plus a seeded Dense head in projection mode."""
 
-    ``anchor_mse``: mean squared gap between the student's and the teacher's cosine
-    similarity to a fixed set of anchor sentences (works in both modes; 0 = the
-    student reproduces the teacher's geometry). ``cos``: cosine to the teacher
-    through the projection head (projection mode only).
-    """
+    def make() -> DistillModel:
+        st = load_st(config.recipe["student_model"], config)
+        width = _width(st)
+        use_proj = bool(config.model["use_projection"])
+        if use_proj:
+            # Before a Normalize module, if the student has one: the head maps the pooled
+            # embedding, and the exported model still returns unit vectors.
+            mods = list(st)
+            at = next((i for i, m in enumerate(mods) if type(m).__name__ == "Normalize"),
+                      len(mods))  # fmt: skip
+            mods.insert(at, _dense(width, teacher_dim))
+            st = type(st)(modules=mods, device="cpu")
+        dims = [] if use_proj else mrl_dims(list(config.model["mrl_dims"]), width)
+        return DistillModel(st, use_proj, dims)
 
-    def eval_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        dev = batch["tokens"].device
-        s = model.encode(batch["tokens"]).float()
-        s_anchor = model.encode(anchors.tokens.to(dev)).float()
+    return seeded_model(config.training.seed, make)
+
+
+# ---- data -------------------------------------------------------------------------------
+class TextSet(Dataset):
+    """Texts with their teacher embeddings (None: the teacher runs on each batch)."""
+
+    def __init__(self, texts: list[str], teacher: torch.Tensor | None,
+                 positives: list[str] | None = None) -> None:  # fmt: skip
+        self.texts, self.teacher, self.positives = texts, teacher, positives
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        item: dict[str, Any] = {"text": self.texts[i], "index": i}
+        if self.teacher is not None:
+            item["teacher"] = self.teacher[i]
+        return item
+
+
+def make_collate(student: Any, teacher: Any | None) -> Callable[[list[dict[str, Any]]], Any]:
+    """Tokenize a batch with the student's tokenizer (and the teacher's, when online)."""
+
+    def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
+        texts = [it["text"] for it in items]
+        batch: dict[str, Any] = {"features": tokenize(student, texts),
+                                 "index": torch.tensor([it["index"] for it in items])}  # fmt: skip
+        if "teacher" in items[0]:
+            batch["teacher"] = torch.stack([it["teacher"] for it in items])
+        elif teacher is not None:
+            batch["teacher_features"] = tokenize(teacher, texts)
+        return batch
+
+    return collate
+
+
+def online_step(teacher: Any) -> Callable[[nn.Module, dict[str, Any]], Any]:
+    """The step without a cache: the frozen teacher embeds the batch first."""
+
+    def step(model: nn.Module, batch: dict[str, Any]) -> Any:
+        with torch.no_grad():
+            batch["teacher"] = teacher(dict(batch["teacher_features"]))["sentence_embedding"]
+        return model(batch)
+
+    return step
+
+
+# ---- evaluation ---------------------------------------------------------------------------
+class _PerWeights:
+    """Embeddings of fixed texts, recomputed only when the student's weights changed.
+
+    The Trainer calls the eval step per batch; the anchors and the retrieval corpus are
+    the same for every batch, so they are embedded once per evaluation. Each optimizer
+    step bumps the parameters' in-place version counters, which is the key."""
+
+    def __init__(self, texts: list[str], batch_size: int) -> None:
+        self.texts, self.batch_size = texts, batch_size
+        self.key: Any = None
+        self.value: torch.Tensor | None = None
+
+    def get(self, model: DistillModel, device: torch.device) -> torch.Tensor:
+        params = list(model.parameters())
+        key = (id(model), str(device), tuple(p._version for p in params[:1] + params[-1:]))
+        if key != self.key or self.value is None:
+            parts = []
+            for i in range(0, len(self.texts), self.batch_size):
+                feats = tokenize(model.st, self.texts[i : i + self.batch_size])
+                feats = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                         for k, v in feats.items()}  # fmt: skip
+                parts.append(model.embed(feats).float())
+            self.key, self.value = key, torch.cat(parts)
+        return self.value
+
+
+def make_eval_fn(val: TextSet, n_anchors: int, recall_at: list[int], batch_size: int) -> Any:
+    """Per-query means (the Trainer sums them exactly across ranks)."""
+    k = min(n_anchors, len(val))
+    anchors = _PerWeights(val.texts[:k], batch_size)
+    docs = _PerWeights(val.positives, batch_size) if val.positives is not None else None
+    assert val.teacher is not None
+    t_anchor = val.teacher[:k].float()
+
+    def eval_fn(model: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        assert isinstance(model, DistillModel)
+        s = model.embed(batch["features"]).float()
         t = batch["teacher"].float()
-        gap = (_sim(s, s_anchor) - _sim(t, anchors.teacher.to(dev).float())).pow(2).mean(1)
-        out = model(batch)
-        metrics = {"loss": out["loss"], "anchor_mse": gap.mean()}
-        if model.proj is not None:
-            metrics["cos"] = F.cosine_similarity(s, t, dim=-1).mean()
-        return metrics
+        dev = s.device
+        out: dict[str, torch.Tensor] = {"n": torch.tensor(float(s.shape[0]))}
+        if s.shape[1] == t.shape[1]:
+            out["cos"] = F.cosine_similarity(s, t, dim=-1).mean()
+        a = anchors.get(model, dev)
+        t_gap = _sim(t, t_anchor.to(dev))
+        for m in model.mrl_dims or [s.shape[1]]:
+            gap = (_sim(s[:, :m], a[:, :m]) - t_gap).pow(2).mean(1).mean()
+            out["sim_mse" if not model.mrl_dims else f"sim_mse@{m}"] = gap
+        if docs is not None:
+            scores = _sim(s, docs.get(model, dev))
+            idx = batch["index"].to(dev)
+            true = scores.gather(1, idx[:, None])
+            rank = (scores > true).sum(1).float()
+            for kk in recall_at:
+                out[f"recall@{kk}"] = (rank < kk).float().mean()
+            out["mrr"] = (1 / (rank + 1)).mean()
+        return out
 
     return eval_fn
 
 
-@torch.no_grad()
-def score(model: nn.Module, data: DistillDataset, anchors: DistillDataset) -> dict[str, float]:
-    """Single-process version of the eval metrics (tests, notebooks)."""
-    was = model.training
-    model.eval()
-    out = make_eval_fn(anchors)(model, {"tokens": data.tokens, "teacher": data.teacher})
-    model.train(was)
-    return {k: float(v) for k, v in out.items()}
+# ---- build --------------------------------------------------------------------------------
+def _check(config: TrainConfig) -> None:
+    r, m = config.recipe, config.model
+    _require()
+    if not r["train_data"]:
+        raise ConfigError("recipe.train_data: not set; allowed: --train_data PATH (a text file "
+                          "with one text per line, .jsonl, .parquet or a dataset folder)")  # fmt: skip
+    if r["teacher_dtype"] not in DTYPES:
+        raise ConfigError(f"recipe.teacher_dtype: {r['teacher_dtype']!r}; allowed: "
+                          + ", ".join(DTYPES))  # fmt: skip
+    ml = m["max_seq_length"]
+    if ml is not None and (not isinstance(ml, int) or isinstance(ml, bool) or ml < 1):
+        raise ConfigError(f"model.max_seq_length: {ml!r}; allowed: an integer >= 1 or null")
+    for key in ("teacher_batch_size", "n_anchors"):
+        if r[key] < 1:
+            raise ConfigError(f"recipe.{key}: {r[key]!r}; allowed: an integer >= 1")
+    if not r["recall_at"] or not all(isinstance(k, int) and k >= 1 for k in r["recall_at"]):
+        raise ConfigError(f"recipe.recall_at: {r['recall_at']!r}; allowed: integers >= 1")
 
 
-# ---- build -------------------------------------------------------------------------------
-def datasets(config: TrainConfig) -> tuple[DistillDataset, DistillDataset, DistillDataset]:
-    """Train, eval and anchor sets with cached teacher embeddings (deterministic)."""
-    m, r = config.model, config.recipe
-    n = r["n_train"] + r["n_eval"]
-    tokens = make_sentences(n, m["vocab_size"], m["max_len"], r["n_topics"], r["data_seed"])
-    teacher = make_teacher(m, r["teacher_seed"])
-    with torch.no_grad():
-        emb = torch.cat([teacher(chunk) for chunk in tokens.split(1024)])
-    train = DistillDataset(tokens[: r["n_train"]], emb[: r["n_train"]])
-    evals = DistillDataset(tokens[r["n_train"] :], emb[r["n_train"] :])
-    k = min(r["n_anchors"], r["n_eval"])
-    return train, evals, DistillDataset(evals.tokens[:k], evals.teacher[:k])
+def rows_needed(config: TrainConfig, n: int) -> int:
+    """Texts the phases that run will read; a cap above the corpus is said, once."""
+    need = 0
+    for i, phase in enumerate(config.phases or []):
+        if phase.skip:
+            continue
+        cap = phase.max_samples
+        if cap is not None and cap > n:
+            log.info("%s: max_samples %d is above the corpus size %d; the phase reads all "
+                     "%d texts each epoch", phase.name or f"phase{i + 1}", cap, n, n)  # fmt: skip
+        need = max(need, n if cap is None else min(cap, n))
+    return need or n
 
 
-def make_student(config: TrainConfig) -> Student:
-    return seeded_model(config.training.seed, lambda: Student(config.model))
+def run_dir(config: TrainConfig) -> Path | None:
+    return Path(config.checkpoint.dir) if config.checkpoint.dir else None
 
 
 def build(config: TrainConfig) -> Built:
-    m, r = config.model, config.recipe
-    _check(m)
-    for key in ("n_train", "n_eval", "n_anchors"):
-        if r[key] < 1:
-            raise ConfigError(f"recipe.{key}: {r[key]!r}; expected an integer >= 1")
-    log.info(
-        "distill: teacher %r / student %r are not downloaded: local tiny teacher "
-        "(dim %d) and student (dim %d), %s mode",
-        r["teacher_model"], r["student_model"], m["teacher_dim"], m["student_dim"],
-        "projection" if m["use_projection"] else f"MRL {m['mrl_dims']}",
-    )  # fmt: skip
-    train, evals, anchors = datasets(config)
-    if r["save_to_artifacts"]:
-        if not config.checkpoint.dir:
-            raise ConfigError("recipe.save_to_artifacts: needs checkpoint.dir (the final export)")
-    after = _after_fit(config) if r["save_to_artifacts"] else None
-    return Built(make_student(config), train, evals, None, make_eval_fn(anchors), after_fit=after)
+    r = config.recipe
+    _check(config)
+    import transformers
+
+    transformers.logging.disable_progress_bar()  # one "Loading weights" bar per rank otherwise
+    ctx = ddp.get_context()
+    device = ctx.device if ctx is not None else torch.device("cpu")
+    train = read_corpus(r["train_data"], r["text_field"], "--train_data")
+    val = read_corpus(r["val_data"], r["text_field"], "--val_data", pairs_allowed=True) \
+        if r["val_data"] else None  # fmt: skip
+    rows = rows_needed(config, len(train.texts))
+    train.texts = train.texts[:rows]  # the Trainer reads the first max_samples of the data
+
+    teacher: Any = None
+
+    def get_teacher() -> Any:
+        nonlocal teacher
+        if teacher is None:
+            t0 = time.perf_counter()
+            teacher = load_st(r["teacher_model"], config, r["teacher_dtype"]).to(device)
+            teacher.eval().requires_grad_(False)
+            log.info("teacher %r loaded in %.2f s (%s)", r["teacher_model"],
+                     time.perf_counter() - t0, r["teacher_dtype"])  # fmt: skip
+        return teacher
+
+    def encode(texts: list[str]) -> torch.Tensor:
+        return get_teacher().encode(texts, batch_size=r["teacher_batch_size"],
+                                    convert_to_tensor=True, show_progress_bar=False)  # fmt: skip
+
+    cache_dir = run_dir(config)
+    cache_dir = cache_dir / "teacher_cache" if cache_dir is not None else None
+    key = lambda c: cache_key(r["teacher_model"], r["teacher_dtype"],  # noqa: E731
+                              config.model["max_seq_length"], c)  # fmt: skip
+    t_train = None
+    if r["teacher_cache"]:
+        t_train = teacher_embeddings(cache_dir, "train", key(train), train.texts, encode)
+        teacher_dim = int(t_train.shape[1])
+    else:
+        teacher_dim = _width(get_teacher())
+        log.info("teacher cache off: the teacher embeds every batch")
+    t_val = None
+    if val is not None:  # evaluation reads teacher embeddings of the held-out texts
+        t_val = teacher_embeddings(cache_dir, "val", key(val), val.texts, encode)
+    if teacher is not None and r["teacher_cache"]:
+        teacher = None  # cached: free the teacher's memory before training
+    model = make_student(config, teacher_dim)
+    log.info("distill: teacher %r (width %d) -> student %r, %s, %d training texts%s",
+             r["teacher_model"], teacher_dim, r["student_model"],
+             "projection" if model.use_projection else f"MRL {model.mrl_dims}",
+             len(train.texts), f", {len(val.texts)} held-out" if val else "")  # fmt: skip
+    train_set = TextSet(train.texts, t_train)
+    val_set = TextSet(val.texts, t_val, val.positives) if val is not None else None
+    collate = make_collate(model.st, None if r["teacher_cache"] else get_teacher())
+    step = None if r["teacher_cache"] else online_step(get_teacher())
+    eval_fn = make_eval_fn(val_set, r["n_anchors"], list(r["recall_at"]),
+                           config.training.batch_size) if val_set is not None else None  # fmt: skip
+    return Built(model, train_set, val_set, step, eval_fn, collate, after_fit=_after_fit(config))
 
 
-# ---- artifacts ---------------------------------------------------------------------------
+# ---- export -------------------------------------------------------------------------------
+def artifacts_path(config: TrainConfig) -> Path:
+    """``--artifacts_dir``; a relative one lands in the run directory, not the cwd."""
+    out = Path(config.recipe["artifacts_dir"])
+    base = run_dir(config)
+    return out if out.is_absolute() or base is None else base / out
+
+
+def save_st(st: Any, dest: Path) -> Path:
+    """``st.save`` into ``dest`` via a sibling temp folder: never a half-written export."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
+    old = dest.parent / f".{dest.name}.old-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    st.save(str(tmp))
+    if dest.exists():
+        os.replace(dest, old)
+    os.replace(tmp, dest)
+    shutil.rmtree(old, ignore_errors=True)
+    return dest
+
+
 def _after_fit(config: TrainConfig) -> Callable[[Any, dict[str, Any]], None]:
-    """Rank 0 converts the Trainer's fresh ``final/model.pt`` into inference artifacts.
-
-    Runs only after a normal end of training (``python -m ddp`` calls it), so a failed
-    or preempted run exports nothing half-trained.
-    """
+    """Rank 0 writes the SentenceTransformer folder(s) once training ended normally
+    (``python -m ddp`` calls this only then), so a failed run exports nothing."""
 
     def export(trainer: Any, summary: dict[str, Any]) -> None:
-        import ddp
-
         if not ddp.is_main_process():
             return
-        final = Path(config.checkpoint.dir) / "final" / "model.pt"  # type: ignore[arg-type]
-        path = export_artifacts(torch.load(final, weights_only=True), config,
-                                config.recipe["artifacts_dir"])  # fmt: skip
-        log.info("saved inference artifacts to %s", path)
+        model = ddp.unwrap(trainer.wrapped)
+        st = model.st
+        dests = []
+        if run_dir(config) is not None:
+            dests.append(run_dir(config) / "final" / "sentence_transformer")  # type: ignore[operator]
+        if config.recipe["save_to_artifacts"]:
+            dests.append(artifacts_path(config))
+        for dest in dests:
+            try:
+                save_st(st, dest)
+            except OSError as exc:
+                raise ConfigError(f"export to {dest}: {exc.strerror or exc}") from None
+            log.info("saved SentenceTransformer to %s (embedding width %d; load with "
+                     "SentenceTransformer(%r))", dest, _width(st), str(dest))  # fmt: skip
 
     return export
-
-
-def export_artifacts(state: dict[str, torch.Tensor], config: TrainConfig, out: str | Path) -> Path:
-    """Write ``model.pt`` (student state dict) + ``config.json``; ST layout when available.
-
-    Load with :func:`load_artifacts` (plain torch, nothing else needed).
-    """
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "format": "ddp-distill-student/1",
-        "model": dict(config.model),
-        "teacher_model": config.recipe["teacher_model"],
-        "student_model": config.recipe["student_model"],
-        "embedding_dim": config.model["student_dim"],
-        "pad_id": PAD,
-    }
-    torch.save({k: v.cpu() for k, v in state.items()}, out / "model.pt")
-    (out / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
-    try:
-        import sentence_transformers  # noqa: F401
-    except ImportError:
-        return out
-    _write_st_layout(out)
-    return out
-
-
-def load_artifacts(path: str | Path, device: str = "cpu") -> Student:
-    """The exported student for inference: ``load_artifacts(d).encode(token_ids)``."""
-    path = Path(path)
-    meta = json.loads((path / "config.json").read_text())
-    model = Student(meta["model"])
-    model.load_state_dict(torch.load(path / "model.pt", map_location=device, weights_only=True))
-    return model.to(device).eval()
-
-
-class STStudent(nn.Module):
-    """SentenceTransformer module wrapping the student (used only with that package).
-
-    Input features are ``{"input_ids": LongTensor}`` of token ids (this toy student
-    has no text tokenizer; :meth:`tokenize` accepts lists of ids).
-    """
-
-    def __init__(self, student: Student) -> None:
-        super().__init__()
-        self.student = student
-
-    def forward(self, features: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        features["sentence_embedding"] = self.student.encode(features["input_ids"])
-        return features
-
-    def tokenize(self, texts: list[list[int]], **_: Any) -> dict[str, torch.Tensor]:
-        n = max(len(t) for t in texts)
-        ids = torch.full((len(texts), n), PAD, dtype=torch.long)
-        for i, t in enumerate(texts):
-            ids[i, : len(t)] = torch.as_tensor(t, dtype=torch.long)
-        return {"input_ids": ids}
-
-    def get_sentence_embedding_dimension(self) -> int:
-        return self.student.encode(torch.ones(1, 1, dtype=torch.long)).shape[-1]
-
-    def save(self, output_path: str, *args: Any, **kwargs: Any) -> None:
-        pass  # the weights live in the parent folder's model.pt
-
-    @staticmethod
-    def load(input_path: str, *args: Any, **kwargs: Any) -> STStudent:
-        return STStudent(load_artifacts(Path(input_path).parent))
-
-
-def _write_st_layout(out: Path) -> None:
-    """``modules.json`` naming :class:`STStudent`, so ``SentenceTransformer(out)`` loads it."""
-    (out / "st").mkdir(exist_ok=True)
-    modules = [{"idx": 0, "name": "0", "path": "st", "type": f"{__name__}.STStudent"}]
-    (out / "modules.json").write_text(json.dumps(modules, indent=2) + "\n")
-    (out / "config_sentence_transformers.json").write_text(
-        json.dumps({"__version__": {"pytorch": torch.__version__}}, indent=2) + "\n"
-    )
