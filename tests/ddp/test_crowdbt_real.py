@@ -41,6 +41,16 @@ SMALL = ["--backbone", "efficientnet_b0", "--input-size", "32", "--batch-size", 
          "--set", "logging.progress=plain", "--set", "recipe.eval_fraction=0.25"]  # fmt: skip
 
 
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """One intra-op thread in this process, as the ranks have (OMP_NUM_THREADS=1): on a
+    busy 2-core machine two threads spin against each other (B0's step: 9 s vs 0.1 s)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def write_data(root: Path, n_images: int = 8, n_judgements: int = 24) -> list[dict[str, str]]:
     """RGB PNGs of several sizes under ``root/img`` and ``root/judgements.csv``."""
     from PIL import Image
@@ -345,6 +355,21 @@ def test_bad_s3_credential_is_one_line(tmp_path: Path, s3: dict[str, str],
     _aws_env(monkeypatch, {**s3, "AWS_SECRET_ACCESS_KEY": "wrong-secret"})
     results = _run2(tmp_path / "ck", "--data-source", "s3", "--data-dir", f"s3://{BUCKET}/set1")
     _one_line_exit_2(results, f"s3://{BUCKET}/set1/judgements.csv", "AWS credentials")
+
+
+def test_pin_memory_follows_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On as in the seed where CUDA is; off without it (pinning only speeds copies to CUDA)."""
+    write_data(tmp_path)
+    sets = [f"recipe.data_dir={tmp_path}", "model.input_size=8"]
+    cfg = resolve(crowdbt, ROOT / "configs/crowdbt.yaml", sets)
+    assert cfg.data.pin_memory is True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    crowdbt.build(cfg)
+    assert cfg.data.pin_memory is False
+    cfg = resolve(crowdbt, ROOT / "configs/crowdbt.yaml", sets)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    crowdbt.build(cfg)
+    assert cfg.data.pin_memory is True
 
 
 def test_data_source_and_dir_must_agree(tmp_path: Path) -> None:
