@@ -72,6 +72,9 @@ def table(
 
     if by not in scaling.BY:
         raise UserError(f"by: {by!r} is not allowed; allowed: {', '.join(scaling.BY)}")
+    if by == "world" and base_batch:
+        raise UserError(f"base-batch: {base_batch} is used only with --by batch; allowed: add "
+                        "--by batch, or leave --base-batch out")  # fmt: skip
     if by == "batch" and base_batch < 1:
         raise UserError(f"base-batch: {base_batch} is not allowed; allowed: a whole number >= 1 "
                         "(the effective batch base-lr was tuned for) with --by batch")  # fmt: skip

@@ -201,3 +201,7 @@ def test_by_batch_without_a_base_batch_is_one_line(capsys: pytest.CaptureFixture
     assert hpc_main(["scale", "--gpus", "4", "--base-lr", "1e-4", "--by", "batch"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("hpc: error: base-batch: 0 is not allowed"), err
+    # a base batch without --by batch would be silently ignored: refused instead
+    assert hpc_main(["scale", "--gpus", "4", "--base-lr", "1e-4", "--base-batch", "16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "base-batch: 16 is used only with --by batch" in err[0], err
