@@ -196,6 +196,8 @@ def test_by_batch_rules_apply_to_the_batch_ratio_on_both_sides() -> None:
 def test_by_batch_without_a_base_batch_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ConfigError, match=r"^scaling.base_batch_size: 0 is not allowed"):
         TrainConfig.from_dict({"scaling": {"rule": "linear", "by": "batch"}})
+    with pytest.raises(ConfigError, match=r"^scaling.base_batch_size: 16 .* with by: world"):
+        TrainConfig.from_dict({"scaling": {"rule": "linear", "base_batch_size": 16}})
     with pytest.raises(ConfigError, match=r"^scaling.by: 'samples'"):
         TrainConfig.from_dict({"scaling": {"by": "samples"}})
     assert hpc_main(["scale", "--gpus", "4", "--base-lr", "1e-4", "--by", "batch"]) == 2

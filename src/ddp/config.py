@@ -535,6 +535,8 @@ def _validate(obj: Any, where: str) -> None:
         if obj.base_batch_size < 0 or (obj.by == "batch" and obj.base_batch_size < 1):
             bad("base_batch_size", obj.base_batch_size,
                 "an integer >= 1 (the effective batch the base lr was tuned for) with by: batch")
+        if obj.by == "world" and obj.base_batch_size:
+            bad("base_batch_size", obj.base_batch_size, "0 with by: world (set by: batch to use it)")
         try:
             scaling.parse_rule(obj.rule)
         except scaling.ScalingRuleError:
