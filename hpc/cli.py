@@ -159,6 +159,12 @@ def _scale_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--accum", type=_whole, default=1)
     p.add_argument("--base-gpus", type=_whole, default=1,
                    help="GPU count base-lr was tuned at (scaling.base_world_size)")
+    p.add_argument("--by", default="world", choices=("world", "batch"),
+                   help="what grows: the GPU count, or the effective batch against "
+                        "--base-batch (scaling.by)")
+    p.add_argument("--base-batch", type=_whole, default=0,
+                   help="with --by batch: effective batch base-lr was tuned for "
+                        "(scaling.base_batch_size)")
     p.set_defaults(func=cmd_scale)
 
 
@@ -429,8 +435,10 @@ def cmd_scale(args: argparse.Namespace, command: list[str] | None) -> int:
     from hpc.scale import table as scale_table
 
     rows = scale_table(args.gpus, args.rule, args.base_lr, args.base_warmup, args.batch_size, args.accum,
-                       args.base_gpus)
+                       args.base_gpus, by=args.by, base_batch=args.base_batch)
     tuned = f", base lr and warmup tuned at {args.base_gpus} GPUs" if args.base_gpus != 1 else ""
+    if args.by == "batch":
+        tuned = f", base lr and warmup tuned at effective batch {args.base_batch}"
     table = Table(title=f"scaling rule {args.rule}: batch {args.batch_size} x accum {args.accum} per GPU{tuned}")
     for col in ("GPUs", "effective batch", "factor", "lr", "warmup"):
         table.add_column(col, justify="right")

@@ -59,14 +59,25 @@ def gpu_counts(gpus: int) -> list[int]:
 
 def table(
     gpus: int, rule: str, base_lr: float, base_warmup: int, batch_size: int, accum: int,
-    base_gpus: int = 1,
+    base_gpus: int = 1, by: str = "world", base_batch: int = 0,
 ) -> list[Row]:
     """The scaled lr, warmup and effective batch for 1..gpus GPUs, doubling.
 
     ``base_gpus`` is the GPU count ``base_lr`` and ``base_warmup`` were tuned at
-    (``scaling.base_world_size`` in the trainer's config).
+    (``scaling.base_world_size`` in the trainer's config). With ``by="batch"`` the
+    factor follows ``effective batch / base_batch`` instead (``scaling.by: batch``,
+    ``scaling.base_batch_size``), the seeds' formula.
     """
     from ddp import scaling
+
+    if by not in scaling.BY:
+        raise UserError(f"by: {by!r} is not allowed; allowed: {', '.join(scaling.BY)}")
+    if by == "world" and base_batch:
+        raise UserError(f"base-batch: {base_batch} is used only with --by batch; allowed: add "
+                        "--by batch, or leave --base-batch out")  # fmt: skip
+    if by == "batch" and base_batch < 1:
+        raise UserError(f"base-batch: {base_batch} is not allowed; allowed: a whole number >= 1 "
+                        "(the effective batch base-lr was tuned for) with --by batch")  # fmt: skip
 
     for name, value in (("base-warmup", base_warmup), ("batch-size", batch_size),
                         ("accum", accum), ("base-gpus", base_gpus)):  # fmt: skip
@@ -78,7 +89,8 @@ def table(
     parsed = parse_rule(rule)
     rows = []
     for n in gpu_counts(gpus):
-        f = parsed.factor(n, base_gpus)
-        rows.append(Row(n, scaling.effective_batch(batch_size, accum, n), f,
+        eff = scaling.effective_batch(batch_size, accum, n)
+        f = parsed.factor(n, base_gpus) if by == "world" else parsed.of_ratio(eff / base_batch)
+        rows.append(Row(n, eff, f,
                         scaling.scaled_lr(base_lr, f), scaling.scaled_warmup(base_warmup, f)))  # fmt: skip
     return rows

@@ -144,3 +144,66 @@ def test_shared_module_and_hpc_scale_import_no_torch() -> None:
                for a in n.names} | {n.module.split(".")[0] for n in ast.walk(tree)
                                     if isinstance(n, ast.ImportFrom) and n.module}  # fmt: skip
     assert imports <= {"__future__", "math", "re", "dataclasses"}, imports
+
+
+# ---- scaling.by: batch (seed 003's formula) -------------------------------------------
+# Seed 003 (Crowd-BT): "New LR = Base LR x (Effective Batch Size / Base Batch Size)";
+# "base configuration uses batch_size=16 and lr=1e-4 ... 4 GPUs with batch_size=16 per
+# GPU: Effective batch size: 16 x 4 = 64; Scaled LR: 1e-4 x (64 / 16) = 4e-4".
+SEED_003 = [  # (gpus, batch per GPU, accum) -> (effective batch, lr)
+    (1, 16, 1, 16, 1e-4),
+    (4, 16, 1, 64, 4e-4),  # the worked example
+    (2, 32, 1, 64, 4e-4),  # a bigger per-GPU batch counts too (by world would say 2e-4)
+    (1, 8, 2, 16, 1e-4),  # and so does accumulation
+]
+
+
+@pytest.mark.parametrize(("gpus", "batch", "accum", "eff", "lr"), SEED_003)
+def test_seed_003_by_batch_from_hpc_scale_and_train_config(
+    gpus: int, batch: int, accum: int, eff: int, lr: float, capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    printed = _hpc_scale_rows(capsys, "--gpus", str(gpus), "--rule", "linear", "--by", "batch",
+                              "--base-batch", "16", "--base-lr", "1e-4", "--batch-size",
+                              str(batch), "--accum", str(accum))  # fmt: skip
+    assert printed[gpus][0] == eff and printed[gpus][1] == pytest.approx(lr)
+    cfg = TrainConfig.from_dict({
+        "training": {"batch_size": batch, "accum": accum},
+        "optim": {"lr": 1e-4},
+        "scaling": {"rule": "linear", "by": "batch", "base_batch_size": 16},
+    })  # fmt: skip
+    assert cfg.effective_batch(gpus) == eff
+    assert cfg.scaled_lr(gpus) == pytest.approx(lr)
+
+
+def test_by_batch_rules_apply_to_the_batch_ratio_on_both_sides() -> None:
+    """sqrt and cap:N act on effective/base alike; identical numbers from both sides."""
+    from hpc.scale import table
+
+    for rule in ("none", "sqrt", "cap:2", "linear"):
+        cfg = TrainConfig.from_dict({
+            "training": {"batch_size": 8, "accum": 1}, "optim": {"lr": 1e-3, "warmup_steps": 10},
+            "scaling": {"rule": rule, "by": "batch", "base_batch_size": 4, "scale_warmup": True},
+        })  # fmt: skip
+        for row in table(8, rule, 1e-3, 10, 8, 1, by="batch", base_batch=4):
+            assert (row.factor, row.lr, row.warmup) == (
+                cfg.scale_factor(row.gpus), cfg.scaled_lr(row.gpus), cfg.scaled_warmup(row.gpus))
+    assert scaling.factor_by("sqrt", "batch", 8, effective=64, base_batch_size=16) == 2.0
+    assert scaling.factor_by("cap:2", "batch", 8, effective=64, base_batch_size=16) == 2.0
+    # by world ignores the batch: 4 GPUs of 32 against a base of 1 GPU is 4, not 8
+    assert scaling.factor_by("linear", "world", 4, effective=128, base_batch_size=16) == 4.0
+
+
+def test_by_batch_without_a_base_batch_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ConfigError, match=r"^scaling.base_batch_size: 0 is not allowed"):
+        TrainConfig.from_dict({"scaling": {"rule": "linear", "by": "batch"}})
+    with pytest.raises(ConfigError, match=r"^scaling.base_batch_size: 16 .* with by: world"):
+        TrainConfig.from_dict({"scaling": {"rule": "linear", "base_batch_size": 16}})
+    with pytest.raises(ConfigError, match=r"^scaling.by: 'samples'"):
+        TrainConfig.from_dict({"scaling": {"by": "samples"}})
+    assert hpc_main(["scale", "--gpus", "4", "--base-lr", "1e-4", "--by", "batch"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hpc: error: base-batch: 0 is not allowed"), err
+    # a base batch without --by batch would be silently ignored: refused instead
+    assert hpc_main(["scale", "--gpus", "4", "--base-lr", "1e-4", "--base-batch", "16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "base-batch: 16 is used only with --by batch" in err[0], err

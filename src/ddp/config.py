@@ -80,11 +80,15 @@ class ScalingConfig:
     """How LR (and optionally warmup) follow the world size: ``none|linear|sqrt|cap:N``.
 
     ``cap:N`` caps the factor ``world / base_world_size`` at N (see :mod:`ddp.scaling`).
+    ``by: batch`` scales by ``effective batch / base_batch_size`` instead (the seeds'
+    formula); ``base_batch_size`` is then required (0 = unset).
     """
 
     rule: str = "none"
     base_world_size: int = 1
     scale_warmup: bool = False
+    by: str = field(default="world", metadata={"choices": ("world", "batch")})
+    base_batch_size: int = 0
 
 
 @dataclass
@@ -280,7 +284,15 @@ class TrainConfig:
     # ---- derived values -----------------------------------------------------------
     # The arithmetic is ddp.scaling's, the same that `hpc scale` prints.
     def scale_factor(self, world_size: int) -> float:
-        return scale_factor(self.scaling.rule, world_size, self.scaling.base_world_size)
+        sc = self.scaling
+        if sc.by == "world":
+            return scale_factor(sc.rule, world_size, sc.base_world_size)
+        try:
+            return scaling.factor_by(sc.rule, sc.by, world_size,
+                                     effective=self.effective_batch(world_size),
+                                     base_batch_size=sc.base_batch_size)  # fmt: skip
+        except scaling.ScalingRuleError as exc:
+            raise ConfigError(f"scaling: {exc}") from None
 
     def scaled_lr(self, world_size: int, lr: float | None = None) -> float:
         base = self.optim.lr if lr is None else lr
@@ -520,6 +532,11 @@ def _validate(obj: Any, where: str) -> None:
     elif isinstance(obj, ScalingConfig):
         if obj.base_world_size < 1:
             bad("base_world_size", obj.base_world_size, "an integer >= 1")
+        if obj.base_batch_size < 0 or (obj.by == "batch" and obj.base_batch_size < 1):
+            bad("base_batch_size", obj.base_batch_size,
+                "an integer >= 1 (the effective batch the base lr was tuned for) with by: batch")
+        if obj.by == "world" and obj.base_batch_size:
+            bad("base_batch_size", obj.base_batch_size, "0 with by: world (set by: batch to use it)")
         try:
             scaling.parse_rule(obj.rule)
         except scaling.ScalingRuleError:

@@ -20,6 +20,15 @@ base LR and warmup were tuned for; 1 in the seed guides):
   N caps the *factor*, not the GPU count, so a run tuned at ``base`` ranks never
   gets more than N times its tuned LR, whatever ``base`` is.
 
+What grows, ``by`` (``scaling.by``; ``hpc scale --by``):
+
+* ``world`` (the default): the ratio is ``world / base`` as above;
+* ``batch``: the ratio is ``effective batch / base_batch_size``, the seeds' own
+  formula (seed 003: ``New LR = Base LR x Effective Batch / Base Batch``; 16 per
+  GPU on 4 GPUs against a base batch of 16 gives 4: lr 1e-4 -> 4e-4). It also
+  counts a bigger per-GPU batch or more accumulation, which ``world`` cannot see.
+  The rules above apply to this ratio alike (``cap:N`` caps it at N).
+
 The scaled LR is ``lr * factor``; the scaled warmup is ``round(warmup * factor)``
 (Python's round, so 2.5 steps gives 2); the effective batch is
 ``batch_size * accum * world``.
@@ -32,6 +41,7 @@ import re
 from dataclasses import dataclass
 
 RULES = ("none", "linear", "sqrt", "cap:N")
+BY = ("world", "batch")
 _CAP = re.compile(r"^cap:(\d+(?:\.\d+)?)$")
 
 
@@ -52,7 +62,10 @@ class Rule:
             raise ScalingRuleError(f"{world_size} ranks; allowed: a whole number >= 1")
         if base_world_size < 1:
             raise ScalingRuleError(f"base world size {base_world_size}; allowed: >= 1")
-        ratio = world_size / base_world_size
+        return self.of_ratio(world_size / base_world_size)
+
+    def of_ratio(self, ratio: float) -> float:
+        """The factor for a size ``ratio`` (ranks or samples, against the tuned base)."""
         if self.kind == "none":
             return 1.0
         if self.kind == "linear":
@@ -78,6 +91,31 @@ def parse_rule(text: str) -> Rule:
 def scale_factor(rule: str, world_size: int, base_world_size: int = 1) -> float:
     """The LR multiplier of ``rule`` for ``world_size`` ranks relative to ``base_world_size``."""
     return parse_rule(rule).factor(world_size, base_world_size)
+
+
+def batch_ratio(effective: int, base_batch_size: int) -> float:
+    """``effective / base_batch_size``: how many times the tuned batch one step now sees."""
+    if effective < 1:
+        raise ScalingRuleError(f"effective batch {effective}; allowed: a whole number >= 1")
+    if base_batch_size < 1:
+        raise ScalingRuleError(f"base batch size {base_batch_size}; allowed: a whole number >= 1")
+    return effective / base_batch_size
+
+
+def factor_by(rule: str, by: str, world_size: int, *, base_world_size: int = 1,
+              effective: int = 1, base_batch_size: int = 0) -> float:  # fmt: skip
+    """The LR multiplier of ``rule`` when the size that grows is ``by`` (world or batch).
+
+    ``effective`` is the effective batch at ``world_size`` ranks (batch x accum x world);
+    ``base_batch_size`` is the effective batch the base LR was tuned for.
+    """
+    if by == "world":
+        return scale_factor(rule, world_size, base_world_size)
+    if by == "batch":
+        if world_size < 1:
+            raise ScalingRuleError(f"{world_size} ranks; allowed: a whole number >= 1")
+        return parse_rule(rule).of_ratio(batch_ratio(effective, base_batch_size))
+    raise ScalingRuleError(f"by {by!r}; allowed: {', '.join(BY)}")
 
 
 def scaled_lr(lr: float, factor: float) -> float:

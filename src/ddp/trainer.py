@@ -191,7 +191,10 @@ class Trainer:
             "world=%d effective batch=%d (%d x accum %d x %d ranks) lr=%.4g (x%.4g, %s rule) "
             "warmup=%d precision=%s",
             world, cfg.effective_batch(world), t.batch_size, t.accum, world,
-            cfg.scaled_lr(world), factor, cfg.scaling.rule, warmup, cfg.precision,
+            cfg.scaled_lr(world), factor,
+            cfg.scaling.rule + ("" if cfg.scaling.by == "world"
+                                else f" by batch / {cfg.scaling.base_batch_size}"),
+            warmup, cfg.precision,
         )  # fmt: skip
         return factor, warmup
 

@@ -90,8 +90,8 @@ def test_crowdbt_rejects_wrong_world_size_and_source() -> None:
     cfg = resolve(crowdbt, ROOT / "configs/crowdbt.yaml", ["recipe.world_size=4"])
     with pytest.raises(ConfigError, match="recipe.world_size: --world-size 4 but the launcher"):
         crowdbt.build(cfg)
-    cfg = resolve(crowdbt, ROOT / "configs/crowdbt.yaml", ["recipe.data_source=s3"])
-    with pytest.raises(ConfigError, match="recipe.data_source: 's3'"):
+    cfg = resolve(crowdbt, ROOT / "configs/crowdbt.yaml", ["recipe.data_source=ftp"])
+    with pytest.raises(ConfigError, match="recipe.data_source: 'ftp' is not allowed"):
         crowdbt.build(cfg)
 
 
@@ -119,7 +119,10 @@ def test_recipe_key_typo_is_one_clear_error(capsys: pytest.CaptureFixture[str]) 
 def test_crowdbt_two_ranks_ranks_quality_and_finds_adversary(tmp_path: Path) -> None:
     out = tmp_path / "ck"
     sets = ["training.epochs=3", "training.batch_size=32", "recipe.n_pairs=2048",
-            "model.channels=8"]  # fmt: skip
+            "model.channels=8", "optim.lr=3e-3",  # tiny_cnn from scratch: not the seed's 1e-4
+            # A random CNN already ranks noise energy at |rho| up to 0.96, by its init; seed 4's
+            # untrained ranking is weak (0.56), so learning has room to show.
+            "training.seed=4"]  # fmt: skip
     log = _run2("crowdbt", out, "--world-size", "2", *[x for s in sets for x in ("--set", s)])
     assert "eval_order_acc=" in log
     cfg = resolve(crowdbt, ROOT / "configs/crowdbt.yaml", sets)

@@ -55,6 +55,9 @@ class Flag:
     type: Callable[[str], Any]
     help: str
     aliases: tuple[str, ...] = ()
+    #: Not None: the value may be left out, and a bare flag means ``const``
+    #: (crowdbt's ``--pretrained`` = the library's cached weights, ``--pretrained PATH``).
+    const: Any = None
 
     @property
     def dest(self) -> str:
@@ -191,6 +194,9 @@ def _add_flag(
     if flag.type is bool:
         # As in the seed guides: a bare `--skip_phase1` means true; `--flag false` works too.
         group.add_argument(flag.name, *flag.aliases, type=_bool, nargs="?", const=True,
+                           default=None, dest=flag.dest, metavar=metavar, help=about)  # fmt: skip
+    elif flag.const is not None:
+        group.add_argument(flag.name, *flag.aliases, type=flag.type, nargs="?", const=flag.const,
                            default=None, dest=flag.dest, metavar=metavar, help=about)  # fmt: skip
     else:
         group.add_argument(flag.name, *flag.aliases, type=flag.type, default=None,

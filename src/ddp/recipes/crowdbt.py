@@ -1,7 +1,10 @@
 """Crowd-BT pairwise quality scorer (seed 003): Bradley-Terry with annotator reliability.
 
 Each training sample is one crowd judgement "annotator k says image i beats image j".
-A small CNN scores every image (s = f(x)); annotator k agrees with the true
+A backbone scores every image (s = head(f(x))): a real EfficientNet-B0..B7, ResNet or
+ViT by name (:mod:`ddp.recipes.backbones`: torchvision, timm or efficientnet_pytorch,
+whichever imports; said once in the log), or ``tiny_cnn`` for the generated quick-start
+data; annotator k agrees with the true
 Bradley-Terry order with probability eta_k (Chen et al., "Pairwise ranking
 aggregation in a crowdsourced setting", WSDM 2013)::
 
@@ -12,8 +15,16 @@ eta_k = sigmoid(a_k) is learned with the backbone, so a careless annotator
 way. a_k starts at ``model.eta_init`` > 0.5, which fixes the sign symmetry of the
 likelihood (flipping every score and every eta gives the same value).
 
-Data are generated at build time from ``recipe.data_seed`` (no download): gray
-``input_size`` x ``input_size`` images whose true quality q in [0, 1] sets how much
+The user's data: ``--data-dir DIR`` (or ``s3://bucket/prefix`` with ``--data-source
+s3``) holding RGB images and ``judgements.csv`` (``left,right,annotator,label``) or
+``judgements.jsonl`` (:mod:`ddp.recipes.images`); ``recipe.eval_fraction`` of the
+judgements are held out, and evaluation reports their NLL and ``agree`` (the share the
+scores order as the crowd label says). Images are resized to the backbone's own input
+size (300/380/456 for B3/B4/B5) unless ``--input-size`` says otherwise, and normalised
+with ImageNet's mean and std, as the backbones' own preprocessing does.
+
+Without ``--data-dir`` the data are generated at build time from ``recipe.data_seed``
+(no download): gray (three equal channels) ``input_size`` x ``input_size`` images whose true quality q in [0, 1] sets how much
 white noise covers a smooth pattern (q = 1 clean, q = 0 noisy), and comparisons
 from ``recipe.annotators`` (each an eta: 0.9 = good, 0.5 = random, 0.1 = adversarial)
 drawn from the BT model on q. Evaluation uses held-out images: ``eval_order_acc``
@@ -21,7 +32,8 @@ is the share of held-out pairs the scores order like the true quality (summed
 exactly over ranks by the Trainer); :func:`spearman` compares scores with q.
 
 Seed flags kept: ``--epochs --batch-size --lr --weight-decay --num-workers
---backbone --input-size --data-source --distributed --world-size --local_rank``.
+--backbone --input-size --data-source --distributed --world-size --local_rank``; added:
+``--data-dir`` and ``--pretrained [PATH]``.
 The launcher decides the world size: ``--distributed`` is accepted and ignored,
 ``--world-size N`` is checked against the ranks really started.
 """
@@ -39,25 +51,28 @@ from torch.utils.data import Dataset
 
 from ddp.config import TrainConfig
 from ddp.errors import ConfigError
-from ddp.recipes import Built, Flag, seeded_model
+from ddp.recipes import Built, Flag, backbones, images, seeded_model
 
 log = logging.getLogger("ddp")
 
 NAME = "crowdbt"
-DESCRIPTION = "Crowd-BT quality scorer: tiny CNN + per-annotator reliability on noisy pairs"
+DESCRIPTION = "Crowd-BT quality scorer: EfficientNet/ResNet/ViT + per-annotator reliability"
 
-BACKBONES = ("tiny_cnn",)
+BACKBONES = ("tiny_cnn", *backbones.NAMES)
+TINY_SIZE = 16  # tiny_cnn's input size when model.input_size is 0
 ETA_GAIN = 20.0
 
 DEFAULTS: dict[str, Any] = {
     "training": {"batch_size": 16, "epochs": 20, "seed": 0},
-    "optim": {"name": "adamw", "lr": 3e-3, "weight_decay": 0.0, "warmup_steps": 0,
+    "optim": {"name": "adamw", "lr": 1e-4, "weight_decay": 0.0, "warmup_steps": 0,
               "schedule": "cosine", "grad_clip": 5.0},  # fmt: skip
     "checkpoint": {"dir": "checkpoints/crowdbt"},
     "logging": {"every_n_steps": 20},
-    "model": {"backbone": "tiny_cnn", "input_size": 16, "channels": 16, "eta_init": 0.8},
+    "data": {"pin_memory": True},  # the seed's loaders pin; build() turns it off without CUDA
+    "model": {"backbone": "tiny_cnn", "input_size": 0, "channels": 16, "eta_init": 0.8,
+              "pretrained": ""},  # fmt: skip
     "recipe": {
-        "data_source": "synthetic",
+        "data_source": "auto", "data_dir": "", "eval_fraction": 0.1, "max_cache_mb": 16384.0,
         "n_images": 512, "n_eval_images": 128, "n_pairs": 4096, "n_eval_pairs": 1024,
         "annotators": [0.9, 0.9, 0.85, 0.8, 0.5, 0.1],
         "bt_scale": 8.0, "data_seed": 1,
@@ -71,9 +86,14 @@ FLAGS = [
     Flag("--lr", "optim.lr", float, "learning rate (scaled by scaling.rule)"),
     Flag("--weight-decay", "optim.weight_decay", float, "AdamW weight decay"),
     Flag("--num-workers", "data.num_workers", int, "DataLoader workers per rank"),
-    Flag("--backbone", "model.backbone", str, "tiny_cnn (efficientnet_* names map to it)"),
-    Flag("--input-size", "model.input_size", int, "image side in pixels"),
-    Flag("--data-source", "recipe.data_source", str, "synthetic (generated at build)"),
+    Flag("--backbone", "model.backbone", str,
+         "efficientnet_b0..b7, resnet18..152, vit_b_16/b_32/l_16/l_32, or tiny_cnn"),
+    Flag("--input-size", "model.input_size", int, "image side in pixels (0: the backbone's own)"),
+    Flag("--data-source", "recipe.data_source", str,
+         "auto (s3:// or a folder; generated without --data-dir), local, s3, synthetic"),
+    Flag("--data-dir", "recipe.data_dir", str, "folder or s3://bucket/prefix: images + judgements"),
+    Flag("--pretrained", "model.pretrained", str,
+         "the library's cached weights; --pretrained PATH: that file", const="cache"),
     Flag("--distributed", "recipe.distributed", bool, "accepted; the launcher decides"),
     Flag("--world-size", "recipe.world_size", int, "checked against the launched ranks"),
     Flag("--local_rank", "recipe.local_rank", int, "set by torch.distributed.launch; unused"),
@@ -83,7 +103,7 @@ FLAGS = [
 
 # ---- data --------------------------------------------------------------------------------
 def make_images(n: int, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``n`` images (n, 1, size, size) and their true quality q in [0, 1].
+    """``n`` images (n, 3, size, size) and their true quality q in [0, 1].
 
     A smooth pattern (sum of a few Gaussian blobs) plus white noise of std
     ``0.8 * (1 - q)``: the quality is a function of the pixels that a CNN can read
@@ -101,7 +121,7 @@ def make_images(n: int, size: int, seed: int) -> tuple[torch.Tensor, torch.Tenso
     pattern = torch.exp(-d2 / (2 * widths[..., None, None] ** 2)).sum(1)
     pattern = pattern / pattern.amax((1, 2), keepdim=True)
     noise = torch.randn(n, size, size, generator=g) * 0.8 * (1 - q)[:, None, None]
-    return (pattern + noise).unsqueeze(1), q
+    return (pattern + noise).unsqueeze(1).expand(-1, 3, -1, -1).contiguous(), q
 
 
 def make_pairs(
@@ -136,26 +156,41 @@ class PairDataset(Dataset):
 
 
 # ---- model -------------------------------------------------------------------------------
-class CrowdBT(nn.Module):
-    """Tiny CNN scorer plus one reliability logit per annotator."""
+def tiny_cnn(channels: int) -> backbones.Backbone:
+    """Two conv blocks for the generated quick-start data (no library needed)."""
+    c = channels
+    blocks = nn.ModuleList([nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.GELU()),
+                            nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.GELU())])  # fmt: skip
+    head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, c), nn.GELU())
+    net = nn.ModuleDict({"blocks": blocks, "head": head})
+    return backbones.Backbone(net, list(blocks), c, lambda x: x, head)
 
-    def __init__(self, n_annotators: int, channels: int, eta_init: float) -> None:
+
+class CrowdBT(nn.Module):
+    """A backbone and a linear score head, plus one reliability logit per annotator."""
+
+    def __init__(self, n_annotators: int, backbone: nn.Module, dim: int,
+                 eta_init: float) -> None:  # fmt: skip
         super().__init__()
-        c = channels
-        self.backbone = nn.Sequential(
-            nn.Conv2d(1, c, 3, padding=1), nn.GELU(),
-            nn.Conv2d(c, c, 3, padding=1), nn.GELU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-            nn.Linear(c, c), nn.GELU(), nn.Linear(c, 1),
-        )  # fmt: skip
+        self.backbone = backbone
+        self.head = nn.Linear(dim, 1)
         # eta_logit = ETA_GAIN * eta_raw: Adam moves each parameter by about lr per step
         # whatever its gradient, and one annotator's logit gets only its share of the
         # batch; the gain lets reliabilities settle as fast as the backbone learns.
         logit = math.log(eta_init / (1 - eta_init))
         self.eta_raw = nn.Parameter(torch.full((n_annotators,), logit / ETA_GAIN))
 
+    @property
+    def gradient_checkpointing(self) -> bool:
+        """``memory.gradient_checkpointing``: the backbone recomputes each block in backward."""
+        return bool(getattr(self.backbone, "gradient_checkpointing", False))
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, value: bool) -> None:
+        self.backbone.gradient_checkpointing = value
+
     def score(self, images: torch.Tensor) -> torch.Tensor:
-        return self.backbone(images).squeeze(-1)
+        return self.head(self.backbone(images)).squeeze(-1)
 
     @property
     def eta_logit(self) -> torch.Tensor:
@@ -189,12 +224,15 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def eval_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Held-out pairs: NLL of the crowd labels and agreement with the true order."""
+    """Held-out pairs: NLL of the crowd labels, agreement with them, and (generated data
+    only, where the truth is known) agreement with the true order."""
     out = model(batch)
-    b = batch["a"].shape[0]
-    s = model.score(torch.cat([batch["a"], batch["b"]])).float()
-    right = ((s[:b] > s[b:]) == (batch["true"] > 0.5)).float().mean()
-    return {"loss": out["loss"], "order_acc": right}
+    metrics = {"loss": out["loss"], "agree": out["raw_agree"]}
+    if "true" in batch:
+        b = batch["a"].shape[0]
+        s = model.score(torch.cat([batch["a"], batch["b"]])).float()
+        metrics["order_acc"] = ((s[:b] > s[b:]) == (batch["true"] > 0.5)).float().mean()
+    return metrics
 
 
 class EvalPairs(PairDataset):
@@ -211,39 +249,90 @@ class EvalPairs(PairDataset):
 
 
 # ---- build -------------------------------------------------------------------------------
+def image_size(config: TrainConfig) -> int:
+    """``model.input_size``, or the backbone's own when it is 0."""
+    m = config.model
+    if m["input_size"]:
+        return int(m["input_size"])
+    return TINY_SIZE if m["backbone"] == "tiny_cnn" else backbones.input_size(m["backbone"])
+
+
 def datasets(config: TrainConfig) -> tuple[PairDataset, EvalPairs, torch.Tensor, torch.Tensor]:
-    """Train judgements, held-out judgements, held-out images and their true quality."""
-    m, r = config.model, config.recipe
+    """Generated data: train judgements, held-out judgements, held-out images, true quality."""
+    r = config.recipe
     etas = [float(e) for e in r["annotators"]]
     if not etas or not all(0 <= e <= 1 for e in etas):
         raise ConfigError(f"recipe.annotators: {r['annotators']!r}; expected etas in [0, 1]")
-    seed = int(r["data_seed"])
-    imgs, q = make_images(r["n_images"], m["input_size"], seed)
+    seed, size = int(r["data_seed"]), image_size(config)
+    imgs, q = make_images(r["n_images"], size, seed)
     train = PairDataset(imgs, *make_pairs(q, r["n_pairs"], etas, r["bt_scale"], seed + 1))
-    eimgs, eq = make_images(r["n_eval_images"], m["input_size"], seed + 2)
+    eimgs, eq = make_images(r["n_eval_images"], size, seed + 2)
     evals = EvalPairs(eimgs, eq, *make_pairs(eq, r["n_eval_pairs"], etas, r["bt_scale"], seed + 3))
     return train, evals, eimgs, eq
 
 
-def make_model(config: TrainConfig) -> CrowdBT:
+def user_datasets(config: TrainConfig) -> tuple[images.Judgements, images.Judgements | None, int]:
+    """The user's judgements and images (:mod:`ddp.recipes.images`): train, held-out, and
+    the number of annotators."""
+    r = config.recipe
+    if not 0 <= r["eval_fraction"] < 1:
+        raise ConfigError(f"recipe.eval_fraction: {r['eval_fraction']!r}; expected [0, 1)")
+    src = images.source(r["data_dir"], r["data_source"])
+    raw = images.read_judgements(src)
+    # EfficientNet and ViT preprocess with bicubic resizing, the ResNets and tiny_cnn bilinear
+    resample = "bilinear" if config.model["backbone"].startswith(("resnet", "tiny")) else "bicubic"
+    pixels = images.load_images(src, raw.images, image_size(config), r["max_cache_mb"], resample)
+    mean, std = (backbones.MEAN, backbones.STD)
+    tr, ev = images.split(raw, r["eval_fraction"], int(r["data_seed"]))
+    train = images.Judgements(pixels, *images.subset(raw, tr), mean, std)
+    evals = images.Judgements(pixels, *images.subset(raw, ev), mean, std) if len(ev) else None
+    return train, evals, len(raw.annotators)
+
+
+def make_model(config: TrainConfig, n_annotators: int | None = None) -> CrowdBT:
     m = config.model
-    n = len(config.recipe["annotators"])
-    return seeded_model(config.training.seed, lambda: CrowdBT(n, m["channels"], m["eta_init"]))
+    n = len(config.recipe["annotators"]) if n_annotators is None else n_annotators
+
+    def make() -> CrowdBT:
+        if m["backbone"] == "tiny_cnn":
+            if m["pretrained"]:
+                raise ConfigError("model.pretrained: tiny_cnn has no pretrained weights; "
+                                  "allowed: a library backbone (--backbone efficientnet_b3)")
+            net = tiny_cnn(m["channels"])
+        else:
+            net = backbones.build(m["backbone"], image_size(config), m["pretrained"])
+        return CrowdBT(n, net, net.dim, m["eta_init"])
+
+    return seeded_model(config.training.seed, make)
+
+
+def data_kind(config: TrainConfig) -> str:
+    """synthetic, local or s3: what ``recipe.data_source`` and ``recipe.data_dir`` say."""
+    r = config.recipe
+    src, d = r["data_source"], r["data_dir"]
+    allowed = ("auto", "synthetic", "local", "s3")
+    if src not in allowed:
+        raise ConfigError(f"recipe.data_source: {src!r} is not allowed; allowed: "
+                          + ", ".join(allowed))  # fmt: skip
+    if src == "synthetic" or (src == "auto" and not d):
+        return "synthetic"
+    if not d:
+        raise ConfigError(f"recipe.data_dir: --data-source {src} needs --data-dir "
+                          "(a folder or s3://bucket/prefix)")  # fmt: skip
+    return "s3" if src == "s3" or (src == "auto" and d.startswith("s3://")) else "local"
 
 
 def build(config: TrainConfig) -> Built:
     import ddp
 
     m, r = config.model, config.recipe
-    if r["data_source"] != "synthetic":
-        raise ConfigError(f"recipe.data_source: {r['data_source']!r} is not available here; "
-                          "allowed: synthetic")  # fmt: skip
-    if m["backbone"] not in BACKBONES:
-        log.info("crowdbt: backbone %r is not bundled; using tiny_cnn", m["backbone"])
+    if m["backbone"] != "tiny_cnn":  # one line: the allowed names, or what to install
+        backbones.check_name(m["backbone"])
     if not 0.5 < m["eta_init"] < 1:
         raise ConfigError(f"model.eta_init: {m['eta_init']!r}; expected (0.5, 1)")
-    if m["input_size"] < 4:
-        raise ConfigError(f"model.input_size: {m['input_size']!r}; expected an integer >= 4")
+    if m["input_size"] and not 4 <= m["input_size"] <= 4096:
+        raise ConfigError(f"model.input_size: {m['input_size']!r}; expected 0 (the backbone's "
+                          "own) or an integer in [4, 4096]")  # fmt: skip
     world = ddp.get_world_size()
     if r["world_size"] and r["world_size"] != world:
         raise ConfigError(f"recipe.world_size: --world-size {r['world_size']} but the launcher "
@@ -251,5 +340,13 @@ def build(config: TrainConfig) -> Built:
     if r["distributed"] and world == 1:
         log.info("crowdbt: --distributed given but one process runs; start ranks with "
                  "torchrun/srun/mpiexec (hpc run) to train on several devices")  # fmt: skip
-    train, evals, _, _ = datasets(config)
-    return Built(make_model(config), train, evals, None, eval_fn)
+    if config.data.pin_memory and not torch.cuda.is_available():
+        config.data.pin_memory = False  # pinned host memory only speeds up copies to CUDA
+    if data_kind(config) == "synthetic":
+        if r["data_dir"]:
+            raise ConfigError("recipe.data_dir: given with --data-source synthetic; allowed: "
+                              "one of them")  # fmt: skip
+        train, evals, _, _ = datasets(config)
+        return Built(make_model(config), train, evals, None, eval_fn)
+    utrain, uevals, n_annotators = user_datasets(config)
+    return Built(make_model(config, n_annotators), utrain, uevals, None, eval_fn)
