@@ -103,8 +103,10 @@ class DDPConfig:
     bucket_cap_mb: float = 25.0
     backend: str = "auto"  # auto | nccl | gloo | xccl | ccl | mpi | xpu (see ddp.backends)
     device: str = "auto"  # auto | cuda | xpu | mps | cpu (auto: the first available)
-    # Collective timeout. None: $DDP_TIMEOUT, else 1800 s. Precedence, highest first:
-    # ddp.init(timeout=...) in a script > this key (config file, --set) > DDP_TIMEOUT.
+    # Collective timeout. None: $DDP_TIMEOUT, else $NCCL_TIMEOUT (seconds, the seeds'
+    # advice), else 1800 s; the value in effect is logged. Precedence, highest first:
+    # ddp.init(timeout=...) in a script > this key (config file, --set) > DDP_TIMEOUT
+    # > NCCL_TIMEOUT.
     timeout_s: float | None = None
     # ddp: a full replica per rank. fsdp: FSDP2 shards parameters, gradients and optimizer
     # state over the ranks (ddp.fsdp); the options below apply to fsdp only.
