@@ -184,6 +184,12 @@ def check_sweep_paths(cfg: TrainConfig, environ: typing.Mapping[str, str] | None
 class WandbConfig:
     project: str | None = None  # None = W&B off
     mode: str = field(default="offline", metadata={"choices": ("offline", "online", "disabled")})
+    # The run's name in W&B (seed 002's wandb.init(name=args.run_name)); None: the
+    # recipe's --run-name (recipe.run_name) if it has one, else W&B's generated name.
+    name: str | None = None
+    # wandb.Settings(init_timeout=...): seconds wandb.init may take. Seed 002's fix for
+    # multi-node jobs whose rank 0 reaches W&B slowly (its default, 90 s, was too short).
+    init_timeout: float = 120.0
 
 
 @dataclass
@@ -551,6 +557,9 @@ def _validate(obj: Any, where: str) -> None:
     elif isinstance(obj, LoggingConfig):
         if obj.every_n_steps < 1:
             bad("every_n_steps", obj.every_n_steps, "an integer >= 1")
+    elif isinstance(obj, WandbConfig):
+        if not 0 < obj.init_timeout <= MAX_SECONDS:
+            bad("init_timeout", obj.init_timeout, f"seconds > 0 and at most {MAX_SECONDS:.0f}")
     elif isinstance(obj, PreemptionConfig):
         for s in obj.signals:
             if s not in _SIGNALS:

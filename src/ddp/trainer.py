@@ -107,21 +107,28 @@ class Trainer:
         )
         self.checkpointer = Checkpointer(cfg, self.ctx)
         self.loggers = Loggers(cfg, self.ctx.is_main)
+        exit_code = 1  # W&B's run state on the way out (issue 27.6): failed unless set
         try:
             self._install_signals()
-            return self._fit()
+            summary = self._fit()
+            exit_code = 0
+            return summary
+        except Preempted:
+            exit_code = PREEMPTED_EXIT_CODE
+            raise
         except SystemExit:
             raise
         except BaseException as exc:
             if self.ctx.world_size > 1:
                 self.checkpointer.close(timeout=30)  # die() skips `finally`
+                self.loggers.close(exit_code)  # so is wandb.finish() on rank 0
                 parts.die(self.ctx.rank, exc)
             raise
         finally:
             self.checkpointer.close()
             if self._signals is not None:
                 self._signals.restore()
-            self.loggers.close()
+            self.loggers.close(exit_code)
 
     def _fit(self) -> dict[str, Any]:
         cfg, ckpt = self.config, self.checkpointer
