@@ -125,6 +125,15 @@ class DataConfig:
 
 
 @dataclass
+class BestConfig:
+    """``checkpoint.best``: keep ``<checkpoint.dir>/best/model.pt`` (final/'s export
+    format) whenever this evaluation metric improves (seed 002's ``best_model.pt``)."""
+
+    metric: str | None = None  # None: off. eval/loss (or eval_loss), eval/acc, ...
+    mode: str = field(default="min", metadata={"choices": ("min", "max")})
+
+
+@dataclass
 class CheckpointConfig:
     # None = no checkpoints, no export. A relative path is taken from $HPC_RUN_DIR when
     # `hpc submit` started the job (so a requeued job resumes from its own run directory),
@@ -134,6 +143,7 @@ class CheckpointConfig:
     keep_last: int = 2
     resume: str = "auto"  # auto | none | PATH
     save_final: bool = True
+    best: BestConfig = field(default_factory=BestConfig)  # {metric: eval/loss, mode: min}
 
     def __post_init__(self) -> None:
         run_dir = os.environ.get("HPC_RUN_DIR")
