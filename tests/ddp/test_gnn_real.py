@@ -253,11 +253,15 @@ class Evil:
         return (os.system, ("touch pwned",))
 
 
-@pytest.mark.parametrize("kind", ["pickle", "garbage", "fifo", "dir", "missing"])
+@pytest.mark.parametrize("kind", ["pickle", "pyg-list", "garbage", "fifo", "dir", "missing"])
 def test_unreadable_graph_files_are_one_line(tmp_path: Path, kind: str) -> None:
     path = tmp_path / "g.pt"
     if kind == "pickle":
         torch.save([Evil()], path)
+    elif kind == "pyg-list":  # torch.save of Data objects: not weights_only; PyG's own save is
+        pyg_data = pytest.importorskip("torch_geometric.data", reason="test extra")
+        torch.save([pyg_data.Data(x=torch.ones(2, 1), edge_index=torch.zeros(2, 0).long(),
+                                  y=torch.tensor([0]))], path)  # fmt: skip
     elif kind == "garbage":
         path.write_bytes(b"\x00\x01 not a torch file")
     elif kind == "fifo":
@@ -268,6 +272,8 @@ def test_unreadable_graph_files_are_one_line(tmp_path: Path, kind: str) -> None:
         graphs.load_file(path)
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith(f"recipe.data: {path}"), msg
+    if kind in ("pickle", "pyg-list"):
+        assert "pickled Python object" in msg and "InMemoryDataset.save" in msg, msg
     assert not (tmp_path / "pwned").exists() and not Path("pwned").exists()
 
 
@@ -328,3 +334,21 @@ def test_wandb_finishes_failed_when_rank_0_dies(tmp_path: Path, monkeypatch) -> 
     assert results[0][0] == 2 and "training diverged" in results[0][2]
     data = _wandb_file(tmp_path)
     assert re.search(rb"\x92\x01.\x08\x01", data), data[-200:]  # exit record, exit_code 1
+
+
+def test_pyg_sources_without_torch_geometric_are_one_line(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          ) -> None:  # fmt: skip
+    path = tmp_path / "pyg.pt"
+    _pyg_file(path, 3, 0)
+    for name in ("torch_geometric", "torch_geometric.data", "torch_geometric.datasets",
+                 "torch_geometric.data.data"):  # fmt: skip
+        monkeypatch.setitem(__import__("sys").modules, name, None)  # import fails
+    with pytest.raises(ConfigError, match=r"needs pip install hpc-ddp\[gnn\]"):
+        graphs.load_pyg_dataset("TUDataset:MUTAG", str(tmp_path))
+    with pytest.raises(ConfigError) as err:
+        graphs.load_file(path)
+    # (torch resolves the Data class it already knows in this process: the file loads,
+    # and slicing it into graphs is what needs torch_geometric)
+    assert str(err.value) == (f"recipe.data: {path} is a torch_geometric dataset file; "
+                              "reading it needs pip install hpc-ddp[gnn] (torch_geometric)")

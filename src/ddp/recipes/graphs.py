@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -244,7 +245,17 @@ def load_file(path: str | Path) -> list[Graph]:
     try:
         obj = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure is the file's fault
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        text = str(exc)
+        if "Weights only load failed" in text:
+            # torch's message is many lines (with terminal escapes); the fact is this:
+            found = re.search(r"GLOBAL ([\w.]+)", text)
+            if found and found.group(1).startswith("torch_geometric.") and not _has_pyg():
+                raise ConfigError(f"recipe.data: {where} holds torch_geometric objects; "
+                                  f"reading it needs {PYG_EXTRA}") from None  # fmt: skip
+            first = ("it holds a pickled Python object" +
+                     (f" ({found.group(1)})" if found else "") + ", not only tensors")
+        else:
+            first = (text.strip().splitlines() or [type(exc).__name__])[0][:200]
         raise ConfigError(
             f"recipe.data: {where} is not a graph file torch.load(weights_only=True) can "
             f"read ({first}); expected a list of dicts (edge_index, x, edge_attr, y) saved "
@@ -260,10 +271,15 @@ def load_file(path: str | Path) -> list[Graph]:
 
 def _register_pyg_globals() -> None:
     """Importing torch_geometric allow-lists its Data classes for weights_only loads."""
+    _has_pyg()
+
+
+def _has_pyg() -> bool:
     try:
         import torch_geometric  # noqa: F401
     except ImportError:
-        pass
+        return False
+    return True
 
 
 def _from_pyg_saved(obj: tuple[Any, ...], where: str) -> list[Graph]:
