@@ -352,3 +352,33 @@ def test_pyg_sources_without_torch_geometric_are_one_line(tmp_path: Path,
     # and slicing it into graphs is what needs torch_geometric)
     assert str(err.value) == (f"recipe.data: {path} is a torch_geometric dataset file; "
                               "reading it needs pip install hpc-ddp[gnn] (torch_geometric)")
+
+
+def test_wandb_init_gets_the_name_and_init_timeout(monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture,
+                                                   ) -> None:  # fmt: skip
+    wandb = pytest.importorskip("wandb", reason="wandb is in the test extra")
+    from ddp import loggers
+
+    seen: list[dict] = []
+
+    def init(**kwargs: object) -> str:
+        seen.append(kwargs)
+        return "run"
+
+    monkeypatch.setattr(wandb, "init", init)
+    cfg = resolve(gnn, None, ["logging.wandb.project=cricket-gnn", "recipe.run_name=r1"])
+    assert loggers.open_wandb(cfg) == "run"
+    assert seen[-1]["name"] == "r1" and seen[-1]["settings"].init_timeout == 120
+    cfg = resolve(gnn, None, ["logging.wandb.project=p", "recipe.run_name=r1",
+                              "logging.wandb.name=explicit", "logging.wandb.init_timeout=300"])
+    loggers.open_wandb(cfg)
+    assert seen[-1]["name"] == "explicit" and seen[-1]["settings"].init_timeout == 300
+
+    def timeout(**kwargs: object) -> None:
+        raise wandb.errors.CommError("Run initialization has timed out after 300.0 sec.")
+
+    monkeypatch.setattr(wandb, "init", timeout)
+    with caplog.at_level("WARNING", logger="ddp"):
+        assert loggers.open_wandb(cfg) is None  # the run goes on without W&B
+    assert "wandb.init failed (Run initialization has timed out" in caplog.text
