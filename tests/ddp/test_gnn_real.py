@@ -382,3 +382,12 @@ def test_wandb_init_gets_the_name_and_init_timeout(monkeypatch: pytest.MonkeyPat
     with caplog.at_level("WARNING", logger="ddp"):
         assert loggers.open_wandb(cfg) is None  # the run goes on without W&B
     assert "wandb.init failed (Run initialization has timed out" in caplog.text
+
+
+def test_seed_defaults_drop_last_and_best_model() -> None:
+    """Seed 002's DistributedSampler(drop_last=True) and best_model.pt, in the recipe's
+    defaults and in configs/gnn.yaml alike."""
+    for cfg in (resolve(gnn), resolve(gnn, _launch.ROOT / "configs/gnn.yaml")):
+        assert cfg.training.drop_last is True
+    best = resolve(gnn, _launch.ROOT / "configs/gnn.yaml").checkpoint.best
+    assert (best.metric, best.mode) == ("eval/loss", "min")
