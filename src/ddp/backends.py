@@ -12,8 +12,15 @@ naming one device) the index is 0.
 
 Several processes on one Apple GPU (MPS): Gloo cannot carry MPS tensors and a Mac
 has one GPU, so with world size > 1 and device ``auto`` we fall back to the CPU
-with a warning (the job still runs); an explicit ``device="mps"`` with world > 1
+with one warning (local rank 0) that DDP gives no parallelism there, as seed 002
+says, and the job still runs; an explicit ``device="mps"`` with world > 1
 stops early with a clear message instead of failing inside the first all-reduce.
+
+NCCL absent (seed 002: "Windows uses the Gloo backend automatically"): torch's Windows
+wheels and some CUDA builds have no NCCL (``torch.distributed.is_nccl_available()``
+False). Backend ``auto`` on a CUDA device then picks Gloo, which carries CUDA tensors
+(slower: through host memory), and says so once (an INFO line, which only rank 0
+prints). An explicit ``nccl`` there stays one error line listing what is available.
 """
 
 from __future__ import annotations
@@ -122,10 +129,12 @@ def choose_device(device: str, local_rank: int, world_size: int) -> torch.device
     if kind == "auto":
         kind = avail[0]
         if kind == "mps" and world_size > 1:
-            log.warning(
-                "MPS is one GPU and Gloo cannot carry MPS tensors: %d ranks run on the CPU",
-                world_size,
-            )
+            if local_rank == 0:  # once per Mac, not once per process
+                log.warning(
+                    "%d processes on one Mac: DDP gives no parallelism on its single MPS "
+                    "GPU (Gloo cannot carry MPS tensors), so the ranks run on the CPU; for "
+                    "speed run one process (python -m ddp ...) on mps", world_size,
+                )  # fmt: skip
             kind = "cpu"
     elif kind not in avail:
         raise ConfigError(
@@ -148,9 +157,13 @@ def choose_backend(backend: str, device: torch.device) -> str:
     """Resolve ``backend`` for ``device``; an unavailable request lists what is available."""
     if backend not in BACKENDS:
         raise ConfigError(f"backend={backend!r} is not known; allowed: {', '.join(BACKENDS)}")
+    avail = available_backends()
     if backend == "auto":
         backend = {"cuda": "nccl", "xpu": "xpu"}.get(device.type, "gloo")
-    avail = available_backends()
+        if backend == "nccl" and "nccl" not in avail and "gloo" in avail:
+            log.info("NCCL is not available in this torch build (Windows, or CUDA without "
+                     "NCCL): backend auto uses Gloo on %s", device)  # fmt: skip
+            return "gloo"
     if backend == "xpu":
         # xccl ships with torch >= 2.8; oneCCL bindings (ccl) are the end-of-life fallback.
         if "xccl" in avail:
@@ -164,7 +177,7 @@ def choose_backend(backend: str, device: torch.device) -> str:
     if backend not in avail:
         raise ConfigError(
             f"backend={backend!r} is not available in this torch build; "
-            f"available: {', '.join(avail) or 'none'}"
+            f"available: {', '.join(avail) or 'none'} (backend auto picks one of them)"
         )
     if backend == "ccl":
         _try_import("oneccl_bindings_for_pytorch")  # registers the backend

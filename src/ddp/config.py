@@ -107,8 +107,10 @@ class DDPConfig:
     bucket_cap_mb: float = 25.0
     backend: str = "auto"  # auto | nccl | gloo | xccl | ccl | mpi | xpu (see ddp.backends)
     device: str = "auto"  # auto | cuda | xpu | mps | cpu (auto: the first available)
-    # Collective timeout. None: $DDP_TIMEOUT, else 1800 s. Precedence, highest first:
-    # ddp.init(timeout=...) in a script > this key (config file, --set) > DDP_TIMEOUT.
+    # Collective timeout. None: $DDP_TIMEOUT, else $NCCL_TIMEOUT (seconds, the seeds'
+    # advice), else 1800 s; the value in effect is logged. Precedence, highest first:
+    # ddp.init(timeout=...) in a script > this key (config file, --set) > DDP_TIMEOUT
+    # > NCCL_TIMEOUT.
     timeout_s: float | None = None
     # ddp: a full replica per rank. fsdp: FSDP2 shards parameters, gradients and optimizer
     # state over the ranks (ddp.fsdp); the options below apply to fsdp only.
@@ -127,6 +129,15 @@ class DataConfig:
 
 
 @dataclass
+class BestConfig:
+    """``checkpoint.best``: keep ``<checkpoint.dir>/best/model.pt`` (final/'s export
+    format) whenever this evaluation metric improves (seed 002's ``best_model.pt``)."""
+
+    metric: str | None = None  # None: off. eval/loss (or eval_loss), eval/acc, ...
+    mode: str = field(default="min", metadata={"choices": ("min", "max")})
+
+
+@dataclass
 class CheckpointConfig:
     # None = no checkpoints, no export. A relative path is taken from $HPC_RUN_DIR when
     # `hpc submit` started the job (so a requeued job resumes from its own run directory),
@@ -136,6 +147,7 @@ class CheckpointConfig:
     keep_last: int = 2
     resume: str = "auto"  # auto | none | PATH
     save_final: bool = True
+    best: BestConfig = field(default_factory=BestConfig)  # {metric: eval/loss, mode: min}
 
     def __post_init__(self) -> None:
         run_dir = os.environ.get("HPC_RUN_DIR")
@@ -186,6 +198,12 @@ def check_sweep_paths(cfg: TrainConfig, environ: typing.Mapping[str, str] | None
 class WandbConfig:
     project: str | None = None  # None = W&B off
     mode: str = field(default="offline", metadata={"choices": ("offline", "online", "disabled")})
+    # The run's name in W&B (seed 002's wandb.init(name=args.run_name)); None: the
+    # recipe's --run-name (recipe.run_name) if it has one, else W&B's generated name.
+    name: str | None = None
+    # wandb.Settings(init_timeout=...): seconds wandb.init may take. Seed 002's fix for
+    # multi-node jobs whose rank 0 reaches W&B slowly (its default, 90 s, was too short).
+    init_timeout: float = 120.0
 
 
 @dataclass
@@ -566,6 +584,9 @@ def _validate(obj: Any, where: str) -> None:
     elif isinstance(obj, LoggingConfig):
         if obj.every_n_steps < 1:
             bad("every_n_steps", obj.every_n_steps, "an integer >= 1")
+    elif isinstance(obj, WandbConfig):
+        if not 0 < obj.init_timeout <= MAX_SECONDS:
+            bad("init_timeout", obj.init_timeout, f"seconds > 0 and at most {MAX_SECONDS:.0f}")
     elif isinstance(obj, PreemptionConfig):
         for s in obj.signals:
             if s not in _SIGNALS:

@@ -2,8 +2,9 @@
 
 ``init()`` is the one call a script makes: it detects the launcher (ddp.env),
 picks device and backend (ddp.backends), creates the process group with a real
-``init_process_group(timeout=...)`` (``NCCL_TIMEOUT`` is not read by PyTorch; the
-timeout argument is what bounds a hung collective), and logs the lines users know
+``init_process_group(timeout=...)`` (PyTorch never reads ``NCCL_TIMEOUT``; the
+timeout argument bounds a hung collective, and ``NCCL_TIMEOUT`` in seconds, the
+seeds' advice, is read here when nothing else sets it), and logs the lines users know
 from the guides. With world size 1 no process group is created and every helper
 here is a cheap no-op, so the same script runs on a laptop.
 """
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from ddp import backends
 from ddp._pipes import OutputHandler
 from ddp.config import MAX_SECONDS
-from ddp.env import DistEnv, detect
+from ddp.env import DistEnv, detect, timeout_from_environ
 from ddp.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -84,22 +85,34 @@ def setup_logging(rank: int, level: int = logging.INFO) -> None:
 
 
 def _timeout(value: float | timedelta | None) -> timedelta:
-    """The collective timeout: ``value`` if given, else ``$DDP_TIMEOUT``, else 1800 s."""
+    """The collective timeout: ``value`` if given, else ``$DDP_TIMEOUT``, else
+    ``$NCCL_TIMEOUT`` (the seeds' advice, seconds), else 1800 s."""
+    return _timeout_and_source(value)[0]
+
+
+def _timeout_and_source(value: float | timedelta | None) -> tuple[timedelta, str]:
+    """(the timeout, where it came from: for the log line that says which is in effect)."""
+    source = "ddp.timeout_s or ddp.init(timeout=...)"
     if value is None:
-        raw = os.environ.get("DDP_TIMEOUT", "")
-        try:
-            value = float(raw) if raw else DEFAULT_TIMEOUT_S
-        except ValueError:
-            raise ConfigError(f"DDP_TIMEOUT={raw!r} is not a number of seconds") from None
+        found = timeout_from_environ()
+        source = "default"
+        value = DEFAULT_TIMEOUT_S
+        if found is not None:
+            source, raw = found
+            try:
+                value = float(raw)
+            except ValueError:
+                raise ConfigError(f"{source}={raw!r} is not a number of seconds") from None
     seconds = value.total_seconds() if isinstance(value, timedelta) else value
     # NaN fails both comparisons; past MAX_SECONDS, timedelta or torch's C++ milliseconds
     # overflow (OverflowError, after the config was accepted).
     if not (isinstance(seconds, int | float) and 0 < seconds <= MAX_SECONDS):
         raise ConfigError(
             f"timeout={value!r}; allowed: seconds > 0 and at most {MAX_SECONDS:.0f} (a year) "
-            "(ddp.init(timeout=...), ddp.timeout_s, or DDP_TIMEOUT)"
+            "(ddp.init(timeout=...), ddp.timeout_s, DDP_TIMEOUT or NCCL_TIMEOUT)"
         )
-    return value if isinstance(value, timedelta) else timedelta(seconds=float(value))
+    limit = value if isinstance(value, timedelta) else timedelta(seconds=float(value))
+    return limit, source
 
 
 def _set_device(device: torch.device) -> None:
@@ -147,7 +160,8 @@ def _init(
 
     info = env or detect()
     setup_logging(info.rank)
-    limit = _timeout(timeout)  # checked on every world size, so a bad DDP_TIMEOUT never waits
+    # checked on every world size, so a bad DDP_TIMEOUT never waits
+    limit, limit_source = _timeout_and_source(timeout)
     choice = backends.choose(device, backend, info.local_rank, info.world_size)
     _set_device(choice.device)
     if info.world_size > 1 and not tdist.is_initialized():
@@ -182,6 +196,7 @@ def _init(
         info.rank, info.world_size, info.local_rank,
     )  # fmt: skip
     log.info("Using device: %s", choice.device)
+    log.info("collective timeout: %g s (%s)", limit.total_seconds(), limit_source)
     for note in info.notes if info.rank == 0 else ():  # the same on every rank: say it once
         log.warning("%s", note)
     log.debug("launcher=%s backend=%s master=%s:%d", info.launcher, choice.backend,

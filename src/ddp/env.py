@@ -591,3 +591,24 @@ def detect(environ: Mapping[str, str] | None = None, argv: Sequence[str] | None 
     if found.world_size == 1:
         _check_not_alone(env)
     return found
+
+
+# ---- the collective timeout from the environment -----------------------------------------
+TIMEOUT_VARS = ("DDP_TIMEOUT", "NCCL_TIMEOUT")
+"""Where a collective timeout in seconds may come from, first wins. ``NCCL_TIMEOUT`` is
+what seeds 002 and 003 tell their users to export (``export NCCL_TIMEOUT=1800``, in
+seconds); NCCL itself reads no such variable, so without this it was silently ignored.
+``DDP_TIMEOUT`` is this project's own name and wins when both are set."""
+
+
+def timeout_from_environ(environ: Mapping[str, str] | None = None) -> tuple[str, str] | None:
+    """``(variable, raw value)`` of the first non-empty :data:`TIMEOUT_VARS`, else None.
+
+    The caller parses and bounds the value (``ddp.dist._timeout``) so a bad one is one
+    line naming the variable it came from."""
+    env = os.environ if environ is None else environ
+    for name in TIMEOUT_VARS:
+        raw = env.get(name, "").strip()
+        if raw:
+            return name, raw
+    return None

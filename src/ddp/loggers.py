@@ -94,6 +94,7 @@ class Loggers:
         self._bar: _Progress | None = None
         self._metrics: MetricsFile | None = None
         self.last: dict[str, float] = {}
+        self._epoch = 0  # the last train record's epoch: the final evaluation's epoch
 
     def open_metrics(self, resume_step: int) -> None:
         """Start metrics.jsonl (rank 0), keeping what a resumed run already logged."""
@@ -115,6 +116,7 @@ class Loggers:
     def train(self, metrics: dict[str, float], step: int, phase_step: int, epoch: int) -> None:
         """A log point's rank-averaged metrics (every rank calls; rank 0 reports)."""
         self.last = metrics
+        self._epoch = epoch
         if not self.main:
             return
         if self._bar is not None:
@@ -122,7 +124,7 @@ class Loggers:
             if self._bar.plain:
                 log.info("step %d epoch %d %s", step, epoch + 1,
                          " ".join(f"{k}={fmt(v)}" for k, v in metrics.items()))  # fmt: skip
-        self._emit({f"train/{k}": v for k, v in metrics.items()}, step)
+        self._emit({f"train/{k}": v for k, v in metrics.items()}, step, epoch)
         if self._metrics is not None:
             self._metrics.write("train", step, epoch, metrics)
 
@@ -132,25 +134,35 @@ class Loggers:
         if epoch is not None:
             log.info("epoch %d %s", epoch + 1,
                      " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))  # fmt: skip
-        self._emit(metrics, step)
+        self._emit(metrics, step, self._epoch if epoch is None else epoch)
         if self._metrics is not None:
             self._metrics.write("eval", step, epoch, metrics)
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0) -> None:
+        """Flush and close every writer (W&B: ``wandb.finish(exit_code=...)``). The
+        Trainer calls this on every way out of rank 0: success (0), a failure (1, also
+        right before :func:`ddp.parts.die` ends the process without ``finally``), and a
+        preemption (75: the W&B run is marked preempting, so a requeue can resume it)."""
         self.end_phase()
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
         for w in self.writers:
             try:
-                w.close()
+                if isinstance(w, WandB):
+                    w.close(exit_code)
+                else:
+                    w.close()
             except Exception as exc:  # a writer's flush must not hide the run's result
                 log.warning("closing %s failed: %s", type(w).__name__, exc)
         self.writers = []
 
-    def _emit(self, metrics: dict[str, float], step: int) -> None:
+    def _emit(self, metrics: dict[str, float], step: int, epoch: int) -> None:
+        """Every writer gets the record with its ``epoch`` (0-based, as in metrics.jsonl
+        and the seed's ``wandb.log({"train/loss": ..., "epoch": epoch})``)."""
+        record = {**metrics, "epoch": epoch}
         for w in self.writers:
-            w.log(metrics, step)
+            w.log(record, step)
 
 
 def open_writers(config: TrainConfig) -> list[Writer]:
@@ -166,15 +178,41 @@ def open_writers(config: TrainConfig) -> list[Writer]:
         except ImportError:
             log.warning("logging.tensorboard: tensorboard is not installed; skipping")
     if lg.wandb.project and lg.wandb.mode != "disabled":
-        try:
-            import wandb
-
-            run = wandb.init(project=lg.wandb.project, mode=lg.wandb.mode,
-                             config=config.to_dict())  # fmt: skip
+        run = open_wandb(config)
+        if run is not None:
             out.append(WandB(run))
-        except ImportError:
-            log.warning("logging.wandb: wandb is not installed; skipping")
     return out
+
+
+def wandb_name(config: TrainConfig) -> str | None:
+    """``logging.wandb.name``, else the recipe's ``--run-name`` (``recipe.run_name``,
+    seed 002's flag), else None (W&B generates one)."""
+    name = config.logging.wandb.name or config.recipe.get("run_name") or None
+    return str(name) if name is not None else None
+
+
+def open_wandb(config: TrainConfig) -> Any:
+    """``wandb.init`` as seed 002 calls it (rank 0 only: the caller), or None.
+
+    A missing package or an init that fails (no network within ``init_timeout``, a bad
+    key) is one warning and the run goes on without W&B: the run matters more than its
+    plots, and a multi-node job must not die on rank 0 while its peers wait."""
+    w = config.logging.wandb
+    try:
+        import wandb
+    except ImportError:
+        log.warning("logging.wandb: wandb is not installed (pip install hpc-ddp[wandb]); "
+                    "skipping")  # fmt: skip
+        return None
+    try:
+        return wandb.init(project=w.project, name=wandb_name(config), mode=w.mode,
+                          config=config.to_dict(),
+                          settings=wandb.Settings(init_timeout=w.init_timeout))  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - any failure: train on without W&B
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        log.warning("logging.wandb: wandb.init failed (%s); training goes on without W&B "
+                    "(logging.wandb.init_timeout is %gs)", first, w.init_timeout)  # fmt: skip
+        return None
 
 
 class TensorBoard:
@@ -196,8 +234,12 @@ class WandB:
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, exit_code: int = 0) -> None:
+        from ddp.preemption import PREEMPTED_EXIT_CODE
+
+        if exit_code == PREEMPTED_EXIT_CODE:
+            self.run.mark_preempting()
+        self.run.finish(exit_code=exit_code)
 
 
 class _Progress:

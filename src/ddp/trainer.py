@@ -107,21 +107,28 @@ class Trainer:
         )
         self.checkpointer = Checkpointer(cfg, self.ctx)
         self.loggers = Loggers(cfg, self.ctx.is_main)
+        exit_code = 1  # W&B's run state on the way out (issue 27.6): failed unless set
         try:
             self._install_signals()
-            return self._fit()
+            summary = self._fit()
+            exit_code = 0
+            return summary
+        except Preempted:
+            exit_code = PREEMPTED_EXIT_CODE
+            raise
         except SystemExit:
             raise
         except BaseException as exc:
             if self.ctx.world_size > 1:
                 self.checkpointer.close(timeout=30)  # die() skips `finally`
+                self.loggers.close(exit_code)  # so is wandb.finish() on rank 0
                 parts.die(self.ctx.rank, exc)
             raise
         finally:
             self.checkpointer.close()
             if self._signals is not None:
                 self._signals.restore()
-            self.loggers.close()
+            self.loggers.close(exit_code)
 
     def _fit(self) -> dict[str, Any]:
         cfg, ckpt = self.config, self.checkpointer
@@ -162,6 +169,7 @@ class Trainer:
             if self._eval_preempted:  # training is over and saved; resume evaluates
                 self._exit_preempted()
             self.loggers.eval(eval_metrics, self.global_step)  # type: ignore[union-attr]
+            self._keep_best(eval_metrics)
         return self._finish(summary, eval_metrics, t_start)
 
     def _setup_model(self) -> tuple[float, int]:
@@ -277,6 +285,7 @@ class Trainer:
                         self._save(loop, at=(epoch, loop.n_batches))
                         self._exit_preempted()
                     self.loggers.eval(eval_metrics, self.global_step, epoch)  # type: ignore[union-attr]
+                    self._keep_best(eval_metrics)
                 self._save(loop, at=(epoch + 1, 0))
         finally:
             self.loggers.end_phase()  # type: ignore[union-attr]
@@ -386,6 +395,11 @@ class Trainer:
         if dev.type == "cpu":
             return batch
         return parts.to_device(batch, dev, self.config.data.pin_memory or dev.type == "cuda")
+
+    def _keep_best(self, eval_metrics: dict[str, float]) -> None:
+        """``checkpoint.best`` (issue 27.3): decided identically on every rank from the
+        already all-reduced metrics, so it adds no sync; see Checkpointer.keep_best."""
+        self.checkpointer.keep_best(self.wrapped, eval_metrics, self.global_step)  # type: ignore[union-attr]
 
     def _save(self, loop: LoopState, at: tuple[int, int]) -> None:
         self.checkpointer.save(loop, self.wrapped, self.global_step, at)  # type: ignore[union-attr]
