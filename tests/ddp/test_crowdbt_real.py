@@ -28,9 +28,10 @@ from ddp.__main__ import main
 from ddp.errors import ConfigError
 from ddp.recipes import backbones, crowdbt, resolve
 from tests.ddp import _launch
+from tests.support.parts import require_module
 
-pytest.importorskip("PIL")  # the `test` extra installs pillow, efficientnet_pytorch, s3fs, moto
-pytest.importorskip("efficientnet_pytorch")
+require_module("PIL")  # the `test` extra installs pillow, efficientnet_pytorch, s3fs, moto
+require_module("efficientnet_pytorch")
 
 ROOT = _launch.ROOT
 #: EfficientNet-B0 without its 1000-way classifier: 4,007,548 parameters (5,288,548 with
@@ -297,9 +298,9 @@ BUCKET = "crowd-data"
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """A local S3 server holding the layout under s3://crowd-data/set1; the environment
     (endpoint, region, a real IAM user's keys) a job would get."""
-    pytest.importorskip("s3fs")
-    boto3 = pytest.importorskip("boto3")
-    server_mod = pytest.importorskip("moto.server")
+    require_module("s3fs")
+    boto3 = require_module("boto3")
+    server_mod = require_module("moto.server")
     from moto import settings
     from moto.core.authorization import ActionAuthenticatorMixin
 

@@ -18,8 +18,10 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("sentence_transformers")  # in the test extra: CI installs it
-pytest.importorskip("pyarrow")
+from tests.support.parts import require_module
+
+require_module("sentence_transformers")  # in the test extra: CI installs it
+require_module("pyarrow")
 
 from ddp.errors import ConfigError  # noqa: E402
 from ddp.recipes import distill, resolve  # noqa: E402

@@ -17,6 +17,7 @@ from torch.nn import functional as F
 from ddp.errors import ConfigError
 from ddp.recipes import gnn, graphs, resolve
 from tests.ddp import _launch
+from tests.support.parts import require_module
 
 PLAIN = ["--set", "logging.progress=plain"]
 
@@ -125,7 +126,7 @@ def test_edge_and_node_features_change_the_output() -> None:
 
 # ---- PyTorch Geometric ----------------------------------------------------------------------
 def _pyg_file(path: Path, n: int, seed: int) -> None:
-    pyg_data = pytest.importorskip("torch_geometric.data", reason="torch_geometric: test extra")
+    pyg_data = require_module("torch_geometric.data", reason="torch_geometric: test extra")
     items = [pyg_data.Data(x=g["x"], edge_index=g["edge_index"], edge_attr=g["edge_attr"],
                            y=torch.tensor([g["y"]])) for g in make_graphs(n, seed)]  # fmt: skip
     pyg_data.InMemoryDataset.save(items, str(path))
@@ -184,7 +185,7 @@ def _tu_dataset(root: Path, name: str, items: list[dict]) -> None:
 def test_pyg_tudataset_on_two_ranks(tmp_path: Path) -> None:
     """torch_geometric's real TUDataset class processes the test's raw files (rank 0
     first, the other rank reads what it processed), then 2 ranks train on it."""
-    pytest.importorskip("torch_geometric", reason="torch_geometric is in the test extra")
+    require_module("torch_geometric", reason="torch_geometric is in the test extra")
     root = tmp_path / "tu"
     _tu_dataset(root, "TOY", make_graphs(96, 4))
     out = tmp_path / "ck"
@@ -259,7 +260,7 @@ def test_unreadable_graph_files_are_one_line(tmp_path: Path, kind: str) -> None:
     if kind == "pickle":
         torch.save([Evil()], path)
     elif kind == "pyg-list":  # torch.save of Data objects: not weights_only; PyG's own save is
-        pyg_data = pytest.importorskip("torch_geometric.data", reason="test extra")
+        pyg_data = require_module("torch_geometric.data", reason="test extra")
         torch.save([pyg_data.Data(x=torch.ones(2, 1), edge_index=torch.zeros(2, 0).long(),
                                   y=torch.tensor([0]))], path)  # fmt: skip
     elif kind == "garbage":
@@ -295,7 +296,7 @@ SMALL = ["--set", "recipe.n_train=48", "--set", "recipe.n_eval=24", "--hidden", 
 
 def _wandb_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Offline W&B into tmp_path (the ranks inherit the test's environment)."""
-    pytest.importorskip("wandb", reason="wandb is in the test extra")
+    require_module("wandb", reason="wandb is in the test extra")
     for k, v in {"WANDB_DIR": str(tmp_path), "WANDB_MODE": "offline",
                  "WANDB_SILENT": "true"}.items():  # fmt: skip
         monkeypatch.setenv(k, v)
@@ -357,7 +358,7 @@ def test_pyg_sources_without_torch_geometric_are_one_line(tmp_path: Path,
 def test_wandb_init_gets_the_name_and_init_timeout(monkeypatch: pytest.MonkeyPatch,
                                                    caplog: pytest.LogCaptureFixture,
                                                    ) -> None:  # fmt: skip
-    wandb = pytest.importorskip("wandb", reason="wandb is in the test extra")
+    wandb = require_module("wandb", reason="wandb is in the test extra")
     from ddp import loggers
 
     seen: list[dict] = []

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.ddp import _launch
+from tests.support.parts import require_module
 
 WORKER = "tests/ddp/_train_worker.py"
 
@@ -62,7 +63,7 @@ def test_metrics_are_not_duplicated_across_a_resume(tmp_path: Path) -> None:
 
 
 def test_tensorboard_events_hold_the_logged_scalars(tmp_path: Path) -> None:
-    pytest.importorskip("tensorboard", reason="tensorboard is in the test extra")
+    require_module("tensorboard", reason="tensorboard is in the test extra")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     ck = tmp_path / "ck"
@@ -79,7 +80,7 @@ def test_tensorboard_events_hold_the_logged_scalars(tmp_path: Path) -> None:
 
 
 def test_wandb_offline_run_holds_the_logged_scalars(tmp_path: Path, monkeypatch) -> None:
-    pytest.importorskip("wandb", reason="wandb is in the test extra")
+    require_module("wandb", reason="wandb is in the test extra")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
     ck = tmp_path / "ck"

@@ -19,6 +19,7 @@ import yaml
 from ddp import recipes
 from ddp.__main__ import main
 from tests.ddp._launch import ROOT, base_env
+from tests.support.parts import require_module
 
 NAMES = recipes.names()
 
@@ -137,7 +138,7 @@ def _small(name: str, tmp_path: Path) -> list[str]:
     """SMALL[name]; distill's teacher and student are tiny real folders built locally."""
     if name != "distill":
         return SMALL[name]
-    pytest.importorskip("sentence_transformers")  # in the test extra: CI installs it
+    require_module("sentence_transformers")  # in the test extra: CI installs it
     from tests.ddp import _distill_models
 
     m = _distill_models.shared()

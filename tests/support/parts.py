@@ -7,8 +7,10 @@ test is never counted as passing in CI.
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
+from typing import Any
 
 import pytest
 
@@ -21,7 +23,7 @@ def require(condition: bool, reason: str) -> None:
         return
     if IN_CI:
         pytest.fail(f"required test part missing under CI: {reason}", pytrace=False)
-    pytest.skip(reason)
+    pytest.skip(reason, allow_module_level=True)  # also from a module body
 
 
 def require_exe(*names: str) -> str:
@@ -32,3 +34,14 @@ def require_exe(*names: str) -> str:
             return path
     require(False, f"none of {', '.join(names)} found on PATH")
     raise AssertionError("unreachable")
+
+
+def require_module(name: str, reason: str = "") -> Any:
+    """Import ``name`` and return it; where it is missing, skip on a laptop but fail under
+    CI (the `test` extra installs every optional library a test uses, so a skip there
+    would count an untested recipe as passing, which ``pytest.importorskip`` does)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        require(False, f"{name} is not importable ({exc}){'; ' + reason if reason else ''}")
+        raise AssertionError("unreachable") from None
