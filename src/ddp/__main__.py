@@ -123,7 +123,7 @@ def _train(recipe: Recipe, config: TrainConfig) -> int:
     built = recipe.build(config)
     trainer = Trainer(
         built.model, built.train_data, config, built.step_fn,
-        built.eval_data, built.eval_fn, built.collate_fn,
+        built.eval_data, built.eval_fn, built.collate_fn, built.after_step, built.finish_eval,
     )  # fmt: skip
     summary = trainer.fit()
     if built.after_fit is not None:
