@@ -236,7 +236,7 @@ def test_item18_checkpoint_of_another_model_is_one_line(tmp_path):
 
 def test_item5_changed_batch_size_on_resume_stops_with_one_line(tmp_path):
     assert _python_m_ddp(tmp_path, "checkpoint.dir=ck").returncode == 0
-    proc = _python_m_ddp(tmp_path, "checkpoint.dir=ck", "training.batch_size=8",
+    proc = _python_m_ddp(tmp_path, "checkpoint.dir=ck", "training.batch_size=4",
                          "training.max_steps=4")  # fmt: skip
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
