@@ -179,3 +179,31 @@ def test_two_ranks_from_the_seeds_2gpu_config_log_and_sample(tmp_path: Path) -> 
     console = results[0][1]
     assert console.count("optim.warmup is the seed's name for optim.warmup_steps") == 1
     assert "samples step 2:" in console and "[rank 1]" not in console
+
+
+def test_wandb_config_holds_the_scaled_values(tmp_path: Path, monkeypatch) -> None:
+    """Item 6: the W&B run's config (not only the console) has the ddp/* values; linear rule
+    at 2 ranks, so the scaled lr and warmup differ from the config's base values."""
+    pytest.importorskip("wandb", reason="wandb is in the test extra")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = {"training": {"batch_size": 4, "accum": 3, "epochs": 1},
+           "optim": {"name": "sgd", "lr": 0.0125, "warmup_steps": 7},
+           "scaling": {"rule": "linear", "scale_warmup": True},
+           "checkpoint": {"dir": str(tmp_path / "ck")},
+           "logging": {"every_n_steps": 1, "progress": "off",
+                       "wandb": {"project": "hpc-ddp-test", "mode": "offline"}}}  # fmt: skip
+    results = _launch.run(["tests/ddp/_train_worker.py", json.dumps({"config": cfg, "n": 16})],
+                          world=2, timeout=120)  # fmt: skip
+    for rank, (rc, o, e) in enumerate(results):
+        assert rc == 0, f"rank {rank} exit {rc}\n{o[-2000:]}\n{e[-3000:]}"
+    (run,) = list((tmp_path / "wandb").glob("offline-run-*"))
+    (history,) = run.glob("run-*.wandb")
+    data = history.read_bytes()
+    for key, value in (("ddp/world_size", b"2"), ("ddp/effective_batch_size", b"24"),
+                       ("ddp/scaled_lr", b"0.025"), ("ddp/scaled_warmup", b"14")):  # fmt: skip
+        assert key.encode() in data, key
+        at = data.index(key.encode())
+        assert value in data[at: at + 80], (key, data[at: at + 80])
+    first = json.loads((tmp_path / "ck" / "metrics.jsonl").read_text().splitlines()[0])
+    assert (first["kind"], first["ddp/scaled_lr"], first["ddp/scaled_warmup"]) == ("run", 0.025, 14)
