@@ -207,3 +207,23 @@ def test_wandb_config_holds_the_scaled_values(tmp_path: Path, monkeypatch) -> No
         assert value in data[at: at + 80], (key, data[at: at + 80])
     first = json.loads((tmp_path / "ck" / "metrics.jsonl").read_text().splitlines()[0])
     assert (first["kind"], first["ddp/scaled_lr"], first["ddp/scaled_warmup"]) == ("run", 0.025, 14)
+
+
+def test_layer_norms_add_no_host_reads_between_log_points(tmp_path: Path) -> None:
+    """monitoring.log_gradients/log_weights: still no host read of a tensor between log
+    points (the harness of test_trainer_sync), and each log point still reads once."""
+    spec = {"out": str(tmp_path), "n": 512, "start": 3, "stop": 13,
+            "config": {"training": {"batch_size": 4, "epochs": 1, "max_steps": 20},
+                       "optim": {"name": "sgd", "lr": 0.01}, "checkpoint": {"dir": None},
+                       "logging": {"every_n_steps": 1000, "progress": "off"},
+                       "monitoring": {"log_gradients": True, "log_weights": True}}}  # fmt: skip
+    results = _launch.run(["tests/ddp/_sync_worker.py", json.dumps(spec)], world=2, timeout=120)
+    for rank, (rc, o, e) in enumerate(results):
+        assert rc == 0, f"rank {rank}: {o[-2000:]}\n{e[-3000:]}"
+    for rank in range(2):
+        rec = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert rec["reads"] == 0, rec["where"]
+    spec["config"]["logging"]["every_n_steps"] = 5  # two log points in the counted steps
+    results = _launch.run(["tests/ddp/_sync_worker.py", json.dumps(spec)], world=2, timeout=120)
+    assert all(rc == 0 for rc, _, _ in results), results
+    assert json.loads((tmp_path / "rank0.json").read_text())["reads"] == 2  # one per log point
