@@ -100,6 +100,16 @@ def write_spec(path: Path, command: list[str], **fields) -> Path:
     return path
 
 
+#: jobs/uniref50.yaml trains SEDD small at the seed's values (a GPU job); on the test
+#: cluster's CPUs it runs as checked in with configs/uniref50-tiny.yaml's sizes, given
+#: through DDP_SET as a user would (python -m ddp reads it before its --set).
+TINY = {"DDP_SET": "model.d_model=64 model.n_layers=2 model.n_heads=4 model.cond_dim=32 "
+                   "model.max_len=64 model.dropout=0.0 training.batch_size=8 training.accum=1 "
+                   "optim.lr=5e-3 optim.warmup_steps=10 precision=fp32 "
+                   "memory.max_memory_fraction=null data.num_workers=0 "
+                   "monitoring.sample_frequency=0 checkpoint.every_n_steps=0"}
+
+
 def scratch(tmp: Path) -> Path:
     """A site $SCRATCH as jobs/uniref50.yaml expects it (seed 004's layout): the shipped
     tiny FASTA as data/uniref50.fasta.gz, as download-uniref50 leaves it."""
@@ -121,7 +131,7 @@ def test_hpc_submit_uniref50_runs_to_completion(slurm_cluster, tmp_path):
     runs = tmp_path / "runs"
     site = scratch(tmp_path)
     job_id, run_dir = submit("jobs/uniref50.yaml", "--queue", "debug", runs=runs,
-                             env={"SCRATCH": str(site)})
+                             env={"SCRATCH": str(site), **TINY})
     assert wait_status(job_id, runs) == "COMPLETED", log_of(run_dir)
     log = log_of(run_dir)
     assert "Initialized DDP: rank=0, world_size=2, local_rank=0" in log
@@ -137,7 +147,7 @@ def test_plain_sbatch_of_checked_in_script(slurm_cluster, tmp_path):
     """`sbatch jobs/uniref50.slurm` works as checked in (log and checkpoints redirected)."""
     out = tmp_path / "plain.out"
     site = scratch(tmp_path)
-    env = dict(os.environ, HPC_RUN_DIR=str(tmp_path), SCRATCH=str(site))
+    env = dict(os.environ, HPC_RUN_DIR=str(tmp_path), SCRATCH=str(site), **TINY)
     proc = subprocess.run(
         ["sbatch", "--parsable", f"--output={out}", "jobs/uniref50.slurm"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=True,
@@ -153,7 +163,7 @@ def test_two_nodes_srun(slurm_cluster, tmp_path):
     """The same recipe job over both emulated nodes: srun -N2, one rank on each."""
     runs = tmp_path / "runs"
     job_id, run_dir = submit("jobs/uniref50.yaml", "--queue", "debug", "--nodes", "2",
-                             "--ppn", "1", runs=runs, env={"SCRATCH": str(scratch(tmp_path))})
+                             "--ppn", "1", runs=runs, env={"SCRATCH": str(scratch(tmp_path)), **TINY})
     assert wait_status(job_id, runs) == "COMPLETED", log_of(run_dir)
     script = (run_dir / "job.slurm").read_text()
     assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=1" in script

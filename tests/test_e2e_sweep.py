@@ -33,7 +33,7 @@ def test_sweep_of_two_learning_rates_is_one_array(slurm_cluster, tmp_path: Path)
     job_id = hpc(
         "submit", "jobs/uniref50.yaml", "--queue", "debug", "--runs-dir", str(runs),
         "--sweep", "optim.lr=0.002,0.02",
-        "--", "python", "-m", "ddp", "uniref50", "--config", "configs/uniref50.yaml",
+        "--", "python", "-m", "ddp", "uniref50", "--config", "configs/uniref50-tiny.yaml",
         "--set", "optim.schedule=constant", "optim.warmup_steps=0", "scaling.rule=none",
         "training.max_steps=6", "logging.every_n_steps=2",
     ).stdout.strip()

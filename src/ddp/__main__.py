@@ -6,11 +6,14 @@ an unknown flag) end with one stderr line ``ddp: error: ...`` and exit code 2; a
 preempted run exits with ``ddp.trainer.PREEMPTED_EXIT_CODE`` (75) after saving its
 checkpoint. ``python -m ddp RECIPE --help`` lists the recipe's own flags and the common
 ones, each with the config key it sets and the value that key has without it.
+``DDP_SET`` in the environment adds ``--set`` items before the command line's own.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
@@ -48,6 +51,27 @@ def _parser(add_help: bool = True) -> _Parser:
     return p
 
 
+#: Extra ``--set`` items from the environment, for a checked-in job script one cannot
+#: edit per run: ``sbatch --export=ALL,DDP_SET="training.max_steps=100" jobs/x.slurm``.
+ENV_SETS = "DDP_SET"
+
+
+def env_sets(environ: dict[str, str] | None = None) -> list[str]:
+    """``DDP_SET``'s ``KEY=VALUE`` items (shell-style words: quote a value with spaces).
+    They come before the command line's ``--set``, so an explicit ``--set`` still wins."""
+    raw = (os.environ if environ is None else environ).get(ENV_SETS, "")
+    try:
+        items = shlex.split(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{ENV_SETS}: {exc}; allowed: KEY=VALUE words, quoted as in a "
+                          "shell") from None  # fmt: skip
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"{ENV_SETS}: {item!r} is not KEY=VALUE; allowed: "
+                              "section.key=value words")  # fmt: skip
+    return items
+
+
 def _wants_help(argv: Sequence[str]) -> bool:
     return any(a in ("-h", "--help") for a in argv)
 
@@ -83,17 +107,18 @@ def _main(argv: Sequence[str] | None) -> int:
             raise ConfigError("a recipe name is required (see --list)")
         recipe = recipes.get(pre.recipe)
         parser = _parser()
-        shown = _help_config(recipe, pre.config, pre.set) if _wants_help(argv) else None
+        from_env = env_sets()
+        shown = _help_config(recipe, pre.config, from_env + pre.set) if _wants_help(argv) else None
         recipes.add_flags(parser, recipe, shown)
         try:
             args = parser.parse_args(argv)
         except SystemExit as exc:  # --help printed; usage errors raise ConfigError instead
             return int(exc.code or 0)
-        config = recipes.resolve(recipe, args.config, args.set, args)
+        config = recipes.resolve(recipe, args.config, from_env + args.set, args)
         if args.print_config:
             print(config.to_yaml(), end="")
             return 0
-        return _train(recipe, config)
+        return _train(recipe, config, from_env)
     except ConfigError as exc:
         if debug:
             raise
@@ -115,15 +140,18 @@ def _help_config(recipe: Recipe, config_file: str | None, sets: list[str]) -> Tr
         return recipes.resolve(recipe)
 
 
-def _train(recipe: Recipe, config: TrainConfig) -> int:
+def _train(recipe: Recipe, config: TrainConfig, from_env: Sequence[str] = ()) -> int:
     import ddp
     from ddp.trainer import Trainer
 
-    ddp.init(backend=config.ddp.backend, device=config.ddp.device, timeout=config.ddp.timeout_s)
+    ctx = ddp.init(backend=config.ddp.backend, device=config.ddp.device,
+                   timeout=config.ddp.timeout_s)  # fmt: skip
+    if from_env and ctx.rank == 0:  # said once, so a log shows why a value differs
+        print(f"ddp: {ENV_SETS} from the environment: {' '.join(from_env)}", file=sys.stderr)
     built = recipe.build(config)
     trainer = Trainer(
         built.model, built.train_data, config, built.step_fn,
-        built.eval_data, built.eval_fn, built.collate_fn,
+        built.eval_data, built.eval_fn, built.collate_fn, built.after_step, built.finish_eval,
     )  # fmt: skip
     summary = trainer.fit()
     if built.after_fit is not None:

@@ -263,6 +263,7 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     phases: list[PhaseConfig] = field(default_factory=list)
+    monitoring: MonitoringConfig = field(default_factory=lambda: MonitoringConfig())
     model: dict[str, Any] = field(default_factory=dict)  # free: checked by the recipe
     recipe: dict[str, Any] = field(default_factory=dict)  # free: checked by the recipe
 
@@ -289,6 +290,7 @@ class TrainConfig:
         data = self.to_dict()
         for item in assignments:
             key, value = parse_assignment(item)
+            key, value = alias_assignment(key, value)
             _set_dotted(data, key, value)
         return TrainConfig.from_dict(data)
 
@@ -362,7 +364,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     data = yaml_io.load_file(path)
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
-    return data or {}
+    return final_unless_scaled(apply_aliases(data or {}), str(path))
 
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
@@ -600,6 +602,10 @@ def _validate(obj: Any, where: str) -> None:
         if not 0 <= obj.grace_s <= MAX_SECONDS:
             bad("grace_s", obj.grace_s,
                 f"seconds from 0 (no watchdog) to {MAX_SECONDS:.0f} (a year)")
+    elif isinstance(obj, MonitoringConfig):
+        for k, low in (("sample_frequency", 0), ("num_samples", 1), ("sample_steps", 1)):
+            if getattr(obj, k) < low:
+                bad(k, getattr(obj, k), f"an integer >= {low}")
     elif isinstance(obj, PhaseConfig):
         if obj.epochs is not None and obj.epochs < 0:
             bad("epochs", obj.epochs, "an integer >= 0")
@@ -616,7 +622,7 @@ def check_free_section(
     so recipe keys get the same unknown-key and bad-value errors as built-in ones.
     The merged values are written back into ``config`` so the resolved YAML shows them.
     """
-    given = getattr(config, section)
+    given = free_aliases(section, getattr(config, section), defaults)
     merged = dict(defaults)
     for key, value in given.items():
         if key not in defaults:
@@ -632,3 +638,140 @@ def check_free_section(
         merged[key] = _coerce(value, tp, f"{section}.{key}")
     setattr(config, section, merged)
     return merged
+
+
+# ---- seed 004's configs as written (issue 26): aliases, monitoring, final LR ----------------
+# The seed guide's YAML spells five keys its own way; they are accepted as aliases of
+# the keys above, each noted once (logged by the Trainer on rank 0 through
+# log_config_notes, once logging exists) with the key it stands for. A file that gives
+# both spellings with different values is refused: which one was meant is unknowable.
+ALIASES: dict[str, str] = {
+    "optim.warmup": "optim.warmup_steps",
+    "memory.max_memory_per_gpu": "memory.max_memory_fraction",
+    "training.num_workers": "data.num_workers",
+    "memory.mixed_precision": "precision",  # true -> bf16 (AMP without a GradScaler), false -> fp32
+}
+#: Aliases inside the free ``model:`` section, applied when the recipe has the canonical
+#: key and not the alias (so a recipe whose own key is ``hidden_size`` keeps it).
+MODEL_ALIASES: dict[str, str] = {"hidden_size": "d_model"}
+_NOTES: dict[str, None] = {}  # pending notes, in order, without repeats
+_LOGGED: set[str] = set()
+
+
+@dataclass
+class MonitoringConfig:
+    """Seed 004's ``monitoring:`` section.
+
+    ``sample_frequency``: every that many optimizer steps a recipe that can sample
+    (uniref50's diffusion model) has rank 0 write ``num_samples`` sequences, drawn in
+    ``sample_steps`` reverse steps with ``predictor``, to ``samples/step_N.fasta``; 0 = never.
+    ``log_gradients``/``log_weights``: per-layer gradient and weight L2 norms at log
+    points (computed on the device at the log step only, read with the log point's
+    other numbers: no extra host synchronisation between log points).
+    """
+
+    sample_frequency: int = 0
+    num_samples: int = 8
+    sample_steps: int = 128
+    predictor: str = field(default="analytic", metadata={"choices": ("analytic", "euler")})
+    log_gradients: bool = False
+    log_weights: bool = False
+
+
+def _note(text: str) -> None:
+    if text not in _LOGGED:
+        _NOTES.setdefault(text)
+
+
+def log_config_notes() -> None:
+    """Log each pending note once per process (rank 0's INFO; other ranks stay quiet)."""
+    import logging
+
+    for text in list(_NOTES):
+        if text not in _LOGGED:
+            logging.getLogger("ddp").info("config: %s", text)
+            _LOGGED.add(text)
+    _NOTES.clear()
+
+
+def _alias_value(alias: str, value: Any) -> Any:
+    if alias != "memory.mixed_precision":
+        return value
+    flag = _scalar(value, bool, alias)
+    return "bf16" if flag else "fp32"
+
+
+def alias_assignment(key: str, value: Any) -> tuple[str, Any]:
+    """``--set`` with an alias: the canonical key and value (noted once)."""
+    if key in ALIASES:
+        _note(f"{key} is the seed's name for {ALIASES[key]}; using {ALIASES[key]}")
+        return ALIASES[key], _alias_value(key, value)
+    return key, value
+
+
+def apply_aliases(raw: dict[str, Any]) -> dict[str, Any]:
+    """A config file's mapping with every alias moved to its canonical key."""
+    for alias, canonical in ALIASES.items():
+        sec, key = alias.split(".")
+        section = raw.get(sec)
+        if not isinstance(section, dict) or key not in section:
+            continue
+        value = _alias_value(alias, section.pop(key))
+        if not section:
+            raw.pop(sec)
+        *csec, ckey = canonical.split(".")
+        node = raw
+        for part in csec:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{part}: expected a mapping, got {node!r}")
+        if ckey in node and node[ckey] != value:
+            raise ConfigError(f"{alias}: {value!r} and {canonical}: {node[ckey]!r} disagree; "
+                              f"allowed: one of the two ({alias} is the seed's name for "
+                              f"{canonical})")  # fmt: skip
+        node[ckey] = value
+        _note(f"{alias} is the seed's name for {canonical}; using {canonical}")
+    return raw
+
+
+def free_aliases(section: str, given: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """``model.hidden_size`` as ``model.d_model`` where the recipe has d_model only."""
+    if section != "model":
+        return given
+    out = dict(given)
+    for alias, canonical in MODEL_ALIASES.items():
+        if alias in out and alias not in defaults and canonical in defaults:
+            value = out.pop(alias)
+            other = given.get(canonical, defaults[canonical])  # the file's, else the default
+            if other not in (value, defaults[canonical]):
+                raise ConfigError(f"model.{alias}: {value!r} and model.{canonical}: "
+                                  f"{given[canonical]!r} disagree; allowed: one of the two "
+                                  f"(model.{alias} is the seed's name for model.{canonical})")
+            out[canonical] = value
+            _note(f"model.{alias} is the seed's name for model.{canonical}; "
+                  f"using model.{canonical}")
+    return out
+
+
+def final_unless_scaled(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    """The one scaling rule: a config file that sets ``optim.lr`` or ``optim.warmup_steps``
+    (or its alias ``optim.warmup``) without naming ``scaling.rule`` holds final values, for
+    the world size it is run at: ``scaling.rule: none`` is set, so nothing is scaled twice.
+
+    Seed 004's per-GPU-count configs hold values already multiplied by the GPU count
+    (2 GPUs: lr 1e-4, warmup 10000); a recipe's default rule would scale them again. A
+    file that names ``scaling.rule`` (as configs/uniref50.yaml does: ``linear``) gives
+    base values for ``scaling.base_world_size`` ranks, scaled by that rule.
+    """
+    optim, scale = raw.get("optim"), raw.get("scaling")
+    sets = isinstance(optim, dict) and ("lr" in optim or "warmup_steps" in optim)
+    named = isinstance(scale, dict) and "rule" in scale
+    if sets and not named:
+        if scale is None:
+            raw["scaling"] = {}
+        if not isinstance(raw["scaling"], dict):
+            raise ConfigError(f"scaling: expected a mapping, got {raw['scaling']!r}")
+        raw["scaling"]["rule"] = "none"
+        _note(f"{where} sets optim.lr/warmup without scaling.rule: its values are final "
+              "(scaling.rule: none); name a rule in the file to have them scaled")
+    return raw

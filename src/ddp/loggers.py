@@ -87,10 +87,11 @@ def metrics_path(config: TrainConfig) -> Path | None:
 class Loggers:
     """The console plus every configured writer, for one rank (empty off rank 0)."""
 
-    def __init__(self, config: TrainConfig, main: bool) -> None:
+    def __init__(self, config: TrainConfig, main: bool, world_size: int | None = None) -> None:
         self.config = config
         self.main = main
-        self.writers: list[Writer] = open_writers(config) if main else []
+        self.run_info = run_info(config, _world(world_size))
+        self.writers: list[Writer] = open_writers(config, self.run_info) if main else []
         self._bar: _Progress | None = None
         self._metrics: MetricsFile | None = None
         self.last: dict[str, float] = {}
@@ -101,6 +102,8 @@ class Loggers:
         path = metrics_path(self.config)
         if self.main and path is not None:
             self._metrics = MetricsFile(path, resume_step)
+            # The first record (and one per restart): what the scaling made of the config.
+            self._metrics.write("run", resume_step, None, self.run_info)
 
     def start_phase(self, name: str, total: int, done: int) -> None:
         """A progress bar (or plain lines) for ``total`` optimizer steps, ``done`` already."""
@@ -138,6 +141,14 @@ class Loggers:
         if self._metrics is not None:
             self._metrics.write("eval", step, epoch, metrics)
 
+    def samples(self, metrics: dict[str, float], step: int) -> None:
+        """Statistics of sequences a recipe sampled (rank 0): the writers and metrics.jsonl."""
+        if not self.main:
+            return
+        self._emit({f"samples/{k}": v for k, v in metrics.items()}, step, self._epoch)
+        if self._metrics is not None:
+            self._metrics.write("samples", step, self._epoch, metrics)
+
     def close(self, exit_code: int = 0) -> None:
         """Flush and close every writer (W&B: ``wandb.finish(exit_code=...)``). The
         Trainer calls this on every way out of rank 0: success (0), a failure (1, also
@@ -165,7 +176,7 @@ class Loggers:
             w.log(record, step)
 
 
-def open_writers(config: TrainConfig) -> list[Writer]:
+def open_writers(config: TrainConfig, info: dict[str, float] | None = None) -> list[Writer]:
     """TensorBoard (``<checkpoint.dir>/tensorboard``) and W&B, as configured."""
     out: list[Writer] = []
     lg = config.logging
@@ -178,7 +189,7 @@ def open_writers(config: TrainConfig) -> list[Writer]:
         except ImportError:
             log.warning("logging.tensorboard: tensorboard is not installed; skipping")
     if lg.wandb.project and lg.wandb.mode != "disabled":
-        run = open_wandb(config)
+        run = open_wandb(config, info)
         if run is not None:
             out.append(WandB(run))
     return out
@@ -191,7 +202,7 @@ def wandb_name(config: TrainConfig) -> str | None:
     return str(name) if name is not None else None
 
 
-def open_wandb(config: TrainConfig) -> Any:
+def open_wandb(config: TrainConfig, info: dict[str, float] | None = None) -> Any:
     """``wandb.init`` as seed 002 calls it (rank 0 only: the caller), or None.
 
     A missing package or an init that fails (no network within ``init_timeout``, a bad
@@ -206,7 +217,7 @@ def open_wandb(config: TrainConfig) -> Any:
         return None
     try:
         return wandb.init(project=w.project, name=wandb_name(config), mode=w.mode,
-                          config=config.to_dict(),
+                          config={**config.to_dict(), **(info or {})},
                           settings=wandb.Settings(init_timeout=w.init_timeout))  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - any failure: train on without W&B
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -283,3 +294,58 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+
+
+# ---- the run's scaled values, and per-layer norms (issue 26) --------------------------------
+def _world(world_size: int | None) -> int:
+    if world_size is not None:
+        return world_size
+    import ddp
+
+    ctx = ddp.get_context()
+    return ctx.world_size if ctx is not None else 1
+
+
+def run_info(config: TrainConfig, world_size: int) -> dict[str, float]:
+    """Seed 004's ``ddp/*`` values: what the scaling rule made of the config at this world
+    size. In the W&B config and in metrics.jsonl's first record, so a run's plots say the
+    learning rate it really used (the config alone holds the base value)."""
+    return {
+        "ddp/world_size": world_size,
+        "ddp/effective_batch_size": config.effective_batch(world_size),
+        "ddp/scaled_lr": config.scaled_lr(world_size),
+        "ddp/scaled_warmup": config.scaled_warmup(world_size),
+    }
+
+
+def layer_of(name: str) -> str:
+    """A parameter's layer: its name up to the first list index (``blocks.3``), else its
+    first component (``embed``); DDP's and compile's wrappers' prefixes dropped."""
+    parts = [p for p in name.split(".") if p not in ("module", "_orig_mod", "_fsdp_wrapped_module")]
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return parts[0] if parts else name
+
+
+def layer_sq_norms(model: Any, grads: bool) -> tuple[list[str], Any]:
+    """(layer names, squared L2 norms per layer on the device) of the gradients or weights.
+
+    Stays on the device (no host synchronisation): the trainer reads it with the log
+    point's other numbers. FSDP shards are their local parts (the caller sums ranks).
+    """
+    import torch
+
+    groups: dict[str, list[Any]] = {}
+    for name, p in model.named_parameters():
+        t = p.grad if grads else p.detach()
+        if t is None:
+            continue
+        t = t.to_local() if hasattr(t, "to_local") else t
+        groups.setdefault(layer_of(name), []).append(t)
+    names = sorted(groups)
+    if not names:
+        return [], None
+    sq = [torch.stack([n.float() ** 2 for n in torch._foreach_norm(groups[k])]).sum()
+          for k in names]  # fmt: skip
+    return names, torch.stack(sq)

@@ -32,9 +32,9 @@ from torch.utils.data import DataLoader, Dataset, Subset
 import ddp
 from ddp import fsdp, parts
 from ddp.checkpointer import Checkpointer, LoopState, diverged
-from ddp.config import TrainConfig
+from ddp.config import TrainConfig, log_config_notes
 from ddp.dist import Context, agreement
-from ddp.loggers import Loggers, fmt
+from ddp.loggers import Loggers, fmt, layer_sq_norms
 from ddp.preemption import PREEMPTED_EXIT_CODE, Preempted, SignalWatch, Vote, requeue
 
 __all__ = ["PREEMPTED_EXIT_CODE", "Preempted", "Trainer"]
@@ -69,6 +69,8 @@ class Trainer:
         eval_data: Dataset | None = None,
         eval_fn: StepFn | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
+        after_step: Callable[[Trainer, int], None] | None = None,
+        finish_eval: Callable[[dict[str, float]], dict[str, float]] | None = None,
     ) -> None:
         self.model = model
         self.train_data = train_data
@@ -89,6 +91,12 @@ class Trainer:
         self._eval_preempted = False  # evaluate() stopped early on a preemption signal
         self._stop = False
         self._samples = 0
+        # issue 26: a recipe's hook after every optimizer step (on every rank; uniref50
+        # samples on rank 0 at monitoring.sample_frequency), and one that derives metrics
+        # from the aggregated evaluation (the perplexity bound exp(eval_loss)).
+        self.after_step = after_step
+        self.finish_eval = finish_eval
+        self._norms: dict[str, Any] = {}  # per-layer squared norms at the coming log point
 
     @property
     def preempt_requested(self) -> bool:
@@ -106,7 +114,7 @@ class Trainer:
             backend=cfg.ddp.backend, device=cfg.ddp.device, timeout=cfg.ddp.timeout_s
         )
         self.checkpointer = Checkpointer(cfg, self.ctx)
-        self.loggers = Loggers(cfg, self.ctx.is_main)
+        self.loggers = Loggers(cfg, self.ctx.is_main, self.ctx.world_size)
         exit_code = 1  # W&B's run state on the way out (issue 27.6): failed unless set
         try:
             self._install_signals()
@@ -195,6 +203,7 @@ class Trainer:
             )  # fmt: skip
         world = ctx.world_size
         factor, warmup = cfg.scale_factor(world), cfg.scaled_warmup(world)
+        log_config_notes()  # the seed's key spellings and the scaling rule, once
         log.info(
             "world=%d effective batch=%d (%d x accum %d x %d ranks) lr=%.4g (x%.4g, %s rule) "
             "warmup=%d precision=%s",
@@ -309,9 +318,12 @@ class Trainer:
             if not last_in_group:
                 continue
             group_start = loop.batch
-            step = self._optimizer_step(loop)
-            if step % cfg.logging.every_n_steps == 0 or loop.batch == n:
+            logs = (self.global_step + 1) % cfg.logging.every_n_steps == 0 or loop.batch == n
+            step = self._optimizer_step(loop, norms=logs)
+            if logs:
                 self._log_point(win, loop, step)
+            if self.after_step is not None:
+                self.after_step(self, step)
             if self._vote.step(step, self._signal is not None):  # type: ignore[union-attr]
                 self._preempt(loop)
             if max_steps is not None and step >= max_steps:
@@ -345,20 +357,29 @@ class Trainer:
             else:
                 scaled.backward()
 
-    def _optimizer_step(self, loop: LoopState) -> int:
-        """Clip, step, schedule, zero; returns the new global step."""
+    def _optimizer_step(self, loop: LoopState, norms: bool = False) -> int:
+        """Clip, step, schedule, zero; returns the new global step. ``norms``: the step
+        ends at a log point, so take the per-layer norms monitoring asks for (on the
+        device, read with the log point's numbers)."""
         opt, scaler, clip = loop.opt, loop.scaler, self.config.optim.grad_clip
+        mon = self.config.monitoring
         if clip:
             if scaler is not None:
                 scaler.unscale_(opt)
             params = [p for g in opt.param_groups for p in g["params"]]
             torch.nn.utils.clip_grad_norm_(params, clip)
+        if norms and mon.log_gradients:  # after clipping: the gradients the step applies
+            if scaler is not None and not clip:
+                scaler.unscale_(opt)
+            self._norms["grad_norm"] = layer_sq_norms(self.wrapped, grads=True)
         if scaler is not None:
             scaler.step(opt)
             scaler.update()
         else:
             opt.step()
         loop.sched.step()
+        if norms and mon.log_weights:
+            self._norms["weight_norm"] = layer_sq_norms(self.wrapped, grads=False)
         opt.zero_grad(set_to_none=True)
         self.global_step += 1
         return self.global_step
@@ -369,7 +390,13 @@ class Trainer:
         dt = time.perf_counter() - win.t0
         vec = torch.stack([win.loss.float(), *(win.extra[k].float() for k in names[1:])])
         vec = torch.cat([vec / max(1, win.micro), vec.new_tensor([dt])])
-        *vec, mean_dt = ddp.reduce_mean(vec).tolist()  # the wall time too: the same on all ranks
+        layers = [(kind, names) for kind, (names, sq) in self._norms.items() if names]
+        if layers:  # per-layer squared norms ride on the same collective and read
+            vec = torch.cat([vec, *(self._norms[k][1].float() for k, _ in layers)])
+        vec = ddp.reduce_mean(vec).tolist()
+        n_layer = sum(len(names) for _, names in layers)
+        norms, vec = vec[len(vec) - n_layer:], vec[:len(vec) - n_layer]
+        *vec, mean_dt = vec  # the wall time too: the same on all ranks
         if not math.isfinite(vec[0]) and self.config.precision != "fp16":
             # fp16's GradScaler skips overflowing steps by design; its weights are checked
             # before every save instead.
@@ -381,6 +408,11 @@ class Trainer:
         metrics["step_time_s"] = dt / max(1, step - win.step0)
         metrics["lr"] = loop.opt.param_groups[0]["lr"]
         metrics["memory_mb"] = parts.peak_memory_mb(self.ctx.device)  # allocator stats: no sync
+        shards = self.ctx.world_size if fsdp.is_sharded(ddp.unwrap(self.wrapped)) else 1
+        for kind, names in layers:  # DDP: equal on every rank; FSDP: local shards, summed
+            for name in names:
+                metrics[f"{kind}/{name}"] = math.sqrt(max(0.0, norms.pop(0) * shards))
+        self._norms.clear()
         self.last_metrics = metrics
         self.loggers.train(metrics, step, step - loop.phase_start, loop.epoch)  # type: ignore[union-attr]
         win.reset(step)
@@ -447,7 +479,8 @@ class Trainer:
         if self._eval_preempted:
             return {}  # partial: the caller saves and exits
         total = vec[-2] or 1.0
-        return {f"eval_{k}": vec[i] / total for i, k in enumerate(keys)}
+        out = {f"eval_{k}": vec[i] / total for i, k in enumerate(keys)}
+        return self.finish_eval(out) if self.finish_eval is not None else out
 
     # ---- preemption -------------------------------------------------------------------------
     def _install_signals(self) -> None:

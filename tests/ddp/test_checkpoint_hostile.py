@@ -611,7 +611,8 @@ def test_a_full_disk_during_the_final_export_is_one_line(tmp_path: Path, strateg
 def _python_m_ddp(cwd: Path, *sets: str) -> subprocess.CompletedProcess:
     args = [a for s in ("training.max_steps=2", "ddp.strategy=fsdp", "checkpoint.dir=ck", *sets)
             for a in ("--set", s)]  # fmt: skip
-    return subprocess.run([sys.executable, "-m", "ddp", "uniref50", *args],
+    tiny = str(Path(__file__).resolve().parents[2] / "configs" / "uniref50-tiny.yaml")
+    return subprocess.run([sys.executable, "-m", "ddp", "uniref50", "--config", tiny, *args],
                           env=_launch.base_env(), capture_output=True, text=True, timeout=300,
                           cwd=cwd)  # fmt: skip
 

@@ -197,8 +197,10 @@ def test_uniref50_trains_two_ranks_from_a_synthetic_fasta(tmp_path: Path) -> Non
     gen = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_fasta.py"), "--size", "2M",
                           "--fasta", str(src)], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert gen.returncode == 0, gen.stderr
-    args = ["-m", "ddp", "uniref50", "--datafile", str(src), "--max_steps", "6",
-            "--set", "logging.every_n_steps=3", "logging.progress=plain"]  # fmt: skip
+    args = ["-m", "ddp", "uniref50", "--config", str(ROOT / "configs" / "uniref50-tiny.yaml"),
+            "--datafile", str(src), "--max_steps", "6",
+            "--set", "logging.every_n_steps=3", "logging.progress=plain",
+            "training.batch_size=16"]  # fmt: skip
     from tests.ddp import _launch
 
     for attempt in range(2):

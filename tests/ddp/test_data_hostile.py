@@ -35,6 +35,7 @@ from tests.support.signals import default_signals
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "src" / "ddp" / "recipes" / "data" / "uniref50_tiny.fasta"
+TINY_CONFIG = str(ROOT / "configs" / "uniref50-tiny.yaml")  # the recipe's defaults are SEDD small
 AA = np.frombuffer(b"ACDEFGHIKLMNPQRSTVWY", np.uint8)
 
 
@@ -47,7 +48,8 @@ def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 def train(data: Path, out: Path, *sets: str,
           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
     """``python -m ddp uniref50 --datafile DATA`` for a step or two."""
-    cmd = [sys.executable, "-m", "ddp", "uniref50", "--datafile", str(data), "--output_dir",
+    cmd = [sys.executable, "-m", "ddp", "uniref50", "--config", TINY_CONFIG, "--datafile",
+           str(data), "--output_dir",
            str(out), "--max_steps", "2", "--set", "logging.progress=off", *sets]  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env or base_env())
 
@@ -517,7 +519,8 @@ def test_signal_while_a_training_job_prepares_its_store(tmp_path: Path) -> None:
     signal (as the scheduler expects), with a warning and no temporary store left."""
     src = tmp_path / "a.fasta"
     src.write_bytes(residues(2000))
-    proc = subprocess.Popen([sys.executable, "-c", _BLOCKING_TRAIN, "uniref50", "--datafile",
+    proc = subprocess.Popen([sys.executable, "-c", _BLOCKING_TRAIN, "uniref50", "--config",
+                             TINY_CONFIG, "--datafile",
                              str(src), "--output_dir", str(tmp_path / "run"), "--max_steps",
                              "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=base_env())  # fmt: skip

@@ -122,7 +122,7 @@ def test_recipe_cli_under_mpich(tmp_path):
     """`python -m ddp RECIPE` unchanged under plain MPICH mpiexec (no MASTER_* given)."""
     mpiexec = require_exe("mpiexec.hydra", "mpiexec.mpich")
     cmd = [mpiexec, "-n", "2", PY, "-m", "ddp", "uniref50", "--config",
-           "configs/uniref50.yaml", "--set", "training.max_steps=4",
+           "configs/uniref50-tiny.yaml", "--set", "training.max_steps=4",
            f"checkpoint.dir={tmp_path}", "logging.progress=plain"]
     proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=180,
                           cwd=ROOT)

@@ -182,9 +182,13 @@ def test_item5_new_lr_on_resume_applies_and_is_logged(tmp_path):
 
 
 # ---- item 18: unwritable, full, or another model ---------------------------------------
+_TINY = str(Path(__file__).resolve().parents[2] / "configs" / "uniref50-tiny.yaml")
+
+
 def _python_m_ddp(tmp_path: Path, *sets: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "ddp", "uniref50", "--set", "training.max_steps=2", *sets],
+        [sys.executable, "-m", "ddp", "uniref50", "--config", _TINY, "--set",
+         "training.max_steps=2", *sets],
         env=_launch.base_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )  # fmt: skip
 
@@ -232,7 +236,7 @@ def test_item18_checkpoint_of_another_model_is_one_line(tmp_path):
 
 def test_item5_changed_batch_size_on_resume_stops_with_one_line(tmp_path):
     assert _python_m_ddp(tmp_path, "checkpoint.dir=ck").returncode == 0
-    proc = _python_m_ddp(tmp_path, "checkpoint.dir=ck", "training.batch_size=8",
+    proc = _python_m_ddp(tmp_path, "checkpoint.dir=ck", "training.batch_size=4",
                          "training.max_steps=4")  # fmt: skip
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()

@@ -270,7 +270,8 @@ def test_item18_bad_config_file_is_one_line_exit_2(case, content, expected, tmp_
 )
 def test_item18_recipe_model_values_out_of_range_are_one_line(assignment, expected, tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "ddp", "uniref50", "--set", "training.max_steps=1", assignment],
+        [sys.executable, "-m", "ddp", "uniref50", "--config",
+         str(Path(__file__).resolve().parents[2] / "configs" / "uniref50-tiny.yaml"), "--set", "training.max_steps=1", assignment],
         env=_launch.base_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stdout + proc.stderr

@@ -94,6 +94,11 @@ class Built:
     #: ``after_fit(trainer, summary)`` runs on every rank once training ended normally
     #: (not after a failure or preemption), e.g. to export inference artifacts.
     after_fit: Callable[[Any, dict[str, Any]], None] | None = None
+    #: ``after_step(trainer, step)`` runs on every rank after each optimizer step (uniref50
+    #: writes samples at monitoring.sample_frequency); ``finish_eval(metrics) -> metrics``
+    #: derives numbers from the aggregated evaluation (its perplexity bound).
+    after_step: Callable[[Any, int], None] | None = None
+    finish_eval: Callable[[dict[str, float]], dict[str, float]] | None = None
 
 
 @runtime_checkable
@@ -228,7 +233,7 @@ def resolve(
     (every key keeps its dotted name in errors, so they still point at the file's keys).
     """
     data = copy.deepcopy(recipe.DEFAULTS)
-    if config_file is not None:
+    if config_file is not None:  # its aliases and final-LR rule: ddp.config.read_yaml
         _merge(data, read_yaml(config_file))
     cfg = TrainConfig.from_dict(data)
     given = vars(flags) if isinstance(flags, argparse.Namespace) else dict(flags or {})

@@ -1,9 +1,16 @@
-"""UniRef50-style protein LM by absorbing-state (masked) discrete diffusion (seed 004).
+"""UniRef50 protein LM by score entropy discrete diffusion, SEDD (seed 004).
 
-Forward process: each residue is replaced by ``<mask>`` with probability t,
-t ~ U(t_min, 1). The model sees the partly masked sequence and t and predicts
-the masked residues; the loss is the MDLM ELBO, sum over masked positions of
-CE / t, divided by the number of real residues (so it is per residue).
+The model is SEDD's: a DiT-style transformer conditioned on the noise level
+(:mod:`ddp.sedd`), trained with the denoising score entropy over an absorbing (default)
+or uniform transition graph with a log-linear or geometric noise schedule;
+``model.loss: mdlm`` trains the same network with the MDLM loss instead. Diffusion
+states are the 20 amino acids, ``X`` (any other residue) and the end-of-sequence filler
+(the padding of a window of ``model.max_len``), so the model learns lengths too and a
+sample's length is its residues before the first filler. Losses and the evaluation's
+perplexity bound (``eval_ppl_bound = exp(eval_loss)``, nats per position) count every
+position of the window. Every ``monitoring.sample_frequency`` optimizer steps rank 0
+writes ``monitoring.num_samples`` sampled sequences to ``samples/step_N.fasta`` in the
+run directory and logs their lengths and amino-acid composition.
 Trained from a FASTA file through a memory-mapped token store (``ddp.data``):
 ``--datafile`` takes the FASTA (prepared once into a store beside it, or in
 ``recipe.cache_dir``) or a store made by ``python -m ddp.data prepare-fasta``, so
@@ -16,33 +23,61 @@ Markov + motif structure, so the loss falls within seconds on a CPU.
 
 from __future__ import annotations
 
+import logging
+import math
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import ddp
+from ddp import fsdp, parts, sedd
+from ddp.checkpoint import atomic_write_text
 from ddp.config import TrainConfig
 from ddp.data import fasta
 from ddp.data.dataset import TokenDataset
 from ddp.data.store import TokenStore, read_regular
 from ddp.errors import ConfigError
 from ddp.recipes import DATA_DIR, Built, Flag, seeded_model
-from ddp.recipes._common import MASK, PAD, TinyTransformer
+from ddp.recipes._common import AMINO_ACIDS, PAD, UNK
 
 NAME = "uniref50"
-DESCRIPTION = "protein masked-diffusion LM (absorbing state) on a FASTA file"
+DESCRIPTION = "protein score entropy discrete diffusion (SEDD; MDLM as a choice) on a FASTA file"
 
+log = logging.getLogger("ddp")
+
+# The seed's values, where the seed gives one; every other key says where it comes from.
+# configs/uniref50-tiny.yaml is the few-seconds version for a laptop and the tests.
 DEFAULTS: dict[str, Any] = {
-    "training": {"batch_size": 16, "accum": 1, "epochs": 4, "seed": 0},
-    "optim": {"name": "adamw", "lr": 3e-3, "weight_decay": 0.01, "warmup_steps": 10,
-              "schedule": "cosine", "grad_clip": 1.0},  # fmt: skip
-    "scaling": {"rule": "linear", "base_world_size": 1, "scale_warmup": True},
+    "training": {"batch_size": 16, "accum": 4,  # seed: 16 x 4 per GPU
+                 # The seed names no epoch count (its tables count 100k steps); one pass
+                 # over UniRef50 is already ~1M steps at 64 sequences a step.
+                 "epochs": 1, "seed": 0},
+    "optim": {"name": "adamw", "lr": 5e-5, "warmup_steps": 5000,  # seed: base lr, warmup
+              # not in the seed: SEDD's own (no weight decay, constant after warmup, clip 1)
+              "weight_decay": 0.0, "schedule": "constant", "grad_clip": 1.0},
+    "scaling": {"rule": "linear", "base_world_size": 1, "scale_warmup": True},  # seed: linear
+    "precision": "bf16",  # seed: memory.mixed_precision: True (bf16 needs no GradScaler)
+    "memory": {"gradient_checkpointing": False, "max_memory_fraction": 0.85},  # seed
+    "data": {"num_workers": 4},  # seed: training.num_workers: 4
     "checkpoint": {"dir": "runs/uniref50"},
-    "logging": {"every_n_steps": 10},
-    "model": {"d_model": 64, "n_layers": 2, "n_heads": 4, "max_len": 64, "dropout": 0.0},
+    "logging": {"every_n_steps": 50},
+    "monitoring": {"sample_frequency": 5000, "log_gradients": False,  # seed
+                   "log_weights": False, "num_samples": 8,
+                   # not in the seed: SEDD samples in as many steps as positions; half
+                   # of that costs little every 5000 steps
+                   "sample_steps": 256, "predictor": "analytic"},
+    # SEDD small: 768 wide (the seed's hidden_size), 12 blocks of 12 heads, a 128-wide
+    # noise embedding, dropout 0.1. max_len 512 (not SEDD's 1024 text tokens): most
+    # UniRef50 clusters' sequences fit whole, at half the attention memory.
+    "model": {"loss": "sedd", "graph": "absorbing", "noise": "loglinear",
+              "d_model": 768, "n_layers": 12, "n_heads": 12, "cond_dim": 128,
+              "max_len": 512, "dropout": 0.1,
+              "sigma_min": 1e-4, "sigma_max": 20.0, "noise_eps": 1e-3},  # SEDD's schedules
     "recipe": {"data": "", "cache_dir": "", "eval_fraction": 0.1, "split_salt": 0,
-               "t_min": 0.05, "eval_seed": 1234},  # fmt: skip
+               "t_min": 1e-3,  # SEDD's: t ~ U(t_min, 1), as its sampling_eps
+               "eval_seed": 1234},  # fmt: skip
 }
 
 FLAGS = [
@@ -138,49 +173,134 @@ def open_data(config: TrainConfig) -> tuple[TokenDataset, TokenDataset | None]:
     return train, evals
 
 
-def diffusion_loss(
-    model: torch.nn.Module, tokens: torch.Tensor, t: torch.Tensor, u: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sequence ELBO per residue, masked CE sum and masked count, given t and uniforms u."""
-    real = tokens != PAD
-    masked = (u < t[:, None]) & real
-    noisy = torch.where(masked, torch.full_like(tokens, MASK), tokens)
-    logits = model(noisy, t)
-    ce = torch.nn.functional.cross_entropy(
-        logits.float().transpose(1, 2), tokens, reduction="none"
-    ) * masked
-    n_real = real.sum(1).clamp(min=1)
-    elbo = (ce / t[:, None]).sum(1) / n_real
-    return elbo, ce.sum(1), masked.sum(1)
+#: Diffusion states: 0 the end-of-sequence filler (the store's padding), 1 ``X`` (any
+#: other residue), then the 20 amino acids; the absorbing graph adds its mask after them.
+N_STATES = 2 + len(AMINO_ACIDS)
+_STATE = torch.ones(UNK + 1 + len(AMINO_ACIDS), dtype=torch.long)  # store id -> state
+_STATE[PAD] = 0
+_STATE[UNK + 1:] = torch.arange(2, N_STATES)
+_LETTERS = "-X" + AMINO_ACIDS
+
+
+def to_states(tokens: torch.Tensor) -> torch.Tensor:
+    """Token-store ids (``ddp.data.fasta``'s vocabulary) as diffusion states."""
+    return _STATE.to(tokens.device)[tokens.clamp(0, len(_STATE) - 1)]
+
+
+def to_sequence(states: torch.Tensor) -> str:
+    """A sampled row as residues: everything before its first end-of-sequence state."""
+    text = "".join(_LETTERS[int(i)] if int(i) < len(_LETTERS) else "X" for i in states)
+    return text.split("-", 1)[0]
+
+
+def run_dir(config: TrainConfig) -> str:
+    """Where samples/ goes: the run directory ``hpc submit`` made, else checkpoint.dir."""
+    return os.environ.get("HPC_RUN_DIR") or config.checkpoint.dir or "."
+
+
+def sample_stats(seqs: list[str]) -> dict[str, float]:
+    """Mean, min and max length and each amino acid's share of all sampled residues."""
+    lengths = [len(q) for q in seqs]
+    total = max(1, sum(lengths))
+    out: dict[str, float] = {"len_mean": sum(lengths) / max(1, len(seqs)),
+                             "len_min": min(lengths, default=0),
+                             "len_max": max(lengths, default=0)}  # fmt: skip
+    for a in AMINO_ACIDS + "X":
+        out[f"aa_{a}"] = sum(q.count(a) for q in seqs) / total
+    return out
+
+
+def write_samples(path: str, seqs: list[str], step: int) -> None:
+    """``samples/step_N.fasta`` written atomically (a reader never sees half a file)."""
+    text = "".join(f">sample_{i} step={step} length={len(q)}\n{q}\n" for i, q in enumerate(seqs))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    atomic_write_text(text, path)
+
+
+def check_model(m: dict[str, Any]) -> None:
+    for key, allowed in (("loss", sedd.LOSSES), ("graph", sedd.GRAPHS), ("noise", sedd.SCHEDULES)):
+        if m[key] not in allowed:
+            raise ConfigError(f"model.{key}: {m[key]!r}; allowed: {', '.join(allowed)}")
+    if m["loss"] == "mdlm" and m["graph"] != "absorbing":
+        raise ConfigError("model.loss: mdlm needs model.graph: absorbing (MDLM masks tokens)")
+    if not 0 < m["sigma_min"] < m["sigma_max"] or not 0 < m["noise_eps"] < 1:
+        raise ConfigError(f"model.sigma_min/sigma_max/noise_eps: {m['sigma_min']}, "
+                          f"{m['sigma_max']}, {m['noise_eps']}; allowed: 0 < sigma_min < "
+                          "sigma_max and noise_eps in (0, 1)")  # fmt: skip
+    if m["max_len"] < 1 or m["d_model"] < 1 or m["n_layers"] < 1 or m["cond_dim"] < 1:
+        raise ConfigError("model.max_len, d_model, n_layers, cond_dim: allowed: integers >= 1")
 
 
 def build(config: TrainConfig) -> Built:
-    m, r = config.model, config.recipe
-    train, evals = open_data(config)
-    model = seeded_model(config.training.seed, lambda: TinyTransformer(
-        m["d_model"], m["n_layers"], m["n_heads"], m["max_len"], m["dropout"],
-        time_conditioned=True,
-    ))  # fmt: skip
+    m, r, mon = config.model, config.recipe, config.monitoring
+    check_model(m)
     t_min = float(r["t_min"])
-    eval_seed = int(r["eval_seed"])
+    if not 0 <= t_min < 1:
+        raise ConfigError(f"recipe.t_min: {t_min}; allowed: a number in [0, 1)")
+    train, evals = open_data(config)
+    graph = sedd.make_graph(m["graph"], N_STATES)
+    noise = sedd.make_noise(m["noise"], m["sigma_min"], m["sigma_max"], m["noise_eps"])
+    model = seeded_model(config.training.seed, lambda: sedd.DiT(
+        graph.n, m["d_model"], m["n_layers"], m["n_heads"], m["cond_dim"], m["max_len"],
+        m["dropout"]))  # fmt: skip
+    loss, eval_seed = m["loss"], int(r["eval_seed"])
 
     def step(model: torch.nn.Module, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
-        t = torch.rand(tokens.shape[0], device=tokens.device) * (1 - t_min) + t_min
-        u = torch.rand(tokens.shape, device=tokens.device)
-        elbo, ce, n = diffusion_loss(model, tokens, t, u)
-        return {"loss": elbo.mean(), "masked_ce": ce.sum() / n.sum().clamp(min=1)}
+        x0 = to_states(tokens)
+        t = torch.rand(x0.shape[0], device=x0.device) * (1 - t_min) + t_min
+        # (1 - t_min): the integral over [t_min, 1] of which the mean is an estimate
+        return {"loss": sedd.diffusion_loss(model, x0, graph, noise, t, loss).mean() * (1 - t_min)}
 
     def evaluate(model: torch.nn.Module, tokens: torch.Tensor) -> dict[str, Any]:
         # Noise drawn per sequence from a generator seeded by its content, so the eval
         # loss does not depend on batch composition or world size.
-        ts, us = [], []
-        for row in tokens.cpu():
+        x0 = to_states(tokens).cpu()
+        ts, xs = [], []
+        for row in x0:
             g = torch.Generator().manual_seed(eval_seed + int((row * torch.arange(len(row))).sum()))
-            ts.append(torch.rand(1, generator=g) * (1 - t_min) + t_min)
-            us.append(torch.rand(row.shape, generator=g))
-        t = torch.cat(ts).to(tokens.device)
-        u = torch.stack(us).to(tokens.device)
-        elbo, _, _ = diffusion_loss(model, tokens, t, u)
-        return {"loss": elbo.mean(), "n": tokens.shape[0]}
+            t = torch.rand(1, generator=g) * (1 - t_min) + t_min
+            ts.append(t)
+            xs.append(graph.perturb(row[None], noise.total(t), g))
+        t, x_t = torch.cat(ts).to(tokens.device), torch.cat(xs).to(tokens.device)
+        nelbo = sedd.diffusion_loss(model, x0.to(tokens.device), graph, noise, t, loss,
+                                    x_t=x_t) * (1 - t_min)  # fmt: skip
+        return {"loss": nelbo.mean(), "n": tokens.shape[0]}
 
-    return Built(model, train, evals, step, evaluate)
+    def finish_eval(metrics: dict[str, float]) -> dict[str, float]:
+        if "eval_loss" in metrics:  # the ELBO per position bounds -log p: its exp, perplexity
+            metrics["eval_ppl_bound"] = math.exp(min(metrics["eval_loss"], 700.0))
+        return metrics
+
+    def after_step(trainer: Any, step: int) -> None:
+        freq = mon.sample_frequency
+        if not freq or step % freq:
+            return
+        net = ddp.unwrap(trainer.wrapped)
+        sharded = fsdp.is_sharded(net)  # FSDP: every rank runs the forwards, rank 0 writes
+        if not (sharded or trainer.ctx.is_main):
+            return
+        dev = trainer.ctx.device
+        g = torch.Generator(dev).manual_seed(config.training.seed * 1_000_003 + step)
+        was = net.training
+        net.eval()
+        try:
+            with parts.autocast(config.precision, dev):
+                states = sedd.sample(net, graph, noise, (mon.num_samples, m["max_len"]),
+                                     mon.sample_steps, mon.predictor, loss, device=dev,
+                                     generator=g)  # fmt: skip
+        finally:
+            net.train(was)
+        if not trainer.ctx.is_main:
+            return
+        seqs = [to_sequence(row) for row in states.cpu()]
+        path = os.path.join(run_dir(config), "samples", f"step_{step}.fasta")
+        write_samples(path, seqs, step)
+        stats = sample_stats(seqs)
+        top = sorted(AMINO_ACIDS, key=lambda a: -stats[f"aa_{a}"])[:5]
+        log.info("samples step %d: %s; length mean %.1f (min %d, max %d); most frequent %s",
+                 step, path, stats["len_mean"], stats["len_min"], stats["len_max"],
+                 " ".join(f"{a}={stats[f'aa_{a}']:.3f}" for a in top))  # fmt: skip
+        trainer.loggers.samples(stats, step)
+
+    return Built(model, train, evals, step, evaluate, after_step=after_step,
+                 finish_eval=finish_eval)  # fmt: skip
