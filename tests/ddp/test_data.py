@@ -127,7 +127,7 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[Path, str]]:
     return {
         "binary": (binary, "binary data"),
         "empty": (empty, "is empty"),
-        "torch .pt": (pt, "pickle/zip file"),
+        "torch .pt of another shape": (pt, "seed 004's"),  # the seed's processed file is read
         "truncated store": (trunc, "truncated or damaged token store"),
         "other tokenizer": (other, "tokenizer 'bpe-gpt2'"),
         "text": (text, "not a FASTA '>' header"),

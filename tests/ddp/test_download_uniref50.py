@@ -23,6 +23,7 @@ from ddp.data.fasta import TOKENIZER, VOCAB_SIZE
 from ddp.data.store import TokenStore
 from ddp.errors import ConfigError
 from tests.support.polling import wait_until
+from tests.support.signals import default_signals
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -200,7 +201,8 @@ def test_ctrl_c_mid_transfer_keeps_only_the_part(mirror, tmp_path: Path) -> None
     to = tmp_path / "data"
     proc = subprocess.Popen([sys.executable, "-m", "ddp.data", "download-uniref50", "--url", base,
                              "--to", str(to)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"})
+                            text=True, env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"},
+                            preexec_fn=default_signals)  # SIGINT at its default: see signals.py
     try:
         assert state.sent_half.wait(60), "the transfer never started"
         part = to / "uniref50.fasta.gz.part"
