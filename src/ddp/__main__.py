@@ -148,11 +148,16 @@ def _train(recipe: Recipe, config: TrainConfig, from_env: Sequence[str] = ()) ->
                    timeout=config.ddp.timeout_s)  # fmt: skip
     if from_env and ctx.rank == 0:  # said once, so a log shows why a value differs
         print(f"ddp: {ENV_SETS} from the environment: {' '.join(from_env)}", file=sys.stderr)
-    built = recipe.build(config)
-    trainer = Trainer(
-        built.model, built.train_data, config, built.step_fn,
-        built.eval_data, built.eval_fn, built.collate_fn, built.after_step, built.finish_eval,
-    )  # fmt: skip
+    try:
+        built = recipe.build(config)
+        trainer = Trainer(
+            built.model, built.train_data, config, built.step_fn,
+            built.eval_data, built.eval_fn, built.collate_fn, built.after_step,
+            built.finish_eval,
+        )  # fmt: skip
+    except ConfigError:  # every rank reads the same input: each ends here, then says so
+        ddp.shutdown()  # main() called from Python must not leave the group behind
+        raise
     summary = trainer.fit()
     if built.after_fit is not None:
         built.after_fit(trainer, summary)
