@@ -121,10 +121,15 @@ def _train(recipe: Recipe, config: TrainConfig) -> int:
 
     ddp.init(backend=config.ddp.backend, device=config.ddp.device, timeout=config.ddp.timeout_s)
     built = recipe.build(config)
+    if config.model.get("init_from") and not built.init_done:
+        from ddp import init_from
+
+        init_from.apply(built.model, config.model["init_from"])
     trainer = Trainer(
         built.model, built.train_data, config, built.step_fn,
         built.eval_data, built.eval_fn, built.collate_fn,
     )  # fmt: skip
+    trainer.on_epoch_end = built.on_epoch_end
     summary = trainer.fit()
     if built.after_fit is not None:
         built.after_fit(trainer, summary)

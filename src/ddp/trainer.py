@@ -89,6 +89,9 @@ class Trainer:
         self._eval_preempted = False  # evaluate() stopped early on a preemption signal
         self._stop = False
         self._samples = 0
+        #: ``on_epoch_end(epoch, epochs, train_loss, eval_metrics)``, every rank, after each
+        #: epoch's evaluation (``Built.on_epoch_end``: a seed's own epoch summary lines).
+        self.on_epoch_end: Callable[[int, int, float, dict[str, float]], None] | None = None
 
     @property
     def preempt_requested(self) -> bool:
@@ -274,6 +277,8 @@ class Trainer:
                         self._save(loop, at=(epoch, loop.n_batches))
                         self._exit_preempted()
                     self.loggers.eval(eval_metrics, self.global_step, epoch)  # type: ignore[union-attr]
+                if self.on_epoch_end is not None:
+                    self.on_epoch_end(epoch, phase.epochs, loss, eval_metrics if evaluated else {})
                 self._save(loop, at=(epoch + 1, 0))
         finally:
             self.loggers.end_phase()  # type: ignore[union-attr]
