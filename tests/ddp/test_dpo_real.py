@@ -234,3 +234,68 @@ def test_missing_transformers_names_the_extra(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == ("ddp: error: the dpo recipe needs transformers: "
                                    "pip install 'hpc-ddp[dpo]'")  # fmt: skip
+
+
+def test_precomputed_reference_logps_match_the_live_reference(lm: Path, tmp_path: Path) -> None:
+    """precompute_ref_logps: log-probs stored with the data, the reference freed, and the
+    loss on a batch equal to the one with the live reference."""
+    from ddp import recipes
+
+    data = write_pairs(tmp_path / "pairs.json", 4, seed=2)
+    recipe = recipes.get("dpo")
+    sets = [f"model.name_or_path={lm}", f"recipe.train_data={data}", "recipe.val_fraction=0"]
+    live = recipe.build(recipes.resolve(recipe, None, sets))
+    pre = recipe.build(recipes.resolve(recipe, None, [*sets, "recipe.precompute_ref_logps=true"]))
+    assert pre.reference.model is None and "ref" in pre.train_data[0]
+    for b in (live, pre):
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(5)
+            for p in b.model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+    items = [live.train_data[i] for i in range(4)]
+    a = live.step_fn(live.model, live.collate_fn(items))
+    b = pre.step_fn(pre.model, pre.collate_fn([pre.train_data[i] for i in range(4)]))
+    assert float(a["loss"].detach()) == pytest.approx(float(b["loss"].detach()), abs=1e-6)
+    assert float(a["loss"].detach()) != pytest.approx(math.log(2), abs=1e-4)
+
+
+def test_remote_code_never_runs_unless_asked(tmp_path: Path) -> None:
+    """A model folder whose config names its own code (auto_map): refused in one line,
+    and that code is never imported, unless --trust_remote_code is given."""
+    folder = tmp_path / "custom"
+    folder.mkdir()
+    marker = tmp_path / "ran"
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "evil", "architectures": ["EvilLM"],
+        "auto_map": {"AutoConfig": "modeling_evil.EvilConfig",
+                     "AutoModelForCausalLM": "modeling_evil.EvilLM"}}))  # fmt: skip
+    (folder / "modeling_evil.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n")
+    data = write_pairs(tmp_path / "pairs.json", 4)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddp", "dpo", "--model_name_or_path", str(folder),
+         "--train_data", str(data), "--output_dir", str(tmp_path / "o")],
+        capture_output=True, text=True, env=_env(), timeout=120,
+    )  # fmt: skip
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "model.name_or_path" in lines[0] and "trust_remote_code" in lines[0]
+    assert not marker.exists()
+
+
+def test_bf16_checkpoint_trains_in_fp32_master_weights(lm: Path, tmp_path: Path) -> None:
+    """A model folder saved in bf16 (as most hub models are) is loaded as float32: with
+    bf16 weights, AdamW's lr 3e-7 updates would round to nothing."""
+    from transformers import AutoModelForCausalLM
+
+    from ddp import recipes
+
+    folder = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(lm).to(torch.bfloat16).save_pretrained(folder)
+    for f in lm.glob("tokenizer*"):
+        (folder / f.name).write_bytes(f.read_bytes())
+    recipe = recipes.get("dpo")
+    cfg = recipes.resolve(recipe, None, [f"model.name_or_path={folder}",
+                                         f"recipe.train_data={write_pairs(tmp_path / 'p.json', 3)}"])  # fmt: skip
+    built = recipe.build(cfg)
+    assert {p.dtype for p in built.model.parameters()} == {torch.float32}
+    assert {p.dtype for p in built.reference.model.parameters()} == {torch.float32}

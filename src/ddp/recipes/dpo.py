@@ -361,7 +361,12 @@ def load_policy(config: TrainConfig) -> tuple[PreTrainedModel, PreTrainedTokeniz
     if source:
         key = "model.init_from" if source == init else "model.name_or_path"
         try:
-            policy = tf.AutoModelForCausalLM.from_pretrained(source, trust_remote_code=trust)
+            # float32 master weights whatever the folder stores (transformers 5 keeps a
+            # bf16 checkpoint in bf16, where AdamW's 3e-7 steps would round away);
+            # `precision: bf16` autocasts the compute instead.
+            policy = tf.AutoModelForCausalLM.from_pretrained(
+                source, trust_remote_code=trust, dtype=torch.float32
+            )
             tok = tf.AutoTokenizer.from_pretrained(
                 source if _has_tokenizer(source) else m["name_or_path"] or source,
                 trust_remote_code=trust,
