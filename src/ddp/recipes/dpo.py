@@ -442,6 +442,7 @@ def build(config: TrainConfig) -> Built:
             raise ConfigError("recipe.val_fraction: leaves no training pairs")
 
     policy, tok, init_done = load_policy(config)
+    hf_config = copy.deepcopy(policy.config)
     if r["disable_dropout"]:
         _disable_dropout(policy)
     policy.train()
@@ -470,12 +471,20 @@ def build(config: TrainConfig) -> Built:
             print("\n".join(lines), flush=True)
 
     def after_fit(trainer: Any, summary: dict[str, Any]) -> None:
-        """Beside final/model.pt: final/hf, a folder that from_pretrained loads."""
-        out = config.checkpoint.dir
-        if out and _main():
-            model = ddp.unwrap(trainer.wrapped)
-            model.save_pretrained(Path(out) / "final" / "hf")
-            tok.save_pretrained(Path(out) / "final" / "hf")
+        """Beside final/model.pt: final/hf, a folder that from_pretrained loads. Built
+        from the export (a full state dict, also under FSDP, where the live policy is
+        sharded and its own state_dict a collective), by rank 0 alone."""
+        final = summary.get("final_model")
+        if not final or not _main():
+            return
+        tf = _transformers()
+        state = torch.load(final, map_location="cpu", weights_only=True)
+        model = tf.AutoModelForCausalLM.from_config(
+            hf_config, trust_remote_code=bool(m["trust_remote_code"]), dtype=torch.float32
+        )
+        model.load_state_dict(state)
+        model.save_pretrained(Path(final).parent / "hf")
+        tok.save_pretrained(Path(final).parent / "hf")
 
     built = Built(policy, train_ds, val_ds, _train_step(step), step, collate, after_fit)
     built.init_done = init_done
