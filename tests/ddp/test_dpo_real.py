@@ -168,6 +168,8 @@ def test_pdb_record_trains_on_two_ranks_with_the_seeds_lines(lm: Path, tmp_path:
         assert rc == 0, err[-3000:]
     stdout = results[0][1]
     assert "Loaded 10 training and 5 validation pairs" in stdout
+    # said once, not clamped silently: the tiny model has 64 positions, max_len is 512
+    assert "model.max_len 512: the model has 64 positions" in stdout + results[0][2]
     assert "Batch size per GPU: 1, Total batch size: 2" in stdout
     for k in (1, 2):
         assert f"Epoch {k} Summary:\n  Train Loss: " in stdout

@@ -387,6 +387,9 @@ def load_policy(config: TrainConfig) -> tuple[PreTrainedModel, PreTrainedTokeniz
         weights.apply(policy, init)
         loaded_here = True
     if tok.pad_token_id is None:
+        if tok.eos_token is None:
+            raise ConfigError(f"model.name_or_path: {source!r}'s tokenizer has neither a pad "
+                              "nor an EOS token; allowed: a tokenizer with either")  # fmt: skip
         tok.pad_token = tok.eos_token
     return policy, tok, loaded_here
 
@@ -443,12 +446,18 @@ def build(config: TrainConfig) -> Built:
 
     policy, tok, init_done = load_policy(config)
     hf_config = copy.deepcopy(policy.config)
+    max_len = m["max_len"]
+    limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
+    if isinstance(limit, int) and 1 < limit < max_len:
+        log.warning("model.max_len %d: the model has %d positions; sequences are cut at %d",
+                    max_len, limit, limit)  # fmt: skip
+        max_len = limit
     if r["disable_dropout"]:
         _disable_dropout(policy)
     policy.train()
     reference = Reference(policy)  # the starting policy, frozen: same on every rank
-    train_ds = PairDataset(pairs, tok, m["max_len"], "recipe.train_data")
-    val_ds = PairDataset(val, tok, m["max_len"], "recipe.val_data") if val else None
+    train_ds = PairDataset(pairs, tok, max_len, "recipe.train_data")
+    val_ds = PairDataset(val, tok, max_len, "recipe.val_data") if val else None
     collate = make_collate(int(tok.pad_token_id))
     if r["precompute_ref_logps"]:
         for ds in (train_ds, val_ds):
