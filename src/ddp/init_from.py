@@ -106,16 +106,15 @@ def _tensor_map(obj: Any, path: Path, what: str) -> dict[str, torch.Tensor]:
 
 def _read_pt(path: Path) -> dict[str, torch.Tensor]:
     """An export (plain state dict) or a step checkpoint (its ``model`` only)."""
-    import pickle
-
     import torch
 
     data = _read_bytes(path)
     try:
         obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:160]
-        raise ConfigError(f"{KEY}: {str(path)!r} is not a loadable weights file ({first})") from None
+    except Exception as exc:  # damaged or crafted: whatever the unpickler raised, one line
+        raise ConfigError(f"{KEY}: {str(path)!r} is not a loadable weights file "
+                          f"({type(exc).__name__}); allowed: a final/model.pt export, a "
+                          "step_N.pt checkpoint or a Hugging Face model folder") from None
     if isinstance(obj, dict) and "global_step" in obj and "format" in obj:
         return _checkpoint_model(path)  # re-read through the checked reader (digest, fields)
     return _tensor_map(obj, path, "holds no state dict")

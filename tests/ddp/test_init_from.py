@@ -174,3 +174,40 @@ def test_load_into_names_first_mismatch() -> None:
     lin = nn.Linear(2, 2)
     with pytest.raises(ConfigError, match="it has no 'bias'"):
         load_into(lin, {"weight": torch.zeros(2, 2)}, "src")
+
+
+class _Evil:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (open, (self.marker, "w"))
+
+
+def test_crafted_files_are_refused_without_running_anything(tmp_path: Path) -> None:
+    """A pickle that would call a function, a checkpoint whose digest does not match, a
+    safetensors folder with a damaged file: one ConfigError line each, nothing runs."""
+    import hashlib
+    import pickle
+
+    from ddp import checkpoint
+    from ddp.errors import ConfigError
+    from ddp.init_from import read_state
+
+    marker = tmp_path / "ran"
+    evil = tmp_path / "evil.pt"
+    evil.write_bytes(pickle.dumps({"w": _Evil(str(marker))}))
+    with pytest.raises(ConfigError, match="is not a loadable weights file"):
+        read_state(str(evil))
+    assert not marker.exists()
+    ck = tmp_path / "step_000000001.pt"
+    checkpoint.atomic_save_digested({"format": 2, "global_step": 1, "model": {}}, ck)
+    ck.with_name(ck.name + ".sha256").write_text(hashlib.sha256(b"other").hexdigest())
+    with pytest.raises(ConfigError, match="does not match its digest"):
+        read_state(str(ck))
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(ConfigError, match="is no readable safetensors file"):
+        read_state(str(folder))
