@@ -415,11 +415,17 @@ def _main() -> bool:
 
 @torch.no_grad()
 def precompute(reference: Reference, data: PairDataset, collate: Any, batch: int) -> None:
-    """Reference log-probs of every pair, stored with the data (``ref`` per item)."""
+    """Reference log-probs of every pair, stored with the data (``ref`` per item).
+
+    On this rank's device when the run has one (the reference follows the batch there);
+    every rank computes every pair, so no rank waits on another's shard."""
+    ctx = ddp.get_context()
+    dev = ctx.device if ctx is not None else torch.device("cpu")
     out = []
     for lo in range(0, len(data), batch):
         items = [data[i] for i in range(lo, min(lo + batch, len(data)))]
-        lp = reference.logps(collate(items))
+        cpu = collate(items)
+        lp = reference.logps({k: v.to(dev) for k, v in cpu.items()})
         out.append(lp.view(2, -1).T.cpu())
     data.ref = torch.cat(out)
 
