@@ -261,6 +261,45 @@ def test_precomputed_reference_logps_match_the_live_reference(lm: Path, tmp_path
     assert float(a["loss"].detach()) != pytest.approx(math.log(2), abs=1e-4)
 
 
+def test_precomputed_logps_are_stored_and_reused_only_when_they_fit(
+    lm: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """<checkpoint.dir>/ref_logps.pt is written once, read by the next build with the same
+    reference and data, and refused (computed afresh) for other data or a damaged file."""
+    import logging
+
+    from ddp import recipes
+    from ddp.recipes import dpo
+
+    recipe = recipes.get("dpo")
+
+    def build(n: int) -> recipes.Built:
+        data = write_pairs(tmp_path / f"p{n}.json", n, seed=3)
+        return recipe.build(recipes.resolve(recipe, None, [
+            f"model.name_or_path={lm}", f"recipe.train_data={data}", "recipe.val_fraction=0.25",
+            "recipe.precompute_ref_logps=true", f"checkpoint.dir={tmp_path / 'run'}"]))  # fmt: skip
+
+    cache = tmp_path / "run" / dpo.REF_CACHE
+    first = build(8)
+    assert cache.is_file()
+    with caplog.at_level(logging.INFO, logger="ddp"):
+        again = build(8)
+    assert f"reference log-probs read from {cache}" in caplog.text
+    assert torch.equal(again.train_data.ref, first.train_data.ref)
+    assert torch.equal(again.eval_data.ref, first.eval_data.ref)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ddp"):
+        other = build(12)
+    assert "written for another reference or data; computing afresh" in caplog.text
+    assert other.train_data.ref.shape == (9, 2)
+    cache.write_bytes(b"damaged")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ddp"):
+        third = build(8)
+    assert "computing afresh" in caplog.text
+    assert torch.allclose(third.train_data.ref, first.train_data.ref)
+
+
 def test_remote_code_never_runs_unless_asked(tmp_path: Path) -> None:
     """A model folder whose config names its own code (auto_map): refused in one line,
     and that code is never imported, unless --trust_remote_code is given."""

@@ -430,6 +430,65 @@ def precompute(reference: Reference, data: PairDataset, collate: Any, batch: int
     data.ref = torch.cat(out)
 
 
+REF_CACHE = "ref_logps.pt"
+
+
+def _ref_key(reference: nn.Module, datasets: tuple[PairDataset | None, ...]) -> str:
+    """What the stored log-probs depend on: the reference's weights (names, shapes and up
+    to 1024 evenly spaced values of each tensor: cheap for a large model, and any other
+    checkpoint differs in them) and every token row with its prompt length."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for k, v in reference.state_dict().items():
+        flat = v.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 1024)][:1024]
+        h.update(f"{k}{tuple(v.shape)}{v.dtype}".encode())
+        h.update(sample.float().cpu().numpy().tobytes())
+    for ds in datasets:
+        h.update(json.dumps(ds.items if ds is not None else None).encode())
+    return h.hexdigest()
+
+
+def stored_ref_logps(reference: Reference, datasets: tuple[PairDataset | None, ...],
+                     collate: Any, batch: int, directory: str | None) -> None:  # fmt: skip
+    """Reference log-probs for every dataset, read from ``<checkpoint.dir>/ref_logps.pt``
+    when it was written for this reference and these token rows (a resumed or repeated
+    run), else computed (:func:`precompute`) and written there by rank 0, atomically."""
+    import io
+
+    from ddp import checkpoint as ckpt
+
+    assert reference.model is not None
+    key = _ref_key(reference.model, datasets)
+    path = Path(directory) / REF_CACHE if directory else None
+    if path is not None and path.is_file():
+        try:
+            saved = torch.load(io.BytesIO(ckpt.read_regular(path, None)), weights_only=True)
+            tensors = [saved[f"ref{i}"] for i in range(len(datasets))]
+            ok = saved.get("key") == key and all(
+                (t is None) == (ds is None) and (ds is None or (
+                    isinstance(t, torch.Tensor) and t.shape == (len(ds), 2)
+                    and bool(torch.isfinite(t).all())))
+                for t, ds in zip(tensors, datasets, strict=True))  # fmt: skip
+        except Exception:  # damaged, foreign or crafted: computed afresh
+            ok = False
+        if ok:
+            for t, ds in zip(tensors, datasets, strict=True):
+                if ds is not None:
+                    ds.ref = t.float()
+            log.info("reference log-probs read from %s", path)
+            return
+        log.warning("%s was written for another reference or data; computing afresh", path)
+    for ds in datasets:
+        if ds is not None:
+            precompute(reference, ds, collate, batch)
+    if path is not None and _main():
+        obj: dict[str, Any] = {"key": key}
+        obj.update({f"ref{i}": ds.ref if ds is not None else None for i, ds in enumerate(datasets)})
+        ckpt.atomic_save(obj, path)
+
+
 def build(config: TrainConfig) -> Built:
     m, r = config.model, config.recipe
     if r["loss_type"] not in LOSS_TYPES:
@@ -466,9 +525,8 @@ def build(config: TrainConfig) -> Built:
     val_ds = PairDataset(val, tok, max_len, "recipe.val_data") if val else None
     collate = make_collate(int(tok.pad_token_id))
     if r["precompute_ref_logps"]:
-        for ds in (train_ds, val_ds):
-            if ds is not None:
-                precompute(reference, ds, collate, max(1, config.training.batch_size))
+        stored_ref_logps(reference, (train_ds, val_ds), collate,
+                         max(1, config.training.batch_size), config.checkpoint.dir)  # fmt: skip
         reference.model = None  # freed: the stored log-probs stand for it
     ctx = ddp.get_context()
     world = ctx.world_size if ctx is not None else 1
