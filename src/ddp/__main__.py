@@ -150,6 +150,10 @@ def _train(recipe: Recipe, config: TrainConfig, from_env: Sequence[str] = ()) ->
         print(f"ddp: {ENV_SETS} from the environment: {' '.join(from_env)}", file=sys.stderr)
     try:
         built = recipe.build(config)
+        if config.model.get("init_from") and not built.init_done:
+            from ddp import init_from
+
+            init_from.apply(built.model, config.model["init_from"])
         trainer = Trainer(
             built.model, built.train_data, config, built.step_fn,
             built.eval_data, built.eval_fn, built.collate_fn, built.after_step,
@@ -158,6 +162,7 @@ def _train(recipe: Recipe, config: TrainConfig, from_env: Sequence[str] = ()) ->
     except ConfigError:  # every rank reads the same input: each ends here, then says so
         ddp.shutdown()  # main() called from Python must not leave the group behind
         raise
+    trainer.on_epoch_end = built.on_epoch_end
     summary = trainer.fit()
     if built.after_fit is not None:
         built.after_fit(trainer, summary)

@@ -97,6 +97,9 @@ class Trainer:
         self.after_step = after_step
         self.finish_eval = finish_eval
         self._norms: dict[str, Any] = {}  # per-layer squared norms at the coming log point
+        #: ``on_epoch_end(epoch, epochs, train_loss, eval_metrics)``, every rank, after each
+        #: epoch's evaluation (``Built.on_epoch_end``: a seed's own epoch summary lines).
+        self.on_epoch_end: Callable[[int, int, float, dict[str, float]], None] | None = None
 
     @property
     def preempt_requested(self) -> bool:
@@ -295,6 +298,8 @@ class Trainer:
                         self._exit_preempted()
                     self.loggers.eval(eval_metrics, self.global_step, epoch)  # type: ignore[union-attr]
                     self._keep_best(eval_metrics)
+                if self.on_epoch_end is not None:
+                    self.on_epoch_end(epoch, phase.epochs, loss, eval_metrics if evaluated else {})
                 self._save(loop, at=(epoch + 1, 0))
         finally:
             self.loggers.end_phase()  # type: ignore[union-attr]

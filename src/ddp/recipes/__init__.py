@@ -75,7 +75,13 @@ COMMON_FLAGS: tuple[Flag, ...] = (
     Flag("--seed", "training.seed", int, "seed of the initial weights, data order and noise"),
     Flag("--max_steps", "training.max_steps", int, "stop after this many optimizer steps",
          aliases=("--max-steps",)),  # fmt: skip
+    # ddp.init_from: starting weights (HF folder or hub id, final/model.pt, step checkpoint)
+    Flag("--init_from", "model.init_from", str, "starting weights: a Hugging Face model folder "
+         "or hub id, a final/model.pt export or a step checkpoint (resume is separate)"),
 )
+
+#: Model keys every recipe has (``ddp.init_from``); "" = the recipe's own initial weights.
+COMMON_MODEL_KEYS: dict[str, Any] = {"init_from": ""}
 
 StepFn = Callable[["torch.nn.Module", Any], Any]
 
@@ -99,6 +105,12 @@ class Built:
     #: derives numbers from the aggregated evaluation (its perplexity bound).
     after_step: Callable[[Any, int], None] | None = None
     finish_eval: Callable[[dict[str, float]], dict[str, float]] | None = None
+    #: True when build() already loaded ``model.init_from`` itself (dpo: before it copies
+    #: the policy into the reference); otherwise ``python -m ddp`` loads it generically.
+    init_done: bool = False
+    #: ``on_epoch_end(epoch, epochs, train_loss, eval_metrics)`` on every rank after each
+    #: epoch (eval_metrics {} when that epoch did not evaluate): a seed's epoch summary.
+    on_epoch_end: Callable[[int, int, float, dict[str, float]], None] | None = None
 
 
 @runtime_checkable
@@ -245,7 +257,7 @@ def resolve(
             values[flag.key] = value
     cfg = cfg.with_values(values).override(list(sets))
     check_sweep_paths(cfg)
-    check_free_section(cfg, "model", recipe.DEFAULTS.get("model", {}))
+    check_free_section(cfg, "model", {**COMMON_MODEL_KEYS, **recipe.DEFAULTS.get("model", {})})
     check_free_section(cfg, "recipe", recipe.DEFAULTS.get("recipe", {}))
     check_model_values(cfg.model)
     return cfg

@@ -1,148 +1,566 @@
-"""Direct Preference Optimization on prompt/chosen/rejected sequence pairs (seed 001).
+"""Direct Preference Optimization from a pretrained causal LM (seed 001, inverse folding).
 
-A small causal LM policy and a frozen copy of it as the reference live in one
-module (:class:`DPOModel`), so DDP syncs only the policy's gradients (the
-reference has ``requires_grad=False``) and the step is one forward. Loss:
-``-log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))`` over response-token
-log-probabilities; reward accuracy is the share of pairs whose chosen reward is
-higher. Data: a JSON list of ``{"prompt", "chosen", "rejected"}`` strings; the
-shipped ``data/dpo_pairs.json`` comes from ``scripts/make_fasta.py``.
+The policy is any ``AutoModelForCausalLM`` named by ``--model_name_or_path`` (a hub id
+or a local folder, the same ``from_pretrained`` call either way) or by
+``--init_from`` (:mod:`ddp.init_from`: a model folder, hub id, ``final/model.pt`` or
+step checkpoint). The reference is a frozen copy of the starting policy: kept *outside*
+the module the Trainer wraps in DDP (so DDP never broadcasts, hooks or syncs it), no
+gradients, always in eval mode, moved to the device on first use. Every rank loads the
+same weights, so the references are bit-identical across ranks without a broadcast.
+With ``recipe.precompute_ref_logps`` the reference's log-probabilities are computed
+once per pair before training, stored with the data, and the reference is freed.
+
+Loss (as TRL's ``DPOTrainer`` defines it, on token-summed completion log-probs):
+
+* ``sigmoid``: ``-log σ(β Δ)``, Δ = (π_c − ref_c) − (π_r − ref_r);
+* ``conservative`` (cDPO): ``-(1−ε) log σ(β Δ) − ε log σ(−β Δ)``, ε = label_smoothing;
+* ``robust``: ``((1−ε)(−log σ(β Δ)) − ε(−log σ(−β Δ))) / (1 − 2ε)``;
+* ``ipo``: ``(Δ̄ − 1/(2β))²`` with Δ̄ on length-normalised log-probs, as TRL does.
+
+Logged: loss, reward_chosen / reward_rejected (β × log-ratio), reward_margin and
+reward_acc (share of pairs whose chosen reward is higher).
+
+Data: the seed's JSON list of ``{"prompt", "chosen", "rejected"}``. For inverse folding
+a record may give ``"structure": "file.pdb"`` (PDB or mmCIF, relative to the JSON file)
+and optionally ``"chain"`` instead of a prompt: Biopython's ``Bio.PDB`` parses it into
+that chain's one-letter sequence (the first chain by default), which becomes the
+prompt. Parsing happens once, in ``build``, so ``data.num_workers`` stays 0 as the seed
+advises. Each side is tokenized with the model's tokenizer as ``prompt`` + ``response``
++ EOS; prompt and padding positions are masked out of the log-probs.
+
+Without a model name or ``init_from`` the recipe builds a tiny GPT-2 from its config
+with a character tokenizer over the amino acids: the quick start, which never downloads.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import logging
+import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+import ddp
 from ddp.config import TrainConfig
 from ddp.errors import ConfigError
 from ddp.recipes import DATA_DIR, Built, Flag, seeded_model
-from ddp.recipes._common import BOS, EOS, PAD, TinyTransformer, encode
+from ddp.recipes._common import AMINO_ACIDS
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger("ddp")
 
 NAME = "dpo"
-DESCRIPTION = "DPO: small policy LM vs frozen reference on preference pairs (JSON)"
+DESCRIPTION = "DPO: pretrained causal LM policy vs frozen reference on preference pairs (JSON/PDB)"
+EXTRA = "pip install 'hpc-ddp[dpo]'"
 
 DEFAULTS: dict[str, Any] = {
-    "training": {"batch_size": 16, "epochs": 3, "seed": 0},
-    "optim": {"name": "adamw", "lr": 1e-3, "warmup_steps": 5, "schedule": "constant",
+    # Seed 001: batch 1 per device, lr 3e-7 (its run_dpo.py defaults and the guide's
+    # scaling example). Epochs: 3, not the guide's quick-start 10, which it passes
+    # explicitly (--num_epochs 10 works the same here).
+    "training": {"batch_size": 1, "epochs": 3, "seed": 0},
+    "optim": {"name": "adamw", "lr": 3e-7, "warmup_steps": 0, "schedule": "constant",
               "grad_clip": 1.0},  # fmt: skip
     "checkpoint": {"dir": "outputs/dpo_ddp"},
     "logging": {"every_n_steps": 10},
-    "model": {"d_model": 64, "n_layers": 2, "n_heads": 4, "max_len": 32, "dropout": 0.0},
-    "recipe": {"train_data": "", "val_data": "", "val_fraction": 0.1, "beta": 0.1},
+    "model": {
+        "name_or_path": "",  # hub id or folder of any AutoModelForCausalLM; "" = tiny demo
+        "trust_remote_code": False,  # never run a model repository's code unless asked
+        "max_len": 512,  # prompt + response tokens per sequence (longer: the end is cut)
+        # The tiny demo GPT-2 (only when neither name_or_path nor init_from is given):
+        "d_model": 64, "n_layers": 2, "n_heads": 4,
+    },
+    "recipe": {
+        "train_data": "", "val_data": "", "val_fraction": 0.1,
+        "beta": 0.1,
+        "loss_type": "sigmoid",  # sigmoid | conservative | robust | ipo (TRL's definitions)
+        "label_smoothing": 0.0,  # epsilon of conservative / robust
+        "disable_dropout": True,  # as TRL: policy and reference agree at step 0
+        "precompute_ref_logps": False,
+    },
 }
 
 FLAGS = [
+    Flag("--model_name_or_path", "model.name_or_path", str,
+         "policy and reference: a hub id or folder of any AutoModelForCausalLM"),  # fmt: skip
     Flag("--train_data", "recipe.train_data", str, "JSON pairs (default: the shipped ones)"),
     Flag("--val_data", "recipe.val_data", str, "JSON validation pairs (default: split off)"),
-    Flag("--batch_size", "training.batch_size", int, "batch size per rank"),
+    Flag("--batch_size", "training.batch_size", int, "pairs per rank per step"),
     Flag("--num_epochs", "training.epochs", int, "epochs"),
     Flag("--learning_rate", "optim.lr", float, "learning rate"),
     Flag("--beta", "recipe.beta", float, "DPO temperature"),
+    Flag("--loss_type", "recipe.loss_type", str, "sigmoid, conservative, robust or ipo"),
+    Flag("--label_smoothing", "recipe.label_smoothing", float,
+         "label-flip probability for the conservative and robust losses"),  # fmt: skip
+    Flag("--max_length", "model.max_len", int, "max prompt + response tokens"),
+    Flag("--trust_remote_code", "model.trust_remote_code", bool,
+         "allow a model repository's own code to run (off by default)"),  # fmt: skip
 ]
 
+LOSS_TYPES = ("sigmoid", "conservative", "robust", "ipo")
+MAX_JSON = 1 << 30  # a pairs file larger than 1 GiB is a mistake, not a dataset
+MAX_STRUCTURE = 256 << 20
 
-def load_pairs(path: str | Path, key: str) -> list[dict[str, str]]:
+
+def _transformers() -> Any:
     try:
-        pairs = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise ConfigError(f"{key}: cannot read {str(path)!r}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{key}: {str(path)!r} is not valid JSON: {exc}") from None
-    if not isinstance(pairs, list) or not all(
-        isinstance(p, dict) and {"prompt", "chosen", "rejected"} <= p.keys() for p in pairs
-    ):
-        raise ConfigError(f"{key}: {str(path)!r} must be a list of prompt/chosen/rejected objects")
-    return pairs
+        import transformers
+    except ImportError:
+        raise ConfigError(f"the dpo recipe needs transformers: {EXTRA}") from None
+    return transformers
+
+
+# ---- data -----------------------------------------------------------------------------------
+def load_pairs(path: str | Path, key: str) -> list[dict[str, str]]:
+    """The seed's JSON pairs; a ``structure`` record gets its chain's sequence as prompt."""
+    from ddp import _files
+
+    try:
+        text = _files.read_regular(path, MAX_JSON)[0]
+        pairs = json.loads(text)
+    except ValueError as exc:  # NotRegular and JSONDecodeError are ValueErrors
+        what = f"is not valid JSON: {exc}" if isinstance(exc, json.JSONDecodeError) else exc
+        raise ConfigError(f"{key}: {str(path)!r} {what}") from None
+    if not isinstance(pairs, list) or not pairs:
+        raise ConfigError(f"{key}: {str(path)!r} must be a non-empty JSON list of "
+                          "prompt/chosen/rejected objects")  # fmt: skip
+    structures: dict[tuple[str, str], str] = {}
+    out = []
+    for i, p in enumerate(pairs):
+        where = f"{key}: {str(path)!r} record {i}"
+        if not isinstance(p, dict):
+            raise ConfigError(f"{where} is not an object; allowed: prompt/chosen/rejected")
+        if "structure" in p and "prompt" not in p:
+            chain = p.get("chain", "")
+            if not isinstance(p["structure"], str) or not isinstance(chain, str):
+                raise ConfigError(f"{where}: structure and chain must be strings")
+            f = (Path(path).parent / p["structure"]).resolve()
+            if (str(f), chain) not in structures:
+                structures[(str(f), chain)] = structure_sequence(f, chain, where)
+            p = {**p, "prompt": structures[(str(f), chain)]}
+        for k in ("prompt", "chosen", "rejected"):
+            if not isinstance(p.get(k), str):
+                raise ConfigError(f"{where} has no string {k!r}; allowed: prompt (or "
+                                  "structure), chosen and rejected strings")  # fmt: skip
+        if not p["chosen"] or not p["rejected"]:
+            raise ConfigError(f"{where} has an empty chosen or rejected response")
+        out.append({k: p[k] for k in ("prompt", "chosen", "rejected")})
+    return out
+
+
+def structure_sequence(path: Path, chain: str, where: str) -> str:
+    """One-letter sequence of a chain (first model; standard residues, hetero groups and
+    waters left out) of a PDB or mmCIF file, parsed by Biopython's ``Bio.PDB``."""
+    import io
+
+    from ddp import _files
+
+    try:
+        from Bio.PDB import MMCIFParser, PDBParser
+        from Bio.PDB.Polypeptide import is_aa
+        from Bio.SeqUtils import seq1
+    except ImportError:
+        raise ConfigError(f"{where} names a structure file; reading it needs biopython: "
+                          f"{EXTRA}") from None  # fmt: skip
+    try:
+        text = _files.read_regular(path, MAX_STRUCTURE)[0].decode("utf-8", "replace")
+    except ValueError as exc:
+        raise ConfigError(f"{where}: structure {str(path)!r} {exc}") from None
+    cif = path.suffix.lower() in (".cif", ".mmcif")
+    parser = MMCIFParser(QUIET=True) if cif else PDBParser(QUIET=True)
+    try:
+        structure = parser.get_structure(path.stem, io.StringIO(text))
+        models = list(structure)
+    except Exception as exc:  # Biopython's errors on a damaged or crafted file
+        raise ConfigError(f"{where}: structure {str(path)!r} cannot be parsed as "
+                          f"{'mmCIF' if cif else 'PDB'} ({type(exc).__name__}: "
+                          f"{str(exc)[:120]})") from None  # fmt: skip
+    chains = {c.id: c for c in models[0]} if models else {}
+    if not chains:
+        raise ConfigError(f"{where}: structure {str(path)!r} holds no chain")
+    if chain and chain not in chains:
+        raise ConfigError(f"{where}: structure {str(path)!r} has no chain {chain!r}; "
+                          f"allowed: {', '.join(sorted(chains))}")  # fmt: skip
+    residues = chains[chain or next(iter(chains))]
+    seq = "".join(seq1(r.get_resname()) for r in residues
+                  if r.id[0] == " " and is_aa(r, standard=True))  # fmt: skip
+    if not seq:
+        raise ConfigError(f"{where}: chain {residues.id!r} of {str(path)!r} has no "
+                          "standard amino acid")  # fmt: skip
+    return seq
 
 
 class PairDataset(Dataset):
-    """Each pair as two token rows ``<bos> prompt <eos> response <eos>`` + response masks."""
+    """Token ids of ``prompt + response + EOS`` for chosen and rejected, and where the
+    response starts (everything before it, the prompt, is masked out of the loss)."""
 
-    def __init__(self, pairs: list[dict[str, str]], max_len: int) -> None:
-        n = len(pairs)
-        self.tokens = torch.full((n, 2, max_len), PAD, dtype=torch.long)
-        self.resp = torch.zeros((n, 2, max_len), dtype=torch.bool)
+    def __init__(self, pairs: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase,
+                 max_len: int, key: str) -> None:  # fmt: skip
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        self.items: list[tuple[list[int], int, list[int], int]] = []
+        self.ref: torch.Tensor | None = None  # (N, 2) reference log-probs when precomputed
         for i, p in enumerate(pairs):
-            prompt = [BOS, *encode(p["prompt"]), EOS]
-            for j, key in enumerate(("chosen", "rejected")):
-                ids = (prompt + encode(p[key]) + [EOS])[:max_len]
-                self.tokens[i, j, : len(ids)] = torch.tensor(ids)
-                self.resp[i, j, len(prompt) : len(ids)] = True
+            prompt = tokenizer(p["prompt"])["input_ids"]
+            row: list[Any] = []
+            for side in ("chosen", "rejected"):
+                ids = (prompt + tokenizer(p[side], add_special_tokens=False)["input_ids"]
+                       + eos)[:max_len]  # fmt: skip
+                if len(ids) <= max(1, len(prompt)):
+                    raise ConfigError(f"{key}: record {i}'s {side} response has no token "
+                                      f"within model.max_len={max_len} (prompt: "
+                                      f"{len(prompt)} tokens); allowed: a larger max_len")
+                row += [ids, max(1, len(prompt))]
+            self.items.append(tuple(row))  # type: ignore[arg-type]
 
     def __len__(self) -> int:
-        return self.tokens.shape[0]
+        return len(self.items)
 
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"tokens": self.tokens[i], "resp": self.resp[i]}
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        c, cs, r, rs = self.items[i]
+        out: dict[str, Any] = {"chosen": c, "chosen_start": cs, "rejected": r, "rejected_start": rs}
+        if self.ref is not None:
+            out["ref"] = self.ref[i]
+        return out
+
+    def tokens(self) -> int:
+        """Tokens one pass over the data feeds the policy (both sides, no padding)."""
+        return sum(len(c) + len(r) for c, _, r, _ in self.items)
 
 
-def _logp(lm: nn.Module, tokens: torch.Tensor, resp: torch.Tensor) -> torch.Tensor:
-    """Sum of log p(response tokens) per row (next-token prediction)."""
-    logits = lm(tokens[:, :-1]).float()
-    lp = torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
-    return (lp * resp[:, 1:]).sum(-1)
+def make_collate(pad_id: int) -> Any:
+    """Pad a list of pairs to one (2B, L) batch: B chosen rows, then B rejected rows."""
+
+    def collate(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        rows = [it["chosen"] for it in items] + [it["rejected"] for it in items]
+        starts = [it["chosen_start"] for it in items] + [it["rejected_start"] for it in items]
+        n, width = len(rows), max(len(r) for r in rows)
+        ids = torch.full((n, width), pad_id, dtype=torch.long)
+        attn = torch.zeros((n, width), dtype=torch.long)
+        loss = torch.zeros((n, width), dtype=torch.bool)
+        for j, (r, s) in enumerate(zip(rows, starts, strict=True)):
+            ids[j, : len(r)] = torch.tensor(r)
+            attn[j, : len(r)] = 1
+            loss[j, s : len(r)] = True
+        batch = {"input_ids": ids, "attention_mask": attn, "loss_mask": loss}
+        if "ref" in items[0]:
+            batch["ref_logps"] = torch.stack([it["ref"] for it in items])
+        return batch
+
+    return collate
 
 
-class DPOModel(nn.Module):
-    """Policy + frozen reference; ``forward(batch)`` returns the DPO loss and metrics."""
+# ---- loss -----------------------------------------------------------------------------------
+def sequence_logps(lm: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log p of the completion tokens, completion token count) per row."""
+    out = lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    logits = out.logits[:, :-1].float()
+    target = batch["input_ids"][:, 1:]
+    mask = batch["loss_mask"][:, 1:]
+    lp = torch.log_softmax(logits, -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    return (lp * mask).sum(-1), mask.sum(-1)
 
-    def __init__(self, policy: nn.Module, beta: float) -> None:
-        super().__init__()
-        self.policy = policy
-        self.reference = copy.deepcopy(policy).requires_grad_(False).eval()
-        self.beta = beta
 
-    def train(self, mode: bool = True) -> DPOModel:
-        super().train(mode)
-        self.reference.eval()  # the reference never uses dropout
-        return self
+def dpo_loss(pi: torch.Tensor, ref: torch.Tensor, n_tokens: torch.Tensor, beta: float,
+             loss_type: str = "sigmoid", label_smoothing: float = 0.0) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The loss and reward metrics from (B, 2) policy and reference log-probs
+    (column 0 chosen, 1 rejected) and (B, 2) completion token counts."""
+    f = nn.functional
+    ratios = pi - ref  # (B, 2): log pi/ref of chosen, rejected
+    delta = ratios[:, 0] - ratios[:, 1]
+    eps = label_smoothing
+    if loss_type == "sigmoid":
+        per = -f.logsigmoid(beta * delta)
+    elif loss_type == "conservative":
+        per = -(1 - eps) * f.logsigmoid(beta * delta) - eps * f.logsigmoid(-beta * delta)
+    elif loss_type == "robust":
+        per = (-(1 - eps) * f.logsigmoid(beta * delta)
+               + eps * f.logsigmoid(-beta * delta)) / (1 - 2 * eps)  # fmt: skip
+    elif loss_type == "ipo":
+        avg = ratios / n_tokens.clamp(min=1)
+        per = (avg[:, 0] - avg[:, 1] - 1 / (2 * beta)) ** 2
+    else:
+        raise ConfigError(f"recipe.loss_type: {loss_type!r}; allowed: {', '.join(LOSS_TYPES)}")
+    rewards = beta * ratios.detach()
+    return {
+        "loss": per.mean(),
+        "reward_chosen": rewards[:, 0].mean(),
+        "reward_rejected": rewards[:, 1].mean(),
+        "reward_margin": (rewards[:, 0] - rewards[:, 1]).mean(),
+        "reward_acc": (rewards[:, 0] > rewards[:, 1]).float().mean(),
+    }
 
-    @property
-    def gradient_checkpointing(self) -> bool:
-        return self.policy.gradient_checkpointing
 
-    @gradient_checkpointing.setter
-    def gradient_checkpointing(self, value: bool) -> None:
-        self.policy.gradient_checkpointing = value
+class Reference:
+    """The frozen reference: never a parameter of the wrapped policy (DDP never sees it),
+    eval mode, no gradients; moved to the batch's device when first used."""
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        b = batch["tokens"].shape[0]
-        tokens = batch["tokens"].flatten(0, 1)  # (2B, L): chosen, rejected interleaved
-        resp = batch["resp"].flatten(0, 1)
-        pi = _logp(self.policy, tokens, resp).view(b, 2)
-        with torch.no_grad():
-            ref = _logp(self.reference, tokens, resp).view(b, 2)
-        reward = self.beta * (pi - ref)
-        margin = reward[:, 0] - reward[:, 1]
-        return {
-            "loss": -nn.functional.logsigmoid(margin).mean(),
-            "reward_acc": (margin > 0).float().mean(),
-            "margin": margin.mean().detach(),
-        }
+    def __init__(self, policy: nn.Module) -> None:
+        self.model: nn.Module | None = copy.deepcopy(policy).requires_grad_(False).eval()
+
+    @torch.no_grad()
+    def logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        assert self.model is not None, "the reference was freed after precomputing"
+        dev = batch["input_ids"].device
+        if next(self.model.parameters()).device != dev:
+            self.model.to(dev)
+        self.model.eval()
+        return sequence_logps(self.model, batch)[0]
+
+
+def make_step(reference: Reference, beta: float, loss_type: str, eps: float) -> Any:
+    def step(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        pi, n = sequence_logps(model, batch)
+        b = pi.shape[0] // 2
+        ref = batch["ref_logps"] if "ref_logps" in batch else reference.logps(batch).view(2, b).T
+        out = dpo_loss(pi.view(2, b).T, ref.to(pi.dtype), n.view(2, b).T, beta, loss_type, eps)
+        out["n"] = torch.tensor(float(b))  # pairs: evaluation weighs each batch by it
+        return out
+
+    return step
+
+
+def _train_step(step: Any) -> Any:
+    def train(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = step(model, batch)
+        out.pop("n")
+        return out
+
+    return train
+
+
+# ---- model ----------------------------------------------------------------------------------
+def demo_tokenizer() -> PreTrainedTokenizerBase:
+    """A character tokenizer over the 20 amino acids (the quick start's sequences)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import BPE
+
+    tf = _transformers()
+    specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
+    vocab = {t: i for i, t in enumerate([*specials, *AMINO_ACIDS])}
+    tok = Tokenizer(BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    return tf.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
+                                      bos_token="<bos>", eos_token="<eos>", unk_token="<unk>")  # fmt: skip
+
+
+def load_policy(config: TrainConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, bool]:
+    """(policy, tokenizer, whether model.init_from was loaded here)."""
+    from ddp import init_from as weights
+
+    tf = _transformers()
+    m = config.model
+    source, init = m["name_or_path"], m.get("init_from", "")
+    trust = bool(m["trust_remote_code"])
+    if init and weights.is_hf_source(init):
+        source = init  # the policy's starting weights and architecture: that model
+    if source:
+        key = "model.init_from" if source == init else "model.name_or_path"
+        try:
+            # float32 master weights whatever the folder stores (transformers 5 keeps a
+            # bf16 checkpoint in bf16, where AdamW's 3e-7 steps would round away);
+            # `precision: bf16` autocasts the compute instead.
+            policy = tf.AutoModelForCausalLM.from_pretrained(
+                source, trust_remote_code=trust, dtype=torch.float32
+            )
+            tok = tf.AutoTokenizer.from_pretrained(
+                source if _has_tokenizer(source) else m["name_or_path"] or source,
+                trust_remote_code=trust,
+            )
+        except (OSError, ValueError, KeyError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise ConfigError(f"{key}: {source!r} gives no causal LM and tokenizer ({first}); "
+                              "allowed: a hub id or folder of an AutoModelForCausalLM "
+                              "(trust_remote_code: off unless model.trust_remote_code)") from None
+    else:
+        tok = demo_tokenizer()
+        cfg = tf.GPT2Config(vocab_size=len(tok), n_positions=m["max_len"], n_embd=m["d_model"],
+                            n_layer=m["n_layers"], n_head=m["n_heads"],
+                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)  # fmt: skip
+        policy = seeded_model(config.training.seed, lambda: tf.GPT2LMHeadModel(cfg))
+    loaded_here = bool(init) and source == init
+    if init and not loaded_here:  # a .pt export or step checkpoint onto this architecture
+        weights.apply(policy, init)
+        loaded_here = True
+    if tok.pad_token_id is None:
+        if tok.eos_token is None:
+            raise ConfigError(f"model.name_or_path: {source!r}'s tokenizer has neither a pad "
+                              "nor an EOS token; allowed: a tokenizer with either")  # fmt: skip
+        tok.pad_token = tok.eos_token
+    return policy, tok, loaded_here
+
+
+def _has_tokenizer(source: str) -> bool:
+    p = Path(source)
+    if not p.is_dir():
+        return True  # a hub id: its tokenizer lives beside the model
+    return any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
+                                           "vocab.json", "tokenizer.model"))  # fmt: skip
+
+
+def _disable_dropout(model: nn.Module) -> None:
+    for mod in model.modules():
+        if isinstance(mod, nn.Dropout):
+            mod.p = 0.0
+
+
+def _main() -> bool:
+    ctx = ddp.get_context()
+    return ctx is None or ctx.is_main
+
+
+@torch.no_grad()
+def precompute(reference: Reference, data: PairDataset, collate: Any, batch: int) -> None:
+    """Reference log-probs of every pair, stored with the data (``ref`` per item).
+
+    On this rank's device when the run has one (the reference follows the batch there);
+    every rank computes every pair, so no rank waits on another's shard."""
+    ctx = ddp.get_context()
+    dev = ctx.device if ctx is not None else torch.device("cpu")
+    out = []
+    for lo in range(0, len(data), batch):
+        items = [data[i] for i in range(lo, min(lo + batch, len(data)))]
+        cpu = collate(items)
+        lp = reference.logps({k: v.to(dev) for k, v in cpu.items()})
+        out.append(lp.view(2, -1).T.cpu())
+    data.ref = torch.cat(out)
+
+
+REF_CACHE = "ref_logps.pt"
+
+
+def _ref_key(reference: nn.Module, datasets: tuple[PairDataset | None, ...]) -> str:
+    """What the stored log-probs depend on: the reference's weights (names, shapes and up
+    to 1024 evenly spaced values of each tensor: cheap for a large model, and any other
+    checkpoint differs in them) and every token row with its prompt length."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for k, v in reference.state_dict().items():
+        flat = v.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 1024)][:1024]
+        h.update(f"{k}{tuple(v.shape)}{v.dtype}".encode())
+        h.update(sample.float().cpu().numpy().tobytes())
+    for ds in datasets:
+        h.update(json.dumps(ds.items if ds is not None else None).encode())
+    return h.hexdigest()
+
+
+def stored_ref_logps(reference: Reference, datasets: tuple[PairDataset | None, ...],
+                     collate: Any, batch: int, directory: str | None) -> None:  # fmt: skip
+    """Reference log-probs for every dataset, read from ``<checkpoint.dir>/ref_logps.pt``
+    when it was written for this reference and these token rows (a resumed or repeated
+    run), else computed (:func:`precompute`) and written there by rank 0, atomically."""
+    import io
+
+    from ddp import checkpoint as ckpt
+
+    assert reference.model is not None
+    key = _ref_key(reference.model, datasets)
+    path = Path(directory) / REF_CACHE if directory else None
+    if path is not None and path.is_file():
+        try:
+            saved = torch.load(io.BytesIO(ckpt.read_regular(path, None)), weights_only=True)
+            tensors = [saved[f"ref{i}"] for i in range(len(datasets))]
+            ok = saved.get("key") == key and all(
+                (t is None) == (ds is None) and (ds is None or (
+                    isinstance(t, torch.Tensor) and t.shape == (len(ds), 2)
+                    and bool(torch.isfinite(t).all())))
+                for t, ds in zip(tensors, datasets, strict=True))  # fmt: skip
+        except Exception:  # damaged, foreign or crafted: computed afresh
+            ok = False
+        if ok:
+            for t, ds in zip(tensors, datasets, strict=True):
+                if ds is not None:
+                    ds.ref = t.float()
+            log.info("reference log-probs read from %s", path)
+            return
+        log.warning("%s was written for another reference or data; computing afresh", path)
+    for ds in datasets:
+        if ds is not None:
+            precompute(reference, ds, collate, batch)
+    if path is not None and _main():
+        obj: dict[str, Any] = {"key": key}
+        obj.update({f"ref{i}": ds.ref if ds is not None else None for i, ds in enumerate(datasets)})
+        ckpt.atomic_save(obj, path)
 
 
 def build(config: TrainConfig) -> Built:
     m, r = config.model, config.recipe
+    if r["loss_type"] not in LOSS_TYPES:
+        raise ConfigError(f"recipe.loss_type: {r['loss_type']!r}; allowed: {', '.join(LOSS_TYPES)}")
+    beta, eps = float(r["beta"]), float(r["label_smoothing"])
+    if not (math.isfinite(beta) and beta > 0):
+        raise ConfigError(f"recipe.beta: {beta}; allowed: a number > 0")
+    if not 0 <= eps < 0.5:
+        raise ConfigError(f"recipe.label_smoothing: {eps}; allowed: 0 <= value < 0.5")
+    if m["max_len"] < 2:
+        raise ConfigError(f"model.max_len: {m['max_len']}; allowed: at least 2 tokens")
     pairs = load_pairs(r["train_data"] or DATA_DIR / "dpo_pairs.json", "recipe.train_data")
     if r["val_data"]:
         val = load_pairs(r["val_data"], "recipe.val_data")
     else:
         n_val = int(len(pairs) * r["val_fraction"])
         val, pairs = pairs[:n_val], pairs[n_val:]
+        if not pairs:
+            raise ConfigError("recipe.val_fraction: leaves no training pairs")
 
-    def make() -> DPOModel:
-        policy = TinyTransformer(
-            m["d_model"], m["n_layers"], m["n_heads"], m["max_len"], m["dropout"], causal=True
+    policy, tok, init_done = load_policy(config)
+    hf_config = copy.deepcopy(policy.config)
+    max_len = m["max_len"]
+    limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
+    if isinstance(limit, int) and 1 < limit < max_len:
+        log.warning("model.max_len %d: the model has %d positions; sequences are cut at %d",
+                    max_len, limit, limit)  # fmt: skip
+        max_len = limit
+    if r["disable_dropout"]:
+        _disable_dropout(policy)
+    policy.train()
+    reference = Reference(policy)  # the starting policy, frozen: same on every rank
+    train_ds = PairDataset(pairs, tok, max_len, "recipe.train_data")
+    val_ds = PairDataset(val, tok, max_len, "recipe.val_data") if val else None
+    collate = make_collate(int(tok.pad_token_id))
+    if r["precompute_ref_logps"]:
+        stored_ref_logps(reference, (train_ds, val_ds), collate,
+                         max(1, config.training.batch_size), config.checkpoint.dir)  # fmt: skip
+        reference.model = None  # freed: the stored log-probs stand for it
+    ctx = ddp.get_context()
+    world = ctx.world_size if ctx is not None else 1
+    if _main():
+        print(f"Loaded {len(train_ds)} training and {len(val_ds or [])} validation pairs")
+        print(f"Batch size per GPU: {config.training.batch_size}, "
+              f"Total batch size: {config.training.batch_size * world}", flush=True)  # fmt: skip
+    step = make_step(reference, beta, r["loss_type"], eps)
+
+    def epoch_end(epoch: int, epochs: int, train_loss: float, ev: dict[str, float]) -> None:
+        if _main():  # the seed's epoch summary, as its run_dpo_ddp.py prints it
+            lines = [f"Epoch {epoch + 1} Summary:", f"  Train Loss: {train_loss:.4f}"]
+            if "eval_loss" in ev:
+                lines.append(f"  Val Loss:   {ev['eval_loss']:.4f}")
+            print("\n".join(lines), flush=True)
+
+    def after_fit(trainer: Any, summary: dict[str, Any]) -> None:
+        """Beside final/model.pt: final/hf, a folder that from_pretrained loads. Built
+        from the export (a full state dict, also under FSDP, where the live policy is
+        sharded and its own state_dict a collective), by rank 0 alone."""
+        final = summary.get("final_model")
+        if not final or not _main():
+            return
+        tf = _transformers()
+        state = torch.load(final, map_location="cpu", weights_only=True)
+        model = tf.AutoModelForCausalLM.from_config(
+            hf_config, trust_remote_code=bool(m["trust_remote_code"]), dtype=torch.float32
         )
-        return DPOModel(policy, float(r["beta"]))  # the reference: a copy, so equal too
+        model.load_state_dict(state)
+        model.save_pretrained(Path(final).parent / "hf")
+        tok.save_pretrained(Path(final).parent / "hf")
 
-    model = seeded_model(config.training.seed, make)
-    val_ds = PairDataset(val, m["max_len"]) if val else None
-    return Built(model, PairDataset(pairs, m["max_len"]), val_ds, None, None)
+    built = Built(policy, train_ds, val_ds, _train_step(step), step, collate, after_fit)
+    built.init_done = init_done
+    built.on_epoch_end = epoch_end
+    built.reference = reference  # type: ignore[attr-defined]  # tests read it
+    return built
