@@ -28,6 +28,10 @@ def _env() -> dict[str, str]:
     return {**_launch.base_env(), "HF_HUB_OFFLINE": "1"}
 
 
+#: uniref50's defaults are SEDD small (768 wide): the tests take the tiny config.
+TINY_UNIREF50 = str(Path(__file__).resolve().parents[2] / "configs" / "uniref50-tiny.yaml")
+
+
 def _ddp(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ddp", *args, "--set", "logging.progress=off"],
                           capture_output=True, text=True, env=_env(), timeout=180)  # fmt: skip
@@ -128,23 +132,25 @@ def test_mismatch_is_one_line_exit_2(setup: dict[str, Path], tmp_path: Path) -> 
 
 def test_generic_recipe_export_and_mismatch(tmp_path: Path) -> None:
     """uniref50 (no init_from code of its own): the generic loader in ``python -m ddp``."""
-    base = ["uniref50", "--set", "training.epochs=1", "training.max_steps=2"]
+    base = ["uniref50", "--config", TINY_UNIREF50,
+            "--set", "training.epochs=1", "training.max_steps=2"]
     assert _ddp(*base, "--output_dir", str(tmp_path / "a")).returncode == 0
     src = tmp_path / "a" / "final" / "model.pt"
-    proc = _ddp("uniref50", "--init_from", str(src), "--output_dir", str(tmp_path / "b"),
-                "--set", "training.epochs=0")  # fmt: skip
+    proc = _ddp("uniref50", "--config", TINY_UNIREF50, "--init_from", str(src),
+                "--output_dir", str(tmp_path / "b"), "--set", "training.epochs=0")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _same(_final(tmp_path / "b"), _final(tmp_path / "a"))
-    proc = _ddp("uniref50", "--init_from", str(src), "--output_dir", str(tmp_path / "c"),
-                "--set", "model.d_model=32")  # fmt: skip
+    proc = _ddp("uniref50", "--config", TINY_UNIREF50, "--init_from", str(src),
+                "--output_dir", str(tmp_path / "c"), "--set", "model.d_model=32")  # fmt: skip
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert "does not fit this model: 'pos' is (64, 64) there and (64, 32) here" in lines[0]
+    assert "does not fit this model: 'embed.weight' is (23, 64) there and (23, 32) here" in lines[0]
     for bad, msg in [(tmp_path / "nope.pt", "does not exist"),
                      (tmp_path / "junk.pt", "is not a loadable weights file")]:  # fmt: skip
         if bad.name == "junk.pt":
             bad.write_bytes(b"\x00not a pickle")
-        proc = _ddp("uniref50", "--init_from", str(bad), "--output_dir", str(tmp_path / "d"))
+        proc = _ddp("uniref50", "--config", TINY_UNIREF50, "--init_from", str(bad),
+                    "--output_dir", str(tmp_path / "d"))
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and msg in lines[0], proc.stderr
 
