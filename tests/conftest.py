@@ -3,7 +3,9 @@ the real SLURM, PALS and network-namespace fixtures in tests/support/fixtures.py
 
 from __future__ import annotations
 
+import logging
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,3 +23,16 @@ def python_exe() -> str:
 @pytest.fixture
 def repo_root() -> Path:
     return ROOT
+
+
+@pytest.fixture(autouse=True)
+def _ddp_log_reaches_caplog() -> Iterator[None]:
+    """``ddp.init`` in an earlier in-process test gives the ``ddp`` logger its own stdout
+    handler and stops it propagating (``ddp.dist.setup_logging``); caplog listens at the
+    root logger, so every later test's ``caplog.text`` would miss ddp's records and pass
+    or fail by test order. Each test starts with the logger propagating again."""
+    logger = logging.getLogger("ddp")
+    before = logger.propagate
+    logger.propagate = True
+    yield
+    logger.propagate = before
