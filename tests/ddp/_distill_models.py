@@ -25,15 +25,20 @@ def corpus(n: int, seed: int) -> list[str]:
 
 
 def _tokenizer(lines: list[str]):  # noqa: ANN202
-    from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
     from tokenizers.models import WordPiece
     from transformers import PreTrainedTokenizerFast
 
+    # The vocabulary is spelled out, not trained: WordPieceTrainer breaks ties between
+    # equally frequent pieces in hash order, so two processes got different token ids, a
+    # different untrained student, and the MRL test's margin moved run to run.
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    tok = Tokenizer(WordPiece(unk_token="[UNK]"))
+    words = sorted({w.lower() for line in lines for w in line.split()})
+    chars = sorted({c for w in words for c in w})
+    pieces = [*specials, *words, *chars, *(f"##{c}" for c in chars)]
+    tok = Tokenizer(WordPiece(vocab={p: i for i, p in enumerate(pieces)}, unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.train_from_iterator(lines, trainers.WordPieceTrainer(vocab_size=120, special_tokens=specials))
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
@@ -56,7 +61,8 @@ def encoder(out: Path, hidden: int, seed: int, lines: list[str], layers: int = 2
     torch.manual_seed(seed)
     cfg = BertConfig(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers,
                      num_attention_heads=max(2, hidden // 64), intermediate_size=2 * hidden,
-                     max_position_embeddings=64)  # fmt: skip
+                     max_position_embeddings=64, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0)  # fmt: skip
     BertModel(cfg).save_pretrained(hf)
     tok.save_pretrained(hf)
     tr = Transformer(str(hf), max_seq_length=32)
