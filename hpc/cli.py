@@ -128,6 +128,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         p.add_argument("id", help="run directory, its name under --runs-dir, or a job id")
         p.add_argument("-f", "--follow", action="store_true",
                        help="keep printing while the job runs; exit with its state's code")
+        p.add_argument("--err", action="store_true",
+                       help="the job's stderr log (a job submitted with split_logs: true)")
         p.add_argument("--runs-dir", default="runs")
         p.set_defaults(func=cmd_logs)
     if want("report"):
@@ -331,6 +333,8 @@ def cmd_logs(args: argparse.Namespace, command: list[str] | None) -> int:
     runs_dir = Path(args.runs_dir)
     run_dir, job = logs.locate(args.id, runs_dir)
     path = logs.find_log(run_dir, job)
+    if args.err:
+        path = logs.err_log(run_dir, path)
     if not args.follow:
         logs.print_log(path, sys.stdout)
         return 0

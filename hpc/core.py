@@ -252,6 +252,8 @@ def submit(plan: Plan, on_start: Callable[[str], None] | None = None) -> Submitt
             "cwd": os.getcwd(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "job_id": None,
             **git,
         }
+        if job.spec.split_logs:  # hpc logs --err: the job's stderr has its own file
+            record["split_logs"] = True
         if plan.sweep:  # a line per task: its index, overrides and folder
             record["sweep"] = [{"index": t.index, "label": t.label, "dir": t.dirname}
                                for t in plan.sweep]

@@ -75,6 +75,7 @@ class Job:
             "gpus_per_node": self.gpus_per_node, "cpus_per_task": self.cpus_per_task,
             "wrap": "always" if self.wrapped else "never", "filesystems": self.filesystems,
             "expand_vars": s.expand_vars or None,  # absent when off: older run records alike
+            "split_logs": s.split_logs or None,
         }
         if s.description:
             out["description"] = s.description

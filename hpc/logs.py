@@ -149,6 +149,23 @@ def find_log(run_dir: Path, job: str | None = None) -> Path:
     return run_dir / _expected_name(sub, subs, key, is_array=(run_dir / "sweep.json").is_file())
 
 
+def err_log(run_dir: Path, out: Path) -> Path:
+    """The stderr log beside the job log ``out`` (found by :func:`find_log`), for a job
+    submitted with ``split_logs: true`` (its run record says so) or whose stderr file is
+    there already; any other job's stderr is inside ``out``: one line saying so."""
+    subs = _submissions(run_dir)
+    split = bool(subs and subs[-1].get("split_logs"))
+    for scheduler in _schedulers():
+        if not any(re.fullmatch(regex, out.name) for regex in scheduler.log_patterns):
+            continue
+        name = scheduler.err_log_name(out.name)
+        if name is not None and (split or (out.parent / name).is_file()):
+            return out.parent / name
+        break
+    raise UserError(f"logs: {out.name!r} holds the job's stdout and stderr together; allowed: "
+                    "--err for a job submitted with split_logs: true (SLURM or PBS)")
+
+
 def _expected_name(sub: dict[str, Any], subs: list[dict[str, Any]],
                    key: tuple[str, str | None] | None, is_array: bool) -> str:
     """The log name a submitted job's scheduler will write (it has not started yet)."""

@@ -38,7 +38,7 @@ SPEC_KEYS = (
     "name", "description", "cluster", "nodes", "ppn", "walltime", "queue", "partition",
     "account", "command", "env", "modules", "setup", "python", "output_dir", "signal",
     "requeue", "directives", "launcher", "gpus_per_node", "cpus_per_task", "wrap",
-    "filesystems", "expand_vars",
+    "filesystems", "expand_vars", "split_logs",
 )
 WRAP_MODES = ("auto", "always", "never")
 LAUNCHERS = ("auto", "mpiexec", "srun", "torchrun")
@@ -80,6 +80,9 @@ class JobSpec:
     #: ``$NAME``/``${NAME}`` in command words expanded by the job's shell (opt-in: see
     #: :func:`hpc.launchers.var_word`); off, every word reaches the command byte-exact.
     expand_vars: bool = False
+    #: stderr in its own log beside stdout's (SLURM ``NAME-ID.err``, PBS ``ID.ER``), as
+    #: seed 001's scripts had (``tail -f logs/*.err``); off, one merged log.
+    split_logs: bool = False
     source: str | None = None  # the spec file, as the user named it
 
     @classmethod
@@ -125,6 +128,7 @@ class JobSpec:
             kw["signal"] = sig
         kw["requeue"] = _bool(data, "requeue")
         kw["expand_vars"] = _bool(data, "expand_vars")
+        kw["split_logs"] = _bool(data, "split_logs")
         kw["directives"] = [directive_line(d, "directives") for d in _strings(data, "directives")]
         kw["launcher"] = _choice(data, "launcher", LAUNCHERS, "auto")
         kw["wrap"] = _choice(data, "wrap", WRAP_MODES, "auto")

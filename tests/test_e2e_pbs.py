@@ -384,6 +384,8 @@ def test_plain_qsub_of_checked_in_aurora_script(
     assert (str(attrs["substate"]), attrs.get("Exit_status")) == ("92", 0), out
     assert "world_size=24" in out, out
     assert (work / "outputs/dpo_ddp/final/model.pt").is_file(), out
+    # split_logs: stdout and stderr apart, as seed 001's job wrote them
+    assert sorted(p.suffix for p in (work / "logs").iterdir()) == [".ER", ".OU"], out
 
 
 @pytest.mark.parametrize("cluster", ["aurora", "polaris", "pbs"])

@@ -177,6 +177,11 @@ class Scheduler:
         the first). None: it cannot say."""
         return None
 
+    def err_log_name(self, out_name: str) -> str | None:
+        """The name of the stderr log beside the log ``out_name`` of a job run with
+        ``split_logs``; None: this scheduler writes one merged log."""
+        return None
+
     def launch(self, job: Job) -> tuple[list[str], list[str]]:
         """Shell lines before the launch (our own text) and the launch words (quoted later)."""
         raise NotImplementedError

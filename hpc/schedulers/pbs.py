@@ -624,6 +624,14 @@ class PBS(Scheduler):
             task = "0"
         return key[0] + (f"[{task}]" if task is not None else "") + (f".{server}" if server else "") + ".OU"
 
+    def err_log_name(self, out_name: str) -> str | None:
+        """``ID.ER`` beside ``ID.OU`` (``split_logs``: ``-e`` to the same folder, no ``-j
+        oe``); a log named ``NAME.oJOB`` (no ``-o``) has ``NAME.eJOB`` beside it."""
+        if out_name.endswith(".OU"):
+            return out_name[: -len(".OU")] + ".ER"
+        match = re.fullmatch(r"(.+)\.o([0-9]+(?:\.[0-9]+)?)", out_name)
+        return f"{match.group(1)}.e{match.group(2)}" if match else None
+
     def launch(self, job: Job) -> tuple[list[str], list[str]]:
         """``mpiexec`` with the profile's PALS or hydra flags."""
         from hpc import launchers

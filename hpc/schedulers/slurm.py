@@ -185,6 +185,7 @@ class Slurm(Scheduler):
             "array": self.array_spec(job),
             # An array task's %j is its own id: name its log by the array's id and index.
             "log_name": "%x-%A_%a.out" if job.array_size else "%x-%j.out",
+            "err_name": "%x-%A_%a.err" if job.array_size else "%x-%j.err",
         }
 
     def split_id(self, job_id: str) -> tuple[str, str | None] | None:
@@ -200,6 +201,10 @@ class Slurm(Scheduler):
         if key is None:
             return None
         return f"{job_name}-{key[0]}.out" if task is None else f"{job_name}-{key[0]}_{task}.out"
+
+    def err_log_name(self, out_name: str) -> str | None:
+        """``NAME-ID.err`` beside ``NAME-ID.out`` (``split_logs``: ``--error=%x-%j.err``)."""
+        return out_name[: -len(".out")] + ".err" if out_name.endswith(".out") else None
 
     def launch(self, job: Job) -> tuple[list[str], list[str]]:
         """``srun`` per rank, or one ``torchrun`` per node through srun."""
