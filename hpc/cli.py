@@ -357,10 +357,17 @@ def cmd_logs(args: argparse.Namespace, command: list[str] | None) -> int:
 
 def cmd_report(args: argparse.Namespace, command: list[str] | None) -> int:
     """Plot the runs' metrics into a PNG and print a summary table."""
+    from rich.text import Text
+
+    from hpc import fingerprint
     from hpc.report import report
 
+    console = _console()
     report([Path(d) for d in args.run_dirs], Path(args.output) if args.output else None,
-           console=_console())
+           console=console)
+    for run_dir in args.run_dirs:  # what ran, and what changed since the last submission
+        for line in fingerprint.describe(Path(run_dir)):
+            console.print(Text(line))
     return 0
 
 

@@ -215,6 +215,10 @@ class LoggingConfig:
     # metrics.jsonl (one line per log point and evaluation, rank 0). "auto": in the run
     # directory `hpc submit` made ($HPC_RUN_DIR), else in checkpoint.dir; a path; or null.
     metrics_file: str | None = "auto"
+    # RUN/env-JOBID.json beside metrics.jsonl at start: packages, torch/CUDA/NCCL/oneCCL
+    # versions, modules, git commit + diff, NCCL_*/CCL_*/FI_* variables (never a name like
+    # a secret), and the nodes whose software differs (ddp.fingerprint; hpc report diffs it).
+    fingerprint: bool = True
 
 
 @dataclass

@@ -141,6 +141,15 @@ class Trainer:
                 self._signals.restore()
             self.loggers.close(exit_code)
 
+    def _fingerprint(self) -> None:
+        """``env-JOBID.json`` beside metrics.jsonl (every rank: one gather of node hashes)."""
+        from ddp import fingerprint
+        from ddp.loggers import metrics_path
+
+        path = metrics_path(self.config)
+        if self.config.logging.fingerprint and path is not None:
+            fingerprint.record(path.parent, self.ctx)
+
     def _fit(self) -> dict[str, Any]:
         cfg, ckpt = self.config, self.checkpointer
         assert ckpt is not None
@@ -151,6 +160,7 @@ class Trainer:
             self.global_step = state["global_step"]
             ckpt.restore_model(state, self.wrapped)
         self.loggers.open_metrics(self.global_step)  # type: ignore[union-attr]
+        self._fingerprint()
         t_start = time.perf_counter()
         summary: dict[str, Any] = {"steps": 0, "train_loss": float("nan")}
         eval_metrics: dict[str, float] = {}
