@@ -79,6 +79,9 @@ def _job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expand-vars", action="store_true", default=None,
                    help="let command words use $NAME/${NAME}, expanded by the job's shell "
                         "(as expand_vars: true in a spec)")
+    p.add_argument("--per-rank-logs", action="store_true", default=None,
+                   help="each rank's output also in RUN/ranks/rank-NNNNN.log "
+                        "(as per_rank_logs: true in a spec)")
     p.add_argument("-o", "--output", help="write the script here instead of printing it")
 
 
@@ -130,6 +133,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                        help="keep printing while the job runs; exit with its state's code")
         p.add_argument("--err", action="store_true",
                        help="the job's stderr log (a job submitted with split_logs: true)")
+        p.add_argument("--rank", type=int, metavar="N",
+                       help="rank N's own log (a job submitted with per_rank_logs: true)")
+        p.add_argument("--grep", metavar="TEXT",
+                       help="the lines of every rank's log holding TEXT, with rank and host")
         p.add_argument("--runs-dir", default="runs")
         p.set_defaults(func=cmd_logs)
     if want("report"):
@@ -203,6 +210,8 @@ def _overrides(args: argparse.Namespace, command: list[str] | None) -> dict[str,
         out["command"] = command
     if args.expand_vars:
         out["expand_vars"] = True
+    if args.per_rank_logs:
+        out["per_rank_logs"] = True
     return out
 
 
@@ -222,6 +231,8 @@ def _regen_command(args: argparse.Namespace, command: list[str] | None) -> str:
         words += ["--templates", args.templates]
     if args.expand_vars:
         words.append("--expand-vars")
+    if args.per_rank_logs:
+        words.append("--per-rank-logs")
     if getattr(args, "no_account", False):
         words.append("--no-account")
     if args.output:
@@ -331,8 +342,22 @@ def cmd_logs(args: argparse.Namespace, command: list[str] | None) -> int:
     from hpc import logs
 
     runs_dir = Path(args.runs_dir)
-    run_dir, job = logs.locate(args.id, runs_dir)
-    path = logs.find_log(run_dir, job)
+    if (args.grep is not None or args.rank is not None) and Path(args.id).is_dir():
+        run_dir, job = Path(args.id), None  # a job's folder, with or without a run record
+    else:
+        run_dir, job = logs.locate(args.id, runs_dir)
+    if args.grep is not None:
+        found = logs.grep(run_dir, args.grep, sys.stdout)
+        where = ", ".join(f"rank {r} ({h})" for r, h in found)
+        sys.stderr.write(f"hpc: {args.grep!r} found in {where}\n" if found else
+                         f"hpc: {args.grep!r} is in no rank's log\n")  # fmt: skip
+        return 0 if found else 1
+    if args.rank is not None:
+        if args.rank < 0:
+            raise UserError(f"logs: --rank {args.rank}; allowed: a rank >= 0")
+        path = logs.rank_log(run_dir, args.rank)
+    else:
+        path = logs.find_log(run_dir, job)
     if args.err:
         path = logs.err_log(run_dir, path)
     if not args.follow:

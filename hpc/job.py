@@ -76,6 +76,7 @@ class Job:
             "wrap": "always" if self.wrapped else "never", "filesystems": self.filesystems,
             "expand_vars": s.expand_vars or None,  # absent when off: older run records alike
             "split_logs": s.split_logs or None,
+            "per_rank_logs": s.per_rank_logs or None,
         }
         if s.description:
             out["description"] = s.description

@@ -166,6 +166,67 @@ def err_log(run_dir: Path, out: Path) -> Path:
                     "--err for a job submitted with split_logs: true (SLURM or PBS)")
 
 
+RANKS_DIR = "ranks"  # per_rank_logs: ddp.rank_logs writes RUN/ranks/rank-NNNNN.log
+_RANK_FILE = re.compile(r"rank-([0-9]{5,9})\.log")
+_HEADER = re.compile(r"# rank [0-9]+ of [0-9]+ on (\S+)")
+
+
+def rank_logs(run_dir: Path) -> dict[int, Path]:
+    """``{rank: file}`` of a run with ``per_rank_logs`` (empty without them)."""
+    folder = run_dir / RANKS_DIR
+    if not folder.is_dir():
+        return {}
+    found = {}
+    for path in folder.iterdir():
+        match = _RANK_FILE.fullmatch(path.name)
+        if match and path.is_file():
+            found[int(match.group(1))] = path
+    return dict(sorted(found.items()))
+
+
+def rank_log(run_dir: Path, rank: int) -> Path:
+    """The log of ``rank``; one line naming what the run has otherwise."""
+    logs = rank_logs(run_dir)
+    if rank in logs:
+        return logs[rank]
+    if not logs:
+        raise UserError(f"logs: {str(run_dir)!r} has no per-rank logs; allowed: --rank for a "
+                        "job submitted with per_rank_logs: true (or --per-rank-logs)")  # fmt: skip
+    span = f"{min(logs)}-{max(logs)}" if len(logs) > 1 else str(min(logs))
+    raise UserError(f"logs: no log of rank {rank} in {str(run_dir / RANKS_DIR)!r}; allowed: "
+                    f"ranks {span}")  # fmt: skip
+
+
+def grep(run_dir: Path, text: str, out: TextIO) -> list[tuple[int, str]]:
+    """Print every line of the per-rank logs that holds ``text`` (plain text, not a
+    pattern), as ``rank N (HOST): line``; returns the (rank, host) pairs it was found in."""
+    from hpc._util import open_regular
+
+    if not text:
+        raise UserError("logs: empty --grep text; allowed: the text to find")
+    logs = rank_logs(run_dir)
+    if not logs:
+        rank_log(run_dir, 0)  # the one-line error: no per-rank logs
+    needle = text.encode("utf-8", "surrogateescape")
+    found: list[tuple[int, str]] = []
+    for rank, path in logs.items():
+        host = "?"
+        fh = open_regular(path, "logs", missing_ok=True)
+        if fh is None:
+            continue
+        with fh:
+            for number, raw in enumerate(iter(lambda fh=fh: fh.readline(1 << 20), b""), 1):
+                if number == 1 and (m := _HEADER.match(raw.decode("utf-8", "replace"))):
+                    host = m.group(1)
+                    continue
+                if needle in raw:
+                    line = raw.decode("utf-8", "replace").rstrip("\n")
+                    out.write(f"rank {rank} ({host}): {line}\n")
+                    if not found or found[-1][0] != rank:
+                        found.append((rank, host))
+    return found
+
+
 def _expected_name(sub: dict[str, Any], subs: list[dict[str, Any]],
                    key: tuple[str, str | None] | None, is_array: bool) -> str:
     """The log name a submitted job's scheduler will write (it has not started yet)."""

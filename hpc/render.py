@@ -246,6 +246,8 @@ def context(job: Job, regenerate: str | None = None, script: str | None = None) 
     env = {**cluster.device_order_env(), **cluster.env, **spec.env}
     for key, value in scheduler.job_env(job).items():
         env.setdefault(key, value)
+    if spec.per_rank_logs:  # ddp.init sends each rank's output to RUN/ranks/rank-NNNNN.log
+        env.setdefault("DDP_RANK_LOGS", "1")
     check_values(job, env)
     source = spec.source or "command-line flags"
     return {

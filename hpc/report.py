@@ -382,7 +382,7 @@ def report(run_dirs: list[Path], out: Path | None = None, console: Any = None) -
     except OSError as exc:
         raise UserError(f"report: cannot write {str(png)!r}: {exc.strerror}") from None
     rows = [summarize(s) for s in series]
-    notes = _left_out(series)
+    notes = _left_out(series) + _per_rank(_unique(found))
     if console is not None:
         from rich.text import Text
 
@@ -391,6 +391,28 @@ def report(run_dirs: list[Path], out: Path | None = None, console: Any = None) -
             console.print(Text(f"note: {line}"))
         console.print(Text(f"plot: {png}"))
     return ReportResult(png=png, series=series, runs=rows, notes=notes)
+
+
+def _per_rank(found: list[tuple[str, Path]]) -> list[str]:
+    """Each run's per-rank heat map (``ranks.png`` beside its ``ranks.jsonl``) and its
+    stragglers, as notes (see :mod:`hpc.ranks`)."""
+    from hpc import ranks
+
+    notes: list[str] = []
+    for label, path in found:
+        source = path.parent / ranks.RANKS
+        if not source.is_file():
+            continue
+        times = ranks.read(source)
+        prefix = f"{label}: " if label else ""
+        notes += ranks.notes(times, prefix)
+        png = path.parent / ranks.PNG
+        try:
+            if ranks.heatmap(times, png):
+                notes.append(f"{prefix}per-rank heat map: {png}")
+        except OSError as exc:
+            raise UserError(f"report: cannot write {str(png)!r}: {exc.strerror}") from None
+    return notes
 
 
 def _find_all(run_dirs: list[Path]) -> list[tuple[str, Path]]:

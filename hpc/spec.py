@@ -38,7 +38,7 @@ SPEC_KEYS = (
     "name", "description", "cluster", "nodes", "ppn", "walltime", "queue", "partition",
     "account", "command", "env", "modules", "setup", "python", "output_dir", "signal",
     "requeue", "directives", "launcher", "gpus_per_node", "cpus_per_task", "wrap",
-    "filesystems", "expand_vars", "split_logs",
+    "filesystems", "expand_vars", "split_logs", "per_rank_logs",
 )
 WRAP_MODES = ("auto", "always", "never")
 LAUNCHERS = ("auto", "mpiexec", "srun", "torchrun")
@@ -83,6 +83,8 @@ class JobSpec:
     #: stderr in its own log beside stdout's (SLURM ``NAME-ID.err``, PBS ``ID.ER``), as
     #: seed 001's scripts had (``tail -f logs/*.err``); off, one merged log.
     split_logs: bool = False
+    #: each rank's output in RUN/ranks/rank-NNNNN.log (ddp.rank_logs; hpc logs --rank/--grep)
+    per_rank_logs: bool = False
     source: str | None = None  # the spec file, as the user named it
 
     @classmethod
@@ -129,6 +131,7 @@ class JobSpec:
         kw["requeue"] = _bool(data, "requeue")
         kw["expand_vars"] = _bool(data, "expand_vars")
         kw["split_logs"] = _bool(data, "split_logs")
+        kw["per_rank_logs"] = _bool(data, "per_rank_logs")
         kw["directives"] = [directive_line(d, "directives") for d in _strings(data, "directives")]
         kw["launcher"] = _choice(data, "launcher", LAUNCHERS, "auto")
         kw["wrap"] = _choice(data, "wrap", WRAP_MODES, "auto")

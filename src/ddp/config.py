@@ -219,6 +219,14 @@ class LoggingConfig:
     # versions, modules, git commit + diff, NCCL_*/CCL_*/FI_* variables (never a name like
     # a secret), and the nodes whose software differs (ddp.fingerprint; hpc report diffs it).
     fingerprint: bool = True
+    # Per-rank timing (ddp.stragglers): each rank's data wait, forward and backward+step
+    # host seconds ride the log point's all-reduce (no added collective or sync). A rank
+    # whose data or forward time is over straggler_factor x the median, and at least
+    # straggler_min_s a step above it, at straggler_points log points in a row is
+    # reported once (a warning, RUN/ranks.jsonl; hpc report's heat map). 0: off.
+    straggler_factor: float = 1.5
+    straggler_points: int = 3
+    straggler_min_s: float = 0.005
 
 
 @dataclass
@@ -590,6 +598,12 @@ def _validate(obj: Any, where: str) -> None:
     elif isinstance(obj, LoggingConfig):
         if obj.every_n_steps < 1:
             bad("every_n_steps", obj.every_n_steps, "an integer >= 1")
+        if not (obj.straggler_factor == 0 or 1 < obj.straggler_factor <= 1e6):
+            bad("straggler_factor", obj.straggler_factor, "a number > 1 (at most 1e6), or 0 (off)")
+        if not 1 <= obj.straggler_points <= 1_000_000:
+            bad("straggler_points", obj.straggler_points, "an integer from 1 to 1000000")
+        if not 0 <= obj.straggler_min_s <= MAX_SECONDS:
+            bad("straggler_min_s", obj.straggler_min_s, "seconds >= 0")
     elif isinstance(obj, WandbConfig):
         if not 0 < obj.init_timeout <= MAX_SECONDS:
             bad("init_timeout", obj.init_timeout, f"seconds > 0 and at most {MAX_SECONDS:.0f}")

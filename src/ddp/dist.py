@@ -159,6 +159,10 @@ def _init(
     import torch.distributed as tdist
 
     info = env or detect()
+    if os.environ.get("DDP_RANK_LOGS") == "1":  # per_rank_logs: RUN/ranks/rank-NNNNN.log
+        from ddp import rank_logs
+
+        rank_logs.redirect(info.rank, info.world_size)
     setup_logging(info.rank)
     # checked on every world size, so a bad DDP_TIMEOUT never waits
     limit, limit_source = _timeout_and_source(timeout)

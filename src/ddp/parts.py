@@ -46,6 +46,9 @@ class LossWindow:
     epoch_micro: int = 0
     t0: float = field(default_factory=time.perf_counter)
     step0: int = 0
+    #: This rank's host seconds since the last log point in ddp.stragglers.PHASES
+    #: (data wait, forward, backward + collective + optimizer).
+    times: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
 
     def add(self, out: Any) -> torch.Tensor:
         """Account one micro-batch's output; returns its loss."""
@@ -68,6 +71,7 @@ class LossWindow:
         for v in self.extra.values():
             v.zero_()
         self.micro, self.t0, self.step0 = 0, time.perf_counter(), step
+        self.times = [0.0, 0.0, 0.0]
 
 
 def phases(config: TrainConfig) -> list[Phase]:

@@ -30,12 +30,13 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
 import ddp
-from ddp import fsdp, parts
+from ddp import fsdp, parts, stragglers
 from ddp.checkpointer import Checkpointer, LoopState, diverged
 from ddp.config import TrainConfig, log_config_notes
 from ddp.dist import Context, agreement
 from ddp.loggers import Loggers, fmt, layer_sq_norms
 from ddp.preemption import PREEMPTED_EXIT_CODE, Preempted, SignalWatch, Vote, requeue
+from ddp.stragglers import Stragglers
 
 __all__ = ["PREEMPTED_EXIT_CODE", "Preempted", "Trainer"]
 
@@ -88,6 +89,7 @@ class Trainer:
         self._signals: SignalWatch | None = None
         self._signal: int | None = None  # set by the handler; acted on at step boundaries
         self._vote: Vote | None = None
+        self._stragglers: Stragglers | None = None  # per-rank timing (world > 1, rank 0 judges)
         self._eval_preempted = False  # evaluate() stopped early on a preemption signal
         self._stop = False
         self._samples = 0
@@ -137,6 +139,8 @@ class Trainer:
             raise
         finally:
             self.checkpointer.close()
+            if self._stragglers is not None:
+                self._stragglers.close()
             if self._signals is not None:
                 self._signals.restore()
             self.loggers.close(exit_code)
@@ -150,6 +154,21 @@ class Trainer:
         if self.config.logging.fingerprint and path is not None:
             fingerprint.record(path.parent, self.ctx)
 
+    def _open_stragglers(self) -> None:
+        """Per-rank timing: the hosts once (one gather at start); rank 0 keeps ranks.jsonl."""
+        from ddp import fingerprint
+        from ddp.loggers import metrics_path
+
+        lc = self.config.logging
+        if self.ctx.world_size < 2 or not lc.straggler_factor:
+            return
+        hosts = [str(h) for h in ddp.all_gather_object(fingerprint.node_name())]
+        path = metrics_path(self.config) if self.ctx.is_main else None
+        self._stragglers = Stragglers(
+            self.ctx.world_size, hosts, lc.straggler_factor, lc.straggler_points,
+            lc.straggler_min_s, path.parent / "ranks.jsonl" if path is not None else None)
+        self._stragglers.open()
+
     def _fit(self) -> dict[str, Any]:
         cfg, ckpt = self.config, self.checkpointer
         assert ckpt is not None
@@ -161,6 +180,7 @@ class Trainer:
             ckpt.restore_model(state, self.wrapped)
         self.loggers.open_metrics(self.global_step)  # type: ignore[union-attr]
         self._fingerprint()
+        self._open_stragglers()
         t_start = time.perf_counter()
         summary: dict[str, Any] = {"steps": 0, "train_loss": float("nan")}
         eval_metrics: dict[str, float] = {}
@@ -326,15 +346,20 @@ class Trainer:
                       step0=self.global_step)  # fmt: skip
         first = loop.batch
         group_start = first - first % accum
+        t_wait = time.perf_counter()  # data wait: from the end of one batch to the next
         for batch in loader:
+            win.times[0] += time.perf_counter() - t_wait
             last_in_group = loop.batch + 1 - group_start == accum or loop.batch + 1 == n
             self._micro_step(batch, win, min(accum, n - group_start), last_in_group, loop)
             loop.batch += 1
             if not last_in_group:
+                t_wait = time.perf_counter()
                 continue
             group_start = loop.batch
             logs = (self.global_step + 1) % cfg.logging.every_n_steps == 0 or loop.batch == n
+            t_opt = time.perf_counter()
             step = self._optimizer_step(loop, norms=logs)
+            win.times[2] += time.perf_counter() - t_opt
             if logs:
                 self._log_point(win, loop, step)
             if self.after_step is not None:
@@ -349,6 +374,7 @@ class Trainer:
                 break
             if ckpt_every and step % ckpt_every == 0 and loop.batch < n:
                 self._save(loop, at=(loop.epoch, loop.batch))
+            t_wait = time.perf_counter()
         self._settle_vote(loop)
         if win.micro:  # stopped between log points
             win.epoch_loss.add_(win.loss)
@@ -363,14 +389,18 @@ class Trainer:
         """Forward and backward of one micro-batch; gradients sync only on the last one."""
         model = self.wrapped
         batch = self._move(batch)
+        t0 = time.perf_counter()
         with parts.grad_sync(model, last_in_group):
             with parts.autocast(self.config.precision, self.ctx.device):
                 loss = win.add(self.step_fn(model, batch))
+            t1 = time.perf_counter()
             scaled = loss / group if group != 1 else loss
             if loop.scaler is not None:
                 loop.scaler.scale(scaled).backward()
             else:
                 scaled.backward()
+        win.times[1] += t1 - t0  # the forward: what DDP does not equalise across ranks
+        win.times[2] += time.perf_counter() - t1
 
     def _optimizer_step(self, loop: LoopState, norms: bool = False) -> int:
         """Clip, step, schedule, zero; returns the new global step. ``norms``: the step
@@ -408,7 +438,18 @@ class Trainer:
         layers = [(kind, names) for kind, (names, sq) in self._norms.items() if names]
         if layers:  # per-layer squared norms ride on the same collective and read
             vec = torch.cat([vec, *(self._norms[k][1].float() for k, _ in layers)])
+        world, n_steps = self.ctx.world_size, max(1, step - win.step0)
+        n_slots = world * len(stragglers.PHASES) if self._stragglers is not None else 0
+        if n_slots:  # every rank's phase times, in its own slots of the same collective
+            mine = stragglers.slots(world, self.ctx.rank, [t / n_steps for t in win.times])
+            vec = torch.cat([vec, vec.new_tensor(mine)])
         vec = ddp.reduce_mean(vec).tolist()
+        per_rank_metrics: dict[str, float] = {}
+        if n_slots:
+            summed, vec = [v * world for v in vec[len(vec) - n_slots:]], vec[:len(vec) - n_slots]
+            if self.ctx.is_main:
+                per_rank_metrics = self._stragglers.update(  # type: ignore[union-attr]
+                    step, stragglers.unpack(summed, world))
         n_layer = sum(len(names) for _, names in layers)
         norms, vec = vec[len(vec) - n_layer:], vec[:len(vec) - n_layer]
         *vec, mean_dt = vec  # the wall time too: the same on all ranks
@@ -428,6 +469,7 @@ class Trainer:
             for name in names:
                 metrics[f"{kind}/{name}"] = math.sqrt(max(0.0, norms.pop(0) * shards))
         self._norms.clear()
+        metrics.update(per_rank_metrics)
         self.last_metrics = metrics
         self.loggers.train(metrics, step, step - loop.phase_start, loop.epoch)  # type: ignore[union-attr]
         win.reset(step)

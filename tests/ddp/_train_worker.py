@@ -6,7 +6,8 @@ numbers there as JSON), fail_rank/fail_step (raise there), fail_write_rank (that
 rank's sharded checkpoint writes fail with ENOSPC),
 wait_signal_step + ready_dir (write <rank>.pid at that step, then spin until a
 preemption signal arrives, at most wait_timeout seconds (30), so a test can signal
-every rank mid-epoch).
+every rank mid-epoch), slow_rank + slow_data_s (that rank's data loader takes that many
+seconds more per sample: a straggler in the data phase).
 """
 
 from __future__ import annotations
@@ -60,9 +61,10 @@ def main() -> None:
         return nn.functional.mse_loss(model(x), y)
 
     eval_data = make_data(spec["eval_n"], seed=1) if spec.get("eval_n") else None
-    trainer = Trainer(
-        make_model(spec.get("dropout", 0.0)), make_data(spec.get("n", 64)), cfg, step, eval_data
-    )
+    data = make_data(spec.get("n", 64))
+    if spec.get("slow_rank") is not None and int(os.environ["RANK"]) == spec["slow_rank"]:
+        data = _Slow(data, float(spec["slow_data_s"]))
+    trainer = Trainer(make_model(spec.get("dropout", 0.0)), data, cfg, step, eval_data)
     summary = trainer.fit()
     if ddp.get_context().is_main and spec.get("summary"):
         with open(spec["summary"], "w") as fh:
@@ -70,6 +72,20 @@ def main() -> None:
     if ddp.get_context().is_main and spec.get("out"):
         torch.save({"state": trainer.model.state_dict(), "summary": summary}, spec["out"])
     ddp.shutdown()
+
+
+class _Slow(torch.utils.data.Dataset):
+    """The dataset with ``delay`` seconds more per sample (a slow disk on one node)."""
+
+    def __init__(self, data: TensorDataset, delay: float) -> None:
+        self.data, self.delay = data, delay
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(self.delay)  # the injected slowness itself, not a wait on an event
+        return self.data[i]
 
 
 def _fail_shard_writes(rank: int) -> None:

@@ -1,0 +1,74 @@
+"""Per-rank log files: ``RUN/ranks/rank-NNNNN.log``, each holding only its rank's lines.
+
+Why: a launcher merges every rank's output into one job log (TorchX#405/#412 asked for
+``--tee`` for this), so on many nodes the line that explains a failure is lost among
+the others and carries no rank. With ``per_rank_logs: true`` in the spec the rendered
+script exports ``DDP_RANK_LOGS=1`` and :func:`ddp.init` calls :func:`redirect` first:
+
+- every rank's stdout and stderr go, at the file-descriptor level (so C++, NCCL and
+  subprocess output too), to its own file under ``$HPC_RUN_DIR/ranks`` (``./ranks``
+  without a run directory), which starts with a ``# rank R of W on HOST`` line;
+- rank 0's stdout and every rank's stderr still reach the job log as well, through a
+  ``tee -a`` process per stream: it lives in its own session (a signal to the job's
+  process group does not cut it short) and drains the pipe after the rank has died, so
+  a crashing rank's last lines are in both places;
+- Python's ``sys.stdout``/``sys.stderr`` are made line-buffered: each line is in the
+  file when it is printed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from ddp.fingerprint import node_name
+
+ENV = "DDP_RANK_LOGS"
+
+
+def folder(env: dict[str, str] | None = None) -> Path:
+    """``$HPC_RUN_DIR/ranks``, else ``./ranks`` (a script rendered and run by hand)."""
+    env = os.environ if env is None else env
+    return Path(env.get("HPC_RUN_DIR") or ".") / "ranks"
+
+
+def path_of(rank: int, env: dict[str, str] | None = None) -> Path:
+    return folder(env) / f"rank-{rank:05d}.log"
+
+
+def _tee(path: Path, fd: int, out_fd: int) -> None:
+    """Point ``fd`` at a pipe whose reader appends to ``path`` and copies to ``out_fd``."""
+    saved = os.dup(out_fd)  # where the stream went before: the job log
+    read_end, write_end = os.pipe()
+    try:
+        subprocess.Popen(["tee", "-a", str(path)], stdin=read_end, stdout=saved,
+                         stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)  # fmt: skip
+    finally:
+        os.close(read_end)
+        os.close(saved)
+    os.dup2(write_end, fd)
+    os.close(write_end)
+
+
+def redirect(rank: int, world: int) -> Path:
+    """Send this rank's output to its file (see the module docstring); returns the file."""
+    path = path_of(rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(f"# rank {rank} of {world} on {node_name()} (pid {os.getpid()})\n")
+    _tee(path, 2, 2)
+    if rank == 0:
+        _tee(path, 1, 1)
+    else:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        os.dup2(fd, 1)
+        os.close(fd)
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(line_buffering=True)
+    return path

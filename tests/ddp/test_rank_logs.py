@@ -1,0 +1,99 @@
+"""Per-rank logs (``ddp.rank_logs``) on 2 real Gloo ranks, and ``hpc logs --rank/--grep``.
+
+The real SLURM with 2 nodes x 2 ranks: tests/test_e2e_rank_logs.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddp.fingerprint import node_name
+from tests.ddp import _launch
+from tests.support.polling import wait_until
+
+ROOT = _launch.ROOT
+
+#: Python, C-level (os.write) and stderr lines, then rank 1 crashes.
+PROBE = """\
+import os, sys
+import ddp
+ctx = ddp.init()
+r = ctx.rank
+print(f"py-out-from-rank-{r}")
+print(f"py-err-from-rank-{r}", file=sys.stderr)
+os.write(1, f"fd-out-from-rank-{r}\\n".encode())
+ddp.barrier()
+if r == 1:
+    raise RuntimeError("crash-on-rank-1")
+ddp.shutdown()
+"""
+
+
+def _hpc(*args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}:{ROOT}")
+    return subprocess.run([sys.executable, "-m", "hpc", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> tuple[Path, list[tuple[int, str, str]]]:
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    os.environ.update(DDP_RANK_LOGS="1", HPC_RUN_DIR=str(run_dir))
+    try:
+        procs = _launch.start([str(probe)], world=2)
+    finally:
+        del os.environ["DDP_RANK_LOGS"], os.environ["HPC_RUN_DIR"]
+    results = _launch.finish(procs, timeout=120)
+    assert results[0][0] == 0 and results[1][0] != 0, results
+    # tee drains its pipe after the rank has gone: wait for the crash's last line
+    last = run_dir / "ranks" / "rank-00001.log"
+    wait_until(lambda: last.is_file() and "crash-on-rank-1" in last.read_text(), 30,
+               "rank 1's traceback in its log")  # fmt: skip
+    return run_dir, results
+
+
+def test_each_rank_file_holds_only_its_own_lines(run: tuple[Path, list]) -> None:
+    run_dir, results = run
+    files = sorted((run_dir / "ranks").iterdir())
+    assert [f.name for f in files] == ["rank-00000.log", "rank-00001.log"]
+    for rank, path in enumerate(files):
+        text = path.read_text()
+        assert text.startswith(f"# rank {rank} of 2 on {node_name()} (pid ")
+        for kind in ("py-out", "py-err", "fd-out"):
+            assert f"{kind}-from-rank-{rank}" in text
+            assert f"{kind}-from-rank-{1 - rank}" not in text
+    assert "RuntimeError: crash-on-rank-1" in files[1].read_text()
+    # the job log still has rank 0's stdout and every rank's stderr (tee), not rank 1's stdout
+    out0, err1 = results[0][1], results[1][2]
+    assert "py-out-from-rank-0" in out0 and "fd-out-from-rank-0" in out0
+    assert "py-out-from-rank-1" not in results[1][1]
+    assert "py-err-from-rank-1" in err1 and "crash-on-rank-1" in err1
+
+
+def test_hpc_logs_rank_and_grep(run: tuple[Path, list]) -> None:
+    run_dir, _ = run
+    shown = _hpc("logs", str(run_dir), "--rank", "1")
+    assert shown.returncode == 0 and "crash-on-rank-1" in shown.stdout
+    assert "from-rank-0" not in shown.stdout
+    found = _hpc("logs", str(run_dir), "--grep", "crash-on-rank")
+    assert found.returncode == 0
+    assert f"rank 1 ({node_name()}): [rank1]: RuntimeError: crash-on-rank-1" in found.stdout
+    assert f"found in rank 1 ({node_name()})" in found.stderr
+    assert _hpc("logs", str(run_dir), "--grep", "no such text").returncode == 1
+    for args, says in [(["--rank", "7"], "allowed: ranks 0-1"), (["--rank", "-1"], "a rank >= 0"),
+                       (["--grep", ""], "empty --grep")]:  # fmt: skip
+        bad = _hpc("logs", str(run_dir), *args)
+        assert bad.returncode == 2 and says in bad.stderr and bad.stderr.count("\n") == 1, bad
+
+
+def test_no_per_rank_logs_is_one_line(tmp_path: Path) -> None:
+    bad = _hpc("logs", str(tmp_path), "--rank", "0")
+    assert bad.returncode == 2 and "no per-rank logs" in bad.stderr
