@@ -61,6 +61,11 @@ class Preempted(SystemExit):
         super().__init__(PREEMPTED_EXIT_CODE)
 
 
+GO, SAVE, STOP = 0, 1, 2
+"""A vote's verdicts, the levels its round agrees on (:data:`ddp.agree.LEVELS`): the
+largest level any rank voted wins, so a stop (which saves anyway) outranks a save."""
+
+
 class Vote:
     """Whether any rank got a preemption signal, known on every rank at the same step.
 
@@ -72,14 +77,28 @@ class Vote:
     first and waiting covers only a late one (counted in ``late``). The loop hands the
     thread a Python bool and gets one back: it touches no tensor, so it never makes the
     host wait for the GPU.
+
+    Time-based checkpoints (``checkpoint.every_s``, the sites' "checkpoint every 15
+    minutes") ride in the same round: rank 0 (``decides``) votes :data:`SAVE` when
+    ``save_every_s`` seconds of its ``clock`` have passed since the last checkpoint, the
+    other ranks vote :data:`GO` (or :data:`STOP`), and the round's max reaches every rank
+    at the same step, which then saves (:meth:`take_save`). Ranks' clocks never have to
+    agree, and no message is added: the level travels in the vote's own float.
     """
 
     def __init__(
         self, every: int, world_size: int, agreement: Agreement | GroupAgreement | None = None,
-        interval_s: float = 0.0,
+        interval_s: float = 0.0, save_every_s: float = 0.0, decides: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:  # fmt: skip
         import torch
 
+        self.save_every_s = save_every_s
+        self.decides = decides  # rank 0: its clock decides the time-based saves
+        self.clock = clock
+        self._last_save = clock()
+        self._save_due = False
+        self._stale = False  # a checkpoint was taken since the round in flight was decided
         self.every = every
         self.base = every
         self.interval_s = interval_s
@@ -108,16 +127,39 @@ class Vote:
         """The CPU tensors the vote travels in (tests check they never sit on a device)."""
         return self.agreement.buffers if self.agreement is not None else self._local
 
+    def saved(self) -> None:
+        """A checkpoint was taken (any kind, at the same step on every rank): the next
+        time-based one is due ``save_every_s`` seconds from now, and a save verdict of the
+        round in flight (decided before this checkpoint) is dropped on every rank."""
+        self._last_save = self.clock()
+        self._stale = True
+
+    def take_save(self) -> bool:
+        """True once after a step whose verdict was :data:`SAVE` (the same step on every
+        rank): the caller saves a checkpoint now."""
+        due, self._save_due = self._save_due, False
+        return due
+
+    def _level(self, flagged: bool) -> int:
+        if flagged:
+            return STOP
+        due = self.save_every_s > 0 and self.clock() - self._last_save >= self.save_every_s
+        return SAVE if self.decides and due else GO
+
     def step(self, step: int, flagged: bool) -> bool:
-        """At an optimizer step boundary: True when the ranks agreed to stop now."""
+        """At an optimizer step boundary: True when the ranks agreed to stop now (and
+        :meth:`take_save` is True when they agreed to save now)."""
         if not self.every or step % self.every:
             return False
         if self.settle():
             return True
+        self._stale = False  # the round below is decided after every checkpoint so far
         if not self.distributed:
-            return flagged
+            level = self._level(flagged)
+            self._save_due = level == SAVE
+            return level == STOP
         assert self.agreement is not None
-        self._round = self.agreement.start(flagged)
+        self._round = self.agreement.start(self._level(flagged))
         return False
 
     def final(self, flagged: bool) -> bool:
@@ -132,16 +174,19 @@ class Vote:
         if not self.distributed:
             return flagged
         assert self.agreement is not None
-        return self.agreement.agree(flagged)
+        return self.agreement.agree(STOP if flagged else GO) == STOP
 
     def settle(self) -> bool:
-        """Finish the vote in flight (before a save, or leaving the epoch): True = stop."""
+        """Finish the vote in flight (before a save, or leaving the epoch): True = stop;
+        a :data:`SAVE` verdict is kept for :meth:`take_save`."""
         if self._round is None:
             return False
         if not self._round.done():
             self.late += 1
         job, self._round = self._round, None
-        return job.result()
+        verdict = job.result()
+        self._save_due = verdict == SAVE and not self._stale
+        return verdict == STOP
 
 
 def requeue(enabled: bool) -> None:

@@ -6,7 +6,8 @@ numbers there as JSON), fail_rank/fail_step (raise there), fail_write_rank (that
 rank's sharded checkpoint writes fail with ENOSPC),
 wait_signal_step + ready_dir (write <rank>.pid at that step, then spin until a
 preemption signal arrives, at most wait_timeout seconds (30), so a test can signal
-every rank mid-epoch).
+every rank mid-epoch), clock_per_step (the Trainer's clock reads global_step times
+this many seconds; a list: one per rank).
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ def main() -> None:
     trainer = Trainer(
         make_model(spec.get("dropout", 0.0)), make_data(spec.get("n", 64)), cfg, step, eval_data
     )
+    if spec.get("clock_per_step"):  # checkpoint.every_s tests: time advances by steps
+        per_rank = spec["clock_per_step"]
+        tick = float(per_rank[int(os.environ["RANK"])] if isinstance(per_rank, list) else per_rank)
+        trainer.clock = lambda: trainer.global_step * tick
     summary = trainer.fit()
     if ddp.get_context().is_main and spec.get("summary"):
         with open(spec["summary"], "w") as fh:
