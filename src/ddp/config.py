@@ -226,6 +226,8 @@ class PreemptionConfig:
     signals: list[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM"])
     # true: rank 0 runs `scontrol requeue $SLURM_JOB_ID` after the preemption checkpoint;
     # DDP_REQUEUE=1 (exported by `hpc render` for a spec with `requeue: true`) does the same.
+    # An array task requeues ${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID} only; a requeue
+    # SLURM refuses submits the next segment instead (ddp.preemption.requeue).
     requeue: bool = False
     # Ranks agree on the flag with one tiny CPU all_reduce (ddp.preemption.Vote), at most
     # every check_every_n_steps steps and about every check_interval_s seconds: the steps

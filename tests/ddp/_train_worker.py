@@ -6,7 +6,7 @@ numbers there as JSON), fail_rank/fail_step (raise there), fail_write_rank (that
 rank's sharded checkpoint writes fail with ENOSPC),
 wait_signal_step + ready_dir (write <rank>.pid at that step, then spin until a
 preemption signal arrives, at most wait_timeout seconds (30), so a test can signal
-every rank mid-epoch), clock_per_step (the Trainer's clock reads global_step times
+every rank mid-epoch), hold_file (the wait for a signal also ends once this file exists), clock_per_step (the Trainer's clock reads global_step times
 this many seconds; a list: one per rank).
 """
 
@@ -55,7 +55,9 @@ def main() -> None:
                 fh.write(str(os.getpid()))
             os.replace(path + ".tmp", path)
             deadline = time.monotonic() + spec.get("wait_timeout", 30)
-            while not trainer.preempt_requested and time.monotonic() < deadline:
+            hold = spec.get("hold_file")  # or until this file exists (then no signal came)
+            while (not trainer.preempt_requested and time.monotonic() < deadline
+                   and not (hold and os.path.exists(hold))):
                 time.sleep(0.01)  # the test process sends the signal; this rank only idles
         x, y = batch
         return nn.functional.mse_loss(model(x), y)
