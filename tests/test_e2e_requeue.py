@@ -22,6 +22,7 @@ import torch
 from ddp import preemption
 from tests.ddp import _launch
 from tests.support.polling import wait_until
+from tests.support.slurm import URGENT
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -132,10 +133,12 @@ def test_array_task_requeues_only_itself(slurm_cluster, tmp_path):
 
 @pytest.mark.slurm
 def test_refused_requeue_submits_the_next_segment(slurm_cluster, tmp_path):
-    """A job SLURM will not requeue (``--no-requeue``: "Requested operation is presently
-    disabled", as for a job the preemption cancels): rank 0 submits the job's own script
-    again with ``--dependency=afterany:JOB``; the next segment appends to the same log,
-    resumes from the checkpoint and ends with the weights of an uninterrupted run."""
+    """A real preemption under ``PreemptMode=CANCEL`` of a job SLURM will not requeue
+    (``--no-requeue``: "Requested operation is presently disabled"): a job of a higher
+    tier needs the node, SLURM cancels ours (SIGTERM, SIGKILL after KillWait) and it ends
+    PREEMPTED for good. Rank 0 saves, then submits the job's own script again with
+    ``--dependency=afterany:JOB``; the next segment appends to the same log, resumes
+    from the checkpoint and ends with the weights of an uninterrupted run."""
     _spec(tmp_path, "run")
     script = _script(tmp_path, ["--no-requeue", "--job-name=seg"], f"{tmp_path}/run/spec.json")
     out = tmp_path / "seg.out"
@@ -144,7 +147,10 @@ def test_refused_requeue_submits_the_next_segment(slurm_cluster, tmp_path):
     ready = tmp_path / "run" / "ready"
     wait_until(lambda: len(list(ready.glob("*.pid"))) == 2, 120, "ranks at step 3", log=log)
     script.unlink()  # the next segment runs the script SLURM stored, not the file
-    slurm_cluster.run("scancel", "--signal=USR1", job)
+    node = _show(slurm_cluster, job)["NodeList"]
+    urgent = slurm_cluster.run(  # the whole node, whatever its CPU count: ours must go
+        "sbatch", "--parsable", f"--partition={URGENT}", f"--nodelist={node}", "--exclusive",
+        f"--output={tmp_path}/urgent.out", "--wrap=true").stdout.strip()  # fmt: skip
     found: list[str] = []
 
     def submitted() -> bool:
@@ -161,7 +167,10 @@ def test_refused_requeue_submits_the_next_segment(slurm_cluster, tmp_path):
         _show(slurm_cluster, nxt).get("JobState") != "PENDING"
     state = slurm_cluster.wait(nxt, timeout=200)
     assert state == "COMPLETED", log()
-    assert _show(slurm_cluster, job).get("Restarts") == "0"  # the first job was not requeued
+    first = _show(slurm_cluster, job)
+    assert (first["JobState"], first["Restarts"]) == ("PREEMPTED", "0"), first  # gone for good
+    assert slurm_cluster.state(urgent) == "COMPLETED"
+    assert "DUE TO PREEMPTION" in log()
     text = log()
     assert text.index("submitted the next segment") < text.index("resuming from"), text
     resumed = torch.load(tmp_path / "run" / "final.pt", weights_only=False)["state"]
