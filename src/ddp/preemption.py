@@ -244,8 +244,10 @@ class _SegmentError(Exception):
     """The next segment could not be submitted (the message says why)."""
 
 
-CLIENT_TIMEOUT_S = 60.0
-"""Seconds a SLURM client may take (a controller that does not answer)."""
+CLIENT_TIMEOUT_S = 10.0
+"""Seconds a SLURM client may take (a controller that does not answer): the requeue and
+its fallback run between the preemption signal and SLURM's SIGKILL (KillWait, 30 s by
+default) and within ``preemption.grace_s``; a slow controller ends the wait, not the job."""
 
 #: Variables that describe this job's ranks, not the job: the launcher sets them per task
 #: (srun, torchrun, PMI/PALS/Open MPI). The next segment's batch script inherits sbatch's

@@ -90,3 +90,26 @@ def test_bad_every_s_is_one_line(value):
 def test_every_s_default_is_off():
     assert TrainConfig.from_dict({}).checkpoint.every_s == 0
     assert TrainConfig.from_dict({"checkpoint": {"every_s": 900}}).checkpoint.every_s == 900
+
+
+def test_the_vote_levels_in_one_process():
+    """The vote's verdicts without ranks: rank 0 (``decides``) saves once ``save_every_s``
+    of its clock have passed since the last checkpoint; another rank's clock never asks; a
+    stop outranks a save."""
+    from ddp.preemption import Vote
+
+    now = [0.0]
+    vote = Vote(1, world_size=1, save_every_s=2.0, clock=lambda: now[0])
+    now[0] = 1.9
+    assert not vote.step(1, flagged=False) and not vote.take_save()
+    now[0] = 2.0
+    assert not vote.step(2, flagged=False) and vote.take_save()
+    assert not vote.take_save()  # once
+    vote.saved()
+    now[0] = 3.0
+    assert not vote.step(3, flagged=False) and not vote.take_save()  # 1 s since the save
+    now[0] = 10.0
+    assert vote.step(4, flagged=True) and not vote.take_save()  # the stop saves anyway
+    other = Vote(1, world_size=1, save_every_s=2.0, decides=False, clock=lambda: now[0])
+    now[0] = 100.0
+    assert not other.step(1, flagged=False) and not other.take_save()
