@@ -152,20 +152,28 @@ class Layout:
         return 2 * self.depth
 
 
+LEVELS = 3
+"""A round agrees on the largest of the ranks' levels 0, 1, 2 (a bool is level 0 or 1).
+The preemption vote uses two bits in one value: 2 = stop (a signal), 1 = save a
+checkpoint (rank 0's ``checkpoint.every_s`` clock), 0 = go on. The max of the levels
+is the verdict; a stop outranks a save because the stop saves anyway."""
+
+
 class Round:
     """One agreement in flight: :meth:`done` without waiting, :meth:`result` waits."""
 
-    def __init__(self, flag: bool) -> None:
-        self.flag = flag
+    def __init__(self, flag: bool | int) -> None:
+        self.flag = int(flag)
         self._done = threading.Event()
-        self._value = False
+        self._value = 0
         self._error: BaseException | None = None
 
     def done(self) -> bool:
         return self._done.is_set()
 
-    def result(self) -> bool:
-        """True when any rank's flag was set; raises the round's failure on this rank.
+    def result(self) -> int:
+        """The largest level any rank started with (for bool flags: 1 when any rank's flag
+        was set, else 0); raises the round's failure on this rank.
 
         Waits with no limit of its own: every receive in the round is bounded by the
         groups' timeout (``ddp.init(timeout=...)``), after which the round fails."""
@@ -174,7 +182,7 @@ class Round:
             raise self._error
         return self._value
 
-    def _finish(self, value: bool = False, error: BaseException | None = None) -> None:
+    def _finish(self, value: int = 0, error: BaseException | None = None) -> None:
         self._value, self._error = value, error
         self._done.set()
 
@@ -197,7 +205,8 @@ class Agreement:
         self._up = None if layout.up is None else groups[layout.up]  # the parent is group rank 0
         # [flag, hops]: the hops a message's value has travelled (a measurement that costs
         # one float beside the flag: the bench reads it, the loop does not).
-        self._flags = (torch.tensor([0.0, 0.0]), torch.tensor([1.0, 0.0]))  # sent as they are
+        # One preallocated message per level (LEVELS), sent as they are.
+        self._flags = tuple(torch.tensor([float(v), 0.0]) for v in range(LEVELS))
         self._value = torch.zeros(2)  # the answer, as it arrives from the parent
         width = len(layout.children) + 1
         self._table = torch.zeros(width, 2)  # the leader's gather: its own row, then each child's
@@ -224,8 +233,11 @@ class Agreement:
         """Sequential messages of a round by the layout's arithmetic (``2 * depth``)."""
         return self.layout.hops
 
-    def start(self, flag: bool) -> Round:
-        """Begin a round with this rank's ``flag``; returns at once (no tensor touched)."""
+    def start(self, flag: bool | int) -> Round:
+        """Begin a round with this rank's ``flag`` (a bool, or a level below
+        :data:`LEVELS`); returns at once (no tensor touched)."""
+        if not 0 <= int(flag) < LEVELS:
+            raise ValueError(f"agreement level {flag!r}; allowed: 0 to {LEVELS - 1}")
         job = Round(flag)
         if self._broken is not None:
             job._finish(error=self._broken)
@@ -233,8 +245,9 @@ class Agreement:
             self._queue.put(job)
         return job
 
-    def agree(self, flag: bool) -> bool:
-        """A whole round: True when any rank's ``flag`` is set (collective, blocking)."""
+    def agree(self, flag: bool | int) -> int:
+        """A whole round: the largest level of any rank (for bools: truthy when any rank's
+        ``flag`` is set; collective, blocking)."""
         return self.start(flag).result()
 
     def close(self) -> None:
@@ -259,7 +272,7 @@ class Agreement:
                 self._broken = exc
                 job._finish(error=exc)
 
-    def _round(self, flag: bool) -> bool:
+    def _round(self, flag: int) -> int:
         """Up: a leader gathers its children's values (one Gloo gather: the messages meet in
         C++, not one Python wake-up each) and sends the max on to its parent; down: the
         root's answer, scattered by each leader to its children. The second float counts
@@ -271,7 +284,7 @@ class Agreement:
         import torch
         from torch.distributed import GatherOptions, ScatterOptions
 
-        mine = self._flags[1 if flag else 0]
+        mine = self._flags[flag]
         gather, scatter = GatherOptions(), ScatterOptions()
         gather.rootRank = scatter.rootRank = 0  # group rank 0 is always the leader
         if self._own is not None:
@@ -286,7 +299,7 @@ class Agreement:
             self._own.scatter([self._rows[0]], [self._fan], scatter).wait()
         answer, hops = self._value.tolist()  # a CPU tensor: no device wait
         self.last_hops = int(hops)
-        return answer > 0
+        return int(answer)
 
 
 class WorkRound:
@@ -298,9 +311,9 @@ class WorkRound:
     def done(self) -> bool:
         return bool(self._work.is_completed())
 
-    def result(self) -> bool:
+    def result(self) -> int:
         self._work.wait()
-        return bool(self._buf.numpy()[0] > 0)  # a CPU tensor: no device wait
+        return int(self._buf.numpy()[0])  # a CPU tensor: no device wait
 
 
 class GroupAgreement:
@@ -319,16 +332,16 @@ class GroupAgreement:
     def buffers(self) -> tuple[torch.Tensor, ...]:
         return self._buf
 
-    def start(self, flag: bool) -> WorkRound:
+    def start(self, flag: bool | int) -> WorkRound:
         import torch.distributed as tdist
 
         self._cur ^= 1
         buf = self._buf[self._cur]
-        buf.fill_(1.0 if flag else 0.0)
+        buf.fill_(float(int(flag)))  # a level, as in Agreement.start
         work = tdist.all_reduce(buf, op=tdist.ReduceOp.MAX, group=self.group, async_op=True)
         return WorkRound(work, buf)
 
-    def agree(self, flag: bool) -> bool:
+    def agree(self, flag: bool | int) -> int:
         return self.start(flag).result()
 
     def close(self) -> None:

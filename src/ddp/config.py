@@ -144,6 +144,10 @@ class CheckpointConfig:
     # else from the working directory. An absolute path is kept as it is.
     dir: str | None = "checkpoints"
     every_n_steps: int = 0  # 0 = only at the end of each epoch
+    # Also a checkpoint once every_s seconds have passed since the last one (0 = off): the
+    # sites' rule ("checkpoint every 15 minutes": every_s: 900, ALCF Aurora). Rank 0's clock
+    # decides; the decision rides in the preemption vote, so all ranks save at one step.
+    every_s: float = 0.0
     keep_last: int = 2
     resume: str = "auto"  # auto | none | PATH
     save_final: bool = True
@@ -234,6 +238,8 @@ class PreemptionConfig:
     signals: list[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM"])
     # true: rank 0 runs `scontrol requeue $SLURM_JOB_ID` after the preemption checkpoint;
     # DDP_REQUEUE=1 (exported by `hpc render` for a spec with `requeue: true`) does the same.
+    # An array task requeues ${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID} only; a requeue
+    # SLURM refuses submits the next segment instead (ddp.preemption.requeue).
     requeue: bool = False
     # Ranks agree on the flag with one tiny CPU all_reduce (ddp.preemption.Vote), at most
     # every check_every_n_steps steps and about every check_interval_s seconds: the steps
@@ -591,6 +597,8 @@ def _validate(obj: Any, where: str) -> None:
     elif isinstance(obj, CheckpointConfig):
         if obj.every_n_steps < 0:
             bad("every_n_steps", obj.every_n_steps, "an integer >= 0")
+        if not 0 <= obj.every_s <= MAX_SECONDS:
+            bad("every_s", obj.every_s, f"seconds from 0 (off) to {MAX_SECONDS:.0f} (a year)")
         if obj.keep_last < 1:
             bad("keep_last", obj.keep_last, "an integer >= 1")
         if not obj.resume:

@@ -461,7 +461,7 @@ def any_rank(flag: bool) -> bool:
     """Collective, blocking: True when ``flag`` is set on any rank (CPU only, no device
     wait; O(log W) messages over :func:`init`'s tree)."""
     way = agreement()
-    return flag if way is None else way.agree(flag)
+    return flag if way is None else bool(way.agree(flag))
 
 
 def checkpoint_group() -> Any:

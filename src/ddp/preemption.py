@@ -8,8 +8,10 @@ SignalConnector; the checkpoint itself is the Checkpointer's):
 - :class:`Vote`: every rank learns, at the same step, whether any rank got a signal,
   over a CPU side channel (a tree, :mod:`ddp.agree`) so the hot loop never waits for
   the device;
-- :func:`requeue`: SLURM's ``scontrol requeue`` after the preemption checkpoint (a PBS
-  job's rerun belongs to the PBS job environment, not here);
+- :func:`requeue`: SLURM's ``scontrol requeue`` of this job or array task after the
+  preemption checkpoint, or, when SLURM refuses, the next segment submitted with
+  ``sbatch --dependency=afterany`` (a PBS job's rerun belongs to the PBS job
+  environment, not here);
 - :class:`Preempted`: the exit (75, ``EX_TEMPFAIL``) once the checkpoint is durable.
 
 Signals and the watchdog:
@@ -40,9 +42,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -61,6 +64,11 @@ class Preempted(SystemExit):
         super().__init__(PREEMPTED_EXIT_CODE)
 
 
+GO, SAVE, STOP = 0, 1, 2
+"""A vote's verdicts, the levels its round agrees on (:data:`ddp.agree.LEVELS`): the
+largest level any rank voted wins, so a stop (which saves anyway) outranks a save."""
+
+
 class Vote:
     """Whether any rank got a preemption signal, known on every rank at the same step.
 
@@ -72,14 +80,28 @@ class Vote:
     first and waiting covers only a late one (counted in ``late``). The loop hands the
     thread a Python bool and gets one back: it touches no tensor, so it never makes the
     host wait for the GPU.
+
+    Time-based checkpoints (``checkpoint.every_s``, the sites' "checkpoint every 15
+    minutes") ride in the same round: rank 0 (``decides``) votes :data:`SAVE` when
+    ``save_every_s`` seconds of its ``clock`` have passed since the last checkpoint, the
+    other ranks vote :data:`GO` (or :data:`STOP`), and the round's max reaches every rank
+    at the same step, which then saves (:meth:`take_save`). Ranks' clocks never have to
+    agree, and no message is added: the level travels in the vote's own float.
     """
 
     def __init__(
         self, every: int, world_size: int, agreement: Agreement | GroupAgreement | None = None,
-        interval_s: float = 0.0,
+        interval_s: float = 0.0, save_every_s: float = 0.0, decides: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:  # fmt: skip
         import torch
 
+        self.save_every_s = save_every_s
+        self.decides = decides  # rank 0: its clock decides the time-based saves
+        self.clock = clock
+        self._last_save = clock()
+        self._save_due = False
+        self._stale = False  # a checkpoint was taken since the round in flight was decided
         self.every = every
         self.base = every
         self.interval_s = interval_s
@@ -108,16 +130,39 @@ class Vote:
         """The CPU tensors the vote travels in (tests check they never sit on a device)."""
         return self.agreement.buffers if self.agreement is not None else self._local
 
+    def saved(self) -> None:
+        """A checkpoint was taken (any kind, at the same step on every rank): the next
+        time-based one is due ``save_every_s`` seconds from now, and a save verdict of the
+        round in flight (decided before this checkpoint) is dropped on every rank."""
+        self._last_save = self.clock()
+        self._stale = True
+
+    def take_save(self) -> bool:
+        """True once after a step whose verdict was :data:`SAVE` (the same step on every
+        rank): the caller saves a checkpoint now."""
+        due, self._save_due = self._save_due, False
+        return due
+
+    def _level(self, flagged: bool) -> int:
+        if flagged:
+            return STOP
+        due = self.save_every_s > 0 and self.clock() - self._last_save >= self.save_every_s
+        return SAVE if self.decides and due else GO
+
     def step(self, step: int, flagged: bool) -> bool:
-        """At an optimizer step boundary: True when the ranks agreed to stop now."""
+        """At an optimizer step boundary: True when the ranks agreed to stop now (and
+        :meth:`take_save` is True when they agreed to save now)."""
         if not self.every or step % self.every:
             return False
         if self.settle():
             return True
+        self._stale = False  # the round below is decided after every checkpoint so far
         if not self.distributed:
-            return flagged
+            level = self._level(flagged)
+            self._save_due = level == SAVE
+            return level == STOP
         assert self.agreement is not None
-        self._round = self.agreement.start(flagged)
+        self._round = self.agreement.start(self._level(flagged))
         return False
 
     def final(self, flagged: bool) -> bool:
@@ -132,32 +177,169 @@ class Vote:
         if not self.distributed:
             return flagged
         assert self.agreement is not None
-        return self.agreement.agree(flagged)
+        return self.agreement.agree(STOP if flagged else GO) == STOP
 
     def settle(self) -> bool:
-        """Finish the vote in flight (before a save, or leaving the epoch): True = stop."""
+        """Finish the vote in flight (before a save, or leaving the epoch): True = stop;
+        a :data:`SAVE` verdict is kept for :meth:`take_save`."""
         if self._round is None:
             return False
         if not self._round.done():
             self.late += 1
         job, self._round = self._round, None
-        return job.result()
+        verdict = job.result()
+        self._save_due = verdict == SAVE and not self._stale
+        return verdict == STOP
 
 
-def requeue(enabled: bool) -> None:
-    """Rank 0, after the preemption checkpoint: ``scontrol requeue $SLURM_JOB_ID``.
+def slurm_job_id(environ: Mapping[str, str] | None = None) -> str | None:
+    """The id that names this job alone: ``${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}``
+    in an array task, else ``SLURM_JOB_ID`` (None outside SLURM).
+
+    An array task's ``SLURM_JOB_ID`` may be the array's own id (SLURM gives it to one of
+    the tasks: on SLURM 22.05 the last task started): ``scontrol requeue`` of it requeues
+    every task of the array, killing the others mid-run (Lightning #15022)."""
+    env = os.environ if environ is None else environ
+    array, task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+    if array and task:
+        return f"{array}_{task}"
+    return env.get("SLURM_JOB_ID") or None
+
+
+def requeue(enabled: bool, environ: Mapping[str, str] | None = None) -> str | None:
+    """Rank 0, after the preemption checkpoint: requeue this SLURM job (or array task).
 
     ``enabled`` is ``preemption.requeue``; ``DDP_REQUEUE=1`` (exported by ``hpc render``
     for a spec with ``requeue: true``) turns it on too. Outside SLURM it does nothing.
+
+    First ``scontrol requeue ID`` (ID from :func:`slurm_job_id`). When SLURM refuses
+    (a job submitted with ``--no-requeue``, ``JobRequeue=0``, a job the preemption is
+    already cancelling under ``PreemptMode=CANCEL``, where it would never come back), the
+    next segment is submitted instead (:func:`submit_next_segment`): the same batch script
+    into the same working directory and log, after this job ends, so it resumes from the
+    run's checkpoints. Returns the path taken (``"requeue"``, ``"sbatch"``) or None; the
+    log says which, and a fallback that fails too is one error line naming both failures.
     """
-    job = os.environ.get("SLURM_JOB_ID")
-    if not (enabled or os.environ.get("DDP_REQUEUE") == "1") or not job:
-        return
+    env = os.environ if environ is None else environ
+    job = slurm_job_id(env)
+    if not (enabled or env.get("DDP_REQUEUE") == "1") or not job:
+        return None
+    why = _client(["scontrol", "requeue", job], env)
+    if why is None:
+        log.warning("requeued SLURM job %s (scontrol requeue)", job)
+        return "requeue"
+    log.warning("scontrol requeue %s failed (%s); submitting the next segment instead", job, why)
     try:
-        subprocess.run(["scontrol", "requeue", job], check=True, timeout=60)
-        log.warning("requeued SLURM job %s", job)
+        new = submit_next_segment(job, env)
+    except _SegmentError as exc:
+        log.error("SLURM job %s was not requeued: scontrol requeue failed (%s) and the next "
+                  "segment could not be submitted (%s); resubmit it by hand", job, why, exc)  # fmt: skip
+        return None
+    log.warning("submitted the next segment of SLURM job %s as job %s (sbatch "
+                "--dependency=afterany:%s, same script, directory and log)", job, new, job)  # fmt: skip
+    return "sbatch"
+
+
+class _SegmentError(Exception):
+    """The next segment could not be submitted (the message says why)."""
+
+
+CLIENT_TIMEOUT_S = 10.0
+"""Seconds a SLURM client may take (a controller that does not answer): the requeue and
+its fallback run between the preemption signal and SLURM's SIGKILL (KillWait, 30 s by
+default) and within ``preemption.grace_s``; a slow controller ends the wait, not the job."""
+
+#: Variables that describe this job's ranks, not the job: the launcher sets them per task
+#: (srun, torchrun, PMI/PALS/Open MPI). The next segment's batch script inherits sbatch's
+#: environment, and a stale RANK or MASTER_ADDR there would reach every new rank.
+_PER_TASK = ("SLURM_", "SLURMD_", "PMI_", "PMIX_", "OMPI_", "PALS_", "TORCHELASTIC_")
+_PER_TASK_NAMES = frozenset({
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+    "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "ZE_AFFINITY_MASK",
+})  # fmt: skip
+
+
+def _client(argv: list[str], env: Mapping[str, str]) -> str | None:
+    """Run a SLURM client; None on success, else why it failed (its stderr's last line)."""
+    try:
+        proc = subprocess.run(argv, env=dict(env), capture_output=True, text=True,
+                              errors="replace", timeout=CLIENT_TIMEOUT_S)  # fmt: skip
     except (OSError, subprocess.SubprocessError) as exc:
-        log.error("scontrol requeue %s failed: %s", job, exc)
+        return f"{argv[0]}: {exc}"
+    if proc.returncode == 0:
+        return None
+    lines = (proc.stderr or proc.stdout).strip().splitlines()
+    return f"exit {proc.returncode}: {lines[-1][:300] if lines else 'no message'}"
+
+
+def _job_fields(job: str, env: Mapping[str, str]) -> dict[str, str]:
+    """``scontrol show job -o ID`` as a dict (one line, ``Key=Value`` words; values
+    without spaces except the last keys, which this code does not read)."""
+    try:
+        proc = subprocess.run(["scontrol", "show", "job", "-o", job], env=dict(env),
+                              capture_output=True, text=True, errors="replace",
+                              timeout=CLIENT_TIMEOUT_S)  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise _SegmentError(f"scontrol show job {job}: {exc}") from None
+    if proc.returncode != 0:
+        raise _SegmentError(f"scontrol show job {job}: {proc.stderr.strip()[:300]}")
+    fields: dict[str, str] = {}
+    for word in proc.stdout.split():
+        key, eq, value = word.partition("=")
+        if eq and key not in fields:
+            fields[key] = value
+    return fields
+
+
+def submit_next_segment(job: str, environ: Mapping[str, str] | None = None) -> str:
+    """``sbatch --dependency=afterany:JOB`` of JOB's own batch script: its id.
+
+    The script is the copy SLURM stored (``scontrol write batch_script``), so an edited
+    or removed file on disk does not change what runs. What the first sbatch may have
+    had on its command line is given again from ``scontrol show job``: the job's name,
+    partition, account, QOS, time limit and working directory, and its log, appended to
+    (``--open-mode=append``). An array task submits that one task (``--array=T``), never
+    the whole array again. ``afterany`` starts it once this job has ended in any state.
+    """
+    env = dict(os.environ if environ is None else environ)
+    fields = _job_fields(job, env)
+    clean = {k: v for k, v in env.items()
+             if k == "SLURM_CONF" or not (k.startswith(_PER_TASK) or k in _PER_TASK_NAMES)}
+    fd, script = tempfile.mkstemp(prefix="ddp-segment-", suffix=".sh")
+    os.close(fd)
+    try:
+        why = _client(["scontrol", "write", "batch_script", job, script], env)
+        if why is not None or not os.path.getsize(script):
+            raise _SegmentError(f"scontrol write batch_script {job}: {why or 'empty script'}")
+        argv = ["sbatch", "--parsable", f"--dependency=afterany:{job}", "--open-mode=append"]
+        for key, flag in (("JobName", "--job-name"), ("Partition", "--partition"),
+                          ("Account", "--account"), ("QOS", "--qos"), ("TimeLimit", "--time"),
+                          ("WorkDir", "--chdir"), ("StdOut", "--output"),
+                          ("StdErr", "--error")):  # fmt: skip
+            value = fields.get(key, "")
+            if value and value not in ("(null)", "UNLIMITED", "Partition_Limit", "N/A"):
+                if key in ("StdOut", "StdErr"):
+                    value = value.replace("%", "%%")  # the file as it is, no pattern
+                argv.append(f"{flag}={value}")
+        if "_" in job:
+            argv.append(f"--array={job.rsplit('_', 1)[1]}")
+        argv.append(script)
+        try:
+            proc = subprocess.run(argv, env=clean, capture_output=True, text=True,
+                                  errors="replace", timeout=CLIENT_TIMEOUT_S)  # fmt: skip
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise _SegmentError(f"sbatch: {exc}") from None
+        new = proc.stdout.strip().split(";")[0]
+        if proc.returncode != 0 or not new:
+            lines = proc.stderr.strip().splitlines()
+            raise _SegmentError(f"sbatch exit {proc.returncode}: "
+                                f"{lines[-1][:300] if lines else 'no job id'}")  # fmt: skip
+        return new
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(script)  # sbatch keeps its own copy
+
 
 STUCK_S = 5.0
 """Seconds the main thread has to run the Python handler before it counts as stuck."""

@@ -90,6 +90,8 @@ class Trainer:
         self._signal: int | None = None  # set by the handler; acted on at step boundaries
         self._vote: Vote | None = None
         self._stragglers: Stragglers | None = None  # per-rank timing (world > 1, rank 0 judges)
+        #: rank 0's clock for ``checkpoint.every_s`` (seconds; tests inject their own)
+        self.clock: Callable[[], float] = time.monotonic
         self._eval_preempted = False  # evaluate() stopped early on a preemption signal
         self._stop = False
         self._samples = 0
@@ -372,7 +374,8 @@ class Trainer:
                 self._settle_vote(loop)
                 self._save(loop, at=loop.after_batches())
                 break
-            if ckpt_every and step % ckpt_every == 0 and loop.batch < n:
+            timed = self._vote.take_save()  # type: ignore[union-attr]  # checkpoint.every_s
+            if (timed or ckpt_every and step % ckpt_every == 0) and loop.batch < n:
                 self._save(loop, at=(loop.epoch, loop.batch))
             t_wait = time.perf_counter()
         self._settle_vote(loop)
@@ -492,6 +495,8 @@ class Trainer:
 
     def _save(self, loop: LoopState, at: tuple[int, int]) -> None:
         self.checkpointer.save(loop, self.wrapped, self.global_step, at)  # type: ignore[union-attr]
+        if self._vote is not None:
+            self._vote.saved()  # checkpoint.every_s counts from the latest checkpoint
 
     # ---- evaluation -------------------------------------------------------------------------
     @torch.no_grad()
@@ -544,8 +549,11 @@ class Trainer:
         p = self.config.preemption
         self._signals = SignalWatch(p.signals, self._on_signal, self.ctx.rank, p.grace_s)
         self._signals.install()
-        every = p.check_every_n_steps if self._signals.installed else 0
-        self._vote = Vote(every, self.ctx.world_size, agreement(), p.check_interval_s)
+        # checkpoint.every_s rides on the vote, so the vote runs for it without signals too.
+        every_s = self.config.checkpoint.every_s if self.config.checkpoint.dir else 0.0
+        every = p.check_every_n_steps if self._signals.installed or every_s else 0
+        self._vote = Vote(every, self.ctx.world_size, agreement(), p.check_interval_s,
+                          save_every_s=every_s, decides=self.ctx.is_main, clock=self.clock)
 
     def _on_signal(self, signum: int) -> None:
         self._signal = signum  # only a flag: the loop acts at the step boundary
@@ -558,6 +566,7 @@ class Trainer:
         in flight and take one more, so a signal is never left for a later epoch."""
         if self._vote.final(self._signal is not None):  # type: ignore[union-attr]
             self._preempt(loop)
+        self._vote.take_save()  # type: ignore[union-attr]  # the caller saves here anyway
 
     def _preempt(self, loop: LoopState) -> None:
         log.warning("preemption signal: saving at step %d and exiting %d",

@@ -6,8 +6,10 @@ numbers there as JSON), fail_rank/fail_step (raise there), fail_write_rank (that
 rank's sharded checkpoint writes fail with ENOSPC),
 wait_signal_step + ready_dir (write <rank>.pid at that step, then spin until a
 preemption signal arrives, at most wait_timeout seconds (30), so a test can signal
-every rank mid-epoch), slow_rank + slow_data_s (that rank's data loader takes that many
-seconds more per sample: a straggler in the data phase).
+every rank mid-epoch), hold_file (the wait for a signal also ends once this file exists),
+clock_per_step (the Trainer's clock reads global_step times this many seconds; a list:
+one per rank), slow_rank + slow_data_s (that rank's data loader takes that many seconds
+more per sample: a straggler in the data phase).
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ def main() -> None:
                 fh.write(str(os.getpid()))
             os.replace(path + ".tmp", path)
             deadline = time.monotonic() + spec.get("wait_timeout", 30)
-            while not trainer.preempt_requested and time.monotonic() < deadline:
+            hold = spec.get("hold_file")  # or until this file exists (then no signal came)
+            while (not trainer.preempt_requested and time.monotonic() < deadline
+                   and not (hold and os.path.exists(hold))):
                 time.sleep(0.01)  # the test process sends the signal; this rank only idles
         x, y = batch
         return nn.functional.mse_loss(model(x), y)
@@ -65,6 +69,10 @@ def main() -> None:
     if spec.get("slow_rank") is not None and int(os.environ["RANK"]) == spec["slow_rank"]:
         data = _Slow(data, float(spec["slow_data_s"]))
     trainer = Trainer(make_model(spec.get("dropout", 0.0)), data, cfg, step, eval_data)
+    if spec.get("clock_per_step"):  # checkpoint.every_s tests: time advances by steps
+        per_rank = spec["clock_per_step"]
+        tick = float(per_rank[int(os.environ["RANK"])] if isinstance(per_rank, list) else per_rank)
+        trainer.clock = lambda: trainer.global_step * tick
     summary = trainer.fit()
     if ddp.get_context().is_main and spec.get("summary"):
         with open(spec["summary"], "w") as fh:

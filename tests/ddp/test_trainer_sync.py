@@ -41,6 +41,22 @@ def test_no_host_reads_between_log_points(tmp_path):
         assert rec["vote_reads"] >= 9, "the preemption vote did not run every step"
 
 
+def test_time_checkpoints_ride_the_vote_with_no_host_reads(tmp_path):
+    """``checkpoint.every_s`` (issue 30.3) with no preemption signals: the vote runs for it
+    alone, every step, and the loop still reads nothing from a tensor between log points
+    (rank 0's clock is read on the host; the decision travels in the vote's CPU buffer)."""
+    spec = _spec(tmp_path, 1000)
+    spec["config"]["checkpoint"] = {"dir": str(tmp_path / "ck"), "every_s": 1e6}
+    spec["config"]["preemption"] = {"signals": [], "check_interval_s": 0}
+    results = _launch.run([WORKER, json.dumps(spec)], world=2, timeout=120)
+    for rank, (rc, out, err) in enumerate(results):
+        assert rc == 0, f"rank {rank}: {out[-2000:]}\n{err[-3000:]}"
+    for rank in range(2):
+        rec = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert rec["reads"] == 0, rec["where"]
+        assert rec["vote_reads"] >= 9, "checkpoint.every_s did not run the vote"
+
+
 def test_the_counter_sees_a_read(tmp_path):
     """The same harness counts a step function that reads its loss (so it can fail)."""
     spec = _spec(tmp_path, 5)  # two log points inside the counted steps

@@ -33,6 +33,8 @@ FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
 ENDED_STATES = (*FINAL_STATES, "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 NODES = ("n1", "n2")
 PARTITION = "debug"
+URGENT = "urgent"
+"""A partition whose jobs preempt (cancel) the debug partition's jobs."""
 REQUIRED_EXES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "sinfo")
 _DAEMONS = ("slurmd-n1", "slurmd-n2", "slurmctld", "munged")  # stop order
 
@@ -276,6 +278,11 @@ SlurmctldDebug=info
 SlurmdDebug=info
 {node_lines}
 PartitionName={PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+# Real preemption (tests/test_e2e_requeue.py): a job in {URGENT} (a higher PriorityTier)
+# cancels the {PARTITION} jobs whose nodes it needs, as sites with PreemptMode=CANCEL do.
+PreemptType=preempt/partition_prio
+PreemptMode=CANCEL
+PartitionName={URGENT} Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 """
     )
     return conf
