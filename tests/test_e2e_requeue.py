@@ -255,3 +255,20 @@ exit 1
     args = (tmp_path / "args").read_text().split()
     assert "--array=1" in args and "--dependency=afterany:8_1" in args, args
     assert not any(a.startswith("--account") for a in args), args  # (null): not passed
+
+
+def test_a_requeue_without_answer_submits_no_second_segment(tmp_path, monkeypatch, caplog):
+    """scontrol does not answer in time: the controller may still requeue the job, so no
+    second segment is submitted (both would run); one error line says what to check."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    _fake(bin_dir, "scontrol", f'echo "$@" >> {calls}; exec sleep 30')
+    _fake(bin_dir, "sbatch", f"echo sbatch >> {calls}; echo 99")
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setattr(preemption, "CLIENT_TIMEOUT_S", 0.5)
+    caplog.set_level(logging.WARNING, logger="ddp")
+    assert preemption.requeue(True, {**os.environ, "SLURM_JOB_ID": "7"}) is None
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "no answer within 0.5 s" in errors[0], caplog.text
+    assert "sbatch" not in calls.read_text()

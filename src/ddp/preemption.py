@@ -228,6 +228,10 @@ def requeue(enabled: bool, environ: Mapping[str, str] | None = None) -> str | No
     if why is None:
         log.warning("requeued SLURM job %s (scontrol requeue)", job)
         return "requeue"
+    if why.startswith(_NO_ANSWER):  # it may still requeue: a second segment would run twice
+        log.error("scontrol requeue %s: %s; not submitting another segment (the controller "
+                  "may still requeue the job): check `squeue -j %s`", job, why, job)  # fmt: skip
+        return None
     log.warning("scontrol requeue %s failed (%s); submitting the next segment instead", job, why)
     try:
         new = submit_next_segment(job, env)
@@ -244,7 +248,7 @@ class _SegmentError(Exception):
     """The next segment could not be submitted (the message says why)."""
 
 
-CLIENT_TIMEOUT_S = 10.0
+CLIENT_TIMEOUT_S = 20.0
 """Seconds a SLURM client may take (a controller that does not answer): the requeue and
 its fallback run between the preemption signal and SLURM's SIGKILL (KillWait, 30 s by
 default) and within ``preemption.grace_s``; a slow controller ends the wait, not the job."""
@@ -260,11 +264,17 @@ _PER_TASK_NAMES = frozenset({
 })  # fmt: skip
 
 
+_NO_ANSWER = "no answer"
+
+
 def _client(argv: list[str], env: Mapping[str, str]) -> str | None:
-    """Run a SLURM client; None on success, else why it failed (its stderr's last line)."""
+    """Run a SLURM client; None on success, else why it failed (its stderr's last line;
+    a timeout starts with :data:`_NO_ANSWER`: the request may still be carried out)."""
     try:
         proc = subprocess.run(argv, env=dict(env), capture_output=True, text=True,
                               errors="replace", timeout=CLIENT_TIMEOUT_S)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return f"{_NO_ANSWER} within {CLIENT_TIMEOUT_S:g} s"
     except (OSError, subprocess.SubprocessError) as exc:
         return f"{argv[0]}: {exc}"
     if proc.returncode == 0:
