@@ -18,6 +18,7 @@ from typing import IO, TYPE_CHECKING, Any
 from hpc.schedulers import JobState, Scheduler, SchedulerError, chunks, last_line, run, stream
 
 if TYPE_CHECKING:
+    from hpc.chain import After
     from hpc.job import Job
 
 #: ``qstat`` answers within this many seconds, or the next form is tried.
@@ -630,9 +631,18 @@ class PBS(Scheduler):
 
         return [], launchers.mpiexec(job)
 
-    def submit_command(self, script: str) -> list[str]:
+    def submit_command(self, script: str, after: After | None = None) -> list[str]:
         """``qsub SCRIPT``: every setting is in the script's directives."""
-        return ["qsub", script]
+        return ["qsub", *(self.dependency(after) if after else []), script]
+
+    def dependency(self, after: After) -> list[str]:
+        """``-W depend=afterok:ID``; an array's own id (``123[].server``) takes the array
+        forms ``afterokarray``/``afteranyarray``/``afternotokarray`` (all its subjobs),
+        a subjob's id (``123[4].server``) the plain ones (PBS Professional Reference
+        Guide, qsub ``-W depend``; OpenPBS man page qsub(1B):
+        https://github.com/openpbs/openpbs/blob/master/doc/man1/qsub.1B)."""
+        kind = f"after{after.kind}" + ("array" if "[]" in after.job_id else "")
+        return ["-W", f"depend={kind}:{after.job_id}"]
 
     def parse_job_id(self, stdout: str) -> str:
         """qsub prints the id alone: ``123.server`` (or ``123``, ``123[].server`` for arrays)."""
