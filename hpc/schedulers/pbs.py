@@ -537,6 +537,10 @@ def _query_group(query_ids: list[str], ids: list[str]) -> dict[str, dict[str, st
         (["qstat", "-f", *arrays, *query_ids], read_qstat_text),
         (["qstat", *arrays, *query_ids], read_qstat_plain),
     ]
+    # OpenPBS 23.06's `qstat -x -f -F json A B C` of finished jobs prints A alone (seen on
+    # the real server: a chain's three segments); the ids an answer leaves out are asked
+    # by the next form, which names them all.
+    out: dict[str, dict[str, str]] = {}
     for argv, reader in readers:
         try:
             done = _stream(argv, lambda text, reader=reader: reader(text, ids))  # type: ignore[misc]
@@ -546,16 +550,17 @@ def _query_group(query_ids: list[str], ids: list[str]) -> dict[str, dict[str, st
             break
         info, _, stderr = done
         gone = _gone(stderr, ids)
-        out: dict[str, dict[str, str]] = {}
         for job_id in ids:
             found = lookup(info, job_id)
+            if job_id in out:
+                continue
             if found is not None:
                 out[job_id] = found
             elif job_id in gone:
                 out[job_id] = {"JobID": job_id, "State": GONE.value}
-        if out:
+        if out and all(j in out for j in ids):
             return out
-    return {}
+    return out
 
 
 def state_of(info: dict[str, dict[str, str]], job_id: str) -> JobState:

@@ -144,3 +144,18 @@ def test_site_rules_refuse_before_submitting(fake_bin, tmp_path: Path, monkeypat
     assert _submit(tmp_path, "--chain", "3", "--queue", "small", cluster="site") == 2
     assert "at most 2 queued jobs per user" in capsys.readouterr().err
     assert _calls(fake_bin, "qsub") == []
+
+
+def test_pbs_status_of_several_finished_jobs_asks_again_for_those_json_left_out(fake_bin) -> None:
+    """OpenPBS 23.06's ``qstat -x -f -F json A B`` of finished jobs prints A alone (seen
+    on the real server with a chain's segments): B is read from ``qstat -x -f``."""
+    from hpc.schedulers.pbs import PBS
+
+    fake_bin("qstat", r'''if [ "$3" = "-F" ]; then
+  printf '{"Jobs": {"1.s": {"job_state": "F", "Exit_status": -29, "substate": 93}}}\n'
+else
+  printf 'Job Id: 1.s\n    job_state = F\n    Exit_status = -29\n    substate = 93\n\n'
+  printf 'Job Id: 2.s\n    job_state = F\n    Exit_status = 0\n    substate = 92\n\n'
+fi''')
+    states = PBS().statuses(["1.s", "2.s"])
+    assert {k: str(v) for k, v in states.items()} == {"1.s": "TIMEOUT", "2.s": "COMPLETED"}
