@@ -65,3 +65,19 @@ def test_chain_crosses_the_walltime(hpc: Hpc, tmp_path: Path) -> None:  # noqa: 
     assert "Initialized DDP" not in three and "resuming from" not in three, three
     assert (run_dir / "chain.done").is_file()
     assert (tmp_path / "final.pt").is_file()
+
+
+def test_after_an_array_is_accepted_by_the_real_server(hpc: Hpc, openpbs, tmp_path: Path  # noqa: F811
+                                                       ) -> None:
+    """``--after 12[].server:any``: the real qsub takes the plain ``afterany`` on an
+    array's id (Torque's ``afteranyarray`` it refuses), and the job waits on it."""
+    script = tmp_path / "t.sh"
+    script.write_text("#!/bin/bash\ntrue\n")
+    array = openpbs.run("qsub", "-h", "-J", "0-1", "-l", "walltime=00:01:00",
+                        str(script)).stdout.strip()
+    hpc.submitted.append(array)
+    job_id, _ = hpc.submit("--cluster", "pbs", "--walltime", "00:01:00", "--wrap", "never",
+                           "--after", f"{array}:any", "--", "true")
+    attrs = openpbs.attrs(job_id)
+    assert str(attrs["depend"]).startswith(f"afterany:{array}"), attrs
+    assert attrs["job_state"] == "H", attrs  # held on the array, not run

@@ -641,13 +641,13 @@ class PBS(Scheduler):
         return ["qsub", *(self.dependency(after) if after else []), script]
 
     def dependency(self, after: After) -> list[str]:
-        """``-W depend=afterok:ID``; an array's own id (``123[].server``) takes the array
-        forms ``afterokarray``/``afteranyarray``/``afternotokarray`` (all its subjobs),
-        a subjob's id (``123[4].server``) the plain ones (PBS Professional Reference
-        Guide, qsub ``-W depend``; OpenPBS man page qsub(1B):
-        https://github.com/openpbs/openpbs/blob/master/doc/man1/qsub.1B)."""
-        kind = f"after{after.kind}" + ("array" if "[]" in after.job_id else "")
-        return ["-W", f"depend={kind}:{after.job_id}"]
+        """``-W depend=afterok:ID`` (OpenPBS qsub(1B), "-W depend=dependency_list":
+        https://github.com/openpbs/openpbs/blob/master/doc/man1/qsub.1B). An array's own
+        id (``123[].server``) takes the same plain forms and stands for the whole array;
+        Torque's ``afterokarray``/``afteranyarray`` are no PBS Pro words: the real
+        OpenPBS 23.06 server refuses them ("qsub: illegal -W value") and takes
+        ``afterany:123[].server`` (checked by hand on it, 2026-11-26)."""
+        return ["-W", f"depend=after{after.kind}:{after.job_id}"]
 
     def parse_job_id(self, stdout: str) -> str:
         """qsub prints the id alone: ``123.server`` (or ``123``, ``123[].server`` for arrays)."""

@@ -88,8 +88,8 @@ def test_bad_input_is_one_line_and_nothing_submitted(fake_bin, tmp_path: Path, f
 
 @pytest.mark.parametrize(("cluster", "after", "words"), [
     ("pbs", "7.server", "-W depend=afterok:7.server"),
-    ("pbs", "7[].server:any", "-W depend=afteranyarray:7[].server"),
-    ("pbs", "7[].server:notok", "-W depend=afternotokarray:7[].server"),
+    ("pbs", "7[].server:any", "-W depend=afterany:7[].server"),  # not Torque's afteranyarray
+    ("pbs", "7[].server:notok", "-W depend=afternotok:7[].server"),
     ("pbs", "7[3].server:ok", "-W depend=afterok:7[3].server"),
     ("slurm", "42", "--dependency=afterok:42"),
     ("slurm", "42_3:any", "--dependency=afterany:42_3"),
