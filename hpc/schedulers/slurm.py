@@ -215,9 +215,12 @@ class Slurm(Scheduler):
         return ["sbatch", "--parsable", *(self.dependency(after) if after else []), script]
 
     def dependency(self, after: After) -> list[str]:
-        """``--dependency=afterok:ID``. An array's id stands for all its tasks, ``123_4``
-        for that task alone (https://slurm.schedmd.com/sbatch.html#OPT_dependency:
-        "afterok:job_id[_task_id]"; a job array id without task waits for all tasks)."""
+        """``--dependency=afterok:ID`` (sbatch(1), --dependency, "afterok:job_id[:jobid...]":
+        https://slurm.schedmd.com/sbatch.html#OPT_dependency). An array's id stands for all
+        its tasks and ``123_4`` for that task alone, as SLURM's job-array page says
+        (https://slurm.schedmd.com/job_array.html, "Job Dependencies"); unverified here:
+        that page could not be read from this machine, and the SLURM 22.05 man page here
+        does not say it."""
         return [f"--dependency=after{after.kind}:{after.job_id}"]
 
     def parse_job_id(self, stdout: str) -> str:
