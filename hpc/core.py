@@ -176,9 +176,16 @@ def plan_submit(
     script = runs.free_name(run_dir, "job", job.cluster.script_suffix)
     return Plan(job=job, run_dir=run_dir, resume=bool(resume), script=script,
                 text=render_job(job, regenerate, templates),
-                argv=tuple(scheduler.submit_command(str(script), after)),
+                argv=tuple(_submit_command(scheduler, str(script), after)),
                 regenerate=regenerate, templates=templates, now=now, sweep=tuple(tasks),
                 chain=chain, after=after)
+
+
+def _submit_command(scheduler: Scheduler, script: str, after: After | None) -> list[str]:
+    """The submit command; ``after`` only when given, so a user's scheduler written before
+    ``--after`` existed (``submit_command(self, script)``) still works."""
+    return scheduler.submit_command(script, after) if after is not None else \
+        scheduler.submit_command(script)
 
 
 def _check_chain(job: Job, chain: int, after: After | None) -> int:
@@ -299,7 +306,8 @@ def submit(plan: Plan, on_start: Callable[[str], None] | None = None) -> Submitt
             on_start(job_id)
 
     try:
-        sub = scheduler.submit(str(script), str(run_dir), on_start=started, after=plan.after)
+        deps = {"after": plan.after} if plan.after is not None else {}  # a user's scheduler
+        sub = scheduler.submit(str(script), str(run_dir), on_start=started, **deps)
     except Exception as exc:
         runs.update_submission(run_dir, str(script), error=str(exc))
         raise

@@ -203,7 +203,7 @@ class Scheduler:
                on_start: Callable[[str], None] | None = None,
                after: After | None = None) -> Submission:
         """Submit ``script`` (``on_start`` gets the id of a job that runs here, as it starts)."""
-        argv = self.submit_command(script, after)
+        argv = self.submit_command(script, after) if after is not None else self.submit_command(script)
         proc = run(argv)
         if proc.returncode != 0:
             raise SchedulerError(f"{argv[0]} refused the job (exit {proc.returncode}): "
