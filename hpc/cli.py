@@ -118,6 +118,13 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                                 "--set KEY=V in its own folder (repeat for more keys)")
             p.add_argument("--max-parallel", type=_whole, metavar="N",
                            help="with --sweep: at most N tasks at once (SLURM %%N, PBS -J ...%%N)")
+            p.add_argument("--chain", default="1", metavar="N",
+                           help="queue N segments at once, each afterany the one before, all "
+                                "in one run directory (resumed from its checkpoints); those "
+                                "after the one that finished end at once")
+            p.add_argument("--after", metavar="JOBID[:ok|any|notok]",
+                           help="start only once that job ended (ok: exit 0, the default; "
+                                "any; notok); an array's id means all its tasks")
             p.set_defaults(func=cmd_submit, local=name == "run")
     for name, fn in (("status", "cmd_status"), ("cancel", "cmd_cancel")):
         if want(name):
@@ -310,20 +317,32 @@ def cmd_submit(args: argparse.Namespace, command: list[str] | None) -> int:
         from hpc.sweep import tasks_from_flags
 
         tasks = tasks_from_flags(args.sweep)
+    from hpc.chain import parse_after, whole
+
+    chain = whole(args.chain)
+    after = parse_after(args.after, job.scheduler.owns_id) if args.after is not None else None
     plan = core.plan_submit(job, Path(args.runs_dir), resume=args.resume,
                             regenerate=_regen_command(args, command), templates=args.templates,
-                            sweep=tasks, max_parallel=args.max_parallel)
+                            sweep=tasks, max_parallel=args.max_parallel, chain=chain, after=after)
     if args.dry_run:
         argv = plan.scheduler.submit_command(args.output) if args.output else plan.argv
         sys.stdout.write(plan.text)
         sys.stdout.write(_job_sees(plan.job))
         sys.stdout.write(f"# submit: {shlex.join(argv)}\n")
+        for k in range(2, plan.chain + 1):
+            from hpc.chain import After
+
+            then = plan.scheduler.submit_command(str(plan.script), After(f"SEGMENT{k - 1}", "any"))
+            sys.stdout.write(f"# then segment {k}/{plan.chain}: {shlex.join(then)}\n")
         return 0
     done = core.submit(plan)
     sys.stderr.write(f"run directory: {done.run_dir}\n")
     if done.submission.exit_code is not None:  # ran here to the end
         return done.submission.exit_code
     sys.stdout.write(f"{done.submission.job_id}\n")
+    if plan.chain > 1:
+        sys.stderr.write(f"chain: {plan.chain} segments queued, each afterany the one before "
+                         f"(hpc status {done.run_dir} lists them)\n")
     return 0
 
 

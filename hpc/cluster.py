@@ -36,6 +36,8 @@ class Queue:
     directive: str | None = None  # how this queue is selected when not the profile's queue_directive
     directives: tuple[str, ...] = ()  # extra scheduler directives when this queue is used
     notes: tuple[str, ...] = ()  # comment lines for the script when this queue is used
+    no_dependencies: str | None = None  # the site forbids job dependencies here (why, cited)
+    max_queued: int | None = None  # the site's per-user limit of queued jobs here
 
     def walltime_limit(self, nodes: int) -> int | None:
         """The walltime limit for a job of ``nodes`` nodes (size bins first)."""

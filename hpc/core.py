@@ -25,6 +25,7 @@ from hpc.errors import UserError
 from hpc.job import Job, resolve
 
 if TYPE_CHECKING:
+    from hpc.chain import After
     from hpc.schedulers import JobState, Scheduler, Submission
     from hpc.sweep import SweepTask
 
@@ -102,6 +103,10 @@ class Plan:
     now: float
     #: A sweep's tasks (the job is an array of them); written as ``sweep.json`` on submit.
     sweep: tuple[SweepTask, ...] = ()
+    #: Segments queued one after another (``--chain N``, ``hpc.chain``); 1: one job.
+    chain: int = 1
+    #: The first segment's dependency (``--after JOBID[:KIND]``).
+    after: After | None = None
 
     @property
     def scheduler(self) -> Scheduler:
@@ -122,7 +127,7 @@ def plan_submit(
     job: Job, runs_dir: Path, resume: str | None = None, regenerate: str | None = None,
     templates: str | None = None, environ: Mapping[str, str] | None = None,
     now: float | None = None, sweep: list[SweepTask] | None = None,
-    max_parallel: int | None = None,
+    max_parallel: int | None = None, chain: int = 1, after: After | None = None,
 ) -> Plan:
     """Decide the run directory and render the script that :func:`submit` will write.
 
@@ -159,6 +164,9 @@ def plan_submit(
         check_checkpoint_dirs(job.spec.command, tasks, run_dir)
     if tasks:
         job = replace(job, array_size=len(tasks), max_parallel=max_parallel)
+    chain = _check_chain(job, chain, after)
+    if chain > 1:
+        job = replace(job, chain=True)
     if job.spec.python is None:
         job = job.with_spec(python=submitting_python(os.environ if environ is None else environ))
     run_abs = str(run_dir.resolve())
@@ -168,8 +176,40 @@ def plan_submit(
     script = runs.free_name(run_dir, "job", job.cluster.script_suffix)
     return Plan(job=job, run_dir=run_dir, resume=bool(resume), script=script,
                 text=render_job(job, regenerate, templates),
-                argv=tuple(scheduler.submit_command(str(script))),
-                regenerate=regenerate, templates=templates, now=now, sweep=tuple(tasks))
+                argv=tuple(_submit_command(scheduler, str(script), after)),
+                regenerate=regenerate, templates=templates, now=now, sweep=tuple(tasks),
+                chain=chain, after=after)
+
+
+def _submit_command(scheduler: Scheduler, script: str, after: After | None) -> list[str]:
+    """The submit command; ``after`` only when given, so a user's scheduler written before
+    ``--after`` existed (``submit_command(self, script)``) still works."""
+    return scheduler.submit_command(script, after) if after is not None else \
+        scheduler.submit_command(script)
+
+
+def _check_chain(job: Job, chain: int, after: After | None) -> int:
+    """``--chain``/``--after`` against the scheduler and the queue's site rules (one
+    line, exit 2, before anything is written or submitted)."""
+    from hpc.chain import After, check_chain
+
+    check_chain(chain)
+    if chain > 1 and job.array_size:
+        raise UserError("--chain: a sweep's tasks share one run directory, so one task's end "
+                        "would end every task's chain; allowed: --chain or --sweep, not both")
+    if chain > 1 or after is not None:
+        job.scheduler.dependency(after or After("0", "any"))  # no dependencies: one line
+        queue = job.cluster.queues.get(job.spec.queue or "") if job.spec.queue else None
+        if queue is not None and queue.no_dependencies:
+            raise UserError(f"--chain/--after: the {job.cluster.name} queue {queue.name!r} takes "
+                            f"no job dependencies ({queue.no_dependencies}); allowed: another "
+                            "queue, or one job")
+        limit = queue.max_queued if queue is not None else None
+        if limit is not None and chain > limit:
+            raise UserError(f"--chain: {chain} segments; the {job.cluster.name} queue "
+                            f"{queue.name!r} takes at most {limit} queued jobs per user; "
+                            f"allowed: --chain 1 to {limit}")  # fmt: skip
+    return chain
 
 
 def _sweep_tasks(run_dir: Path, resumed: dict[str, Any] | None, sweep: list[SweepTask] | None,
@@ -268,15 +308,49 @@ def submit(plan: Plan, on_start: Callable[[str], None] | None = None) -> Submitt
             on_start(job_id)
 
     try:
-        sub = scheduler.submit(str(script), str(run_dir), on_start=started)
+        deps = {"after": plan.after} if plan.after is not None else {}  # a user's scheduler
+        sub = scheduler.submit(str(script), str(run_dir), on_start=started, **deps)
     except Exception as exc:
         runs.update_submission(run_dir, str(script), error=str(exc))
         raise
     changes: dict[str, Any] = {"job_id": sub.job_id}
+    if plan.after is not None:
+        changes["after"] = f"{plan.after.job_id}:{plan.after.kind}"
+    if plan.chain > 1:
+        changes["chain"] = _submit_chain(scheduler, plan.chain, str(script), run_dir, sub.job_id)
     if sub.exit_code is not None:
         changes.update(exit_code=sub.exit_code, state=str(sub.state))
     runs.update_submission(run_dir, str(script), **changes)
     return Submitted(run_dir=run_dir, script=script, submission=sub)
+
+
+def _submit_chain(scheduler: Scheduler, count: int, script: str, run_dir: Path,
+                  first: str) -> list[dict[str, Any]]:
+    """Queue segments 2..count of a chain, each ``afterany`` the one before (the walltime
+    kill of a segment must still start the next; ``hpc.chain``). No half chain: when a
+    segment is refused, the ones queued are cancelled and the one line says so."""
+    from hpc import runs
+    from hpc.chain import After
+    from hpc.errors import SchedulerError
+
+    ids = [first]
+    for k in range(2, count + 1):
+        try:
+            ids.append(scheduler.submit(script, str(run_dir), after=After(ids[-1], "any")).job_id)
+        except Exception as exc:
+            undone = []
+            for job_id in reversed(ids):
+                try:
+                    scheduler.cancel(job_id)
+                except Exception:  # noqa: BLE001 - said in the one line below
+                    undone.append(job_id)
+            note = f"; could not cancel {', '.join(undone)}" if undone else ""
+            message = (f"--chain: segment {k} of {count} was refused ({exc}); cancelled the "
+                       f"{len(ids)} segment(s) already queued ({', '.join(ids)}){note}")
+            runs.update_submission(run_dir, script, error=message, state="CANCELLED",
+                                   chain=[{"segment": i + 1, "job_id": j} for i, j in enumerate(ids)])
+            raise SchedulerError(message) from exc
+    return [{"segment": i + 1, "job_id": j} for i, j in enumerate(ids)]
 
 
 def _moved(job: Job, old: Path, new: Path) -> Job:
@@ -347,6 +421,10 @@ def run_status(ident: str, runs_dir: Path, cluster: str | None = None, tasks: bo
     from hpc.schedulers import JobState
 
     job_id, scheduler, rec = locate(ident, runs_dir, cluster)
+    chain = _chain_entries(ident, rec, scheduler) if tasks and rec is not None else []
+    if chain:  # the segments of a chain, one query for all (hpc.chain)
+        states = scheduler.statuses([job_id, *(j for j, _ in chain)])
+        return job_id, states[job_id], [(j, label, states[j]) for j, label in chain]
     sweep = _sweep_entries(ident, rec) if tasks and rec is not None else []
     recorded = (rec or {}).get("state")
     if scheduler.runs_here and recorded not in (None, "RUNNING"):
@@ -358,6 +436,22 @@ def run_status(ident: str, runs_dir: Path, cluster: str | None = None, tasks: bo
     ids = {scheduler.task_id(job_id, index): label for index, label in sweep}
     states = scheduler.statuses([job_id, *ids])
     return job_id, states[job_id], [(tid, label, states[tid]) for tid, label in ids.items()]
+
+
+def _chain_entries(ident: str, rec: dict[str, Any], scheduler: Scheduler
+                   ) -> list[tuple[str, str]]:
+    """(job id, "segment K/N") of each segment a chain's record lists (checked like a
+    typed id: the record is untrusted)."""
+    chain = rec.get("chain") or []
+    out = []
+    for k, seg in enumerate(chain, 1):
+        job_id = str(seg.get("job_id")) if isinstance(seg, dict) else ""
+        if not scheduler.owns_id(job_id):
+            raise UserError(f"run: {ident!r}: run.json's chain entry {seg!r} has no "
+                            f"{scheduler.name} job id; allowed: a record written by hpc submit "
+                            "--chain")  # fmt: skip
+        out.append((job_id, f"segment {k}/{len(chain)}"))
+    return out
 
 
 def _sweep_entries(ident: str, rec: dict[str, Any]) -> list[tuple[int, str]]:

@@ -47,6 +47,10 @@ class Job:
     #: ``max_parallel`` of them running at once (None: the scheduler's limit).
     array_size: int | None = None
     max_parallel: int | None = None
+    #: One segment of a chain (``hpc submit --chain N``): the script ends at once when
+    #: an earlier segment finished the training (``hpc.chain.DONE`` in the run directory),
+    #: and marks it finished when the command exits 0.
+    chain: bool = False
 
     @property
     def scheduler(self) -> Scheduler:

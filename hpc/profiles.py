@@ -54,6 +54,7 @@ CLUSTER_KEYS = (
 )
 QUEUE_KEYS = (
     "nodes", "walltime", "bins", "description", "min_walltime", "by_request", "directive",
+    "no_dependencies", "max_queued",
     "directives", "notes",
 )
 LAUNCHER_KEYS = ("kind", "flavor", "cpu_bind", "depth", "args", "refuse")
@@ -200,8 +201,27 @@ def _queues(data: Any, where: str, directives: tuple[str, ...]) -> dict[str, Que
             min_walltime=_walltime(spec, "min_walltime", qwhere), by_request=by_request,
             directive=directive, directives=_directives(spec, "directives", qwhere),
             notes=_directives(spec, "notes", qwhere),
+            no_dependencies=_site_rule(spec, qwhere), max_queued=_max_queued(spec, qwhere),
         )
     return queues
+
+
+def _site_rule(spec: dict[str, Any], where: str) -> str | None:
+    """``no_dependencies: "why, with its citation"``: the site forbids chains here."""
+    value = spec.get("no_dependencies")
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise UserError(f"{where}.no_dependencies: {value!r} is not allowed; allowed: the "
+                        "site's rule in words")
+    return value
+
+
+def _max_queued(spec: dict[str, Any], where: str) -> int | None:
+    """``max_queued: N``: the site's per-user limit of queued jobs in this queue."""
+    value = spec.get("max_queued")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise UserError(f"{where}.max_queued: {value!r} is not allowed; allowed: a whole "
+                        "number >= 1")
+    return value
 
 
 def _launcher(data: Any, default: str, where: str) -> Launcher:

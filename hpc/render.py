@@ -278,6 +278,7 @@ def context(job: Job, regenerate: str | None = None, script: str | None = None) 
         "script": script or "SCRIPT",
         "launch": sh_join(launch),
         "sweep": sweep,
+        "chain": job.chain,
         **scheduler.template_values(job),
     }
 

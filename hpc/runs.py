@@ -231,7 +231,7 @@ def _check_record(record: dict[str, Any], path: Path) -> None:
     from hpc.schedulers import STATES
 
     where = f"run: {str(path)!r}"
-    for key in ("submissions", "sweep"):
+    for key in ("submissions", "sweep", "chain"):
         if not isinstance(record.get(key, []), list):
             raise UserError(f"{where}: {key} is a {type(record[key]).__name__}; allowed: a list "
                             "(a record written by hpc submit)")  # fmt: skip

@@ -28,6 +28,7 @@ from hpc.errors import SchedulerError, UserError
 if TYPE_CHECKING:
     import subprocess
 
+    from hpc.chain import After
     from hpc.cluster import Cluster
     from hpc.job import Job
     from hpc.spec import JobSpec
@@ -188,18 +189,26 @@ class Scheduler:
 
     # --- the clients ---------------------------------------------------------------
 
-    def submit_command(self, script: str) -> list[str]:
-        """The command that submits ``script`` (what ``--dry-run`` prints)."""
+    def submit_command(self, script: str, after: After | None = None) -> list[str]:
+        """The command that submits ``script`` (what ``--dry-run`` prints), ``after``
+        another job ended (``hpc.chain``)."""
         raise NotImplementedError
+
+    def dependency(self, after: After) -> list[str]:
+        """The submit command's words for ``after``; a scheduler without job
+        dependencies says so in one line."""
+        raise UserError(f"--after/--chain: the {self.name} scheduler has no job dependencies; "
+                        "allowed: a SLURM or PBS cluster")
 
     def parse_job_id(self, stdout: str) -> str:
         """The job id in the submit command's answer."""
         raise NotImplementedError
 
     def submit(self, script: str, run_dir: str,
-               on_start: Callable[[str], None] | None = None) -> Submission:
+               on_start: Callable[[str], None] | None = None,
+               after: After | None = None) -> Submission:
         """Submit ``script`` (``on_start`` gets the id of a job that runs here, as it starts)."""
-        argv = self.submit_command(script)
+        argv = self.submit_command(script, after) if after is not None else self.submit_command(script)
         proc = run(argv)
         if proc.returncode != 0:
             raise SchedulerError(f"{argv[0]} refused the job (exit {proc.returncode}): "

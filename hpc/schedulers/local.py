@@ -18,6 +18,7 @@ from hpc.errors import UserError
 from hpc.schedulers import JobState, Scheduler, Submission
 
 if TYPE_CHECKING:
+    from hpc.chain import After
     from hpc.job import Job
 
 
@@ -56,7 +57,7 @@ class Local(Scheduler):
         """``output.log`` for a run's first job, ``output-N.log`` for its Nth (no id in the name)."""
         return "output.log" if seq == 1 else f"output-{seq}.log"
 
-    def submit_command(self, script: str) -> list[str]:
+    def submit_command(self, script: str, after: After | None = None) -> list[str]:
         """``bash SCRIPT``."""
         return ["bash", script]
 
@@ -65,7 +66,8 @@ class Local(Scheduler):
         return stdout.strip()
 
     def submit(
-        self, script: str, run_dir: str, on_start: Callable[[str], None] | None = None
+        self, script: str, run_dir: str, on_start: Callable[[str], None] | None = None,
+        after: After | None = None,
     ) -> Submission:
         """Run to the end, streaming output to the terminal and a new ``output*.log``.
 

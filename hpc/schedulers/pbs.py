@@ -18,6 +18,7 @@ from typing import IO, TYPE_CHECKING, Any
 from hpc.schedulers import JobState, Scheduler, SchedulerError, chunks, last_line, run, stream
 
 if TYPE_CHECKING:
+    from hpc.chain import After
     from hpc.job import Job
 
 #: ``qstat`` answers within this many seconds, or the next form is tried.
@@ -536,6 +537,10 @@ def _query_group(query_ids: list[str], ids: list[str]) -> dict[str, dict[str, st
         (["qstat", "-f", *arrays, *query_ids], read_qstat_text),
         (["qstat", *arrays, *query_ids], read_qstat_plain),
     ]
+    # OpenPBS 23.06's `qstat -x -f -F json A B C` of finished jobs prints A alone (seen on
+    # the real server: a chain's three segments); the ids an answer leaves out are asked
+    # by the next form, which names them all.
+    out: dict[str, dict[str, str]] = {}
     for argv, reader in readers:
         try:
             done = _stream(argv, lambda text, reader=reader: reader(text, ids))  # type: ignore[misc]
@@ -545,16 +550,17 @@ def _query_group(query_ids: list[str], ids: list[str]) -> dict[str, dict[str, st
             break
         info, _, stderr = done
         gone = _gone(stderr, ids)
-        out: dict[str, dict[str, str]] = {}
         for job_id in ids:
             found = lookup(info, job_id)
+            if job_id in out:
+                continue
             if found is not None:
                 out[job_id] = found
             elif job_id in gone:
                 out[job_id] = {"JobID": job_id, "State": GONE.value}
-        if out:
+        if out and all(j in out for j in ids):
             return out
-    return {}
+    return out
 
 
 def state_of(info: dict[str, dict[str, str]], job_id: str) -> JobState:
@@ -638,9 +644,18 @@ class PBS(Scheduler):
 
         return [], launchers.mpiexec(job)
 
-    def submit_command(self, script: str) -> list[str]:
+    def submit_command(self, script: str, after: After | None = None) -> list[str]:
         """``qsub SCRIPT``: every setting is in the script's directives."""
-        return ["qsub", script]
+        return ["qsub", *(self.dependency(after) if after else []), script]
+
+    def dependency(self, after: After) -> list[str]:
+        """``-W depend=afterok:ID`` (OpenPBS qsub(1B), "-W depend=dependency_list":
+        https://github.com/openpbs/openpbs/blob/master/doc/man1/qsub.1B). An array's own
+        id (``123[].server``) takes the same plain forms and stands for the whole array;
+        Torque's ``afterokarray``/``afteranyarray`` are no PBS Pro words: the real
+        OpenPBS 23.06 server refuses them ("qsub: illegal -W value") and takes
+        ``afterany:123[].server`` (checked by hand on it, 2026-11-26)."""
+        return ["-W", f"depend=after{after.kind}:{after.job_id}"]
 
     def parse_job_id(self, stdout: str) -> str:
         """qsub prints the id alone: ``123.server`` (or ``123``, ``123[].server`` for arrays)."""

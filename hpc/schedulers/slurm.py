@@ -12,6 +12,7 @@ from hpc.errors import UserError
 from hpc.schedulers import JobState, Scheduler, SchedulerError, chunks, last_line, run
 
 if TYPE_CHECKING:
+    from hpc.chain import After
     from hpc.cluster import Cluster
     from hpc.job import Job
     from hpc.spec import JobSpec
@@ -214,9 +215,18 @@ class Slurm(Scheduler):
             return launchers.torchrun_per_node(job)
         return [], launchers.srun(job)
 
-    def submit_command(self, script: str) -> list[str]:
+    def submit_command(self, script: str, after: After | None = None) -> list[str]:
         """``sbatch --parsable SCRIPT``: the id alone on stdout."""
-        return ["sbatch", "--parsable", script]
+        return ["sbatch", "--parsable", *(self.dependency(after) if after else []), script]
+
+    def dependency(self, after: After) -> list[str]:
+        """``--dependency=afterok:ID`` (sbatch(1), --dependency, "afterok:job_id[:jobid...]":
+        https://slurm.schedmd.com/sbatch.html#OPT_dependency). An array's id stands for all
+        its tasks and ``123_4`` for that task alone, as SLURM's job-array page says
+        (https://slurm.schedmd.com/job_array.html, "Job Dependencies"); unverified here:
+        that page could not be read from this machine, and the SLURM 22.05 man page here
+        does not say it."""
+        return [f"--dependency=after{after.kind}:{after.job_id}"]
 
     def parse_job_id(self, stdout: str) -> str:
         """``123`` or ``123;cluster`` (--parsable), or ``Submitted batch job 123``."""
