@@ -36,6 +36,8 @@ class Queue:
     directive: str | None = None  # how this queue is selected when not the profile's queue_directive
     directives: tuple[str, ...] = ()  # extra scheduler directives when this queue is used
     notes: tuple[str, ...] = ()  # comment lines for the script when this queue is used
+    charge_factor: float | None = None  # the site's per-queue/QOS factor; None = unverified
+    charge_source: str = ""  # the page that states charge_factor
 
     def walltime_limit(self, nodes: int) -> int | None:
         """The walltime limit for a job of ``nodes`` nodes (size bins first)."""
@@ -105,6 +107,8 @@ class Cluster:
     #: is a minute, the refresh NCAR's PBS qstat cache serves (see clusters/pbs.yaml).
     poll_s: float = 60.0
     sources: tuple[str, ...] = ()
+    #: The site's charge rules (hpc.charges): unit, source URL, machine factor; {} = unknown.
+    charge: dict = field(default_factory=dict)
 
     @property
     def script_suffix(self) -> str:

@@ -1,0 +1,80 @@
+"""The request's maximum charge (issue 31 item 4): printed on stderr by submit --dry-run."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from hpc.cli import main
+
+SOURCES = {
+    "aurora": "https://www.alcf.anl.gov/managing-your-award/managing-your-allocation",
+    "polaris": "https://www.alcf.anl.gov/managing-your-award/managing-your-allocation",
+    "perlmutter": "https://docs.nersc.gov/policies/charging-policy/",
+    "frontier": "https://docs.olcf.ornl.gov/systems/frontier_user_guide.html",
+}
+
+
+def _dry(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(["submit", "--dry-run", "--account", "p", "--name", "t", *argv, "--", "true"])
+    got = capsys.readouterr()
+    return code, got.out, got.err
+
+
+@pytest.mark.parametrize("cluster", sorted(SOURCES))
+def test_builtin_profiles_print_node_hours_and_say_the_factor_is_unverified(
+    cluster: str, capsys: pytest.CaptureFixture[str], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No site factor could be read from the sites' pages, so none is printed as a fact."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = _dry(capsys, "--cluster", cluster, "--nodes", "2", "--walltime", "00:15:00",
+                          "--queue", "debug")
+    assert code == 0
+    (line,) = [ln for ln in err.splitlines() if "maximum charge" in ln]
+    assert "2 nodes x 0.25 h = 0.5 node-hours" in line
+    assert "charge factor unverified" in line and SOURCES[cluster] in line
+    assert "maximum charge" not in out
+
+
+def test_generic_profile_says_nothing(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _dry(capsys, "--cluster", "slurm", "--nodes", "2")
+    assert code == 0 and "charge" not in err
+
+
+def _profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, qfactor: str, mfactor: str) -> None:
+    d = tmp_path / ".hpc" / "clusters"
+    d.mkdir(parents=True)
+    (d / "site.yaml").write_text(
+        "extends: perlmutter\n"
+        f"charge: {{unit: node-hours, source: https://example.org/c, factor: {mfactor}}}\n"
+        f"queues:\n  premium: {{charge_factor: {qfactor}, charge_source: https://example.org/q}}\n")
+    monkeypatch.chdir(tmp_path)
+
+
+def test_cited_factors_multiply_nodes_and_walltime(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _profile(tmp_path, monkeypatch, "2", "0.5")
+    code, _, err = _dry(capsys, "--cluster", "site", "--nodes", "4", "--walltime", "03:00:00",
+                        "--queue", "premium")
+    assert code == 0
+    m = re.search(r"maximum charge: ([0-9.]+) node-hours", err)
+    assert m and float(m.group(1)) == 4 * 3 * 2 * 0.5
+    assert "factor 2 x machine factor 0.5" in err and "https://example.org/q" in err
+
+
+@pytest.mark.parametrize("bad", ["-1", ".nan", "lots", "true"])
+def test_bad_factor_is_one_line_exit_2(
+    bad: str, capsys: pytest.CaptureFixture[str], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _profile(tmp_path, monkeypatch, bad, "1")
+    code, _, err = _dry(capsys, "--cluster", "site", "--nodes", "1", "--queue", "premium")
+    assert code == 2
+    assert "charge_factor" in err and "finite number >= 0" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
