@@ -11,6 +11,7 @@ leaves out is one nobody could verify from the site's docs, so the line says
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 from hpc.errors import UserError
@@ -51,3 +52,103 @@ def max_charge_line(cluster: Any, nodes: int, walltime_s: int, queue: str | None
         named += f" x machine factor {mfactor:g}"
     src = q.charge_source or source
     return f"hpc: maximum charge: {total:g} {unit} ({base} x {named}; source: {src})"
+
+
+# --- what a run used (hpc report) ------------------------------------------------------
+
+_SACCT = ["sacct", "-X", "-n", "-P", "-o", "Start,End,NNodes"]
+
+
+def _slurm_used(job_id: str) -> tuple[float, int] | str:
+    """(seconds, nodes) from sacct's allocation line, or why not."""
+    import subprocess
+    from datetime import datetime
+
+    lines: list[str] = []
+    # the accounting database first; a cluster without one (AccountingStorageType=none)
+    # keeps its finished jobs only in the jobcomp file, which `sacct -c` reads
+    for extra in ([], ["-c"]):
+        try:
+            out = subprocess.run([*_SACCT, *extra, "-j", job_id], capture_output=True, text=True,
+                                 timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"sacct failed: {exc}"
+        lines = [ln for ln in out.stdout.splitlines() if ln.strip()]
+        if out.returncode == 0 and lines:
+            break
+    if not lines:
+        return "sacct has no record of it"
+    start, end, nodes = (lines[0].split("|") + ["", "", ""])[:3]
+    try:
+        secs = (datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds()
+        return max(secs, 0.0), int(nodes)
+    except ValueError:
+        return f"not ended (start {start or '?'}, end {end or '?'})"
+
+
+def _pbs_used(job_id: str) -> tuple[float, int] | str:
+    """(seconds, nodes) from ``qstat -xf``: stime to obittime, Resource_List.nodect."""
+    import subprocess
+    from datetime import datetime
+
+    try:
+        out = subprocess.run(["qstat", "-xf", job_id], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"qstat failed: {exc}"
+    fields = {}
+    for line in out.stdout.splitlines():
+        key, sep, value = line.strip().partition(" = ")
+        if sep:
+            fields[key] = value.strip()
+    try:
+        fmt = "%a %b %d %H:%M:%S %Y"
+        secs = (datetime.strptime(fields["obittime"], fmt)
+                - datetime.strptime(fields["stime"], fmt)).total_seconds()
+        return max(secs, 0.0), int(fields.get("Resource_List.nodect", "1"))
+    except (KeyError, ValueError):
+        return "qstat has no start and end time for it"
+
+
+def used_lines(run_dir: Path) -> list[str]:
+    """Per submission: node-hours used (scheduler's start and end); the run's total; the
+    node-hours per 1,000 completed steps (steps from metrics.jsonl)."""
+    import shutil
+
+    from hpc import runs
+    from hpc.report import find_metrics, read_metrics, summarize
+
+    try:
+        record = runs.read_record(run_dir)
+    except UserError:
+        return []
+    entries = [*record.get("submissions", []), record]
+    sched = str(record.get("scheduler", ""))
+    tool = {"slurm": "sacct", "pbs": "qstat"}.get(sched)
+    if tool is None:
+        return [f"node-hours: not known for scheduler {sched or 'local'} (no scheduler times)"]
+    if shutil.which(tool) is None:
+        return [f"node-hours: {tool} is not on PATH, so the used node-hours cannot be asked"]
+    lines, total, counted = [], 0.0, 0
+    for entry in entries:
+        job_id = str(entry.get("job_id") or "")
+        if not job_id:
+            continue
+        got = _slurm_used(job_id) if sched == "slurm" else _pbs_used(job_id)
+        if isinstance(got, str):
+            lines.append(f"job {job_id}: node-hours unknown ({got})")
+            continue
+        secs, nodes = got
+        used = secs * nodes / 3600.0
+        total += used
+        counted += 1
+        lines.append(f"job {job_id}: {nodes} nodes x {secs:.0f} s = {used:.6g} node-hours used")
+    lines.append(f"total: {total:.6g} node-hours used over {counted} submission(s)")
+    steps = None
+    for label, path in find_metrics(run_dir):
+        summary = summarize(read_metrics(path, label))
+        if summary.steps:
+            steps = max(steps or 0, summary.steps)
+    if steps:
+        lines.append(f"per 1,000 completed steps: {total * 1000 / steps:.6g} node-hours "
+                     f"({steps} steps)")
+    return lines

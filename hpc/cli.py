@@ -373,6 +373,11 @@ def cmd_report(args: argparse.Namespace, command: list[str] | None) -> int:
     for run_dir in args.run_dirs:  # what ran, and what changed since the last submission
         for line in fingerprint.describe(Path(run_dir)):
             console.print(Text(line))
+    from hpc.charges import used_lines
+
+    for run_dir in args.run_dirs:  # node-hours each submission used, and their total
+        for line in used_lines(Path(run_dir)):
+            console.print(Text(line))
     return 0
 
 

@@ -78,3 +78,37 @@ def test_bad_factor_is_one_line_exit_2(
     assert code == 2
     assert "charge_factor" in err and "finite number >= 0" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def _run(tmp_path: Path, scheduler: str) -> Path:
+    import json
+
+    run_dir = tmp_path / "runs" / "r"
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.json").write_text(json.dumps({
+        "name": "r", "scheduler": scheduler, "job_id": "12",
+        "submissions": [{"job_id": "11", "scheduler": scheduler}]}))
+    (run_dir / "metrics.jsonl").write_text(
+        "".join(json.dumps({"kind": "train", "step": s, "loss": 1.0}) + "\n" for s in (1, 500)))
+    return run_dir
+
+
+def test_used_node_hours_sum_submissions_from_sacct(fake_bin, tmp_path: Path) -> None:
+    """Two submissions: 2 nodes x 30 min and 2 nodes x 1 h = 3 node-hours; 500 steps."""
+    from hpc.charges import used_lines
+
+    fake_bin("sacct", 'case "$*" in *"-j 11"*) echo "2026-11-26T10:00:00|2026-11-26T10:30:00|2";;'
+                      ' *) echo "2026-11-26T11:00:00|2026-11-26T12:00:00|2";; esac')
+    lines = used_lines(_run(tmp_path, "slurm"))
+    assert "job 11: 2 nodes x 1800 s = 1 node-hours used" in lines
+    assert "total: 3 node-hours used over 2 submission(s)" in lines
+    assert "per 1,000 completed steps: 6 node-hours (500 steps)" in lines
+
+
+def test_used_node_hours_without_sacct_is_one_line(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpc.charges import used_lines
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert used_lines(_run(tmp_path, "slurm")) == [
+        "node-hours: sacct is not on PATH, so the used node-hours cannot be asked"]
