@@ -152,3 +152,70 @@ def used_lines(run_dir: Path) -> list[str]:
         lines.append(f"per 1,000 completed steps: {total * 1000 / steps:.6g} node-hours "
                      f"({steps} steps)")
     return lines
+
+
+# --- the project's remaining balance (hpc submit) -------------------------------------
+
+#: ALCF's documented balance query: ``sbank-list-allocations -p PROJECT -r RESOURCE``
+#: ("sbank Example Commands", argonne-lcf/user-guides, linked from
+#: https://docs.alcf.anl.gov/account-project-management/allocation-management/sbank-allocation-accounting-system);
+#: its table's last column is "Available Balance" in node hours.
+SBANK = "sbank-list-allocations"
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def sbank_balance(project: str, resource: str) -> float | None:
+    """The project's available node-hours on ``resource``; None when sbank cannot say."""
+    import shutil
+    import subprocess
+
+    if shutil.which(SBANK) is None:
+        return None
+    try:
+        out = subprocess.run([SBANK, "-p", project, "-r", resource], capture_output=True,
+                             text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    total, seen = 0.0, False
+    for line in out.stdout.splitlines():
+        words = line.split()
+        if line.startswith("Totals:"):
+            break
+        # a row: Id Start End Resource Project Jobs Charged Available-Balance
+        if len(words) >= 8 and words[3] == resource and words[0].isdigit():
+            value = _number(words[-1])
+            if value is not None:
+                total, seen = total + value, True
+    return total if seen else None
+
+
+def balance_warning(cluster: Any, account: str | None, nodes: int, walltime_s: int,
+                    queue: str | None) -> str | None:
+    """A line when the request's maximum node-hours exceed the project's remaining balance.
+
+    Only where the profile names its site's balance command and that command is on PATH;
+    otherwise nothing (no balance known is not a problem worth a line).
+    """
+    charge = getattr(cluster, "charge", None) or {}
+    if charge.get("balance") != "sbank" or not account:
+        return None
+    resource = getattr(cluster, "system", None) or cluster.name
+    balance = sbank_balance(account, resource)
+    if balance is None:
+        return None
+    q = cluster.queues.get(queue) if queue else None
+    factor = (q.charge_factor if q is not None and q.charge_factor is not None else 1.0)
+    factor *= charge.get("factor") or 1.0
+    need = nodes * walltime_s / 3600.0 * factor
+    if need <= balance:
+        return None
+    return (f"hpc: warning: this request may charge up to {need:g} node-hours, more than "
+            f"project {account}'s remaining {balance:g} on {resource} ({SBANK})")

@@ -302,11 +302,13 @@ def cmd_submit(args: argparse.Namespace, command: list[str] | None) -> int:
     plan = core.plan_submit(job, Path(args.runs_dir), resume=args.resume,
                             regenerate=_regen_command(args, command), templates=args.templates,
                             sweep=tasks, max_parallel=args.max_parallel)
-    from hpc.charges import max_charge_line
+    from hpc.charges import balance_warning, max_charge_line
 
-    charge_line = max_charge_line(plan.job.cluster, plan.job.nodes, plan.job.walltime, plan.job.queue)
-    if charge_line:  # stderr: `hpc submit` stdout stays the job id alone
-        sys.stderr.write(charge_line + "\n")
+    j = plan.job
+    for line in (max_charge_line(j.cluster, j.nodes, j.walltime, j.queue),
+                 balance_warning(j.cluster, j.account, j.nodes, j.walltime, j.queue)):
+        if line:  # stderr: `hpc submit` stdout stays the job id alone
+            sys.stderr.write(line + "\n")
     if args.dry_run:
         argv = plan.scheduler.submit_command(args.output) if args.output else plan.argv
         sys.stdout.write(plan.text)

@@ -366,8 +366,14 @@ def _charge(data: dict[str, Any], where: str) -> dict[str, Any]:
         return {}
     if not isinstance(value, dict):
         raise UserError(f"{where}: charge: allowed: a mapping with unit, source, factor")
-    check_keys(value, ("unit", "source", "factor", "machine_factor_required"), f"{where}: charge")
+    check_keys(value, ("unit", "source", "factor", "machine_factor_required", "balance"),
+               f"{where}: charge")
     out = {"unit": str(value.get("unit", "node-hours")), "source": str(value.get("source", "")),
            "factor": charges.factor(value.get("factor"), f"{where}: charge.factor"),
            "machine_factor_required": bool(value.get("machine_factor_required", False))}
+    balance = value.get("balance")
+    if balance is not None:
+        if balance != "sbank":
+            raise UserError(f"{where}: charge.balance: {balance!r} is not allowed; allowed: sbank")
+        out["balance"] = balance
     return out

@@ -112,3 +112,53 @@ def test_used_node_hours_without_sacct_is_one_line(tmp_path: Path,
     monkeypatch.setenv("PATH", str(tmp_path))
     assert used_lines(_run(tmp_path, "slurm")) == [
         "node-hours: sacct is not on PATH, so the used node-hours cannot be asked"]
+
+
+#: A fake ``sbank-list-allocations`` printing the table of ALCF's "sbank Example Commands"
+#: page (argonne-lcf/user-guides; `sbank-list-allocations -p ProjectX -r all`): columns
+#: Id Start End Resource Project Jobs Charged "Available Balance", thousands with commas,
+#: then a "Totals:" block. The resource here is aurora with 1,500.5 node hours left.
+FAKE_SBANK = r'''
+cat <<'OUT'
+ Id         Start       End         Resource   Project          Jobs        Charged          Available Balance
+ ---------  ----------  ----------  ---------  ---------------  ----------  ---------------  -----------------
+ 2106       2026-01-04  2027-01-01  aurora     p                     1,139          6,032.8            1,500.5
+
+Totals:
+  Rows: 1
+  Aurora:
+    Available Balance: 1,500.5 node hours
+    Charged          : 6,032.8 node hours
+    Jobs             : 1,139
+OUT
+'''
+
+
+@pytest.mark.parametrize(("nodes", "warned"), [("256", True), ("128", False)])
+def test_submit_warns_when_the_request_exceeds_the_sbank_balance(
+    nodes: str, warned: bool, fake_bin, capsys: pytest.CaptureFixture[str], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """256 nodes x 12 h = 3,072 node-hours > 1,500.5 left; 128 x 1 h = 128 fits."""
+    fake_bin("sbank-list-allocations", FAKE_SBANK)
+    monkeypatch.chdir(tmp_path)
+    wall = "12:00:00" if warned else "01:00:00"
+    queue = "prod" if warned else "debug-scaling"
+    code, _, err = _dry(capsys, "--cluster", "aurora", "--nodes", nodes, "--walltime", wall,
+                        "--queue", queue)
+    assert code == 0, err
+    assert "sbank-list-allocations -p p -r aurora" in fake_bin.log.read_text()
+    warning = [ln for ln in err.splitlines() if "remaining" in ln]
+    if warned:
+        assert warning == ["hpc: warning: this request may charge up to 3072 node-hours, more "
+                           "than project p's remaining 1500.5 on aurora (sbank-list-allocations)"]
+    else:
+        assert warning == []
+
+
+def test_no_sbank_on_path_says_nothing(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _dry(capsys, "--cluster", "aurora", "--nodes", "256", "--walltime", "12:00:00",
+                        "--queue", "prod")
+    assert code == 0 and "remaining" not in err and "sbank" not in err
