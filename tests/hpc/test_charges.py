@@ -162,3 +162,18 @@ def test_no_sbank_on_path_says_nothing(capsys: pytest.CaptureFixture[str], tmp_p
     code, _, err = _dry(capsys, "--cluster", "aurora", "--nodes", "256", "--walltime", "12:00:00",
                         "--queue", "prod")
     assert code == 0 and "remaining" not in err and "sbank" not in err
+
+
+def test_used_node_hours_from_pbs_qstat_xf(fake_bin, tmp_path: Path) -> None:
+    """qstat -xf's `key = value` lines; the time format as OpenPBS prints it (see
+    tests/hpc/data/openpbs/deleted-running-exit0.json: "obittime": "Tue Nov 24 21:36:37 2026")."""
+    from hpc.charges import used_lines
+
+    fake_bin("qstat", 'case "$*" in *11*) s="Tue Nov 24 10:00:00 2026"; e="Tue Nov 24 11:00:00 2026";;'
+                      ' *) s="Tue Nov 24 12:00:00 2026"; e="Tue Nov 24 12:15:00 2026";; esac\n'
+                      'printf "Job Id: X\\n    Resource_List.nodect = 4\\n    stime = %s\\n'
+                      '    obittime = %s\\n" "$s" "$e"')
+    lines = used_lines(_run(tmp_path, "pbs"))
+    assert "job 11: 4 nodes x 3600 s = 4 node-hours used" in lines
+    assert "total: 5 node-hours used over 2 submission(s)" in lines
+    assert "per 1,000 completed steps: 10 node-hours (500 steps)" in lines
