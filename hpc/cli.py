@@ -324,6 +324,15 @@ def cmd_submit(args: argparse.Namespace, command: list[str] | None) -> int:
     plan = core.plan_submit(job, Path(args.runs_dir), resume=args.resume,
                             regenerate=_regen_command(args, command), templates=args.templates,
                             sweep=tasks, max_parallel=args.max_parallel, chain=chain, after=after)
+    from hpc.charges import balance_warning, max_charge_line
+
+    j = plan.job
+    for line in (max_charge_line(j.cluster, j.nodes, j.walltime, j.queue),
+                 balance_warning(j.cluster, j.account, j.nodes, j.walltime, j.queue)):
+        if line:  # stderr: `hpc submit` stdout stays the job id alone
+            sys.stderr.write(line + "\n")
+    if chain and chain > 1 and j.cluster.charge:
+        sys.stderr.write(f"hpc: a chain of {chain} segments may use {chain} times that\n")
     if args.dry_run:
         argv = plan.scheduler.submit_command(args.output) if args.output else plan.argv
         sys.stdout.write(plan.text)
@@ -411,6 +420,11 @@ def cmd_report(args: argparse.Namespace, command: list[str] | None) -> int:
            console=console)
     for run_dir in args.run_dirs:  # what ran, and what changed since the last submission
         for line in fingerprint.describe(Path(run_dir)):
+            console.print(Text(line))
+    from hpc.charges import used_lines
+
+    for run_dir in args.run_dirs:  # node-hours each submission used, and their total
+        for line in used_lines(Path(run_dir)):
             console.print(Text(line))
     return 0
 

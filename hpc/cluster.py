@@ -38,6 +38,8 @@ class Queue:
     notes: tuple[str, ...] = ()  # comment lines for the script when this queue is used
     no_dependencies: str | None = None  # the site forbids job dependencies here (why, cited)
     max_queued: int | None = None  # the site's per-user limit of queued jobs here
+    charge_factor: float | None = None  # the site's per-queue/QOS factor; None = unverified
+    charge_source: str = ""  # the page that states charge_factor
 
     def walltime_limit(self, nodes: int) -> int | None:
         """The walltime limit for a job of ``nodes`` nodes (size bins first)."""
@@ -107,6 +109,8 @@ class Cluster:
     #: is a minute, the refresh NCAR's PBS qstat cache serves (see clusters/pbs.yaml).
     poll_s: float = 60.0
     sources: tuple[str, ...] = ()
+    #: The site's charge rules (hpc.charges): unit, source URL, machine factor; {} = unknown.
+    charge: dict = field(default_factory=dict)
 
     @property
     def script_suffix(self) -> str:

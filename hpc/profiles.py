@@ -23,7 +23,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from hpc import schedulers
+from hpc import charges, schedulers
 from hpc._util import (
     check_keys,
     did_you_mean,
@@ -51,11 +51,12 @@ CLUSTER_KEYS = (
     "system", "place", "filesystems", "constraint", "gpu_directive", "gpus_per_node",
     "cpus_per_task", "launcher", "module_use", "modules", "setup", "env", "extends",
     "shell", "directives", "min_walltime", "device_order", "env_prepend", "poll_s",
+    "charge",
 )
 QUEUE_KEYS = (
     "nodes", "walltime", "bins", "description", "min_walltime", "by_request", "directive",
     "no_dependencies", "max_queued",
-    "directives", "notes",
+    "directives", "notes", "charge_factor", "charge_source",
 )
 LAUNCHER_KEYS = ("kind", "flavor", "cpu_bind", "depth", "args", "refuse")
 
@@ -202,6 +203,8 @@ def _queues(data: Any, where: str, directives: tuple[str, ...]) -> dict[str, Que
             directive=directive, directives=_directives(spec, "directives", qwhere),
             notes=_directives(spec, "notes", qwhere),
             no_dependencies=_site_rule(spec, qwhere), max_queued=_max_queued(spec, qwhere),
+            charge_factor=charges.factor(spec.get("charge_factor"), f"{qwhere}.charge_factor"),
+            charge_source=str(spec.get("charge_source") or ""),
         )
     return queues
 
@@ -300,6 +303,7 @@ def load(name: str, environ: dict[str, str] | None = None, cwd: Path | None = No
         env_prepend=_env_prepend(data, where),
         poll_s=_poll_s(data, where),
         sources=tuple(sources),
+        charge=_charge(data, where),
     )
 
 
@@ -373,3 +377,23 @@ def _env_str(value: Any) -> str:
 def load_all(environ: dict[str, str] | None = None, cwd: Path | None = None) -> list[Cluster]:
     """Every profile, loaded and validated (for ``hpc clusters``)."""
     return [load(n, environ, cwd) for n in names(environ, cwd)]
+
+
+def _charge(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """``charge:``: the site's unit, the page defining it and its machine factor (optional)."""
+    value = data.get("charge")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise UserError(f"{where}: charge: allowed: a mapping with unit, source, factor")
+    check_keys(value, ("unit", "source", "factor", "machine_factor_required", "balance"),
+               f"{where}: charge")
+    out = {"unit": str(value.get("unit", "node-hours")), "source": str(value.get("source", "")),
+           "factor": charges.factor(value.get("factor"), f"{where}: charge.factor"),
+           "machine_factor_required": bool(value.get("machine_factor_required", False))}
+    balance = value.get("balance")
+    if balance is not None:
+        if balance != "sbank":
+            raise UserError(f"{where}: charge.balance: {balance!r} is not allowed; allowed: sbank")
+        out["balance"] = balance
+    return out
