@@ -34,6 +34,7 @@ from ddp import fsdp, parts
 from ddp.checkpointer import Checkpointer, LoopState, diverged
 from ddp.config import TrainConfig, log_config_notes
 from ddp.dist import Context, agreement
+from ddp.heartbeat import Heartbeat, heartbeat_dir
 from ddp.loggers import Loggers, fmt, layer_sq_norms
 from ddp.preemption import PREEMPTED_EXIT_CODE, Preempted, SignalWatch, Vote, requeue
 
@@ -100,6 +101,7 @@ class Trainer:
         #: ``on_epoch_end(epoch, epochs, train_loss, eval_metrics)``, every rank, after each
         #: epoch's evaluation (``Built.on_epoch_end``: a seed's own epoch summary lines).
         self.on_epoch_end: Callable[[int, int, float, dict[str, float]], None] | None = None
+        self._beat = Heartbeat(None, 0)  # issue 30: progress for ddp.supervise (set by fit)
 
     @property
     def preempt_requested(self) -> bool:
@@ -117,6 +119,8 @@ class Trainer:
             backend=cfg.ddp.backend, device=cfg.ddp.device, timeout=cfg.ddp.timeout_s
         )
         self.checkpointer = Checkpointer(cfg, self.ctx)
+        self._beat = Heartbeat(heartbeat_dir(), self.ctx.rank)
+        self._beat.beat(self.global_step, "start", force=True)
         self.loggers = Loggers(cfg, self.ctx.is_main, self.ctx.world_size)
         exit_code = 1  # W&B's run state on the way out (issue 27.6): failed unless set
         try:
@@ -325,6 +329,7 @@ class Trainer:
             group_start = loop.batch
             logs = (self.global_step + 1) % cfg.logging.every_n_steps == 0 or loop.batch == n
             step = self._optimizer_step(loop, norms=logs)
+            self._beat.beat(step)  # a host int and a clock read: no device sync
             if logs:
                 self._log_point(win, loop, step)
             if self.after_step is not None:
@@ -459,6 +464,7 @@ class Trainer:
         sums: dict[str, torch.Tensor] = {}
         count = 0.0
         pad, lockstep = Subset(self.eval_data, [0]), fsdp.is_sharded(model)  # type: ignore[arg-type]
+        self._beat.beat(self.global_step, "eval", force=True)
         for batch, weight in parts.eval_batches(loader, lockstep, self._stopping, pad):
             batch = self._move(batch)
             with parts.autocast(self.config.precision, ctx.device):
