@@ -282,12 +282,12 @@ def supervise(args: argparse.Namespace) -> int:
         if kind == "fatal":
             record(run_dir, {"event": "stopped", "attempt": attempt, "why": why})
             _say(f"not restarting: {why}")
-            return rc or 1
+            return 128 - rc if rc < 0 else (rc or 1)  # killed by a signal: 128+N
         if attempt > args.max_restarts:
             record(run_dir, {"event": "stopped", "attempt": attempt,
                              "why": f"max_restarts={args.max_restarts} used"})  # fmt: skip
             _say(f"not restarting: max_restarts={args.max_restarts} used")
-            return rc or 1
+            return 128 - rc if rc < 0 else (rc or 1)  # killed by a signal: 128+N
         record(run_dir, {"event": "restart", "attempt": attempt + 1, "after": why})
         _say(f"restarting (restart {attempt} of {args.max_restarts}); the trainer resumes "
              "from the latest checkpoint")  # fmt: skip

@@ -133,3 +133,30 @@ def test_no_launcher_command_is_one_line_exit_2() -> None:
                        env=_launch.base_env(), capture_output=True, text=True, timeout=60)  # fmt: skip
     assert p.returncode == 2
     assert p.stderr.strip().splitlines()[-1].startswith("supervise: error: no launcher command")
+
+
+def _sup(tmp: Path, code: str) -> subprocess.CompletedProcess:
+    """The supervisor around a plain Python 'launcher' that fails as ``code`` says."""
+    cmd = [sys.executable, "-m", "ddp.supervise", "--run-dir", str(tmp), "--poll-s", "0.05",
+           "--max-restarts", "3", "--", sys.executable, "-c", code]  # fmt: skip
+    return subprocess.run(cmd, env=_launch.base_env(), capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+
+
+def test_enospc_and_config_errors_are_not_node_failures(tmp_path: Path) -> None:
+    full = _sup(tmp_path / "a", "print('OSError: [Errno 28] No space left on device'); exit(1)")
+    assert full.returncode == 1
+    events = _events_in(tmp_path / "a")
+    assert [e["event"] for e in events] == ["failure", "stopped"] and "ENOSPC" in events[0]["why"]
+    config = _sup(tmp_path / "b", "import sys; print('ddp: error: rank 0 failed: bad key', "
+                                  "file=sys.stderr); exit(2)")  # fmt: skip
+    assert config.returncode == 2
+    assert "configuration error" in _events_in(tmp_path / "b")[0]["why"]
+    # a plain crash is taken for a node failure: relaunched up to --max-restarts
+    crash = _sup(tmp_path / "c", "import os; os.kill(os.getpid(), 9)")
+    assert crash.returncode != 0
+    assert [e["event"] for e in _events_in(tmp_path / "c")].count("restart") == 3
+
+
+def _events_in(run: Path) -> list[dict]:
+    return json.loads((run / "run.json").read_text())["supervisor"]["events"]
