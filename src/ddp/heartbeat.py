@@ -47,6 +47,12 @@ def heartbeat_dir() -> Path | None:
     return Path(run) / "heartbeats" if run else None
 
 
+def node_name() -> str:
+    """The scheduler's name for this node (``$SLURMD_NODENAME``: what ``srun --exclude``
+    takes, and distinct for emulated nodes sharing a host), else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 def stack_signal() -> int:
     """``$DDP_STACK_SIGNAL`` (a name such as SIGUSR2) as a number; SIGUSR2 by default."""
     name = os.environ.get("DDP_STACK_SIGNAL", "SIGUSR2")
@@ -79,7 +85,7 @@ class Heartbeat:
         self.rank = rank
         self.every_s = every_s if every_s is not None else _every_from_env()
         self._next = 0.0  # monotonic time of the next write
-        self._host = socket.gethostname()
+        self._host = node_name()
         if folder is not None:
             try:
                 folder.mkdir(parents=True, exist_ok=True)

@@ -46,6 +46,55 @@ _CONFIG_ERROR = re.compile(r"^ddp: error: ")
 _RUN_JSON_LIMIT = 8 << 20  # run.json is a small record; anything larger is not ours
 
 
+def _node() -> str:
+    """This node's name as the ranks' heartbeats spell it (ddp.heartbeat.node_name)."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+# srun's own report of a task killed by a signal: "srun: error: n2: task 1: Killed",
+# "srun: error: n2: tasks 2-3: Killed" (an exit by error is "Exited with exit code N")
+_SRUN_KILLED = re.compile(r"^srun: error: (\S+): tasks? [\d,-]+: (?:Killed|Terminated|.*[Ss]ignal)")
+
+
+def tasks_per_node(cmd: list[str], n_nodes: int) -> int:
+    """Tasks per node: the srun line's ``--ntasks-per-node=K``, else the job's
+    ``$SLURM_NTASKS_PER_NODE``, else ``$SLURM_NTASKS`` over the nodes, else 1."""
+    for a in cmd:
+        if a.startswith("--ntasks-per-node="):
+            return max(1, int(a.split("=", 1)[1]))
+    per = os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0].split(",")[0]
+    if per.isdigit():
+        return max(1, int(per))
+    total = os.environ.get("SLURM_NTASKS", "")
+    return max(1, int(total) // max(1, n_nodes)) if total.isdigit() else 1
+
+
+def srun_command(cmd: list[str], nodes: list[str], excluded: list[str], per_node: int) -> list[str]:
+    """``cmd`` (an srun line, options in ``--opt=value`` form) on ``nodes`` only:
+    ``--nodes``, ``--ntasks`` (``per_node`` each: the world shrinks with the nodes; the
+    batch step's ``$SLURM_NTASKS`` would otherwise ask for the old world) and
+    ``--exclude=EXCLUDED`` go first; the line's own node and task counts are dropped."""
+    rest, skip = [], False
+    for i, a in enumerate(cmd[1:], 1):
+        if skip:
+            skip = False
+            continue
+        if a in ("-N", "--nodes", "-x", "--exclude", "-w", "--nodelist", "-n", "--ntasks"):
+            skip = True
+            continue
+        if a.startswith(("--nodes=", "--exclude=", "--nodelist=", "--ntasks=",
+                         "--ntasks-per-node=")) or (
+                a.startswith(("-N", "-x", "-w", "-n")) and len(a) > 2 and not a.startswith("--")):
+            continue
+        if not a.startswith("-"):  # the program: srun's options end here
+            rest.extend(cmd[i:])
+            break
+        rest.append(a)
+    extra = [f"--exclude={','.join(excluded)}"] if excluded else []
+    return [cmd[0], f"--nodes={len(nodes)}", f"--ntasks={per_node * len(nodes)}",
+            f"--ntasks-per-node={per_node}", *extra, *rest]
+
+
 def _say(msg: str) -> None:
     print(f"supervise: {msg}", file=sys.stderr, flush=True)
 
@@ -102,7 +151,7 @@ def _proc_state(pid: int) -> str | None:
 def _exited(beat: dict[str, Any]) -> bool:
     """True when the beat's process is on this host and no longer exists."""
     pid = int(beat.get("pid", 0))
-    return beat.get("host") == socket.gethostname() and pid > 0 and _proc_state(pid) in (None, "Z")
+    return beat.get("host") == _node() and pid > 0 and _proc_state(pid) in (None, "Z")
 
 
 def collect_stacks(hb_dir: Path, out: Path, beats: dict[int, dict[str, Any]],
@@ -110,7 +159,7 @@ def collect_stacks(hb_dir: Path, out: Path, beats: dict[int, dict[str, Any]],
     """Ask every local rank for its stacks; copy them into ``out``. Returns rank -> state
     at the time of the hang ("stopped", "running", "gone", "remote")."""
     out.mkdir(parents=True, exist_ok=True)
-    host, states, pending = socket.gethostname(), {}, {}
+    host, states, pending = _node(), {}, {}
     for rank, rec in sorted(beats.items()):
         pid = int(rec.get("pid", 0))
         if rec.get("host") != host or pid <= 0:
@@ -147,7 +196,7 @@ def collect_stacks(hb_dir: Path, out: Path, beats: dict[int, dict[str, Any]],
 
 
 def _kill_ranks(beats: dict[int, dict[str, Any]]) -> None:
-    host = socket.gethostname()
+    host = _node()
     for rec in beats.values():
         if rec.get("host") == host and int(rec.get("pid", 0)) > 0:
             try:
@@ -236,10 +285,29 @@ def supervise(args: argparse.Namespace) -> int:
     env.setdefault("DDP_HEARTBEAT_EVERY_S", f"{max(0.1, min(2.0, args.hang_timeout_s / 4)):g}")
     sig = getattr(signal, env.setdefault("DDP_STACK_SIGNAL", "SIGUSR2"), signal.SIGUSR2)
     failures = 0
+    use_srun = os.path.basename(args.launch[0]) == "srun" and bool(os.environ.get("SLURM_JOB_NODELIST"))
+    excluded: list[str] = []
+    every: list[str] = []
+    active: list[str] = []
+    spares: list[str] = []
+    per_node = 1
+    if use_srun:
+        from ddp.hostlist import expand_nodelist
+
+        every = expand_nodelist(os.environ["SLURM_JOB_NODELIST"])
+        if args.spares >= len(every):
+            _fail(f"--spares {args.spares}: the job has {len(every)} nodes; allowed: fewer")
+        active, spares = every[: len(every) - args.spares], every[len(every) - args.spares:]
+        per_node = tasks_per_node(args.launch, len(every))
+        _say(f"nodes {active}" + (f", spares {spares}" if spares else ""))
     for attempt in range(1, args.max_restarts + 2):
         _clear(hb_dir)
-        _say(f"attempt {attempt}: {' '.join(args.launch)}")
-        att = Attempt(args.launch, env, run_dir / f"supervise-attempt-{attempt}.log")
+        cmd = (srun_command(args.launch, active, excluded, per_node) if use_srun
+               else args.launch)  # fmt: skip
+        if use_srun:
+            cmd.insert(2, f"--nodelist={','.join(active)}")
+        _say(f"attempt {attempt}: {' '.join(cmd)}")
+        att = Attempt(cmd, env, run_dir / f"supervise-attempt-{attempt}.log")
         hung: list[int] = []
         while att.proc.poll() is None:
             now, beats = time.time(), read_beats(hb_dir)
@@ -270,9 +338,11 @@ def supervise(args: argparse.Namespace) -> int:
             kind, why = att.classify(_world(hb_dir))
             (fdir).mkdir(parents=True, exist_ok=True)
             beats = read_beats(hb_dir)
-            dead = sorted(r for r, b in beats.items() if b.get("host") == socket.gethostname()
+            dead = sorted(r for r, b in beats.items() if b.get("host") == _node()
                           and _proc_state(int(b.get("pid", 0))) is None)  # fmt: skip
             culprits, nodes = dead, sorted({str(beats[r].get("host")) for r in dead})
+            if use_srun:  # srun names the nodes whose tasks a signal ended
+                nodes = sorted({m.group(1) for x in att.lines if (m := _SRUN_KILLED.match(x))})
             shutil.copy(run_dir / f"supervise-attempt-{attempt}.log", fdir / "output.log")
         event = {"event": "failure", "attempt": attempt, "kind": "hang" if hung else "exit",
                  "exit_code": rc, "why": why, "ranks": culprits, "nodes": nodes,
@@ -288,6 +358,19 @@ def supervise(args: argparse.Namespace) -> int:
                              "why": f"max_restarts={args.max_restarts} used"})  # fmt: skip
             _say(f"not restarting: max_restarts={args.max_restarts} used")
             return 128 - rc if rc < 0 else (rc or 1)  # killed by a signal: 128+N
+        if use_srun and nodes and set(nodes) < set(active):
+            active = [n for n in active if n not in nodes]
+            excluded += [n for n in nodes if n not in excluded]
+            while spares and len(active) < len(every) - args.spares:
+                active.append(spares.pop(0))  # a spare takes a failed node's place
+            record(run_dir, {"event": "exclude", "attempt": attempt, "nodes": nodes,
+                             "excluded": excluded, "remaining": active})  # fmt: skip
+            _say(f"excluding node(s) {','.join(nodes)}; relaunching on {','.join(active)}")
+        if use_srun and len(active) < args.min_nodes:
+            why = f"{len(active)} node(s) left, below --min-nodes {args.min_nodes}"
+            record(run_dir, {"event": "stopped", "attempt": attempt, "why": why})
+            _say(f"not restarting: {why}")
+            return 128 - rc if rc < 0 else (rc or 1)
         record(run_dir, {"event": "restart", "attempt": attempt + 1, "after": why})
         _say(f"restarting (restart {attempt} of {args.max_restarts}); the trainer resumes "
              "from the latest checkpoint")  # fmt: skip

@@ -46,7 +46,7 @@ def main() -> None:
         real_set_epoch(self, epoch)
 
     parts.GlobalOrderSampler.set_epoch = set_epoch  # type: ignore[method-assign]
-    rank = int(os.environ.get("RANK", "0"))
+    rank = int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0")  # srun: no RANK
     log = open(os.path.join(spec["log_dir"], f"{rank}.txt"), "a")  # noqa: SIM115
 
     hold = spec.get("hold")  # issue 30: {"rank", "step", "dir"}: wait there for the test

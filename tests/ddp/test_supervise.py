@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import time
 from collections import Counter
 from pathlib import Path
+
+import pytest
 
 from tests.ddp import _launch
 
@@ -160,3 +163,69 @@ def test_enospc_and_config_errors_are_not_node_failures(tmp_path: Path) -> None:
 
 def _events_in(run: Path) -> list[dict]:
     return json.loads((run / "run.json").read_text())["supervisor"]["events"]
+
+
+def _attempts(path: Path) -> list[list[tuple[int, list[int]]]]:
+    """One rank's log split where the step goes back (a relaunch): [(step, ids)] each."""
+    runs: list[list[tuple[int, list[int]]]] = [[]]
+    for line in path.read_text().splitlines():
+        _epoch, step, *ids = map(int, line.split())
+        if runs[-1] and step <= runs[-1][-1][0]:
+            runs.append([])
+        runs[-1].append((step, ids))
+    return runs
+
+
+@pytest.mark.slurm
+def test_slurm_node_lost_relaunches_alone_on_the_other(slurm_cluster, tmp_path: Path) -> None:
+    """2 nodes, one rank each; n2's rank is SIGKILLed mid-epoch: srun names n2, the
+    supervisor excludes it and relaunches on n1 at half the world size; the job completes
+    and the epoch's every sample is trained exactly once."""
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    spec = _spec(tmp_path, hold={"rank": 1, "step": 4, "dir": str(hold)})
+    run = tmp_path / "run"
+    script = tmp_path / "job.sh"
+    script.write_text("\n".join([
+        "#!/bin/bash", "#SBATCH -N 2", "#SBATCH --ntasks-per-node=1", "#SBATCH --no-kill",
+        "set -eu", f"export PYTHONPATH={_launch.ROOT / 'src'}:{_launch.ROOT}",
+        "export OMP_NUM_THREADS=1",
+        f"{sys.executable} -m ddp.supervise --run-dir {run} --hang-timeout-s 60 "
+        f"--max-restarts 2 --min-nodes 1 -- srun --ntasks-per-node=1 {sys.executable} "
+        f"{_launch.ROOT / WORKER} {shlex.quote(json.dumps(spec))}"]) + "\n")  # fmt: skip
+    job = slurm_cluster.submit(script)
+    deadline = time.monotonic() + 120
+    while not (hold / "ready").exists():
+        assert slurm_cluster.state(job) in ("PENDING", "RUNNING"), slurm_cluster.job_log(job)
+        assert time.monotonic() < deadline, slurm_cluster.job_log(job)
+        time.sleep(0.05)
+    os.kill(int((hold / "ready").read_text()), signal.SIGKILL)  # n2 shares this host here
+    (hold / "released").touch()
+    state = slurm_cluster.wait(job, timeout=180)
+    log = slurm_cluster.job_log(job)
+    assert state == "COMPLETED", log[-5000:]
+    assert "excluding node(s) n2; relaunching on n1" in log
+    events = _events(tmp_path)
+    excl = [e for e in events if e["event"] == "exclude"]
+    assert excl and excl[0]["nodes"] == ["n2"] and excl[0]["remaining"] == ["n1"], events
+    assert events[-1]["event"] == "completed"
+    r0, r1 = _attempts(tmp_path / "seen" / "0.txt"), _attempts(tmp_path / "seen" / "1.txt")
+    assert len(r0) == 2 and len(r1) == 1, (r0, r1)  # n2's rank never ran again
+    resumed = r0[1][0][0] - 1
+    assert resumed == 4, r0[1]  # resumed from step 4's checkpoint at world size 1
+    kept = [ids for att in (r0[0], r1[0]) for step, ids in att if step <= resumed]
+    kept += [ids for _step, ids in r0[1]]
+    assert sorted(i for ids in kept for i in ids) == list(range(N))
+
+
+def test_srun_relaunch_line_names_nodes_tasks_and_exclusions(monkeypatch) -> None:  # noqa: ANN001
+    from ddp.supervise import srun_command, tasks_per_node
+
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    line = ["srun", "-N", "2", "--ntasks=8", "--cpu-bind=none", "python", "t.py", "-n", "3"]
+    per = tasks_per_node(line, 2)
+    assert per == 4
+    assert srun_command(line, ["n1"], ["n2"], per) == [
+        "srun", "--nodes=1", "--ntasks=4", "--ntasks-per-node=4", "--exclude=n2",
+        "--cpu-bind=none", "python", "t.py", "-n", "3"]  # fmt: skip
