@@ -73,7 +73,9 @@ def srun_command(cmd: list[str], nodes: list[str], excluded: list[str], per_node
     """``cmd`` (an srun line, options in ``--opt=value`` form) on ``nodes`` only:
     ``--nodes``, ``--ntasks`` (``per_node`` each: the world shrinks with the nodes; the
     batch step's ``$SLURM_NTASKS`` would otherwise ask for the old world) and
-    ``--exclude=EXCLUDED`` go first; the line's own node and task counts are dropped."""
+    ``--exclude=EXCLUDED`` go first; the line's own node and task counts are dropped, and
+    so is ``--kill-on-bad-exit``: srun would kill the healthy nodes' tasks too and report
+    them "Killed", hiding which node failed (they end through their failed collective)."""
     rest, skip = [], False
     for i, a in enumerate(cmd[1:], 1):
         if skip:
@@ -83,7 +85,7 @@ def srun_command(cmd: list[str], nodes: list[str], excluded: list[str], per_node
             skip = True
             continue
         if a.startswith(("--nodes=", "--exclude=", "--nodelist=", "--ntasks=",
-                         "--ntasks-per-node=")) or (
+                         "--ntasks-per-node=", "--kill-on-bad-exit", "-K")) or (
                 a.startswith(("-N", "-x", "-w", "-n")) and len(a) > 2 and not a.startswith("--")):
             continue
         if not a.startswith("-"):  # the program: srun's options end here

@@ -191,7 +191,7 @@ def test_slurm_node_lost_relaunches_alone_on_the_other(slurm_cluster, tmp_path: 
         "set -eu", f"export PYTHONPATH={_launch.ROOT / 'src'}:{_launch.ROOT}",
         "export OMP_NUM_THREADS=1",
         f"{sys.executable} -m ddp.supervise --run-dir {run} --hang-timeout-s 60 "
-        f"--max-restarts 2 --min-nodes 1 -- srun --ntasks-per-node=1 {sys.executable} "
+        f"--max-restarts 2 --min-nodes 1 -- srun --kill-on-bad-exit=1 {sys.executable} "
         f"{_launch.ROOT / WORKER} {shlex.quote(json.dumps(spec))}"]) + "\n")  # fmt: skip
     job = slurm_cluster.submit(script)
     deadline = time.monotonic() + 120
@@ -223,7 +223,7 @@ def test_srun_relaunch_line_names_nodes_tasks_and_exclusions(monkeypatch) -> Non
 
     monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
     monkeypatch.setenv("SLURM_NTASKS", "8")
-    line = ["srun", "-N", "2", "--ntasks=8", "--cpu-bind=none", "python", "t.py", "-n", "3"]
+    line = ["srun", "--kill-on-bad-exit=1", "-N", "2", "--ntasks=8", "--cpu-bind=none", "python", "t.py", "-n", "3"]
     per = tasks_per_node(line, 2)
     assert per == 4
     assert srun_command(line, ["n1"], ["n2"], per) == [
