@@ -97,7 +97,7 @@ def test_sigstop_one_rank_is_a_hang_with_stacks_then_relaunch(tmp_path: Path) ->
     hold = tmp_path / "hold"
     hold.mkdir()
     spec = _spec(tmp_path, hold={"rank": 1, "step": 2, "dir": str(hold)})
-    timeout_s = 3.0
+    timeout_s = 10.0  # above a step or a checkpoint load on this loaded 2-core machine
     sup = _start(tmp_path, spec, "--hang-timeout-s", str(timeout_s), "--max-restarts", "1")
     _wait_for(hold / "ready", sup)
     os.kill(int((hold / "ready").read_text()), signal.SIGSTOP)
