@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.ddp import _launch
+from tests.ddp.launch_utils import free_port
 
 WORKER = "tests/ddp/_index_worker.py"
 N, BATCH = 48, 4  # 6 steps per rank in the epoch
@@ -189,7 +190,9 @@ def test_slurm_node_lost_relaunches_alone_on_the_other(slurm_cluster, tmp_path: 
     script.write_text("\n".join([
         "#!/bin/bash", "#SBATCH -N 2", "#SBATCH --ntasks-per-node=1", "#SBATCH --no-kill",
         "set -eu", f"export PYTHONPATH={_launch.ROOT / 'src'}:{_launch.ROOT}",
-        "export OMP_NUM_THREADS=1",
+        # a free port: the default is derived from the job id, which every private test
+        # cluster starts at 1, so another test process's job may hold it
+        f"export OMP_NUM_THREADS=1 MASTER_PORT={free_port()}",
         f"{sys.executable} -m ddp.supervise --run-dir {run} --hang-timeout-s 60 "
         f"--max-restarts 2 --min-nodes 1 -- srun --kill-on-bad-exit=1 {sys.executable} "
         f"{_launch.ROOT / WORKER} {shlex.quote(json.dumps(spec))}"]) + "\n")  # fmt: skip
