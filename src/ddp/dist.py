@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from ddp import backends
+from ddp import backends, heartbeat
 from ddp._pipes import OutputHandler
 from ddp.config import MAX_SECONDS
 from ddp.env import DistEnv, detect, timeout_from_environ
@@ -164,6 +164,7 @@ def _init(
 
         rank_logs.redirect(info.rank, info.world_size)
     setup_logging(info.rank)
+    heartbeat.install_stack_dump(info.rank)  # issue 30: stacks on demand for ddp.supervise
     # checked on every world size, so a bad DDP_TIMEOUT never waits
     limit, limit_source = _timeout_and_source(timeout)
     choice = backends.choose(device, backend, info.local_rank, info.world_size)

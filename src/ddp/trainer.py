@@ -34,6 +34,7 @@ from ddp import fsdp, parts, stragglers
 from ddp.checkpointer import Checkpointer, LoopState, diverged
 from ddp.config import TrainConfig, log_config_notes
 from ddp.dist import Context, agreement
+from ddp.heartbeat import Heartbeat, heartbeat_dir
 from ddp.loggers import Loggers, fmt, layer_sq_norms
 from ddp.preemption import PREEMPTED_EXIT_CODE, Preempted, SignalWatch, Vote, requeue
 from ddp.stragglers import Stragglers
@@ -104,6 +105,7 @@ class Trainer:
         #: ``on_epoch_end(epoch, epochs, train_loss, eval_metrics)``, every rank, after each
         #: epoch's evaluation (``Built.on_epoch_end``: a seed's own epoch summary lines).
         self.on_epoch_end: Callable[[int, int, float, dict[str, float]], None] | None = None
+        self._beat = Heartbeat(None, 0)  # issue 30: progress for ddp.supervise (set by fit)
 
     @property
     def preempt_requested(self) -> bool:
@@ -121,6 +123,8 @@ class Trainer:
             backend=cfg.ddp.backend, device=cfg.ddp.device, timeout=cfg.ddp.timeout_s
         )
         self.checkpointer = Checkpointer(cfg, self.ctx)
+        self._beat = Heartbeat(heartbeat_dir(), self.ctx.rank)
+        self._beat.beat(self.global_step, "start", force=True)
         self.loggers = Loggers(cfg, self.ctx.is_main, self.ctx.world_size)
         exit_code = 1  # W&B's run state on the way out (issue 27.6): failed unless set
         try:
@@ -362,6 +366,7 @@ class Trainer:
             t_opt = time.perf_counter()
             step = self._optimizer_step(loop, norms=logs)
             win.times[2] += time.perf_counter() - t_opt
+            self._beat.beat(step)  # a host int and a clock read: no device sync
             if logs:
                 self._log_point(win, loop, step)
             if self.after_step is not None:
@@ -516,6 +521,7 @@ class Trainer:
         sums: dict[str, torch.Tensor] = {}
         count = 0.0
         pad, lockstep = Subset(self.eval_data, [0]), fsdp.is_sharded(model)  # type: ignore[arg-type]
+        self._beat.beat(self.global_step, "eval", force=True)
         for batch, weight in parts.eval_batches(loader, lockstep, self._stopping, pad):
             batch = self._move(batch)
             with parts.autocast(self.config.precision, ctx.device):

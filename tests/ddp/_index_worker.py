@@ -2,7 +2,10 @@
 
 argv[1]: JSON spec with ``config`` (TrainConfig mapping), ``n`` (samples) and ``log_dir``:
 each rank appends ``epoch index index ...`` per micro-batch to ``<log_dir>/<rank>.txt``
-(the epoch as the sampler was last set to it, in this process).
+(the epoch as the sampler was last set to it, in this process). Issue 30: ``hold``
+({"rank", "step", "dir"}) makes that rank write ``dir/ready`` (its pid) before training
+step ``step + 1`` and wait for ``dir/released`` (first attempt only), and lines then read
+``epoch step index ...``; ``fail_step`` raises the same ValueError on every rank there.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import torch
 from torch import nn
@@ -42,17 +46,37 @@ def main() -> None:
         real_set_epoch(self, epoch)
 
     parts.GlobalOrderSampler.set_epoch = set_epoch  # type: ignore[method-assign]
-    rank = int(os.environ.get("RANK", "0"))
+    rank = int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0")  # srun: no RANK
     log = open(os.path.join(spec["log_dir"], f"{rank}.txt"), "a")  # noqa: SIM115
 
+    hold = spec.get("hold")  # issue 30: {"rank", "step", "dir"}: wait there for the test
+    trainer: Trainer
+
     def step(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        if spec.get("fail_step") == trainer.global_step + 1:
+            raise ValueError("the same error on every rank")
+        if hold and rank == hold["rank"] and trainer.global_step == hold["step"]:
+            released = os.path.join(hold["dir"], "released")
+            if not os.path.exists(released):  # only the first attempt holds
+                with open(os.path.join(hold["dir"], "ready.tmp"), "w") as fh:
+                    fh.write(str(os.getpid()))
+                os.replace(os.path.join(hold["dir"], "ready.tmp"),
+                           os.path.join(hold["dir"], "ready"))  # fmt: skip
+                deadline = time.monotonic() + 120  # only against a test that never acts
+                while not os.path.exists(released) and time.monotonic() < deadline:
+                    time.sleep(0.01)  # the test stops or kills this rank here
         ids = " ".join(str(int(v)) for v in batch.flatten().tolist())
-        log.write(f"{current['epoch']} {ids}\n")
+        if hold:  # the step too: a step trained again after a resume is told apart
+            log.write(f"{current['epoch']} {trainer.global_step + 1} {ids}\n")
+        else:
+            log.write(f"{current['epoch']} {ids}\n")
         log.flush()
         return (model(batch / 100.0) ** 2).mean()
 
     torch.manual_seed(0)
-    Trainer(nn.Linear(1, 1), Indices(spec["n"]), TrainConfig.from_dict(spec["config"]), step).fit()
+    trainer = Trainer(nn.Linear(1, 1), Indices(spec["n"]), TrainConfig.from_dict(spec["config"]),
+                      step)  # fmt: skip
+    trainer.fit()
     ddp.shutdown()
 
 

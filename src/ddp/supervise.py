@@ -1,0 +1,417 @@
+"""``python -m ddp.supervise [options] -- LAUNCH...``: keep a job going inside its allocation.
+
+Why: when one rank dies or hangs, the other ranks wait out the collective timeout (30 min
+by default) and the job dies with its remaining hours (issue 30). The supervisor runs the
+launcher command (``torchrun ...``, ``srun ...``, ``mpiexec ...``) once per attempt and
+watches two things the ranks publish without any device work (:mod:`ddp.heartbeat`):
+
+* the launcher's exit code, and the ranks' output (teed to ``RUN/supervise-attempt-N.log``);
+* each rank's heartbeat file; a rank whose last beat is older than ``--hang-timeout-s`` is
+  hung (the timeout must exceed the longest step, evaluation or checkpoint save).
+
+On a hang it first collects every rank's Python stack into ``RUN/failures/N/rank-R.txt``
+(faulthandler on ``$DDP_STACK_SIGNAL``; a SIGSTOPped rank is continued so it can dump;
+``py-spy dump`` too where installed), then kills the ranks and the launcher and relaunches.
+The trainer resumes from the latest checkpoint (its exact, any-world-size resume).
+
+Failures that are not a node's fault end the job at once, without burning restarts: a
+config error (``ddp: error:`` / exit 2), a full disk (ENOSPC), the same Python exception
+reported by every rank, and a preempted run (exit 75: the scheduler's requeue owns that).
+
+Every failure and restart is one record in ``RUN/run.json`` under ``"supervisor"``
+(appended to the record ``hpc submit`` wrote, or a new file), and the log says it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+PREEMPTED = 75  # ddp.preemption.PREEMPTED_EXIT_CODE, without importing torch here
+_RANK_FAILED = re.compile(r"^(?:\[rank \d+\] )?(?:ddp: error: )?rank (\d+) failed: (.+)$")
+_NO_SPACE = re.compile(r"No space left on device|ENOSPC")
+_CONFIG_ERROR = re.compile(r"^ddp: error: ")
+_RUN_JSON_LIMIT = 8 << 20  # run.json is a small record; anything larger is not ours
+
+
+def _node() -> str:
+    """This node's name as the ranks' heartbeats spell it (ddp.heartbeat.node_name)."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+# srun's own report of a task killed by a signal: "srun: error: n2: task 1: Killed",
+# "srun: error: n2: tasks 2-3: Killed" (an exit by error is "Exited with exit code N")
+_SRUN_KILLED = re.compile(r"^srun: error: (\S+): tasks? [\d,-]+: (?:Killed|Terminated|.*[Ss]ignal)")
+
+
+def tasks_per_node(cmd: list[str], n_nodes: int) -> int:
+    """Tasks per node: the srun line's ``--ntasks-per-node=K``, else the job's
+    ``$SLURM_NTASKS_PER_NODE``, else ``$SLURM_NTASKS`` over the nodes, else 1."""
+    for a in cmd:
+        if a.startswith("--ntasks-per-node="):
+            return max(1, int(a.split("=", 1)[1]))
+    per = os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0].split(",")[0]
+    if per.isdigit():
+        return max(1, int(per))
+    total = os.environ.get("SLURM_NTASKS", "")
+    return max(1, int(total) // max(1, n_nodes)) if total.isdigit() else 1
+
+
+def srun_command(cmd: list[str], nodes: list[str], excluded: list[str], per_node: int) -> list[str]:
+    """``cmd`` (an srun line, options in ``--opt=value`` form) on ``nodes`` only:
+    ``--nodes``, ``--ntasks`` (``per_node`` each: the world shrinks with the nodes; the
+    batch step's ``$SLURM_NTASKS`` would otherwise ask for the old world) and
+    ``--exclude=EXCLUDED`` go first; the line's own node and task counts are dropped, and
+    so is ``--kill-on-bad-exit``: srun would kill the healthy nodes' tasks too and report
+    them "Killed", hiding which node failed (they end through their failed collective)."""
+    rest, skip = [], False
+    for i, a in enumerate(cmd[1:], 1):
+        if skip:
+            skip = False
+            continue
+        if a in ("-N", "--nodes", "-x", "--exclude", "-w", "--nodelist", "-n", "--ntasks"):
+            skip = True
+            continue
+        if a.startswith(("--nodes=", "--exclude=", "--nodelist=", "--ntasks=",
+                         "--ntasks-per-node=", "--kill-on-bad-exit", "-K")) or (
+                a.startswith(("-N", "-x", "-w", "-n")) and len(a) > 2 and not a.startswith("--")):
+            continue
+        if not a.startswith("-"):  # the program: srun's options end here
+            rest.extend(cmd[i:])
+            break
+        rest.append(a)
+    extra = [f"--exclude={','.join(excluded)}"] if excluded else []
+    return [cmd[0], f"--nodes={len(nodes)}", f"--ntasks={per_node * len(nodes)}",
+            f"--ntasks-per-node={per_node}", *extra, *rest]
+
+
+def _say(msg: str) -> None:
+    print(f"supervise: {msg}", file=sys.stderr, flush=True)
+
+
+def _fail(msg: str) -> NoReturn:
+    print(f"supervise: error: {msg}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+# ---- run.json ---------------------------------------------------------------------------
+def record(run_dir: Path, event: dict[str, Any]) -> None:
+    """Append one event to ``run.json``'s ``supervisor.events`` (atomic replace)."""
+    path = run_dir / "run.json"
+    data: dict[str, Any] = {}
+    if path.is_file() and path.stat().st_size <= _RUN_JSON_LIMIT:
+        try:
+            loaded = json.loads(path.read_text())
+            data = loaded if isinstance(loaded, dict) else {}
+        except (OSError, ValueError):
+            _say(f"{path} is not JSON; writing the supervisor's record beside nothing else")
+    sup = data.setdefault("supervisor", {})
+    if not isinstance(sup, dict):
+        sup = data["supervisor"] = {}
+    events = sup.setdefault("events", [])
+    events.append({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **event})
+    sup["restarts"] = sum(1 for e in events if e.get("event") == "restart")
+    tmp = path.with_name(".run.json.supervise.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+# ---- the ranks ------------------------------------------------------------------------
+def read_beats(hb_dir: Path) -> dict[int, dict[str, Any]]:
+    """Rank -> last heartbeat; unreadable files are skipped (a beat is replaced whole)."""
+    beats: dict[int, dict[str, Any]] = {}
+    for f in hb_dir.glob("rank-*.json"):
+        try:
+            rec = json.loads(f.read_text())
+            beats[int(rec["rank"])] = rec
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return beats
+
+
+def _proc_state(pid: int) -> str | None:
+    """The process's state letter from /proc (R, S, T = stopped, Z...), None if gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def _exited(beat: dict[str, Any]) -> bool:
+    """True when the beat's process is on this host and no longer exists."""
+    pid = int(beat.get("pid", 0))
+    return beat.get("host") == _node() and pid > 0 and _proc_state(pid) in (None, "Z")
+
+
+def collect_stacks(hb_dir: Path, out: Path, beats: dict[int, dict[str, Any]],
+                   sig: int, wait_s: float = 10.0) -> dict[int, str]:
+    """Ask every local rank for its stacks; copy them into ``out``. Returns rank -> state
+    at the time of the hang ("stopped", "running", "gone", "remote")."""
+    out.mkdir(parents=True, exist_ok=True)
+    host, states, pending = _node(), {}, {}
+    for rank, rec in sorted(beats.items()):
+        pid = int(rec.get("pid", 0))
+        if rec.get("host") != host or pid <= 0:
+            states[rank] = "remote"
+            continue
+        state = _proc_state(pid)
+        states[rank] = {None: "gone", "T": "stopped", "t": "stopped"}.get(state, "running")
+        if state is None:
+            continue
+        stack = hb_dir / f"stack-rank-{rank}.txt"
+        before = stack.stat().st_size if stack.exists() else 0
+        try:
+            os.kill(pid, sig)
+            os.kill(pid, signal.SIGCONT)  # a stopped rank dumps (where it stopped) once continued
+        except OSError:
+            continue
+        pending[rank] = (stack, before, pid)
+        if shutil.which("py-spy"):
+            with open(out / f"rank-{rank}.py-spy.txt", "w") as fh:
+                subprocess.run(["py-spy", "dump", "--pid", str(pid)], stdout=fh,
+                               stderr=subprocess.STDOUT, timeout=30, check=False)  # fmt: skip
+    deadline = time.monotonic() + wait_s
+    while pending and time.monotonic() < deadline:
+        for rank, (stack, before, _pid) in list(pending.items()):
+            size = stack.stat().st_size if stack.exists() else 0
+            if size > before:  # faulthandler writes the dump in one go from its handler
+                time.sleep(0.05)
+                (out / f"rank-{rank}.txt").write_bytes(stack.read_bytes()[before:])
+                del pending[rank]
+        time.sleep(0.02)
+    for rank in pending:
+        (out / f"rank-{rank}.txt").write_text("no stack: the rank did not answer the signal\n")
+    return states
+
+
+def _kill_ranks(beats: dict[int, dict[str, Any]]) -> None:
+    host = _node()
+    for rec in beats.values():
+        if rec.get("host") == host and int(rec.get("pid", 0)) > 0:
+            try:
+                os.kill(int(rec["pid"]), signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def _stop_launcher(proc: subprocess.Popen, grace_s: float = 15.0) -> int:
+    """SIGTERM the launcher's process group, SIGKILL it after ``grace_s``."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except OSError:
+            pass
+        try:
+            return proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            continue
+    return proc.wait()
+
+
+# ---- one attempt ----------------------------------------------------------------------
+class Attempt:
+    """One launch: the process, its teed output, and what was learned from it."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.lines: list[str] = []
+        self.log = open(log_path, "w")  # noqa: SIM115  # closed by the reader thread
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, errors="replace",
+                                     start_new_session=True)  # fmt: skip
+        self.reader = threading.Thread(target=self._tee, daemon=True)
+        self.reader.start()
+
+    def _tee(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            self.log.write(line)
+            self.log.flush()
+            if len(self.lines) < 100_000:  # bounded: only failure lines are looked at
+                self.lines.append(line.rstrip("\n"))
+        self.log.close()
+
+    def classify(self, world: int) -> tuple[str, str]:
+        """(kind, why) of a failed exit: kind "fatal" ends the job, "node" relaunches."""
+        self.reader.join(timeout=30)
+        if self.proc.returncode == PREEMPTED:
+            return "fatal", "preempted (exit 75): the scheduler's requeue resumes it"
+        if self.proc.returncode == 2 or any(_CONFIG_ERROR.match(x) for x in self.lines):
+            return "fatal", "a configuration error (ddp: error:), not a node failure"
+        if any(_NO_SPACE.search(x) for x in self.lines):
+            return "fatal", "no space left on device (ENOSPC): a full disk, not a node failure"
+        failed: dict[int, str] = {}
+        for x in self.lines:
+            m = _RANK_FAILED.match(x)
+            if m:
+                failed[int(m.group(1))] = m.group(2)
+        if world and len(failed) >= world and len(set(failed.values())) == 1:
+            return "fatal", f"every rank raised the same error: {next(iter(failed.values()))}"
+        return "node", f"exit {self.proc.returncode}" + (
+            f"; ranks {sorted(failed)} reported errors" if failed else "")
+
+
+def _world(hb_dir: Path) -> int:
+    """Ranks that reached ``ddp.init`` in this attempt (each made its stack file there)."""
+    return len(list(hb_dir.glob("stack-rank-*.txt")))
+
+
+def _clear(hb_dir: Path) -> None:
+    hb_dir.mkdir(parents=True, exist_ok=True)
+    for f in (*hb_dir.glob("rank-*.json"), *hb_dir.glob("stack-rank-*.txt")):
+        f.unlink(missing_ok=True)
+
+
+def supervise(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir or os.environ.get("HPC_RUN_DIR") or ".").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    hb_dir = run_dir / "heartbeats"
+    env = dict(os.environ)
+    env.setdefault("HPC_RUN_DIR", str(run_dir))  # checkpoints resume from the same folder
+    env["DDP_HEARTBEAT_DIR"] = str(hb_dir)
+    # beats several times per hang timeout, never more often than every 0.1 s
+    env.setdefault("DDP_HEARTBEAT_EVERY_S", f"{max(0.1, min(2.0, args.hang_timeout_s / 4)):g}")
+    sig = getattr(signal, env.setdefault("DDP_STACK_SIGNAL", "SIGUSR2"), signal.SIGUSR2)
+    failures = 0
+    use_srun = os.path.basename(args.launch[0]) == "srun" and bool(os.environ.get("SLURM_JOB_NODELIST"))
+    excluded: list[str] = []
+    every: list[str] = []
+    active: list[str] = []
+    spares: list[str] = []
+    per_node = 1
+    if use_srun:
+        from ddp.hostlist import expand_nodelist
+
+        every = expand_nodelist(os.environ["SLURM_JOB_NODELIST"])
+        if args.spares >= len(every):
+            _fail(f"--spares {args.spares}: the job has {len(every)} nodes; allowed: fewer")
+        active, spares = every[: len(every) - args.spares], every[len(every) - args.spares:]
+        per_node = tasks_per_node(args.launch, len(every))
+        _say(f"nodes {active}" + (f", spares {spares}" if spares else ""))
+    for attempt in range(1, args.max_restarts + 2):
+        _clear(hb_dir)
+        cmd = (srun_command(args.launch, active, excluded, per_node) if use_srun
+               else args.launch)  # fmt: skip
+        if use_srun:
+            cmd.insert(2, f"--nodelist={','.join(active)}")
+        _say(f"attempt {attempt}: {' '.join(cmd)}")
+        att = Attempt(cmd, env, run_dir / f"supervise-attempt-{attempt}.log")
+        hung: list[int] = []
+        while att.proc.poll() is None:
+            now, beats = time.time(), read_beats(hb_dir)
+            hung = [r for r, b in beats.items() if now - float(b.get("time", now)) > args.hang_timeout_s
+                    and not _exited(b)]  # a rank that ended is the launcher's exit to judge
+            if hung:
+                break
+            time.sleep(args.poll_s)
+        if not hung and att.proc.returncode == 0:
+            record(run_dir, {"event": "completed", "attempt": attempt})
+            _say(f"attempt {attempt} completed")
+            return 0
+        failures += 1
+        fdir = run_dir / "failures" / str(failures)
+        if hung:
+            beats = read_beats(hb_dir)
+            states = collect_stacks(hb_dir, fdir, beats, int(sig))
+            _kill_ranks(beats)
+            rc = _stop_launcher(att.proc)
+            att.reader.join(timeout=30)
+            culprits = sorted(r for r, s in states.items() if s in ("stopped", "gone")) or hung
+            nodes = sorted({str(beats[r].get("host")) for r in culprits if r in beats})
+            why = (f"hang: no progress for {args.hang_timeout_s:g} s on ranks {hung}; "
+                   f"stopped/gone ranks {culprits}; states {states}")  # fmt: skip
+            kind = "node"
+        else:
+            rc = att.proc.returncode
+            kind, why = att.classify(_world(hb_dir))
+            (fdir).mkdir(parents=True, exist_ok=True)
+            beats = read_beats(hb_dir)
+            dead = sorted(r for r, b in beats.items() if b.get("host") == _node()
+                          and _proc_state(int(b.get("pid", 0))) is None)  # fmt: skip
+            culprits, nodes = dead, sorted({str(beats[r].get("host")) for r in dead})
+            if use_srun:  # srun names the nodes whose tasks a signal ended
+                nodes = sorted({m.group(1) for x in att.lines if (m := _SRUN_KILLED.match(x))})
+            shutil.copy(run_dir / f"supervise-attempt-{attempt}.log", fdir / "output.log")
+        event = {"event": "failure", "attempt": attempt, "kind": "hang" if hung else "exit",
+                 "exit_code": rc, "why": why, "ranks": culprits, "nodes": nodes,
+                 "failures_dir": str(fdir)}  # fmt: skip
+        record(run_dir, event)
+        _say(f"attempt {attempt} failed: {why}; nodes {nodes}; evidence in {fdir}")
+        if kind == "fatal":
+            record(run_dir, {"event": "stopped", "attempt": attempt, "why": why})
+            _say(f"not restarting: {why}")
+            return 128 - rc if rc < 0 else (rc or 1)  # killed by a signal: 128+N
+        if attempt > args.max_restarts:
+            record(run_dir, {"event": "stopped", "attempt": attempt,
+                             "why": f"max_restarts={args.max_restarts} used"})  # fmt: skip
+            _say(f"not restarting: max_restarts={args.max_restarts} used")
+            return 128 - rc if rc < 0 else (rc or 1)  # killed by a signal: 128+N
+        if use_srun and nodes and set(nodes) < set(active):
+            active = [n for n in active if n not in nodes]
+            excluded += [n for n in nodes if n not in excluded]
+            while spares and len(active) < len(every) - args.spares:
+                active.append(spares.pop(0))  # a spare takes a failed node's place
+            record(run_dir, {"event": "exclude", "attempt": attempt, "nodes": nodes,
+                             "excluded": excluded, "remaining": active})  # fmt: skip
+            _say(f"excluding node(s) {','.join(nodes)}; relaunching on {','.join(active)}")
+        if use_srun and len(active) < args.min_nodes:
+            why = f"{len(active)} node(s) left, below --min-nodes {args.min_nodes}"
+            record(run_dir, {"event": "stopped", "attempt": attempt, "why": why})
+            _say(f"not restarting: {why}")
+            return 128 - rc if rc < 0 else (rc or 1)
+        record(run_dir, {"event": "restart", "attempt": attempt + 1, "after": why})
+        _say(f"restarting (restart {attempt} of {args.max_restarts}); the trainer resumes "
+             "from the latest checkpoint")  # fmt: skip
+    return 1
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m ddp.supervise", description=__doc__.split("\n")[0])
+    p.add_argument("--hang-timeout-s", type=float, default=600.0,
+                   help="seconds without a heartbeat after which a rank is hung (default 600)")
+    p.add_argument("--max-restarts", type=int, default=3, help="relaunches at most (default 3)")
+    p.add_argument("--min-nodes", type=int, default=1,
+                   help="fewest nodes to relaunch on (multi-node launchers; default 1)")
+    p.add_argument("--spares", type=int, default=0, help="spare nodes held back (default 0)")
+    p.add_argument("--run-dir", help="the run directory (default $HPC_RUN_DIR, else .)")
+    p.add_argument("--poll-s", type=float, default=0.5, help=argparse.SUPPRESS)
+    p.add_argument("launch", nargs=argparse.REMAINDER, help="-- then the launcher command")
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as exc:
+        raise SystemExit(0 if exc.code == 0 else 2) from None
+    if args.launch and args.launch[0] == "--":
+        args.launch = args.launch[1:]
+    if not args.launch:
+        _fail("no launcher command: put it after --, e.g. -- torchrun --nproc-per-node 2 train.py")
+    if not 0 < args.hang_timeout_s <= 86400:
+        _fail(f"--hang-timeout-s {args.hang_timeout_s:g}: allowed: seconds in (0, 86400]")
+    if not 0 <= args.max_restarts <= 1000:
+        _fail(f"--max-restarts {args.max_restarts}: allowed: 0 to 1000")
+    if args.min_nodes < 1 or args.spares < 0:
+        _fail("--min-nodes must be >= 1 and --spares >= 0")
+    if not 0 < args.poll_s <= 60:
+        _fail("--poll-s: allowed: seconds in (0, 60]")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return supervise(parse(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,234 @@
+"""``python -m ddp.supervise`` around a real torchrun with 2 Gloo ranks (issue 30, item 2).
+
+Each test waits on events (a file appearing, a process exiting); the bounds are only
+against a true hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.ddp import _launch
+from tests.ddp.launch_utils import free_port
+
+WORKER = "tests/ddp/_index_worker.py"
+N, BATCH = 48, 4  # 6 steps per rank in the epoch
+
+
+def _spec(tmp: Path, **extra: object) -> dict:
+    logs = tmp / "seen"
+    logs.mkdir(exist_ok=True)
+    return {
+        "n": N, "log_dir": str(logs), **extra,
+        "config": {
+            "training": {"batch_size": BATCH, "epochs": 1, "shuffle": True, "seed": 3},
+            "optim": {"name": "sgd", "lr": 0.01},
+            "checkpoint": {"dir": str(tmp / "ckpt"), "every_n_steps": 2, "save_final": False},
+            "logging": {"every_n_steps": 2, "progress": "off"},
+        },
+    }  # fmt: skip
+
+
+def _start(tmp: Path, spec: dict, *opts: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "ddp.supervise", "--run-dir", str(tmp / "run"), "--poll-s",
+           "0.1", *opts, "--", sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", "2", WORKER, json.dumps(spec)]  # fmt: skip
+    env = _launch.base_env()
+    env.pop("HPC_RUN_DIR", None)
+    return subprocess.Popen(cmd, env=env, cwd=_launch.ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"supervisor exited {proc.returncode} before {path}"
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+def _events(tmp: Path) -> list[dict]:
+    return json.loads((tmp / "run" / "run.json").read_text())["supervisor"]["events"]
+
+
+def _lines(tmp: Path) -> list[tuple[int, int, list[int]]]:
+    out = []
+    for f in (tmp / "seen").glob("*.txt"):
+        for line in f.read_text().splitlines():
+            epoch, step, *ids = map(int, line.split())
+            out.append((int(f.stem), step, ids))
+    return out
+
+
+def test_sigkill_one_rank_relaunches_and_resumes_exactly(tmp_path: Path) -> None:
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    spec = _spec(tmp_path, hold={"rank": 1, "step": 4, "dir": str(hold)})
+    sup = _start(tmp_path, spec, "--hang-timeout-s", "60", "--max-restarts", "2")
+    _wait_for(hold / "ready", sup)  # rank 1 is about to train step 5; step 4 is saved
+    os.kill(int((hold / "ready").read_text()), signal.SIGKILL)
+    (hold / "released").touch()
+    out, err = sup.communicate(timeout=180)
+    assert sup.returncode == 0, err[-4000:]
+    kinds = [e["event"] for e in _events(tmp_path)]
+    assert kinds == ["failure", "restart", "completed"], kinds
+    assert "restarting" in err and "attempt 2 completed" in err
+    lines = _lines(tmp_path)
+    per_key = Counter((rank, step) for rank, step, _ in lines)
+    # steps 1-4 were trained once (the relaunch resumed from step 4's checkpoint, not 0)
+    assert all(per_key[(r, s)] == 1 for r in (0, 1) for s in range(1, 5)), per_key
+    trained = {(rank, step): ids for rank, step, ids in lines}
+    assert sorted(i for ids in trained.values() for i in ids) == list(range(N))
+    # a step trained in both attempts got the same samples (the exact resume)
+    again = [(r, s, ids) for r, s, ids in lines if per_key[(r, s)] > 1]
+    assert all(trained[(r, s)] == ids for r, s, ids in again)
+
+
+def test_sigstop_one_rank_is_a_hang_with_stacks_then_relaunch(tmp_path: Path) -> None:
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    spec = _spec(tmp_path, hold={"rank": 1, "step": 2, "dir": str(hold)})
+    timeout_s = 10.0  # above a step or a checkpoint load on this loaded 2-core machine
+    sup = _start(tmp_path, spec, "--hang-timeout-s", str(timeout_s), "--max-restarts", "1")
+    _wait_for(hold / "ready", sup)
+    os.kill(int((hold / "ready").read_text()), signal.SIGSTOP)
+    stopped = time.monotonic()
+    (hold / "released").touch()  # seen only once the rank is continued
+    fdir = tmp_path / "run" / "failures" / "1"
+    _wait_for(fdir / "rank-1.txt", sup)
+    _wait_for(fdir / "rank-0.txt", sup)
+    assert time.monotonic() - stopped < timeout_s + 2 + 10  # the beat interval + the poll
+    out, err = sup.communicate(timeout=180)
+    assert sup.returncode == 0, err[-4000:]
+    stuck = (fdir / "rank-1.txt").read_text()
+    assert "_index_worker.py" in stuck and "in step" in stuck, stuck  # where it was stopped
+    assert "File " in (fdir / "rank-0.txt").read_text()  # the peer, waiting in a collective
+    failure, *rest = _events(tmp_path)
+    assert failure["kind"] == "hang" and failure["ranks"] == [1], failure
+    assert [e["event"] for e in rest] == ["restart", "completed"]
+    assert "hang: no progress" in err
+
+
+def test_the_same_error_on_every_rank_ends_without_restart(tmp_path: Path) -> None:
+    spec = _spec(tmp_path, fail_step=2, hold=None)
+    sup = _start(tmp_path, spec, "--hang-timeout-s", "60", "--max-restarts", "3")
+    out, err = sup.communicate(timeout=180)
+    assert sup.returncode != 0
+    events = _events(tmp_path)
+    assert [e["event"] for e in events] == ["failure", "stopped"], events
+    assert "every rank raised the same error" in events[0]["why"]
+    assert "ValueError: the same error on every rank" in events[0]["why"]
+    assert not (tmp_path / "run" / "supervise-attempt-2.log").exists()
+    assert "not restarting" in err
+
+
+def test_no_launcher_command_is_one_line_exit_2() -> None:
+    p = subprocess.run([sys.executable, "-m", "ddp.supervise", "--hang-timeout-s", "5"],
+                       env=_launch.base_env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines()[-1].startswith("supervise: error: no launcher command")
+
+
+def _sup(tmp: Path, code: str) -> subprocess.CompletedProcess:
+    """The supervisor around a plain Python 'launcher' that fails as ``code`` says."""
+    cmd = [sys.executable, "-m", "ddp.supervise", "--run-dir", str(tmp), "--poll-s", "0.05",
+           "--max-restarts", "3", "--", sys.executable, "-c", code]  # fmt: skip
+    return subprocess.run(cmd, env=_launch.base_env(), capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+
+
+def test_enospc_and_config_errors_are_not_node_failures(tmp_path: Path) -> None:
+    full = _sup(tmp_path / "a", "print('OSError: [Errno 28] No space left on device'); exit(1)")
+    assert full.returncode == 1
+    events = _events_in(tmp_path / "a")
+    assert [e["event"] for e in events] == ["failure", "stopped"] and "ENOSPC" in events[0]["why"]
+    config = _sup(tmp_path / "b", "import sys; print('ddp: error: rank 0 failed: bad key', "
+                                  "file=sys.stderr); exit(2)")  # fmt: skip
+    assert config.returncode == 2
+    assert "configuration error" in _events_in(tmp_path / "b")[0]["why"]
+    # a plain crash is taken for a node failure: relaunched up to --max-restarts
+    crash = _sup(tmp_path / "c", "import os; os.kill(os.getpid(), 9)")
+    assert crash.returncode != 0
+    assert [e["event"] for e in _events_in(tmp_path / "c")].count("restart") == 3
+
+
+def _events_in(run: Path) -> list[dict]:
+    return json.loads((run / "run.json").read_text())["supervisor"]["events"]
+
+
+def _attempts(path: Path) -> list[list[tuple[int, list[int]]]]:
+    """One rank's log split where the step goes back (a relaunch): [(step, ids)] each."""
+    runs: list[list[tuple[int, list[int]]]] = [[]]
+    for line in path.read_text().splitlines():
+        _epoch, step, *ids = map(int, line.split())
+        if runs[-1] and step <= runs[-1][-1][0]:
+            runs.append([])
+        runs[-1].append((step, ids))
+    return runs
+
+
+@pytest.mark.slurm
+def test_slurm_node_lost_relaunches_alone_on_the_other(slurm_cluster, tmp_path: Path) -> None:
+    """2 nodes, one rank each; n2's rank is SIGKILLed mid-epoch: srun names n2, the
+    supervisor excludes it and relaunches on n1 at half the world size; the job completes
+    and the epoch's every sample is trained exactly once."""
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    spec = _spec(tmp_path, hold={"rank": 1, "step": 4, "dir": str(hold)})
+    run = tmp_path / "run"
+    script = tmp_path / "job.sh"
+    script.write_text("\n".join([
+        "#!/bin/bash", "#SBATCH -N 2", "#SBATCH --ntasks-per-node=1", "#SBATCH --no-kill",
+        "set -eu", f"export PYTHONPATH={_launch.ROOT / 'src'}:{_launch.ROOT}",
+        # a free port: the default is derived from the job id, which every private test
+        # cluster starts at 1, so another test process's job may hold it
+        f"export OMP_NUM_THREADS=1 MASTER_PORT={free_port()}",
+        f"{sys.executable} -m ddp.supervise --run-dir {run} --hang-timeout-s 60 "
+        f"--max-restarts 2 --min-nodes 1 -- srun --kill-on-bad-exit=1 {sys.executable} "
+        f"{_launch.ROOT / WORKER} {shlex.quote(json.dumps(spec))}"]) + "\n")  # fmt: skip
+    job = slurm_cluster.submit(script)
+    deadline = time.monotonic() + 120
+    while not (hold / "ready").exists():
+        assert slurm_cluster.state(job) in ("PENDING", "RUNNING"), slurm_cluster.job_log(job)
+        assert time.monotonic() < deadline, slurm_cluster.job_log(job)
+        time.sleep(0.05)
+    os.kill(int((hold / "ready").read_text()), signal.SIGKILL)  # n2 shares this host here
+    (hold / "released").touch()
+    state = slurm_cluster.wait(job, timeout=180)
+    log = slurm_cluster.job_log(job)
+    assert state == "COMPLETED", log[-5000:]
+    assert "excluding node(s) n2; relaunching on n1" in log
+    events = _events(tmp_path)
+    excl = [e for e in events if e["event"] == "exclude"]
+    assert excl and excl[0]["nodes"] == ["n2"] and excl[0]["remaining"] == ["n1"], events
+    assert events[-1]["event"] == "completed"
+    r0, r1 = _attempts(tmp_path / "seen" / "0.txt"), _attempts(tmp_path / "seen" / "1.txt")
+    assert len(r0) == 2 and len(r1) == 1, (r0, r1)  # n2's rank never ran again
+    resumed = r0[1][0][0] - 1
+    assert resumed == 4, r0[1]  # resumed from step 4's checkpoint at world size 1
+    kept = [ids for att in (r0[0], r1[0]) for step, ids in att if step <= resumed]
+    kept += [ids for _step, ids in r0[1]]
+    assert sorted(i for ids in kept for i in ids) == list(range(N))
+
+
+def test_srun_relaunch_line_names_nodes_tasks_and_exclusions(monkeypatch) -> None:  # noqa: ANN001
+    from ddp.supervise import srun_command, tasks_per_node
+
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    line = ["srun", "--kill-on-bad-exit=1", "-N", "2", "--ntasks=8", "--cpu-bind=none", "python", "t.py", "-n", "3"]
+    per = tasks_per_node(line, 2)
+    assert per == 4
+    assert srun_command(line, ["n1"], ["n2"], per) == [
+        "srun", "--nodes=1", "--ntasks=4", "--ntasks-per-node=4", "--exclude=n2",
+        "--cpu-bind=none", "python", "t.py", "-n", "3"]  # fmt: skip
