@@ -21,13 +21,16 @@ import logging
 import os
 import platform
 import re
-import socket
 import subprocess
 import sys
 import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from ddp.heartbeat import node_name  # the scheduler's name for this node, one definition
+
+__all__ = ["node_name", "record", "software", "variables"]
 
 log = logging.getLogger("ddp")
 
@@ -43,12 +46,6 @@ SECRET = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|API_?KEY|PRIVATE|AUTH|COOKIE
                     re.IGNORECASE)  # fmt: skip
 DIFF_LIMIT = 256 * 1024  # bytes of `git diff HEAD` kept (a note says when it was cut)
 UNTRACKED_LIMIT = 200
-
-
-def node_name() -> str:
-    """The node as the scheduler names it: SLURM's ``SLURMD_NODENAME`` (several slurmd
-    on one host, as on the test cluster, keep their own names), else the short host."""
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
 
 
 def job_id(env: dict[str, str] | None = None) -> str:
