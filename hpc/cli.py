@@ -79,6 +79,9 @@ def _job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expand-vars", action="store_true", default=None,
                    help="let command words use $NAME/${NAME}, expanded by the job's shell "
                         "(as expand_vars: true in a spec)")
+    p.add_argument("--resilience", action="store_true", default=None,
+                   help="run the launch under python -m ddp.supervise (a hung or dead "
+                        "rank's node excluded, the rest relaunched; as resilience: true)")
     p.add_argument("--per-rank-logs", action="store_true", default=None,
                    help="each rank's output also in RUN/ranks/rank-NNNNN.log "
                         "(as per_rank_logs: true in a spec)")
@@ -219,6 +222,8 @@ def _overrides(args: argparse.Namespace, command: list[str] | None) -> dict[str,
         out["expand_vars"] = True
     if args.per_rank_logs:
         out["per_rank_logs"] = True
+    if args.resilience:
+        out["resilience"] = True
     return out
 
 
@@ -240,6 +245,8 @@ def _regen_command(args: argparse.Namespace, command: list[str] | None) -> str:
         words.append("--expand-vars")
     if args.per_rank_logs:
         words.append("--per-rank-logs")
+    if args.resilience:
+        words.append("--resilience")
     if getattr(args, "no_account", False):
         words.append("--no-account")
     if args.output:

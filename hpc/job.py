@@ -81,6 +81,7 @@ class Job:
             "expand_vars": s.expand_vars or None,  # absent when off: older run records alike
             "split_logs": s.split_logs or None,
             "per_rank_logs": s.per_rank_logs or None,
+            "resilience": dict(s.resilience) if s.resilience else None,
         }
         if s.description:
             out["description"] = s.description

@@ -20,8 +20,9 @@ from __future__ import annotations
 import re
 import shlex
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from hpc.errors import UserError
 from hpc.spec import PYTHON
 
 if TYPE_CHECKING:
@@ -90,6 +91,27 @@ def sh_join(words: Iterable[str]) -> str:
 def python_of(command: list[str]) -> str:
     """The interpreter to run ``ddp.exec`` with: the command's own, else ``python``."""
     return command[0] if command and re.match(PYTHON, command[0]) else "python"
+
+
+def supervised(job: Job, launch: list[Any]) -> list[Any]:
+    """``python -m ddp.supervise FLAGS -- LAUNCH`` for a spec with ``resilience:``: the
+    supervisor inside the allocation relaunches without a hung or dead rank's node.
+
+    It reads the launch line it relaunches, so it must be the launcher itself: ``srun``
+    on SLURM (rendered with ``--no-kill``) or the local ``torchrun``; PBS (a rewritten
+    host file under ``tolerate_node_failures``) and one torchrun per node are not done."""
+    r = job.spec.resilience or {}
+    name = job.scheduler.name
+    if name not in ("slurm", "local") or (name == "slurm" and job.launcher != "srun"):
+        raise UserError(f"resilience: not available for {name} with launcher {job.launcher}; "
+                        "allowed: SLURM with srun, or the local cluster")  # fmt: skip
+    if int(r["min_nodes"]) > job.nodes:
+        raise UserError(f"resilience.min_nodes: {r['min_nodes']} is more than the job's "
+                        f"{job.nodes} node(s); allowed: 1 to {job.nodes}")  # fmt: skip
+    flags = [f"--hang-timeout-s={float(r['hang_timeout_s']):g}",
+             f"--max-restarts={int(r['max_restarts'])}", f"--min-nodes={int(r['min_nodes'])}",
+             f"--spares={int(r['spares'])}"]  # fmt: skip
+    return [python_of(job.spec.command), "-m", "ddp.supervise", *flags, "--", *launch]
 
 
 def wrapped(job: Job) -> list[str]:

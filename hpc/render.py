@@ -237,6 +237,10 @@ def context(job: Job, regenerate: str | None = None, script: str | None = None) 
 
     spec, cluster, scheduler = job.spec, job.cluster, job.scheduler
     preamble, launch = scheduler.launch(job)
+    if spec.resilience:  # the launch under ddp.supervise (hpc.launchers.supervised)
+        from hpc.launchers import supervised
+
+        launch = supervised(job, launch)
     sweep = None
     if job.array_size:  # each array task appends its own --set overrides (hpc.sweep)
         launch = [*launch, Raw('"${HPC_SWEEP_ARGS[@]}"')]

@@ -38,8 +38,10 @@ SPEC_KEYS = (
     "name", "description", "cluster", "nodes", "ppn", "walltime", "queue", "partition",
     "account", "command", "env", "modules", "setup", "python", "output_dir", "signal",
     "requeue", "directives", "launcher", "gpus_per_node", "cpus_per_task", "wrap",
-    "filesystems", "expand_vars", "split_logs", "per_rank_logs",
+    "filesystems", "expand_vars", "split_logs", "per_rank_logs", "resilience",
 )
+#: ``resilience:`` keys (python -m ddp.supervise's flags) and their defaults.
+RESILIENCE = {"hang_timeout_s": 600.0, "max_restarts": 3, "min_nodes": 1, "spares": 0}
 WRAP_MODES = ("auto", "always", "never")
 LAUNCHERS = ("auto", "mpiexec", "srun", "torchrun")
 _SIGNAL = r"^((R|B|RB|BR):)?(SIG)?[A-Z0-9]+(@\d+)?\Z"  # compiled on first use (re's cache)
@@ -85,6 +87,9 @@ class JobSpec:
     split_logs: bool = False
     #: each rank's output in RUN/ranks/rank-NNNNN.log (ddp.rank_logs; hpc logs --rank/--grep)
     per_rank_logs: bool = False
+    #: the launch runs under ``python -m ddp.supervise`` with these settings (a hung or
+    #: dead rank's node excluded, the rest relaunched in the same allocation); None: off
+    resilience: dict[str, float | int] | None = None
     source: str | None = None  # the spec file, as the user named it
 
     @classmethod
@@ -132,6 +137,7 @@ class JobSpec:
         kw["expand_vars"] = _bool(data, "expand_vars")
         kw["split_logs"] = _bool(data, "split_logs")
         kw["per_rank_logs"] = _bool(data, "per_rank_logs")
+        kw["resilience"] = _resilience(data.get("resilience"))
         kw["directives"] = [directive_line(d, "directives") for d in _strings(data, "directives")]
         kw["launcher"] = _choice(data, "launcher", LAUNCHERS, "auto")
         kw["wrap"] = _choice(data, "wrap", WRAP_MODES, "auto")
@@ -168,6 +174,33 @@ def _str(data: dict[str, Any], key: str) -> str:
     if isinstance(value, (dict, list, bool)):
         raise UserError(f"{key}: {value!r} is not allowed; allowed: a string")
     return str(value)
+
+
+def _resilience(value: Any) -> dict[str, float | int] | None:
+    """``resilience: true`` (the defaults) or a mapping of :data:`RESILIENCE`'s keys."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return dict(RESILIENCE)
+    if not isinstance(value, dict):
+        raise UserError(f"resilience: {value!r} is not allowed; allowed: true, false or a "
+                        f"mapping of {', '.join(RESILIENCE)}")  # fmt: skip
+    check_keys(value, tuple(RESILIENCE), "resilience")
+    out: dict[str, float | int] = dict(RESILIENCE)
+    for key, given in value.items():
+        number = given if isinstance(given, int | float) and not isinstance(given, bool) else None
+        if key == "hang_timeout_s":
+            if number is None or not 1 <= number <= 7 * 86400:  # NaN fails both tests
+                raise UserError(f"resilience.hang_timeout_s: {given!r} is not allowed; "
+                                "allowed: seconds from 1 to 604800")  # fmt: skip
+            out[key] = float(number)
+        else:
+            low = 1 if key == "min_nodes" else 0
+            if not isinstance(number, int) or not low <= number <= 100_000:
+                raise UserError(f"resilience.{key}: {given!r} is not allowed; allowed: a "
+                                f"whole number from {low} to 100000")  # fmt: skip
+            out[key] = number
+    return out
 
 
 def _int(data: dict[str, Any], key: str) -> int:

@@ -108,7 +108,21 @@ def _fail(msg: str) -> NoReturn:
 
 # ---- run.json ---------------------------------------------------------------------------
 def record(run_dir: Path, event: dict[str, Any]) -> None:
-    """Append one event to ``run.json``'s ``supervisor.events`` (atomic replace)."""
+    """Append one event to ``run.json``'s ``supervisor.events`` (atomic replace), under
+    the run's ``.lock`` (the flock ``hpc`` holds for its own read-modify-write of the
+    record, so neither side's update is lost)."""
+    import fcntl
+
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(run_dir / ".lock", flags, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        _record(run_dir, event)
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _record(run_dir: Path, event: dict[str, Any]) -> None:
     path = run_dir / "run.json"
     data: dict[str, Any] = {}
     if path.is_file() and path.stat().st_size <= _RUN_JSON_LIMIT:

@@ -1,0 +1,63 @@
+"""``resilience:`` in a spec: the values allowed, and the launch rendered under
+``python -m ddp.supervise`` (the real SLURM run: tests/test_e2e_resilience.py)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from hpc.errors import UserError
+from hpc.render import render
+from hpc.spec import RESILIENCE, JobSpec
+from tests.hpc.conftest import REPO, make_job
+
+
+def _script(cluster: str, resilience: object, **kw: object) -> str:
+    return render(make_job(cluster, command=["python", "t.py"], resilience=resilience, **kw),
+                  cwd=REPO)  # fmt: skip
+
+
+def test_slurm_srun_runs_under_the_supervisor_with_no_kill() -> None:
+    text = _script("slurm", {"hang_timeout_s": 90, "max_restarts": 5}, nodes="2", queue="debug")
+    assert "#SBATCH --no-kill" in text
+    assert ("python -m ddp.supervise --hang-timeout-s=90 --max-restarts=5 --min-nodes=1 "
+            "--spares=0 -- srun --kill-on-bad-exit=1 python -m ddp.exec -- python t.py") in text  # fmt: skip
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+    plain = render(make_job("slurm", command=["python", "t.py"], queue="debug"), cwd=REPO)
+    assert "--no-kill" not in plain and "ddp.supervise" not in plain
+
+
+def test_true_takes_the_defaults_and_local_runs_it_too() -> None:
+    assert JobSpec.from_mapping({"command": ["x"], "resilience": True}).resilience == RESILIENCE
+    assert JobSpec.from_mapping({"command": ["x"], "resilience": False}).resilience is None
+    assert "-m ddp.supervise --hang-timeout-s=600" in _script("local", True, ppn="2")
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    ("yes", "allowed: true, false or a mapping"),
+    ({"hang_timeout_s": float("nan")}, "seconds from 1"),
+    ({"hang_timeout_s": 0}, "seconds from 1"),
+    ({"hang_timeout_s": True}, "seconds from 1"),
+    ({"max_restarts": -1}, "from 0"),
+    ({"max_restarts": 1.5}, "whole number"),
+    ({"min_nodes": 0}, "from 1"),
+    ({"spares": "2"}, "whole number"),
+    ({"retries": 3}, "unknown key 'retries'"),
+])  # fmt: skip
+def test_bad_values_are_one_line(value: object, says: str) -> None:
+    with pytest.raises(UserError, match="resilience") as info:
+        JobSpec.from_mapping({"command": ["x"], "resilience": value})
+    assert says in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(("cluster", "kw", "says"), [
+    ("aurora", {"account": "p"}, "not available for pbs"),
+    ("slurm", {"queue": "debug", "launcher": "torchrun"}, "not available for slurm with launcher torchrun"),
+    ("slurm", {"queue": "debug", "nodes": "2"}, "more than the job's 2 node(s)"),
+])  # fmt: skip
+def test_what_the_supervisor_cannot_run_is_refused(cluster: str, kw: dict, says: str) -> None:
+    res = {"min_nodes": 3} if "nodes" in kw else True
+    with pytest.raises(UserError) as info:
+        _script(cluster, res, **kw)
+    assert says in str(info.value) and "\n" not in str(info.value)
