@@ -8,8 +8,10 @@ the ranks doing any device work for it. Each rank atomically replaces one small 
 tensor, so it adds no host-device synchronisation to the hot loop (tests/ddp
 test_trainer_sync stays at zero reads); between writes a beat costs one clock read.
 
-Where: ``$DDP_HEARTBEAT_DIR`` (the supervisor sets it), else ``$HPC_RUN_DIR/heartbeats``
-(a job ``hpc submit`` made); neither set means no heartbeats and no cost.
+Where: ``$DDP_HEARTBEAT_DIR``, which the supervisor sets for its ranks; unset means no
+heartbeats, no stack-dump handler and no cost. Not on for every job ``hpc submit`` makes:
+ten thousand ranks each replacing a file every 2 s with nobody reading them would be
+thousands of metadata operations a second on a shared file system.
 
 Stacks: :func:`install_stack_dump` registers :mod:`faulthandler` on ``$DDP_STACK_SIGNAL``
 (default SIGUSR2) writing every thread's Python stack to ``DIR/stack-rank-R.txt``. It is
@@ -41,10 +43,7 @@ _STACK_FILE: IO[str] | None = None  # kept open: faulthandler writes to its desc
 def heartbeat_dir() -> Path | None:
     """The heartbeat folder from the environment (see the module docstring), or None."""
     explicit = os.environ.get("DDP_HEARTBEAT_DIR")
-    if explicit:
-        return Path(explicit)
-    run = os.environ.get("HPC_RUN_DIR")
-    return Path(run) / "heartbeats" if run else None
+    return Path(explicit) if explicit else None
 
 
 def node_name() -> str:

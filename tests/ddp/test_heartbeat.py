@@ -74,3 +74,15 @@ def test_stack_signal_dumps_where_a_rank_waits(tmp_path: Path, monkeypatch) -> N
     finally:
         results = _launch.finish(procs, timeout=120)
     assert {rc for rc, _, _ in results} <= {0, 75, 143}, [e[-2000:] for _, _, e in results]
+
+
+def test_no_heartbeats_without_a_supervisor(monkeypatch, tmp_path: Path) -> None:  # noqa: ANN001
+    """A job `hpc submit` made ($HPC_RUN_DIR) but no supervisor: no files every 2 s per
+    rank on a shared file system, and SIGUSR2 left to the application."""
+    from ddp.heartbeat import heartbeat_dir
+
+    monkeypatch.delenv("DDP_HEARTBEAT_DIR", raising=False)
+    monkeypatch.setenv("HPC_RUN_DIR", str(tmp_path))
+    assert heartbeat_dir() is None
+    monkeypatch.setenv("DDP_HEARTBEAT_DIR", str(tmp_path / "hb"))
+    assert heartbeat_dir() == tmp_path / "hb"
