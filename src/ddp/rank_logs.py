@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ddp.fingerprint import node_name
+from ddp.heartbeat import node_name
 
 ENV = "DDP_RANK_LOGS"
 

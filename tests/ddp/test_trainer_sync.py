@@ -29,13 +29,16 @@ def _spec(out, log_every: int) -> dict:  # noqa: ANN001
     }  # fmt: skip
 
 
-def test_no_host_reads_between_log_points(tmp_path):
-    spec = _spec(tmp_path, 1000)
+def _run_both(tmp_path, spec: dict) -> list[dict]:  # noqa: ANN001
+    """Run the 2-rank worker; each rank's counts (every rank must exit 0)."""
     results = _launch.run([WORKER, json.dumps(spec)], world=2, timeout=120)
     for rank, (rc, out, err) in enumerate(results):
         assert rc == 0, f"rank {rank}: {out[-2000:]}\n{err[-3000:]}"
-    for rank in range(2):
-        rec = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def test_no_host_reads_between_log_points(tmp_path):
+    for rec in _run_both(tmp_path, _spec(tmp_path, 1000)):
         assert rec["reads"] == 0, rec["where"]
         assert rec["vote_on_cpu"]
         assert rec["vote_reads"] >= 9, "the preemption vote did not run every step"
@@ -48,11 +51,7 @@ def test_time_checkpoints_ride_the_vote_with_no_host_reads(tmp_path):
     spec = _spec(tmp_path, 1000)
     spec["config"]["checkpoint"] = {"dir": str(tmp_path / "ck"), "every_s": 1e6}
     spec["config"]["preemption"] = {"signals": [], "check_interval_s": 0}
-    results = _launch.run([WORKER, json.dumps(spec)], world=2, timeout=120)
-    for rank, (rc, out, err) in enumerate(results):
-        assert rc == 0, f"rank {rank}: {out[-2000:]}\n{err[-3000:]}"
-    for rank in range(2):
-        rec = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    for rec in _run_both(tmp_path, spec):
         assert rec["reads"] == 0, rec["where"]
         assert rec["vote_reads"] >= 9, "checkpoint.every_s did not run the vote"
 
