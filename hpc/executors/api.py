@@ -9,18 +9,14 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from hpc.errors import UserError
-
-R = TypeVar("R")
 
 #: Job name when neither the call nor the spec file gives one.
 DEFAULT_NAME = "submitit"
 #: Keys of a job spec that make no sense here: the function is the command, logs go to ``folder``.
 REFUSED = ("command", "output_dir", "wrap")
-#: Executor kinds by the profile's scheduler (``debug`` is the local profile run in-process).
-KINDS = ("slurm", "pbs", "local", "debug")
 
 
 def executor(

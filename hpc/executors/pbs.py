@@ -64,10 +64,6 @@ from hpc.executors.params import signal_of
 from hpc.executors.pbs_env import PBSJobEnvironment, ids_file
 from hpc.schedulers.pbs import query
 
-#: Seconds before the walltime at which the ranks get the preemption signal.
-DEFAULT_SIGNAL_DELAY_S = 90
-
-
 # --- the job, seen from the submitting side -----------------------------------------
 
 

@@ -65,7 +65,7 @@ import re
 import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from ddp.errors import ConfigError
 from ddp.hostlist import expand_nodelist, job_hosts, parse_tasks_per_node, short, unique
@@ -138,9 +138,6 @@ class DistEnv:
             TORCHELASTIC_USE_AGENT_STORE="False",
         )
         return out
-
-    def as_dict(self) -> dict[str, object]:
-        return asdict(self)
 
 
 # --------------------------------------------------------------------------- helpers

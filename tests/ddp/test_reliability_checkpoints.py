@@ -43,7 +43,7 @@ def _plant(directory: Path, step: int, obj: dict) -> Path:
 
 
 # ---- item 10: no code runs, the pointer stays inside -----------------------------------
-def test_item10_crafted_checkpoint_never_runs_code(tmp_path):
+def test_crafted_checkpoint_never_runs_code(tmp_path):
     marker = tmp_path / "pwned"
     ckpt.save_checkpoint(_state(1), tmp_path, 1)
     _plant(tmp_path, 2, {"format": 2, "global_step": 2, "evil": _Evil(marker)})
@@ -57,7 +57,7 @@ def test_item10_crafted_checkpoint_never_runs_code(tmp_path):
     assert not marker.exists()
 
 
-def test_item10_latest_pointer_cannot_leave_the_directory(tmp_path):
+def test_latest_pointer_cannot_leave_the_directory(tmp_path):
     outside = tmp_path / "elsewhere"
     ckpt.save_checkpoint(_state(7, 7.0), outside, 7)
     mine = tmp_path / "mine"
@@ -70,7 +70,7 @@ def test_item10_latest_pointer_cannot_leave_the_directory(tmp_path):
     assert ckpt.load_latest(mine)[1]["global_step"] == 1
 
 
-def test_item10_no_unsafe_torch_load_in_the_project():
+def test_no_unsafe_torch_load_in_the_project():
     root = Path(__file__).resolve().parents[2]
     for package in ("src", "hpc"):
         for py in (root / package).rglob("*.py"):
@@ -79,7 +79,7 @@ def test_item10_no_unsafe_torch_load_in_the_project():
                     assert "weights_only=True" in line, f"{py}: {line.strip()}"
 
 
-def test_item10_trainer_state_loads_with_weights_only(tmp_path):
+def test_trainer_state_loads_with_weights_only(tmp_path):
     import numpy  # noqa: F401 - the RNG state includes numpy's when it is installed
 
     state = {**_state(3), "rng": [ckpt.rng_state(torch.device("cpu"))]}
@@ -89,7 +89,7 @@ def test_item10_trainer_state_loads_with_weights_only(tmp_path):
 
 
 # ---- item 9: a flipped byte is caught --------------------------------------------------
-def test_item9_flipped_byte_falls_back_to_the_previous_checkpoint(tmp_path):
+def test_flipped_byte_falls_back_to_the_previous_checkpoint(tmp_path):
     ckpt.save_checkpoint(_state(1, 1.0), tmp_path, 1, keep_last=5)
     path = ckpt.save_checkpoint(_state(2, 2.0), tmp_path, 2, keep_last=5)
     data = bytearray(path.read_bytes())
@@ -119,7 +119,7 @@ def _cfg(tmp_path: Path, **sections: dict) -> dict:
     return cfg
 
 
-def test_item1_nan_loss_stops_without_saving_or_pruning_good_checkpoints(tmp_path):
+def test_nan_loss_stops_without_saving_or_pruning_good_checkpoints(tmp_path):
     spec = {"config": _cfg(tmp_path), "n": 64, "nan_step": 5}
     results = _launch.run([WORKER, json.dumps(spec)], world=2, timeout=120)
     for rank, (code, _out, err) in enumerate(results):
@@ -132,7 +132,7 @@ def test_item1_nan_loss_stops_without_saving_or_pruning_good_checkpoints(tmp_pat
 
 
 @pytest.mark.parametrize("assignment", ["optim.grad_clip=nan", "optim.lr=inf", "optim.lr=.nan"])
-def test_item1_non_finite_config_values_refused(assignment):
+def test_non_finite_config_values_refused(assignment):
     from ddp.config import TrainConfig
     from ddp.errors import ConfigError
 
@@ -141,7 +141,7 @@ def test_item1_non_finite_config_values_refused(assignment):
 
 
 # ---- item 2: one live run per checkpoint directory ------------------------------------
-def test_item2_second_run_on_a_live_checkpoint_dir_stops_naming_the_owner(tmp_path):
+def test_second_run_on_a_live_checkpoint_dir_stops_naming_the_owner(tmp_path):
     lock = ckpt.DirLock.acquire(tmp_path / "ckpt")  # this test process is the live owner
     try:
         spec = {"config": _cfg(tmp_path), "n": 32}
@@ -154,7 +154,7 @@ def test_item2_second_run_on_a_live_checkpoint_dir_stops_naming_the_owner(tmp_pa
     assert ckpt.list_checkpoints(tmp_path / "ckpt") == []
 
 
-def test_item2_lock_of_a_dead_run_is_taken_over(tmp_path):
+def test_lock_of_a_dead_run_is_taken_over(tmp_path):
     d = tmp_path / "ckpt"
     d.mkdir()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
@@ -168,7 +168,7 @@ def test_item2_lock_of_a_dead_run_is_taken_over(tmp_path):
 
 
 # ---- item 5: changed hyper-parameters on resume ----------------------------------------
-def test_item5_new_lr_on_resume_applies_and_is_logged(tmp_path):
+def test_new_lr_on_resume_applies_and_is_logged(tmp_path):
     spec = {"config": _cfg(tmp_path, training={"max_steps": 4}), "n": 64}
     [(code, _o, err)] = _launch.run([WORKER, json.dumps(spec)], world=1, timeout=120)
     assert code == 0, err
@@ -200,7 +200,7 @@ def _mount_tmpfs(path: Path, options: str) -> None:
     subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True)
 
 
-def test_item18_read_only_checkpoint_dir_reported_before_training(tmp_path):
+def test_read_only_checkpoint_dir_reported_before_training(tmp_path):
     ro = tmp_path / "ro"
     _mount_tmpfs(ro, "ro,size=1m")
     try:
@@ -212,7 +212,7 @@ def test_item18_read_only_checkpoint_dir_reported_before_training(tmp_path):
     assert "step 1 " not in proc.stdout  # stopped before the first step
 
 
-def test_item18_full_disk_is_one_line_and_keeps_older_checkpoints(tmp_path):
+def test_full_disk_is_one_line_and_keeps_older_checkpoints(tmp_path):
     full = tmp_path / "full"
     _mount_tmpfs(full, "size=200k")
     try:
@@ -225,7 +225,7 @@ def test_item18_full_disk_is_one_line_and_keeps_older_checkpoints(tmp_path):
     assert not [n for n in left if n.endswith(".tmp")], left
 
 
-def test_item18_checkpoint_of_another_model_is_one_line(tmp_path):
+def test_checkpoint_of_another_model_is_one_line(tmp_path):
     assert _python_m_ddp(tmp_path, "checkpoint.dir=ck").returncode == 0
     proc = _python_m_ddp(tmp_path, "checkpoint.dir=ck", "model.d_model=32",
                          "training.max_steps=4")  # fmt: skip
@@ -234,7 +234,7 @@ def test_item18_checkpoint_of_another_model_is_one_line(tmp_path):
     assert len(lines) == 1 and "different model" in lines[0], proc.stderr
 
 
-def test_item5_changed_batch_size_on_resume_stops_with_one_line(tmp_path):
+def test_changed_batch_size_on_resume_stops_with_one_line(tmp_path):
     assert _python_m_ddp(tmp_path, "checkpoint.dir=ck").returncode == 0
     proc = _python_m_ddp(tmp_path, "checkpoint.dir=ck", "training.batch_size=4",
                          "training.max_steps=4")  # fmt: skip

@@ -47,7 +47,7 @@ def _wait_ready(ready: Path, world: int, procs: list[subprocess.Popen], limit: f
 
 
 # ---- item 12: DDP_TIMEOUT and hung ranks ------------------------------------------------
-def test_item12_ddp_timeout_env_is_honoured_by_the_trainer(monkeypatch, tmp_path):
+def test_ddp_timeout_env_is_honoured_by_the_trainer(monkeypatch, tmp_path):
     """The config default no longer hides DDP_TIMEOUT; an explicit key still wins."""
     import ddp
     from ddp.config import TrainConfig
@@ -68,7 +68,7 @@ def test_item12_ddp_timeout_env_is_honoured_by_the_trainer(monkeypatch, tmp_path
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-1", "0"])
-def test_item12_bad_ddp_timeout_is_one_line(value, tmp_path):
+def test_bad_ddp_timeout_is_one_line(value, tmp_path):
     env = _launch.base_env()
     env["DDP_TIMEOUT"] = value
     proc = subprocess.run([sys.executable, "-m", "ddp", "uniref50", "--set",
@@ -78,7 +78,7 @@ def test_item12_bad_ddp_timeout_is_one_line(value, tmp_path):
     assert proc.stderr.strip().count("\n") == 0 and "DDP_TIMEOUT" in proc.stderr, proc.stderr
 
 
-def test_item12_hung_rank_ends_on_sigterm_within_seconds(tmp_path):
+def test_hung_rank_ends_on_sigterm_within_seconds(tmp_path):
     """Rank 1 sleeps in Python at step 3; rank 0 then blocks in the gradient all-reduce
     (native code, where no Python handler can run). SIGTERM to both ends both in
     seconds with their stacks on stderr, not after the 120 s collective timeout."""
@@ -129,7 +129,7 @@ class _Mute:
         self.sock.close()
 
 
-def test_item13_taken_master_port_is_one_line_on_every_rank(tmp_path):
+def test_taken_master_port_is_one_line_on_every_rank(tmp_path):
     mute = _Mute()
     try:
         # Shorten the handshake wait the same way for both ranks (default 60 s).
@@ -156,7 +156,7 @@ def test_item13_taken_master_port_is_one_line_on_every_rank(tmp_path):
 
 
 # ---- item 14: preemption during a long evaluation --------------------------------------
-def test_item14_sigterm_during_evaluation_acts_within_seconds(tmp_path):
+def test_sigterm_during_evaluation_acts_within_seconds(tmp_path):
     """An evaluation of ~30 s per rank is cut short at the next batch; the resumed run
     re-runs that evaluation and ends with the same weights as an uninterrupted run."""
     ready = tmp_path / "ready"
@@ -202,7 +202,7 @@ def _bomb(levels: int = 9) -> str:
 
 
 @pytest.mark.parametrize("section", ["model", "recipe"])
-def test_item15_config_alias_bomb_refused_in_well_under_a_second(section, tmp_path):
+def test_config_alias_bomb_refused_in_well_under_a_second(section, tmp_path):
     from ddp.config import TrainConfig
     from ddp.errors import ConfigError
 
@@ -214,7 +214,7 @@ def test_item15_config_alias_bomb_refused_in_well_under_a_second(section, tmp_pa
     assert time.monotonic() - t0 < 1.0
 
 
-def test_item6_config_duplicate_key_refused_naming_both_lines(tmp_path):
+def test_config_duplicate_key_refused_naming_both_lines(tmp_path):
     from ddp.config import TrainConfig
     from ddp.errors import ConfigError
 
@@ -224,7 +224,7 @@ def test_item6_config_duplicate_key_refused_naming_both_lines(tmp_path):
         TrainConfig.from_yaml(path)
 
 
-def test_item6_yaml_merge_keys_still_work(tmp_path):
+def test_yaml_merge_keys_still_work(tmp_path):
     from ddp import yaml_io
 
     data = yaml_io.loads("base: &b {x: 1, y: 2}\nd:\n  <<: *b\n  y: 3\n")
@@ -241,7 +241,7 @@ def test_item6_yaml_merge_keys_still_work(tmp_path):
         ("bomb", _bomb().encode(), "aliases are expanded"),
     ],
 )
-def test_item18_bad_config_file_is_one_line_exit_2(case, content, expected, tmp_path):
+def test_bad_config_file_is_one_line_exit_2(case, content, expected, tmp_path):
     path = tmp_path / "cfg.yaml"
     if content is None:
         path.mkdir()
@@ -268,7 +268,7 @@ def test_item18_bad_config_file_is_one_line_exit_2(case, content, expected, tmp_
         ("model.dropout=1.5", "a probability"),
     ],
 )
-def test_item18_recipe_model_values_out_of_range_are_one_line(assignment, expected, tmp_path):
+def test_recipe_model_values_out_of_range_are_one_line(assignment, expected, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "ddp", "uniref50", "--config",
          str(Path(__file__).resolve().parents[2] / "configs" / "uniref50-tiny.yaml"), "--set", "training.max_steps=1", assignment],
@@ -280,7 +280,7 @@ def test_item18_recipe_model_values_out_of_range_are_one_line(assignment, expect
 
 
 # ---- item 16: no Gloo worker frees a tensor while Python finalizes -----------------------
-def test_item16_shutdown_and_exit_wait_until_gloo_workers_are_idle(monkeypatch):
+def test_shutdown_and_exit_wait_until_gloo_workers_are_idle(monkeypatch):
     """The shared cause of the "terminate called without an active exception" aborts
     (core dump of the 2-node srun test): a Gloo worker, still alive after
     destroy_process_group, freed a collective's tensor during interpreter finalization.
@@ -305,7 +305,7 @@ def test_item16_shutdown_and_exit_wait_until_gloo_workers_are_idle(monkeypatch):
         assert len(calls) == 5  # three busy looks, then two quiet ones in a row
 
 
-def test_item16_gloo_worker_threads_are_visible_by_name(tmp_path):
+def test_gloo_worker_threads_are_visible_by_name(tmp_path):
     """The wait finds Gloo's workers by their thread names in /proc; if a torch release
     renamed them the wait would silently do nothing, so this guards the names."""
     code = (

@@ -18,7 +18,7 @@ from tests.hpc.test_cli import _no_account_env, _one_error_line  # noqa: F401 - 
 
 
 # ---- item 3: cancel never signals a recycled pid --------------------------------------
-def test_item3_cancel_of_a_finished_local_run_signals_nobody(tmp_path, monkeypatch, capsys):
+def test_cancel_of_a_finished_local_run_signals_nobody(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["run", "--runs-dir", "runs", "--", "true"]) == 0
     (run,) = (tmp_path / "runs").iterdir()
@@ -39,7 +39,7 @@ def test_item3_cancel_of_a_finished_local_run_signals_nobody(tmp_path, monkeypat
 
 
 # ---- item 4: --resume keeps logs, names and history -----------------------------------
-def test_item4_resume_keeps_the_earlier_log(tmp_path, monkeypatch, capfd):
+def test_resume_keeps_the_earlier_log(tmp_path, monkeypatch, capfd):
     monkeypatch.chdir(tmp_path)
     assert main(["run", "--runs-dir", "runs", "--", "echo", "first"]) == 0
     (run,) = (tmp_path / "runs").iterdir()
@@ -48,7 +48,7 @@ def test_item4_resume_keeps_the_earlier_log(tmp_path, monkeypatch, capfd):
     assert (run / "output-2.log").read_text() == "second\n"
 
 
-def test_item4_concurrent_resumes_lose_no_submission(tmp_path, monkeypatch, fake_bin):
+def test_concurrent_resumes_lose_no_submission(tmp_path, monkeypatch, fake_bin):
     counter = tmp_path / "n"
     counter.write_text("0")
     fake_bin("sbatch", f'flock {counter} bash -c \'n=$(( $(cat {counter}) + 1 )); echo $n > {counter}; '
@@ -75,7 +75,7 @@ def test_item4_concurrent_resumes_lose_no_submission(tmp_path, monkeypatch, fake
 
 
 # ---- item 8: '%' in the runs directory on SLURM ---------------------------------------
-def test_item8_percent_in_runs_dir_refused_on_slurm_before_writing(tmp_path, monkeypatch,
+def test_percent_in_runs_dir_refused_on_slurm_before_writing(tmp_path, monkeypatch,
                                                                  capsys, fake_bin):  # fmt: skip
     fake_bin("sbatch", "echo 'Submitted batch job 5'")
     monkeypatch.chdir(tmp_path)
@@ -85,7 +85,7 @@ def test_item8_percent_in_runs_dir_refused_on_slurm_before_writing(tmp_path, mon
 
 
 # ---- item 11 and 18: render -o is atomic and never follows a planted link ---------------
-def test_item11_render_output_never_follows_a_planted_symlink(tmp_path, capsys):
+def test_render_output_never_follows_a_planted_symlink(tmp_path, capsys):
     victim = tmp_path / "victim"
     victim.write_text("precious\n")
     out = tmp_path / "job.sh"
@@ -97,7 +97,7 @@ def test_item11_render_output_never_follows_a_planted_symlink(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("case", ["directory", "read_only"])
-def test_item18_render_output_errors_are_one_line_and_leave_nothing(case, tmp_path, capsys):
+def test_render_output_errors_are_one_line_and_leave_nothing(case, tmp_path, capsys):
     if case == "directory":
         target = tmp_path / "adir"
         target.mkdir()
@@ -126,26 +126,26 @@ def test_item18_render_output_errors_are_one_line_and_leave_nothing(case, tmp_pa
         (b"cluster: slurm\nwalltime: 1:00\ncommand: [true]\n", "not a walltime"),
     ],
 )
-def test_item18_bad_spec_files_are_one_line(content, expected, tmp_path, capsys):
+def test_bad_spec_files_are_one_line(content, expected, tmp_path, capsys):
     spec = tmp_path / "s.yaml"
     spec.write_bytes(content)
     assert main(["render", str(spec)]) == 2
     assert expected in _one_error_line(capsys)
 
 
-def test_item18_spec_that_is_a_directory_is_one_line(tmp_path, capsys):
+def test_spec_that_is_a_directory_is_one_line(tmp_path, capsys):
     assert main(["render", str(tmp_path)]) == 2
     assert "is a directory" in _one_error_line(capsys)
 
 
 # ---- item 17: status and cancel say what they mean --------------------------------------
 @pytest.mark.parametrize("ident", ["", "  ", "1,2", "1 2"])
-def test_item17_status_refuses_empty_or_several_ids(ident, tmp_path, capsys):
+def test_status_refuses_empty_or_several_ids(ident, tmp_path, capsys):
     assert main(["status", ident, "--runs-dir", str(tmp_path)]) == 2
     assert "allowed: one run directory" in _one_error_line(capsys)
 
 
-def test_item17_cancel_of_an_unknown_job_reports_the_refusal(fake_bin, tmp_path, capsys):
+def test_cancel_of_an_unknown_job_reports_the_refusal(fake_bin, tmp_path, capsys):
     # What SLURM 22.05's scancel does: the error on stderr, exit status 0.
     fake_bin("squeue", "exit 0")
     fake_bin("scancel", "echo 'scancel: error: Kill job error on job id 99999999: "
@@ -155,7 +155,7 @@ def test_item17_cancel_of_an_unknown_job_reports_the_refusal(fake_bin, tmp_path,
 
 
 @pytest.mark.parametrize("content", ["not json", "[1, 2]", '{"scheduler": 5}'])
-def test_item17_damaged_run_record_is_one_line(content, tmp_path, capsys):
+def test_damaged_run_record_is_one_line(content, tmp_path, capsys):
     run = tmp_path / "r1"
     run.mkdir()
     (run / "run.json").write_text(content)
@@ -163,7 +163,7 @@ def test_item17_damaged_run_record_is_one_line(content, tmp_path, capsys):
     assert "run.json" in _one_error_line(capsys)
 
 
-def test_item17_status_and_cancel_work_while_hpc_run_runs(tmp_path, monkeypatch):
+def test_status_and_cancel_work_while_hpc_run_runs(tmp_path, monkeypatch):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
     proc = subprocess.Popen([sys.executable, "-m", "hpc", "run", "--runs-dir", "runs", "--",
                              "sleep", "60"], env=env, cwd=tmp_path,
@@ -192,7 +192,7 @@ def test_item17_status_and_cancel_work_while_hpc_run_runs(tmp_path, monkeypatch)
         proc.wait()
 
 
-def test_item3_hpc_run_passes_sigterm_on_to_the_whole_job(tmp_path):
+def test_hpc_run_passes_sigterm_on_to_the_whole_job(tmp_path):
     """The local job has its own session (so cancel reaches all of it); a signal to
     `hpc run` itself is passed on, and the exit is 128+N as a shell reports it."""
     import signal

@@ -194,7 +194,7 @@ def test_trailing_newlines_never_pass_a_check() -> None:
             JobSpec.from_mapping({**data, "command": CMD})
 
 
-def test_item7_a_same_size_edit_in_the_same_second_is_read(tmp_path: Path) -> None:
+def test_a_same_size_edit_in_the_same_second_is_read(tmp_path: Path) -> None:
     """No stat-keyed cache can serve the old spec (mtime ticks are 1 s on NFS/Lustre)."""
     from hpc._util import load_yaml
 
@@ -209,7 +209,7 @@ def test_item7_a_same_size_edit_in_the_same_second_is_read(tmp_path: Path) -> No
 
 
 
-def test_item6_unquoted_walltime_is_read_as_written_or_refused(tmp_path: Path) -> None:
+def test_unquoted_walltime_is_read_as_written_or_refused(tmp_path: Path) -> None:
     from hpc._util import load_yaml
 
     path = tmp_path / "s.yaml"
@@ -221,7 +221,7 @@ def test_item6_unquoted_walltime_is_read_as_written_or_refused(tmp_path: Path) -
         parse_walltime(data["other"])  # one hour to a person, one minute to SLURM and PBS
 
 
-def test_item6_duplicate_key_in_a_spec_is_refused(tmp_path: Path) -> None:
+def test_duplicate_key_in_a_spec_is_refused(tmp_path: Path) -> None:
     from hpc._util import load_yaml
 
     path = tmp_path / "s.yaml"
@@ -230,7 +230,7 @@ def test_item6_duplicate_key_in_a_spec_is_refused(tmp_path: Path) -> None:
         load_yaml(path, "spec")
 
 
-def test_item15_alias_bomb_in_a_spec_fails_fast(tmp_path: Path) -> None:
+def test_alias_bomb_in_a_spec_fails_fast(tmp_path: Path) -> None:
     import time
 
     from hpc._util import load_yaml
