@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def model(dim: int):  # noqa: ANN201
+def model(dim: int):
     import torch
     from torch import nn
 
@@ -50,7 +50,7 @@ def model(dim: int):  # noqa: ANN201
                 nn.Sequential(nn.Linear(dim, dim), nn.GELU()) for _ in range(8)
             )
 
-        def forward(self, x):  # noqa: ANN001, ANN202
+        def forward(self, x):
             for layer in self.layers:
                 x = layer(x)
             return x
@@ -59,8 +59,8 @@ def model(dim: int):  # noqa: ANN201
     return Stack()
 
 
-def held_bytes(net, opt) -> int:  # noqa: ANN001
-    def local(t):  # noqa: ANN001, ANN202
+def held_bytes(net, opt) -> int:
+    def local(t):
         return t.to_local() if hasattr(t, "to_local") else t
 
     total = 0
@@ -95,7 +95,7 @@ def run(strategy: str, dim: int, steps: int, batch: int = 32) -> tuple[float, in
     return elapsed, held_bytes(net, opt)
 
 
-def save_full(net, opt, path: Path) -> None:  # noqa: ANN001
+def save_full(net, opt, path: Path) -> None:
     """The alternative to a sharded save: gather the full model and optimizer state and
     ``torch.save`` it from rank 0 (every rank takes part in the gathers)."""
     import torch

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scale_dist import fit_power  # noqa: E402 - the fit the dist benchmark reports
+from scale_dist import fit_power
 
 HERE = Path(__file__).resolve().parent
 

@@ -75,39 +75,39 @@ def _counting_store() -> Any:
             self.inner = inner
             self.calls: collections.Counter[str] = collections.Counter()
 
-        def set(self, key, value):  # noqa: ANN001, ANN202
+        def set(self, key, value):
             self.calls["set"] += 1
             return self.inner.set(key, value)
 
-        def get(self, key):  # noqa: ANN001, ANN202
+        def get(self, key):
             self.calls["get"] += 1
             return self.inner.get(key)
 
-        def add(self, key, value):  # noqa: ANN001, ANN202
+        def add(self, key, value):
             self.calls["add"] += 1
             return self.inner.add(key, value)
 
-        def compare_set(self, key, expected, desired):  # noqa: ANN001, ANN202
+        def compare_set(self, key, expected, desired):
             self.calls["compare_set"] += 1
             return self.inner.compare_set(key, expected, desired)
 
-        def wait(self, keys, timeout=None):  # noqa: ANN001, ANN202
+        def wait(self, keys, timeout=None):
             self.calls["wait"] += 1
             return self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
 
-        def check(self, keys):  # noqa: ANN001, ANN202
+        def check(self, keys):
             self.calls["check"] += 1
             return self.inner.check(keys)
 
-        def delete_key(self, key):  # noqa: ANN001, ANN202
+        def delete_key(self, key):
             self.calls["delete_key"] += 1
             return self.inner.delete_key(key)
 
-        def num_keys(self):  # noqa: ANN202
+        def num_keys(self):
             self.calls["num_keys"] += 1
             return self.inner.num_keys()
 
-        def set_timeout(self, timeout):  # noqa: ANN001, ANN202
+        def set_timeout(self, timeout):
             return self.inner.set_timeout(timeout)
 
         def total(self) -> int:
@@ -116,7 +116,7 @@ def _counting_store() -> Any:
     return Counting
 
 
-def Counting(inner: Any) -> Any:  # noqa: N802 - a class made on first use (torch import)
+def Counting(inner: Any) -> Any:
     """The job's store ``inner``, counting each request made through it (``.total()``)."""
     return _counting_store()(inner)
 

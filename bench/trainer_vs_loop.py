@@ -57,7 +57,7 @@ LABELS = {
 }
 
 
-def mlp():  # noqa: ANN201
+def mlp():
     import torch
     from torch import nn
 
@@ -67,7 +67,7 @@ def mlp():  # noqa: ANN201
     )
 
 
-def hand_loop(data, epochs: int, ckpt_dir: str | None = None) -> float:  # noqa: ANN001
+def hand_loop(data, epochs: int, ckpt_dir: str | None = None) -> float:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -96,7 +96,7 @@ def hand_loop(data, epochs: int, ckpt_dir: str | None = None) -> float:  # noqa:
     return time.perf_counter() - t0
 
 
-def trainer_run(data, epochs: int, signals: list[str], ckpt_dir: str | None) -> float:  # noqa: ANN001
+def trainer_run(data, epochs: int, signals: list[str], ckpt_dir: str | None) -> float:
     import torch
     import torch.distributed as dist
 
@@ -112,7 +112,7 @@ def trainer_run(data, epochs: int, signals: list[str], ckpt_dir: str | None) -> 
     })  # fmt: skip
     assert cfg.logging.every_n_steps == base.logging.every_n_steps
 
-    def step(model, batch):  # noqa: ANN001, ANN202
+    def step(model, batch):
         x, y = batch
         return torch.nn.functional.cross_entropy(model(x), y)
 
@@ -123,7 +123,7 @@ def trainer_run(data, epochs: int, signals: list[str], ckpt_dir: str | None) -> 
     return time.perf_counter() - t0
 
 
-def fabric_run(data, epochs: int) -> float:  # noqa: ANN001
+def fabric_run(data, epochs: int) -> float:
     """Lightning Fabric on processes launched outside it (as torchrun/srun would).
 
     TorchElasticEnvironment is passed explicitly (auto-detection needs TORCHELASTIC_RUN_ID,
@@ -164,7 +164,7 @@ def fabric_run(data, epochs: int) -> float:  # noqa: ANN001
     return time.perf_counter() - t0
 
 
-def accelerate_run(data, epochs: int) -> float:  # noqa: ANN001
+def accelerate_run(data, epochs: int) -> float:
     """HF Accelerate, Accelerator(cpu=True): WORLD_SIZE > 1 selects MULTI_CPU and the
     existing Gloo group is reused. prepare() shards the shuffled loader with its own
     BatchSamplerShard (one RNG synchronised across ranks, disjoint batches of 64 per rank,
@@ -196,7 +196,7 @@ def accelerate_run(data, epochs: int) -> float:  # noqa: ANN001
     return time.perf_counter() - t0
 
 
-def run_arm(arm: str, data, epochs: int) -> float:  # noqa: ANN001
+def run_arm(arm: str, data, epochs: int) -> float:
     import tempfile
 
     import torch.distributed as dist
@@ -295,7 +295,7 @@ class TinyLM:  # namespace only; the module class is built lazily (torch imports
     parameters, 8192 tokens per step at batch 32, about 2.5 TFLOP per step."""
 
     @staticmethod
-    def build():  # noqa: ANN205
+    def build():
         import torch
         from torch import nn
 
@@ -320,11 +320,11 @@ class TinyLM:  # namespace only; the module class is built lazily (torch imports
         return Model()
 
 
-def make_model(kind: str):  # noqa: ANN201
+def make_model(kind: str):
     return mlp() if kind == "mlp" else TinyLM.build()
 
 
-def loss_fn(model, batch, kind: str):  # noqa: ANN001, ANN201
+def loss_fn(model, batch, kind: str):
     """The same loss for every arm: cross-entropy over classes (mlp) or next tokens (lm)."""
     import torch
 
@@ -342,7 +342,7 @@ class Clock:
     none in between), so the interval holds exactly ``steps`` whole steps of host and
     device work, each tool's own data movement and bookkeeping included."""
 
-    def __init__(self, device, warmup: int, steps: int) -> None:  # noqa: ANN001
+    def __init__(self, device, warmup: int, steps: int) -> None:
         import torch
 
         self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -375,7 +375,7 @@ class Clock:
         return statistics.median(b - a for a, b in zip(self.stamps, self.stamps[1:], strict=False))
 
 
-def single_loop(data, kind: str, batch: int, amp: bool, clock: Clock, dev) -> None:  # noqa: ANN001
+def single_loop(data, kind: str, batch: int, amp: bool, clock: Clock, dev) -> None:
     """The hand-written loop as nanoGPT writes it: non_blocking copies (from pageable
     memory they need no pinning and spare the host a wait for the device each step)."""
     import contextlib
@@ -397,7 +397,7 @@ def single_loop(data, kind: str, batch: int, amp: bool, clock: Clock, dev) -> No
         opt.step()
 
 
-def single_trainer(data, kind: str, batch: int, amp: bool, clock: Clock, signals: bool) -> None:  # noqa: ANN001
+def single_trainer(data, kind: str, batch: int, amp: bool, clock: Clock, signals: bool) -> None:
     from ddp.config import TrainConfig
     from ddp.trainer import Trainer
 
@@ -409,14 +409,14 @@ def single_trainer(data, kind: str, batch: int, amp: bool, clock: Clock, signals
         "precision": "bf16" if amp else "fp32",
     })  # fmt: skip
 
-    def step(model, b):  # noqa: ANN001, ANN202
+    def step(model, b):
         clock.tick()
         return loss_fn(model, b, kind)
 
     Trainer(make_model(kind), data, cfg, step).fit()
 
 
-def single_fabric(data, kind: str, batch: int, amp: bool, clock: Clock, dev) -> None:  # noqa: ANN001
+def single_fabric(data, kind: str, batch: int, amp: bool, clock: Clock, dev) -> None:
     """Fabric's single-device strategy; setup_dataloaders moves batches (non_blocking on
     CUDA) and, with bf16-mixed, forward runs under autocast."""
     import torch
@@ -439,7 +439,7 @@ def single_fabric(data, kind: str, batch: int, amp: bool, clock: Clock, dev) -> 
         opt.step()
 
 
-def single_accelerate(data, kind: str, batch: int, amp: bool, clock: Clock, dev) -> None:  # noqa: ANN001
+def single_accelerate(data, kind: str, batch: int, amp: bool, clock: Clock, dev) -> None:
     """Accelerate as ``python train.py`` on one GPU: prepare() moves batches (blocking
     copies: its DataLoaderConfiguration(non_blocking=False) default) and wraps forward
     in autocast for mixed_precision="bf16". Its state is a process-wide singleton, reset
@@ -464,7 +464,7 @@ def single_accelerate(data, kind: str, batch: int, amp: bool, clock: Clock, dev)
     acc.free_memory()  # it keeps references to what it prepared
 
 
-def single_arm(arm: str, data, kind: str, batch: int, clock: Clock, dev) -> None:  # noqa: ANN001
+def single_arm(arm: str, data, kind: str, batch: int, clock: Clock, dev) -> None:
     amp_on = arm.endswith("_bf16")
     base = arm.removesuffix("_bf16")
     if base == "loop":
@@ -479,7 +479,7 @@ def single_arm(arm: str, data, kind: str, batch: int, clock: Clock, dev) -> None
         raise ValueError(arm)
 
 
-def single_data(kind: str, n: int):  # noqa: ANN201
+def single_data(kind: str, n: int):
     import torch
 
     g = torch.Generator().manual_seed(0)
@@ -492,7 +492,7 @@ def single_data(kind: str, n: int):  # noqa: ANN201
     )
 
 
-def profile_steps(arm: str, data, kind: str, batch: int, dev, steps: int = 20) -> str:  # noqa: ANN001
+def profile_steps(arm: str, data, kind: str, batch: int, dev, steps: int = 20) -> str:
     """torch.profiler over ``steps`` steady-state steps of one arm: the host calls that
     make the host wait (stream/device synchronisation, blocking copies, scalar reads),
     counted per step, and the ten largest self-CPU-time entries."""

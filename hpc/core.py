@@ -342,7 +342,7 @@ def _submit_chain(scheduler: Scheduler, count: int, script: str, run_dir: Path,
             for job_id in reversed(ids):
                 try:
                     scheduler.cancel(job_id)
-                except Exception:  # noqa: BLE001 - said in the one line below
+                except Exception:
                     undone.append(job_id)
             note = f"; could not cancel {', '.join(undone)}" if undone else ""
             message = (f"--chain: segment {k} of {count} was refused ({exc}); cancelled the "

@@ -61,7 +61,7 @@ def _script(tmp: Path, directives: list[str], spec_path: str) -> Path:
     return path
 
 
-def _show(cluster, job: str) -> dict[str, str]:  # noqa: ANN001
+def _show(cluster, job: str) -> dict[str, str]:
     out = cluster.run("scontrol", "show", "job", "-o", job, check=False).stdout
     return dict(w.split("=", 1) for w in out.split() if "=" in w)
 
@@ -74,7 +74,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _drive(cluster, job: str, done, what: str, log) -> None:  # noqa: ANN001
+def _drive(cluster, job: str, done, what: str, log) -> None:
     """Wait for ``done()``, releasing ``job`` from the BeginTime a requeue gives it
     (~2 min on this cluster) whenever it is PENDING."""
     def check() -> bool:

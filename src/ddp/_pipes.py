@@ -90,7 +90,7 @@ class OutputHandler(logging.StreamHandler):  # type: ignore[type-arg]
     ``hpc run`` keeps a job going when its own stdout goes away.
     """
 
-    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+    def handleError(self, record: logging.LogRecord) -> None:
         if reader_gone(self.stream):
             detach(self.stream)  # later records and the buffered rest go nowhere, quietly
             return

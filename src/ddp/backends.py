@@ -58,7 +58,7 @@ def _torch():
 def _try_import(name: str) -> bool:
     try:
         importlib.import_module(name)
-    except Exception:  # noqa: BLE001 - any failure means "not usable here"
+    except Exception:
         return False
     return True
 

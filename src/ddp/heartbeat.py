@@ -133,7 +133,7 @@ def install_stack_dump(rank: int, folder: Path | None = None) -> Path | None:
         folder.mkdir(parents=True, exist_ok=True)
         if _STACK_FILE is not None:
             _STACK_FILE.close()
-        _STACK_FILE = open(path, "w")  # noqa: SIM115  # must outlive this call
+        _STACK_FILE = open(path, "w")  # must outlive this call
         faulthandler.register(stack_signal(), file=_STACK_FILE, all_threads=True, chain=False)
     except (OSError, ValueError, RuntimeError) as exc:
         log.warning("stack dumps off: %s (%s)", path, exc)

@@ -57,7 +57,7 @@ class MetricsFile:
             from ddp.checkpoint import atomic_write_text
 
             atomic_write_text("".join(k + "\n" for k in kept), path)
-        self._fh = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        self._fh = open(path, "a", encoding="utf-8")
 
     def write(self, kind: str, step: int, epoch: int | None, metrics: dict[str, float]) -> None:
         rec = {"kind": kind, "step": step, "epoch": epoch, "time": round(time.time(), 3)}
@@ -219,7 +219,7 @@ def open_wandb(config: TrainConfig, info: dict[str, float] | None = None) -> Any
         return wandb.init(project=w.project, name=wandb_name(config), mode=w.mode,
                           config={**config.to_dict(), **(info or {})},
                           settings=wandb.Settings(init_timeout=w.init_timeout))  # fmt: skip
-    except Exception as exc:  # noqa: BLE001 - any failure: train on without W&B
+    except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         log.warning("logging.wandb: wandb.init failed (%s); training goes on without W&B "
                     "(logging.wandb.init_timeout is %gs)", first, w.init_timeout)  # fmt: skip

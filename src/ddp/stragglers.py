@@ -54,7 +54,7 @@ class Stragglers:
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        self._fh = open(self.path, "a", encoding="utf-8")
         self._write({"kind": "hosts", "hosts": self.hosts})
 
     def _write(self, rec: dict[str, Any]) -> None:

@@ -241,7 +241,7 @@ class Attempt:
 
     def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path) -> None:
         self.lines: list[str] = []
-        self.log = open(log_path, "w")  # noqa: SIM115  # closed by the reader thread
+        self.log = open(log_path, "w")  # closed by the reader thread
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, errors="replace",
                                      start_new_session=True)  # fmt: skip

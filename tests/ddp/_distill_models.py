@@ -24,7 +24,7 @@ def corpus(n: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9))) for _ in range(n)]
 
 
-def _tokenizer(lines: list[str]):  # noqa: ANN202
+def _tokenizer(lines: list[str]):
     from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
     from tokenizers.models import WordPiece
     from transformers import PreTrainedTokenizerFast

@@ -28,14 +28,14 @@ def main() -> None:
     boxes: list[Any] = []
     real_store = ddp.dist.rendezvous_store
 
-    def counted_store(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def counted_store(*args, **kwargs):
         boxes.append(Counting(real_store(*args, **kwargs)))
         return boxes[-1]
 
     marks: dict[str, int] = {}
     real_init = tdist.init_process_group
 
-    def init_pg(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def init_pg(*args, **kwargs):
         real_init(*args, **kwargs)
         marks["sockets"] = sockets()
         marks["requests"] = boxes[0].total()

@@ -47,7 +47,7 @@ def main() -> None:
 
     parts.GlobalOrderSampler.set_epoch = set_epoch  # type: ignore[method-assign]
     rank = int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0")  # srun: no RANK
-    log = open(os.path.join(spec["log_dir"], f"{rank}.txt"), "a")  # noqa: SIM115
+    log = open(os.path.join(spec["log_dir"], f"{rank}.txt"), "a")
 
     hold = spec.get("hold")  # issue 30: {"rank", "step", "dir"}: wait there for the test
     trainer: Trainer

@@ -41,7 +41,7 @@ class Reads(TorchDispatchMode):
 
         self.where.append(what + " " + "".join(traceback.format_stack(limit=6)[:-2]))
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:
             self.note(args[0], "item/bool/float/int")
         return func(*args, **(kwargs or {}))
@@ -57,8 +57,8 @@ def main() -> None:
     state: dict = {"mode": None}
     originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy", "cpu")}
 
-    def patched(name: str):  # noqa: ANN202
-        def read(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def patched(name: str):
+        def read(self, *a, **k):
             mode = state["mode"]
             if mode is not None:
                 mode.note(self, name)

@@ -104,7 +104,7 @@ def _fail_shard_writes(rank: int) -> None:
 
     original = FileSystemWriter.write_data
 
-    def write_data(self, plan, planner):  # noqa: ANN001, ANN202
+    def write_data(self, plan, planner):
         import ddp
 
         if ddp.get_context().rank == rank:

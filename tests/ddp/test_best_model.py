@@ -41,7 +41,7 @@ def _evals(ck: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["eval_loss"]) for r in recs if r["kind"] == "eval"]
 
 
-def _improvements(evals: list[tuple[int, float]], better) -> list[int]:  # noqa: ANN001
+def _improvements(evals: list[tuple[int, float]], better) -> list[int]:
     best, steps = math.nan, []
     for step, value in evals:
         if math.isnan(best) or better(value, best):

@@ -179,7 +179,7 @@ def test_a_lock_path_that_is_not_a_file_is_one_line(tmp_path: Path, kind: str) -
         try:
             ckpt.DirLock.acquire(d)
             box.append(None)
-        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+        except BaseException as exc:
             box.append(exc)
 
     t = threading.Thread(target=attempt, daemon=True)
@@ -301,7 +301,7 @@ def test_release_leaves_a_lock_that_another_run_took(tmp_path: Path) -> None:
 
 
 # ---- one rank's checkpoints, written by the Checkpointer itself ---------------------------
-def _checkpointer(ck: Path, strategy: str = "ddp", width: int = 16, background: bool = True):  # noqa: ANN202
+def _checkpointer(ck: Path, strategy: str = "ddp", width: int = 16, background: bool = True):
     """A Checkpointer on one rank (no process group), its loop state and model."""
     from torch import nn
 
@@ -321,13 +321,13 @@ def _checkpointer(ck: Path, strategy: str = "ddp", width: int = 16, background: 
     return Checkpointer(cfg, ctx, background), loop, model
 
 
-def _loop(opt: torch.optim.Optimizer, sched: object):  # noqa: ANN202
+def _loop(opt: torch.optim.Optimizer, sched: object):
     from ddp.checkpointer import LoopState
 
     return LoopState(0, 0, 3, 10, 0, opt, sched, None)
 
 
-def _resume(cp, model) -> dict:  # noqa: ANN001
+def _resume(cp, model) -> dict:
     """What a resumed run does with ``cp``'s checkpoint: find, check and restore it all."""
     state = cp.load()
     assert state is not None
@@ -350,7 +350,7 @@ def test_a_resume_with_another_model_shape_is_one_line(tmp_path: Path, strategy:
     assert "'0.weight' is (16, 8) in the checkpoint and (32, 8) in this model" in line, line
 
 
-def _rewrite(path: Path, change) -> None:  # noqa: ANN001
+def _rewrite(path: Path, change) -> None:
     """Load a checkpoint file, ``change`` its dict, write it back with a matching digest
     (a crafted file, or one damaged before its digest was taken)."""
     import hashlib
@@ -392,7 +392,7 @@ def _saved(checkpoint: Path) -> dict:
                       weights_only=True)  # fmt: skip
 
 
-def _set(key: str, value: object):  # noqa: ANN202
+def _set(key: str, value: object):
     """A change that sets ``a/b/0/c`` (a digit indexes a list, or a dict with int keys)."""
 
     def index(node: object, part: str) -> object:
@@ -481,7 +481,7 @@ def test_a_sharded_checkpoint_whose_shards_are_not_a_mapping_is_one_line(tmp_pat
     _one_line(exc)
 
 
-def _bounded(fn):  # noqa: ANN001, ANN202
+def _bounded(fn):
     """Run ``fn`` in a thread; (finished, its result or exception). A pipe opened for
     reading waits for a writer: the bound is against that hang only."""
     box: list = []
@@ -489,7 +489,7 @@ def _bounded(fn):  # noqa: ANN001, ANN202
     def run() -> None:
         try:
             box.append(fn())
-        except BaseException as exc:  # noqa: BLE001 - returned to the test
+        except BaseException as exc:
             box.append(exc)
 
     t = threading.Thread(target=run, daemon=True)
@@ -522,7 +522,7 @@ def test_a_named_pipe_in_a_checkpoint_directory_never_hangs(tmp_path: Path, whic
 
 
 # ---- a full disk during a save: one line, the previous checkpoint intact and latest ------
-def _full_disk_save(tmp_path: Path, strategy: str, fill) -> tuple[Path, object]:  # noqa: ANN001
+def _full_disk_save(tmp_path: Path, strategy: str, fill) -> tuple[Path, object]:
     """Save step 2 on a small tmpfs, ``fill`` it, save step 4 in the background: the
     checkpoint directory and what the second save raised (from save() or wait())."""
     full = tmp_path / "full"
@@ -535,7 +535,7 @@ def _full_disk_save(tmp_path: Path, strategy: str, fill) -> tuple[Path, object]:
     try:
         cp.save(loop, model, 4, (0, 4))
         cp.wait()
-    except Exception as exc:  # noqa: BLE001 - the test inspects it
+    except Exception as exc:
         return ck, exc
     return ck, None
 

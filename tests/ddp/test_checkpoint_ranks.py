@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = "tests/ddp/_train_worker.py"
 
 
-def _two_saves(ck: Path, strategy: str, world: int = 1):  # noqa: ANN202
+def _two_saves(ck: Path, strategy: str, world: int = 1):
     """Steps 2 and 3 saved (step 3 the newest); the draws the RNG gives after step 3."""
     cp, loop, model = _checkpointer(ck, strategy, background=False)
     if world != 1:
@@ -109,7 +109,7 @@ def test_a_resume_reads_only_its_own_rank_file_whatever_the_world_size(
 
 
 # ---- a crafted, damaged or missing rank file -------------------------------------------------
-def _rewrite_rank(path: Path, change) -> None:  # noqa: ANN001
+def _rewrite_rank(path: Path, change) -> None:
     """Change a rank file's contents and give it a matching digest line (crafted)."""
     head, _, payload = path.read_bytes().partition(b"\n")
     obj = torch.load(io.BytesIO(payload), weights_only=True)
@@ -122,7 +122,7 @@ def _rewrite_rank(path: Path, change) -> None:  # noqa: ANN001
 
 
 class _Evil:
-    def __reduce__(self):  # noqa: ANN204
+    def __reduce__(self):
         return (os.system, ("touch /tmp/ddp-rank-file-ran-code",))
 
 
@@ -140,7 +140,7 @@ def _flip(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def _replace_with(kind: str):  # noqa: ANN202
+def _replace_with(kind: str):
     def change(path: Path) -> None:
         other = path.parent.parent / "step_000000002.ranks" / path.name
         path.unlink()

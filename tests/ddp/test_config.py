@@ -257,7 +257,7 @@ def test_no_integer_key_takes_a_number_beyond_64_bits(key: str) -> None:
         assert key in str(exc.value)
 
 
-def test_the_collective_timeout_is_bounded_however_it_is_given(monkeypatch) -> None:  # noqa: ANN001
+def test_the_collective_timeout_is_bounded_however_it_is_given(monkeypatch) -> None:
     from datetime import timedelta
 
     from ddp.dist import _timeout

@@ -76,7 +76,7 @@ def mirror() -> Iterator[tuple[Mirror, str]]:
         def log_message(self, *args: object) -> None:
             pass
 
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        def do_GET(self) -> None:
             path = self.path.split("?")[0]
             state.requests.append((path, self.headers.get("Range")))
             name = path.rsplit("/", 1)[-1]

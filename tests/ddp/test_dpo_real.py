@@ -20,10 +20,10 @@ import pytest
 pytest.importorskip("transformers")  # the test extra installs it (setup.cfg)
 pytest.importorskip("Bio")
 
-import torch  # noqa: E402
+import torch
 
-from tests.ddp import _launch  # noqa: E402
-from tests.ddp.dpo_fixtures import make_tiny_lm, write_pairs, write_pdb  # noqa: E402
+from tests.ddp import _launch
+from tests.ddp.dpo_fixtures import make_tiny_lm, write_pairs, write_pdb
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # never download; subprocesses inherit it
 

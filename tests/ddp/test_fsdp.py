@@ -177,7 +177,7 @@ def test_a_failed_shard_write_on_one_rank_stops_every_rank_with_one_line(tmp_pat
 # ---- units --------------------------------------------------------------------------------
 
 
-def _one_rank_checkpointer(ck: Path, background: bool = True):  # noqa: ANN202
+def _one_rank_checkpointer(ck: Path, background: bool = True):
     """A Checkpointer for strategy fsdp on one rank (no process group), its loop and model."""
     from ddp.checkpointer import Checkpointer, LoopState
     from ddp.config import TrainConfig
@@ -194,7 +194,7 @@ def _one_rank_checkpointer(ck: Path, background: bool = True):  # noqa: ANN202
     return Checkpointer(cfg, ctx, background), loop, model
 
 
-def _hold_shard_writes(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN202
+def _hold_shard_writes(monkeypatch: pytest.MonkeyPatch):
     """DCP's writer waits for the returned event before it writes (entered: it started)."""
     import threading
 
@@ -203,7 +203,7 @@ def _hold_shard_writes(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN202
     gate, entered = threading.Event(), threading.Event()
     original = FileSystemWriter.write_data
 
-    def held(self, plan, planner):  # noqa: ANN001, ANN202
+    def held(self, plan, planner):
         entered.set()
         assert gate.wait(30), "the test never released the write"
         return original(self, plan, planner)
@@ -266,7 +266,7 @@ def test_a_failed_shard_write_is_one_line(
     cp.save(loop, model, 2, (0, 2))
     cp.wait()
 
-    def full(self, plan, planner):  # noqa: ANN001, ANN202
+    def full(self, plan, planner):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(FileSystemWriter, "write_data", full)
@@ -338,7 +338,7 @@ def test_crafted_dcp_metadata_is_refused():
     from ddp.sharded import _MetadataUnpickler
 
     class Evil:
-        def __reduce__(self):  # noqa: ANN204
+        def __reduce__(self):
             return (os.system, ("echo pwned > /dev/null",))
 
     import io

@@ -54,7 +54,7 @@ def make_graphs(n: int, seed: int) -> list[dict]:
     return out
 
 
-def _exact_eval(model: torch.nn.Module, evals) -> dict[str, float]:  # noqa: ANN001
+def _exact_eval(model: torch.nn.Module, evals) -> dict[str, float]:
     """Single-process loss and accuracy over every held-out graph at once."""
     batch = graphs.collate([evals[i] for i in range(len(evals))])
     model.eval()
@@ -64,7 +64,7 @@ def _exact_eval(model: torch.nn.Module, evals) -> dict[str, float]:  # noqa: ANN
             "eval_acc": float((logits.argmax(1) == batch["y"]).double().mean())}  # fmt: skip
 
 
-def _loaded(out: Path, sets: list[str]):  # noqa: ANN202
+def _loaded(out: Path, sets: list[str]):
     cfg = resolve(gnn, _launch.ROOT / "configs/gnn.yaml", sets)
     train, evals = gnn.datasets(cfg)
     model = gnn.model_for(cfg, train, evals)
@@ -250,7 +250,7 @@ def test_crafted_graph_files_are_one_line(tmp_path: Path, obj: object, line: str
 
 
 class Evil:
-    def __reduce__(self):  # noqa: ANN204 - what a hostile pickle does
+    def __reduce__(self):
         return (os.system, ("touch pwned",))
 
 
@@ -309,7 +309,7 @@ def _wandb_file(tmp_path: Path) -> bytes:
     return history.read_bytes()
 
 
-def test_wandb_offline_run_has_the_run_name_and_epoch(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+def test_wandb_offline_run_has_the_run_name_and_epoch(tmp_path: Path, monkeypatch) -> None:
     _wandb_env(tmp_path, monkeypatch)
     out = tmp_path / "ck"
     _run(out, "--epochs", "2", *SMALL, "--wandb-project", "cricket-gnn",
@@ -325,7 +325,7 @@ def test_wandb_offline_run_has_the_run_name_and_epoch(tmp_path: Path, monkeypatc
     assert re.search(rb"\x92\x01\x02\x10", data), data[-200:]
 
 
-def test_wandb_finishes_failed_when_rank_0_dies(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+def test_wandb_finishes_failed_when_rank_0_dies(tmp_path: Path, monkeypatch) -> None:
     """A diverged run ends every rank through ddp.parts.die (os._exit, no `finally`):
     rank 0 still calls wandb.finish(exit_code=1) first."""
     _wandb_env(tmp_path, monkeypatch)

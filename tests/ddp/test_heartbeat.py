@@ -14,7 +14,7 @@ from tests.ddp import _launch
 WORKER = "tests/ddp/_train_worker.py"
 
 
-def _wait_for(pred, timeout: float = 60.0) -> None:  # noqa: ANN001
+def _wait_for(pred, timeout: float = 60.0) -> None:
     """Poll an event (a file appearing); the bound is only against a true hang."""
     deadline = time.monotonic() + timeout
     while not pred():
@@ -34,7 +34,7 @@ def test_beats_are_throttled_and_atomic(tmp_path: Path) -> None:
     assert [p.name for p in (tmp_path / "hb").iterdir()] == ["rank-3.json"]  # no temp left
 
 
-def test_every_rank_publishes_its_step(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+def test_every_rank_publishes_its_step(tmp_path: Path, monkeypatch) -> None:
     hb = tmp_path / "heartbeats"
     monkeypatch.setenv("DDP_HEARTBEAT_DIR", str(hb))
     monkeypatch.setenv("DDP_HEARTBEAT_EVERY_S", "0")
@@ -51,7 +51,7 @@ def test_every_rank_publishes_its_step(tmp_path: Path, monkeypatch) -> None:  # 
         assert rec["host"] and rec["time"] > 0
 
 
-def test_stack_signal_dumps_where_a_rank_waits(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+def test_stack_signal_dumps_where_a_rank_waits(tmp_path: Path, monkeypatch) -> None:
     """SIGUSR2 to a rank spinning inside its step function writes its Python stack."""
     hb, ready = tmp_path / "heartbeats", tmp_path / "ready"
     ready.mkdir()
@@ -76,7 +76,7 @@ def test_stack_signal_dumps_where_a_rank_waits(tmp_path: Path, monkeypatch) -> N
     assert {rc for rc, _, _ in results} <= {0, 75, 143}, [e[-2000:] for _, _, e in results]
 
 
-def test_no_heartbeats_without_a_supervisor(monkeypatch, tmp_path: Path) -> None:  # noqa: ANN001
+def test_no_heartbeats_without_a_supervisor(monkeypatch, tmp_path: Path) -> None:
     """A job `hpc submit` made ($HPC_RUN_DIR) but no supervisor: no files every 2 s per
     rank on a shared file system, and SIGUSR2 left to the application."""
     from ddp.heartbeat import heartbeat_dir

@@ -16,10 +16,10 @@ import pytest
 
 pytest.importorskip("transformers")  # the test extra installs it (setup.cfg)
 
-import torch  # noqa: E402
+import torch
 
-from tests.ddp import _launch  # noqa: E402
-from tests.ddp.dpo_fixtures import make_tiny_lm, write_pairs  # noqa: E402
+from tests.ddp import _launch
+from tests.ddp.dpo_fixtures import make_tiny_lm, write_pairs
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 

@@ -24,7 +24,7 @@ def cuda_without_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: False)
 
 
-def test_auto_picks_gloo_where_nccl_is_absent(cuda_without_nccl, caplog) -> None:  # noqa: ANN001
+def test_auto_picks_gloo_where_nccl_is_absent(cuda_without_nccl, caplog) -> None:
     assert "nccl" not in backends.available_backends()  # the patch reached the real probe
     with caplog.at_level(logging.INFO, logger="ddp"):
         choice = backends.choose("auto", "auto", 1, 2)
@@ -33,7 +33,7 @@ def test_auto_picks_gloo_where_nccl_is_absent(cuda_without_nccl, caplog) -> None
     assert len(said) == 1 and "Gloo" in said[0], said
 
 
-def test_explicit_nccl_without_nccl_is_one_line(cuda_without_nccl) -> None:  # noqa: ANN001
+def test_explicit_nccl_without_nccl_is_one_line(cuda_without_nccl) -> None:
     with pytest.raises(ConfigError) as err:
         backends.choose("auto", "nccl", 0, 2)
     msg = str(err.value)
@@ -47,7 +47,7 @@ def test_nccl_present_is_still_chosen_on_cuda(monkeypatch: pytest.MonkeyPatch) -
     assert backends.choose("auto", "auto", 0, 1).backend == "nccl"
 
 
-def test_several_processes_on_mps_warn_once_and_run(monkeypatch, caplog) -> None:  # noqa: ANN001
+def test_several_processes_on_mps_warn_once_and_run(monkeypatch, caplog) -> None:
     monkeypatch.setattr(backends, "available_devices", lambda: ["mps", "cpu"])
     with caplog.at_level(logging.INFO, logger="ddp"):
         devices = [backends.choose("auto", "auto", r, 2).device for r in range(2)]

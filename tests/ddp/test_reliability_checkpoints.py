@@ -29,7 +29,7 @@ class _Evil:
     def __init__(self, marker: Path) -> None:
         self.marker = marker
 
-    def __reduce__(self):  # noqa: ANN204
+    def __reduce__(self):
         return (Path.touch, (self.marker,))
 
 

@@ -73,10 +73,10 @@ def test_block_size_comes_from_rank_0_and_a_crafted_value_is_one_line():
     store = {}
 
     class Store:
-        def set(self, key, value):  # noqa: ANN001, ANN202
+        def set(self, key, value):
             store[key] = value.encode() if isinstance(value, str) else value
 
-        def get(self, key):  # noqa: ANN001, ANN202
+        def get(self, key):
             return store[key]
 
     assert block_size(Store(), 0, 12) == 12

@@ -221,7 +221,7 @@ def test_slurm_node_lost_relaunches_alone_on_the_other(slurm_cluster, tmp_path: 
     assert sorted(i for ids in kept for i in ids) == list(range(N))
 
 
-def test_srun_relaunch_line_names_nodes_tasks_and_exclusions(monkeypatch) -> None:  # noqa: ANN001
+def test_srun_relaunch_line_names_nodes_tasks_and_exclusions(monkeypatch) -> None:
     from ddp.supervise import srun_command, tasks_per_node
 
     monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)

@@ -16,7 +16,7 @@ from tests.ddp import _launch
 WORKER = "tests/ddp/_sync_worker.py"
 
 
-def _spec(out, log_every: int) -> dict:  # noqa: ANN001
+def _spec(out, log_every: int) -> dict:
     """20 steps, checkpoints off; host reads counted from step 3 to step 13."""
     return {
         "out": str(out), "n": 512, "start": 3, "stop": 13,
@@ -29,7 +29,7 @@ def _spec(out, log_every: int) -> dict:  # noqa: ANN001
     }  # fmt: skip
 
 
-def _run_both(tmp_path, spec: dict) -> list[dict]:  # noqa: ANN001
+def _run_both(tmp_path, spec: dict) -> list[dict]:
     """Run the 2-rank worker; each rank's counts (every rank must exit 0)."""
     results = _launch.run([WORKER, json.dumps(spec)], world=2, timeout=120)
     for rank, (rc, out, err) in enumerate(results):

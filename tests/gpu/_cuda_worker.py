@@ -28,7 +28,7 @@ class RecordingScaler(torch.amp.GradScaler):
 
     instances: list[RecordingScaler] = []
 
-    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.loaded: dict | None = None
         RecordingScaler.instances.append(self)

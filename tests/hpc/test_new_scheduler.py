@@ -104,7 +104,7 @@ def test_without_the_module_the_profile_is_refused(tmp_path: Path) -> None:
                        environ={"HPC_DDP_CLUSTERS": str(tmp_path)}, cwd=tmp_path)
 
 
-def _error(fn, *args) -> str:  # noqa: ANN001
+def _error(fn, *args) -> str:
     with pytest.raises(core.UserError) as info:
         fn(*args)
     return str(info.value)

@@ -381,7 +381,7 @@ def test_a_fifo_as_metrics_file_is_one_line_not_a_hang(tmp_path: Path):
     def read() -> None:
         try:
             rpt.read_metrics(fifo, "x")
-        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+        except BaseException as exc:
             caught.append(exc)
 
     reader = threading.Thread(target=read, daemon=True)

@@ -291,7 +291,7 @@ PartitionName={URGENT} Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=10 Preem
 def _spawn(cluster: SlurmCluster, name: str, argv: list[str]) -> None:
     """Start a daemon in the foreground as our child: teardown reaps it, and a daemon that
     dies at start is seen at once (poll) instead of as a timeout."""
-    log = open(cluster.log_dir / f"{name}.stdout", "wb")  # noqa: SIM115 - closed by the Popen
+    log = open(cluster.log_dir / f"{name}.stdout", "wb")
     with log:
         proc = subprocess.Popen(
             argv, env=cluster.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True

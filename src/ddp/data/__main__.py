@@ -32,7 +32,7 @@ def default_out(fasta: Path) -> Path:
     return fasta.with_name(fasta.name + ".tokens")
 
 
-def _progress_bar():  # noqa: ANN202 - rich types stay lazy
+def _progress_bar():
     """A rich bar on stderr: the terminal the callers check (``sys.stderr.isatty()``),
     leaving stdout to the one summary line a script may read."""
     from rich.console import Console

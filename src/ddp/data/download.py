@@ -121,7 +121,7 @@ def _open(url: str, start: int = 0) -> http.client.HTTPResponse:
     headers = {"User-Agent": "hpc-ddp (python -m ddp.data download-uniref50)"}
     if start:
         headers["Range"] = f"bytes={start}-"
-    return urllib.request.urlopen(urllib.request.Request(url, headers=headers),  # noqa: S310
+    return urllib.request.urlopen(urllib.request.Request(url, headers=headers),
                                   timeout=TIMEOUT_S)  # fmt: skip
 
 

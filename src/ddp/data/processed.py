@@ -78,7 +78,7 @@ def load(path: Path) -> Any:
             if "mmap" not in str(exc):
                 raise
             return torch.load(path, map_location="cpu", weights_only=True)  # a legacy file
-    except Exception as exc:  # noqa: BLE001 - untrusted bytes: every failure is one line
+    except Exception as exc:
         why = " ".join(str(exc).split())[:200] or type(exc).__name__
         raise ConfigError(f"{where!r} cannot be loaded with torch.load(weights_only=True) "
                           f"({why}); expected {_expected()}") from None

@@ -384,7 +384,7 @@ class StoreWriter:
                     self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-",
                                                       dir=self.out.parent))  # fmt: skip
                 for name in FILES:
-                    self._fh[name] = open(self._tmp / name, "wb")  # noqa: SIM115
+                    self._fh[name] = open(self._tmp / name, "wb")
                 self._fh["offsets.bin"].write(np.zeros(1, np.int64).tobytes())
         except BaseException:
             with _GUARD.deferred(deliver=False):

@@ -77,7 +77,7 @@ def library() -> str | None:
     for name in ("torchvision", "timm", "efficientnet_pytorch"):
         try:
             __import__(name)
-        except Exception as exc:  # noqa: BLE001 - see the docstring
+        except Exception as exc:
             log.debug("backbones: %s does not import: %s", name, exc)
             continue
         log.info("crowdbt: backbones from %s", name)
@@ -237,7 +237,7 @@ def _timm(name: str, size: int, pretrained: str) -> Backbone:
         os.environ["HF_HUB_OFFLINE"] = "1"  # from the local cache only, never a download
         try:
             net = timm.create_model(tname, pretrained=True, num_classes=0, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - any failure is "not in the cache"
+        except Exception as exc:
             raise ConfigError(f"model.pretrained: timm's {tname} weights are not in the local "
                               f"Hugging Face cache ({type(exc).__name__}); allowed: a weights "
                               "file (--pretrained PATH) or fetch them first") from None  # fmt: skip
@@ -276,7 +276,7 @@ def _load(net: nn.Module, path: Path, name: str, head: tuple[str, ...]) -> None:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except NotRegular as exc:
         raise ConfigError(f"model.pretrained: {str(path)!r} {exc}") from None
-    except Exception as exc:  # noqa: BLE001 - unpickling a crafted file fails many ways
+    except Exception as exc:
         raise ConfigError(f"model.pretrained: {str(path)!r} is not a weights file "
                           f"({type(exc).__name__}); allowed: a state dict of tensors") from None
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):

@@ -244,7 +244,7 @@ def load_file(path: str | Path) -> list[Graph]:
     _register_pyg_globals()
     try:
         obj = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure is the file's fault
+    except Exception as exc:
         text = str(exc)
         if "Weights only load failed" in text:
             # torch's message is many lines (with terminal escapes); the fact is this:
@@ -298,7 +298,7 @@ def _from_pyg_saved(obj: tuple[Any, ...], where: str) -> list[Graph]:
     try:
         ds.data, ds.slices = cls.from_dict(data), slices
         items = [ds[i] for i in range(len(ds))]
-    except Exception as exc:  # noqa: BLE001 - inconsistent slices of a crafted file
+    except Exception as exc:
         raise ConfigError(f"recipe.data: {where}: torch_geometric cannot slice it into "
                           f"graphs ({type(exc).__name__}: {exc})") from None  # fmt: skip
     return from_pyg(items, where)
@@ -326,7 +326,7 @@ def load_pyg_dataset(spec: str, root: str) -> list[Graph]:
         kwargs.update(use_node_attr=True, use_edge_attr=True)
     try:
         ds = cls(**kwargs)
-    except Exception as exc:  # noqa: BLE001 - PyG's own errors (missing files, no network)
+    except Exception as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         raise ConfigError(f"recipe.pyg_dataset: {spec} on {root}: {type(exc).__name__}: "
                           f"{first}") from None  # fmt: skip

@@ -93,7 +93,7 @@ class Source:
             raise
         except FileNotFoundError:
             raise ConfigError(f"recipe.data_dir: {name!r} does not exist") from None
-        except Exception as exc:  # noqa: BLE001 - botocore's errors: credentials, network
+        except Exception as exc:
             raise ConfigError(f"recipe.data_dir: cannot read {name!r} "
                               f"({_one_line(exc)}); check the AWS credentials and endpoint "
                               "in the environment") from None  # fmt: skip
@@ -103,7 +103,7 @@ class Source:
             return Path(self.where(rel)).exists()
         try:
             return bool(self.fs.exists(self.where(rel)))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise ConfigError(f"recipe.data_dir: cannot list {self.where(rel)!r} "
                               f"({_one_line(exc)}); check the AWS credentials and endpoint "
                               "in the environment") from None  # fmt: skip
@@ -230,7 +230,7 @@ def preprocess(data: bytes, name: str, size: int, resample: str = "bicubic") -> 
             rgb = im.convert("RGB")
     except ConfigError:
         raise
-    except Exception as exc:  # noqa: BLE001 - Pillow raises many types for a bad file
+    except Exception as exc:
         raise ConfigError(f"recipe.data_dir: {name!r} is not an image Pillow can decode "
                           f"({_one_line(exc)})") from None  # fmt: skip
     w, h = rgb.size
