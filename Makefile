@@ -6,7 +6,7 @@ PIP = $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
 RANKS ?= 2
 
-.PHONY: install run test lint bench jobs
+.PHONY: install run test test-fast lint docs bench jobs
 
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q "torch==$(TORCH_VERSION)"
@@ -18,9 +18,18 @@ run: install
 test: install
 	$(PYTHON) -m pytest -q
 
+# The inner loop: everything but the real schedulers, MPI, several hosts, GPUs and the
+# slow runs (markers in pyproject.toml; tests/conftest.py adds them by fixture).
+test-fast: install
+	$(PYTHON) -m pytest -q -m "not (slurm or pbs or mpi or multinode or gpu or slow)"
+
 lint: install
 	ruff check .
 	PYTHONPATH=src:. lint-imports  # the layers (contracts in pyproject.toml)
+
+docs: install
+	$(PIP) install -q -e ".[docs]"
+	NO_MKDOCS_2_WARNING=1 mkdocs build --strict
 
 jobs: install
 	hpc render --all-jobs

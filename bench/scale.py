@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Every scale cost of the README's "Scale" section in one command (issue 28, item 5).
+"""Every scale cost of docs/performance.md's "Scale" section in one command (issue 28, item 5).
 
 The costs live in three benchmarks, one per side of the project, because each needs its
 own kind of run: ``scale_dist.py`` starts W real ranks (``ddp.init``'s sockets and store
 requests, the vote's hops and time), ``scale_ckpt.py`` saves and resumes a checkpoint at
 each W (bytes per rank, largest file, resume CPU), and ``scale_login.py`` runs the login
 side against 1 to 10,000 records and jobs (scheduler calls, records read, qstat memory).
-This driver runs them one after the other with the same sizes the README quotes (or
+This driver runs them one after the other with the same sizes docs/performance.md quotes (or
 small ones with ``--quick``), keeps each one's JSON, and ends with one table: each
 cost, its fitted exponent and the limit it must stay under.
 
@@ -27,7 +27,7 @@ from scale_dist import fit_power
 
 HERE = Path(__file__).resolve().parent
 
-#: (benchmark, arguments for the README's figures, arguments for --quick)
+#: (benchmark, arguments for docs/performance.md's figures, arguments for --quick)
 PARTS = (
     ("scale_dist.py", ["--worlds", "2,4,8,16,32,64"], ["--worlds", "2,4,8", "--votes", "5"]),
     ("scale_ckpt.py", ["--worlds", "2,4,8,16,32"], ["--worlds", "2,4"]),
@@ -36,7 +36,7 @@ PARTS = (
 )
 
 
-#: The costs the README's table states, by benchmark: (name, how to take (sizes, values)
+#: The costs docs/performance.md's table states, by benchmark: (name, how to take (sizes, values)
 #: from its JSON, the limit on the fitted exponent).
 COSTS = {
     "scale_dist": [

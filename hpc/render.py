@@ -22,7 +22,7 @@ serves both. What the sandbox cannot bound (``{{ 'x' * 10**10 }}``, loops that p
 nothing) is bounded by running the render in a child process (``fork``) with limits on
 CPU time and memory, whenever a user folder is on the search path; the built-ins alone
 render in-process, as the child adds a fork (~7 ms, measured alike) to ``hpc render``,
-which the README's bench times, and they are this project's own code, bounded by
+which docs/performance.md's bench times, and they are this project's own code, bounded by
 review and golden tests. Every failure is one line naming the template file and line
 (:func:`_one_line`), and a template taken from the working directory is named on
 stderr once (:func:`_announce`).

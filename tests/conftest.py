@@ -14,6 +14,24 @@ pytest_plugins = ["tests.support.fixtures"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
+#: A test that uses one of these fixtures needs that real part, so it carries the marker
+#: whether or not its module says so (``make test-fast`` deselects them by marker; a new
+#: test cannot forget it).
+FIXTURE_MARKERS = {
+    "slurm_cluster": "slurm",
+    "openpbs_server": "pbs",
+    "pals_mpiexec": "mpi",
+    "netns_pair": "multinode",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        for fixture, marker in FIXTURE_MARKERS.items():
+            if fixture in used:
+                item.add_marker(marker)
+
 
 @pytest.fixture
 def python_exe() -> str:

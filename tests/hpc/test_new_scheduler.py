@@ -1,6 +1,6 @@
 """A new scheduler is one module, its template and a profile: nothing else changes.
 
-The README's architecture section promises this; here a toy batch system ("toy": its
+docs/architecture.md promises this; here a toy batch system ("toy": its
 own script suffix, launcher, submit client, job ids and log names) is added from a
 temporary folder only, and rendering, the dry run and ``hpc logs`` all take it.
 """
