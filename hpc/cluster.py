@@ -111,6 +111,9 @@ class Cluster:
     sources: tuple[str, ...] = ()
     #: The site's charge rules (hpc.charges): unit, source URL, machine factor; {} = unknown.
     charge: dict = field(default_factory=dict)
+    #: When the job's venv is copied to node-local storage (hpc.stage): min_nodes for
+    #: ``stage: auto``, local_dir, source; {} = only when a spec says ``stage: always``.
+    python_stage: dict = field(default_factory=dict)
 
     @property
     def script_suffix(self) -> str:

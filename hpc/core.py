@@ -12,6 +12,7 @@ and ``run.json``, and calls the scheduler.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -142,6 +143,7 @@ def plan_submit(
     submits the same array again, from its ``sweep.json``.
     """
     from hpc import runs
+    from hpc import stage as staging
     from hpc.spec import submitting_python
 
     scheduler = job.scheduler
@@ -169,6 +171,10 @@ def plan_submit(
         job = replace(job, chain=True)
     if job.spec.python is None:
         job = job.with_spec(python=submitting_python(os.environ if environ is None else environ))
+    stage = staging.decide(job)
+    if stage is not None:  # the venv goes to each node's local storage first
+        staging.note(stage)
+        job = replace(job, stage=stage)
     run_abs = str(run_dir.resolve())
     job = job.with_spec(env={**job.spec.env, "HPC_RUN_DIR": run_abs})
     if not scheduler.runs_here:  # the scheduler writes the log where the script says
@@ -274,6 +280,8 @@ def submit(plan: Plan, on_start: Callable[[str], None] | None = None) -> Submitt
     if run_dir != plan.run_dir:
         job = _moved(job, plan.run_dir, run_dir)
         text = render_job(job, plan.regenerate, plan.templates)
+    if job.stage is not None and job.stage.pack_at == "submit":
+        _pack(job.stage, run_dir, fresh=not plan.resume)
     scheduler = job.scheduler
     git = runs.git_info()
     with runs.locked(run_dir):  # concurrent --resume calls: names and history stay whole
@@ -322,6 +330,22 @@ def submit(plan: Plan, on_start: Callable[[str], None] | None = None) -> Submitt
         changes.update(exit_code=sub.exit_code, state=str(sub.state))
     runs.update_submission(run_dir, str(script), **changes)
     return Submitted(run_dir=run_dir, script=script, submission=sub)
+
+
+def _pack(stage: Any, run_dir: Path, fresh: bool) -> None:
+    """Pack the venv before anything else is written, so a failed pack leaves no run
+    record of a job that was never submitted (a new run's empty folder goes too)."""
+    import sys
+
+    from hpc import stage as staging
+
+    try:
+        print(f"hpc: {staging.pack(stage, run_dir)}", file=sys.stderr)
+    except BaseException:
+        if fresh:
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()
+        raise
 
 
 def _submit_chain(scheduler: Scheduler, count: int, script: str, run_dir: Path,

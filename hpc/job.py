@@ -51,6 +51,9 @@ class Job:
     #: an earlier segment finished the training (``hpc.chain.DONE`` in the run directory),
     #: and marks it finished when the command exits 0.
     chain: bool = False
+    #: The venv copied to node-local storage before the ranks start (``hpc.stage``;
+    #: decided by ``hpc submit``, which has the run directory to pack it into).
+    stage: Any = None
 
     @property
     def scheduler(self) -> Scheduler:

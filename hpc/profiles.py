@@ -23,7 +23,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from hpc import charges, schedulers
+from hpc import charges, schedulers, stage
 from hpc._util import (
     check_keys,
     did_you_mean,
@@ -51,7 +51,7 @@ CLUSTER_KEYS = (
     "system", "place", "filesystems", "constraint", "gpu_directive", "gpus_per_node",
     "cpus_per_task", "launcher", "module_use", "modules", "setup", "env", "extends",
     "shell", "directives", "min_walltime", "device_order", "env_prepend", "poll_s",
-    "charge",
+    "charge", "python_stage",
 )
 QUEUE_KEYS = (
     "nodes", "walltime", "bins", "description", "min_walltime", "by_request", "directive",
@@ -304,6 +304,7 @@ def load(name: str, environ: dict[str, str] | None = None, cwd: Path | None = No
         poll_s=_poll_s(data, where),
         sources=tuple(sources),
         charge=_charge(data, where),
+        python_stage=stage.profile_rule(data, where),
     )
 
 

@@ -283,6 +283,8 @@ def context(job: Job, regenerate: str | None = None, script: str | None = None) 
         "launch": sh_join(launch),
         "sweep": sweep,
         "chain": job.chain,
+        # the venv copied to each node first (hpc.stage); replaces its activation
+        "stage_lines": scheduler.stage_lines(job, job.stage) if job.stage else [],
         **scheduler.template_values(job),
     }
 

@@ -297,21 +297,38 @@ def _python(value: Any) -> dict[str, str] | str | None:
     """``python:`` of a spec: ``{venv: PATH}``, ``{conda: NAME}``, ``site`` or absent.
 
     ``site`` says: use the Python the profile's ``module load``/``setup`` lines give
-    the job, record nothing at submit time (see :func:`submitting_python`).
+    the job, record nothing at submit time (see :func:`submitting_python`). A venv may
+    add ``stage: auto|always|never`` and ``pack: submit|job`` (``hpc.stage``: the venv
+    copied to each node's local storage before the ranks start).
     """
+    from hpc import stage as staging
+
     if value is None:
         return None
     if value == "site":
         return "site"
-    if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in ("venv", "conda"):
+    kinds = [k for k in value if k in ("venv", "conda")] if isinstance(value, dict) else []
+    if len(kinds) != 1:
         raise UserError(
             f"python: {value!r} is not allowed; allowed: {{venv: PATH}}, {{conda: NAME}} or site"
         )
-    kind, where = next(iter(value.items()))
+    kind = kinds[0]
+    extra = sorted(set(value) - {kind, "stage", "pack"}) if kind == "venv" else \
+        sorted(set(value) - {kind})
+    if extra:
+        allowed = "venv with stage and pack" if kind == "venv" else "conda alone (a conda " \
+            "environment cannot be moved by copying its folder, so it is never staged)"
+        raise UserError(f"python.{extra[0]}: not allowed here; allowed: {allowed}")
+    where = value[kind]
     if not isinstance(where, str) or not where or "\0" in where:
         raise UserError(f"python.{kind}: {where!r} is not allowed; allowed: a non-empty string")
     # A quoted '~/venv' is not expanded by the shell: expand it here.
-    return {str(kind): os.path.expanduser(where) if kind == "venv" else where}
+    out = {str(kind): os.path.expanduser(where) if kind == "venv" else where}
+    if "stage" in value:
+        out["stage"] = staging.check_spec_value(value["stage"])
+    if "pack" in value:
+        out["pack"] = staging.check_pack_value(value["pack"])
+    return out
 
 
 def submitting_python(

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from hpc.cluster import Cluster
     from hpc.job import Job
     from hpc.spec import JobSpec
+    from hpc.stage import Stage
 
 __all__ = ["MAX_IDS_PER_CALL", "STATES", "JobState", "Scheduler", "SchedulerError", "Submission",
            "chunks", "detect", "get", "last_line", "names", "run", "stream"]
@@ -121,6 +122,8 @@ class Scheduler:
     log_patterns: ClassVar[tuple[str, ...]] = ()
     #: Its job ids as a user would type them, for messages (``12345, 12345_3``).
     id_examples: ClassVar[str] = ""
+    #: The variable that holds the job's id inside the job (names a staged venv's copy).
+    job_id_var: ClassVar[str | None] = None
 
     @property
     def template(self) -> str:
@@ -186,6 +189,12 @@ class Scheduler:
     def launch(self, job: Job) -> tuple[list[str], list[str]]:
         """Shell lines before the launch (our own text) and the launch words (quoted later)."""
         raise NotImplementedError
+
+    def stage_lines(self, job: Job, stage: Stage) -> list[str]:
+        """The lines that copy the venv to every node of the job (``hpc.stage``); a
+        scheduler that cannot start one process per node says so in one line."""
+        raise UserError(f"python.stage: the {self.name} scheduler cannot start one process "
+                        "per node to unpack the environment; allowed: stage: never")
 
     # --- the clients ---------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import codecs
 import json
 import re
+import shlex
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
@@ -20,6 +21,7 @@ from hpc.schedulers import JobState, Scheduler, SchedulerError, chunks, last_lin
 if TYPE_CHECKING:
     from hpc.chain import After
     from hpc.job import Job
+    from hpc.stage import Stage
 
 #: ``qstat`` answers within this many seconds, or the next form is tried.
 QSTAT_TIMEOUT_S = 60
@@ -598,6 +600,7 @@ class PBS(Scheduler):
     log_patterns = (r"(?P<job>[0-9]+(?:\[[0-9]*\])?(?:\.[A-Za-z0-9_.-]+?)?)\.OU",
                     r"(?P<name>.+)\.o(?P<job>[0-9]+(?:\.[0-9]+)?)")
     id_examples = "123.server, 123[3].server"
+    job_id_var = "PBS_JOBID"
 
     def template_values(self, job: Job) -> dict[str, Any]:
         """The array range for ``#PBS -J`` (a subjob's log is ``DIR/ID[i].server.OU``)."""
@@ -643,6 +646,16 @@ class PBS(Scheduler):
         from hpc import launchers
 
         return [], launchers.mpiexec(job)
+
+    def stage_lines(self, job: Job, stage: Stage) -> list[str]:
+        """One ``mpiexec`` rank per node unpacks the pack from the run directory (PBS has
+        no broadcast of its own; each node makes one sequential read of one file)."""
+        ppn = "--ppn" if job.cluster.launcher.flavor == "pals" else "-ppn"
+        return stage.lines(
+            self.job_id_var or "", spread=[],
+            unpack=[f'mpiexec -n {job.nodes} {ppn} 1 bash -c "$HPC_STAGE_UNPACK" unpack '
+                    f'"$HPC_STAGE_TAR" "$HPC_STAGE_DEST" {shlex.quote(stage.venv)}'],
+            cleanup=[])
 
     def submit_command(self, script: str, after: After | None = None) -> list[str]:
         """``qsub SCRIPT``: every setting is in the script's directives."""

@@ -4,6 +4,7 @@ jobcomp log); scancel."""
 from __future__ import annotations
 
 import re
+import shlex
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
     from hpc.cluster import Cluster
     from hpc.job import Job
     from hpc.spec import JobSpec
+    from hpc.stage import Stage
 
 # [0-9], not \d: \d and str.isdigit take any script's digits (١٢٣, １２３), which no
 # scheduler gives and int() would quietly read as 123.
@@ -157,6 +159,7 @@ class Slurm(Scheduler):
     # --output=DIR/%x-%j.out (an array's tasks: %x-%A_%a.out), from template_values
     log_patterns = (r"(?P<name>.+)-(?P<job>[0-9]+(?:_[0-9]+)?)\.out",)
     id_examples = "12345, 12345_3"
+    job_id_var = "SLURM_JOB_ID"
 
     def check_spec(self, spec: JobSpec, cluster: Cluster) -> None:
         """``filesystems`` is a PBS resource."""
@@ -214,6 +217,20 @@ class Slurm(Scheduler):
         if job.launcher == "torchrun":
             return launchers.torchrun_per_node(job)
         return [], launchers.srun(job)
+
+    def stage_lines(self, job: Job, stage: Stage) -> list[str]:
+        """``sbcast`` the pack to every node's local storage (SLURM's own broadcast over
+        its daemons' tree, so the shared file system serves one read: sbcast(1),
+        https://slurm.schedmd.com/sbcast.html), unpack with one task per node, then drop
+        each node's copy of the tar (a separate step: two emulated nodes share one /tmp)."""
+        per_node = ('srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" '
+                    "--ntasks-per-node=1 --kill-on-bad-exit=1")
+        return stage.lines(
+            self.job_id_var or "",
+            spread=['sbcast --force "$HPC_STAGE_TAR" "$HPC_STAGE_DEST.tar"'],
+            unpack=[f'{per_node} bash -c "$HPC_STAGE_UNPACK" unpack "$HPC_STAGE_DEST.tar" '
+                    f'"$HPC_STAGE_DEST" {shlex.quote(stage.venv)}'],
+            cleanup=[f'{per_node} rm -f "$HPC_STAGE_DEST.tar"'])
 
     def submit_command(self, script: str, after: After | None = None) -> list[str]:
         """``sbatch --parsable SCRIPT``: the id alone on stdout."""
