@@ -3,6 +3,7 @@ the real SLURM, PALS and network-namespace fixtures in tests/support/fixtures.py
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from collections.abc import Iterator
@@ -25,12 +26,25 @@ FIXTURE_MARKERS = {
 }
 
 
+#: A test that took this long in the last measured full run (tests/durations.json,
+#: written by scripts/test_durations.py) is marked ``slow``.
+SLOW_S = 1.0
+
+
+def _measured() -> dict[str, float]:
+    path = ROOT / "tests" / "durations.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    seconds = _measured()
     for item in items:
         used = set(getattr(item, "fixturenames", ()))
         for fixture, marker in FIXTURE_MARKERS.items():
             if fixture in used:
                 item.add_marker(marker)
+        if seconds.get(item.nodeid.split("[", 1)[0], 0.0) >= SLOW_S:
+            item.add_marker("slow")
 
 
 @pytest.fixture
