@@ -9,7 +9,7 @@ of W ranks (W from --worlds) it reports:
   fsdp / (ddp / W) (goal <= 1.1, the rest a constant: unsharded biases and the step);
 - steady-state samples/s of fsdp vs ddp (median of --rounds paired rounds of --steps);
 - the sharded checkpoint's save time (every rank writes its shards, rank 0 adds the meta
-  file; ddp.checkpointer) vs rank 0's ``torch.save`` of the full gathered state;
+  file; ddp.checkpoint.manager) vs rank 0's ``torch.save`` of the full gathered state;
 - how long a save blocks the training loop, through the trainer's own
   ``Checkpointer.save`` with its defaults (async: DCP's ``async_save``, finalized in a
   thread) vs ``Checkpointer(background=False)`` (sync) vs gathering the full state and
@@ -118,7 +118,7 @@ def save_times(dim: int) -> tuple[float, float]:
     import torch.distributed as dist
 
     import ddp
-    from ddp import sharded
+    from ddp.checkpoint import sharded
 
     net = ddp.wrap(model(dim), "fsdp")
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
@@ -149,7 +149,7 @@ def blocked_by_saves(dim: int, rounds: int, steps: int, batch: int = 32) -> dict
     import torch.distributed as dist
 
     import ddp
-    from ddp.checkpointer import Checkpointer, LoopState
+    from ddp.checkpoint.manager import Checkpointer, LoopState
     from ddp.config import TrainConfig
 
     net = ddp.wrap(model(dim), "fsdp")

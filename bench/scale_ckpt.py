@@ -132,7 +132,7 @@ def worker(spec: dict[str, Any]) -> None:
     from torch import nn
 
     import ddp
-    from ddp.checkpointer import Checkpointer, LoopState
+    from ddp.checkpoint.manager import Checkpointer, LoopState
     from ddp.config import TrainConfig
 
     ctx = ddp.init(backend="gloo", device="cpu")

@@ -16,7 +16,7 @@ Which modules are blocks (``blocks``):
 - a callable ``(name, module) -> bool``.
 
 One process (world 1) gets the plain model, as with DDP. Sharded checkpoints are
-written with ``torch.distributed.checkpoint`` (:mod:`ddp.checkpointer`) and reshard on
+written with ``torch.distributed.checkpoint`` (:mod:`ddp.checkpoint.manager`) and reshard on
 load, so a run may resume on a different number of ranks.
 """
 

@@ -2,7 +2,7 @@
 clipping, warmup + schedule, exact evaluation, checkpoints, preemption, failure).
 
 The loop reads top to bottom like nanoGPT's; its named parts live elsewhere: the
-:class:`~ddp.checkpointer.Checkpointer` owns every checkpoint, :mod:`ddp.preemption`
+:class:`~ddp.checkpoint.manager.Checkpointer` owns every checkpoint, :mod:`ddp.preemption`
 the signals, the ranks' vote and the requeue, :mod:`ddp.loggers` the console,
 TensorBoard and W&B, :mod:`ddp.parts` the small building blocks.
 
@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 import ddp
 from ddp import fsdp, parts, stragglers
-from ddp.checkpointer import Checkpointer, LoopState, diverged
+from ddp.checkpoint.manager import Checkpointer, LoopState, diverged
 from ddp.config import TrainConfig, log_config_notes
 from ddp.dist import Context, agreement
 from ddp.heartbeat import Heartbeat, heartbeat_dir

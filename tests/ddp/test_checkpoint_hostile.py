@@ -305,7 +305,7 @@ def _checkpointer(ck: Path, strategy: str = "ddp", width: int = 16, background: 
     """A Checkpointer on one rank (no process group), its loop state and model."""
     from torch import nn
 
-    from ddp.checkpointer import Checkpointer
+    from ddp.checkpoint.manager import Checkpointer
     from ddp.config import TrainConfig
     from ddp.dist import Context
 
@@ -322,7 +322,7 @@ def _checkpointer(ck: Path, strategy: str = "ddp", width: int = 16, background: 
 
 
 def _loop(opt: torch.optim.Optimizer, sched: object):
-    from ddp.checkpointer import LoopState
+    from ddp.checkpoint.manager import LoopState
 
     return LoopState(0, 0, 3, 10, 0, opt, sched, None)
 

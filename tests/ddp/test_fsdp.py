@@ -179,7 +179,7 @@ def test_a_failed_shard_write_on_one_rank_stops_every_rank_with_one_line(tmp_pat
 
 def _one_rank_checkpointer(ck: Path, background: bool = True):
     """A Checkpointer for strategy fsdp on one rank (no process group), its loop and model."""
-    from ddp.checkpointer import Checkpointer, LoopState
+    from ddp.checkpoint.manager import Checkpointer, LoopState
     from ddp.config import TrainConfig
     from ddp.dist import Context
 
@@ -218,7 +218,7 @@ def test_sharded_save_returns_before_its_shards_are_written(
     """The async path is taken: save() returns while the write is held, nothing is visible
     until the finalize, and the checkpoint holds the weights of the moment of the call."""
     from ddp import checkpoint as ckpt
-    from ddp import sharded
+    from ddp.checkpoint import sharded
 
     gate, entered = _hold_shard_writes(monkeypatch)
     cp, loop, model = _one_rank_checkpointer(tmp_path)
@@ -335,7 +335,7 @@ def test_strategy_is_checked():
 
 def test_crafted_dcp_metadata_is_refused():
     """DCP unpickles its .metadata: ours builds only DCP's own classes."""
-    from ddp.sharded import _MetadataUnpickler
+    from ddp.checkpoint.sharded import _MetadataUnpickler
 
     class Evil:
         def __reduce__(self):

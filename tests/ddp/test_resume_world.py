@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ddp import parts
-from ddp.checkpointer import LoopState
+from ddp.checkpoint.manager import LoopState
 from tests.ddp import _launch
 
 WORKER = "tests/ddp/_index_worker.py"
@@ -99,7 +99,7 @@ def test_resume_on_another_world_size_sees_every_sample_once(
 
 def test_old_checkpoint_without_sample_count_resumes_at_the_same_position() -> None:
     """A checkpoint written before samples_in_epoch: batches_in_epoch of its world size."""
-    from ddp.checkpointer import Checkpointer
+    from ddp.checkpoint.manager import Checkpointer
     from ddp.config import TrainConfig
     from ddp.dist import Context
 
@@ -154,7 +154,7 @@ def test_resume_with_accumulation_on_three_ranks(tmp_path: Path) -> None:
 
 
 def test_derived_rng_streams_are_deterministic_and_differ_by_rank() -> None:
-    from ddp.checkpointer import derive_rng
+    from ddp.checkpoint.manager import derive_rng
 
     draws = []
     for rank in (0, 1, 0):

@@ -40,7 +40,7 @@ What the seed guide describes and where it lives here:
   then ``ddp.barrier()``), so no rank runs ahead of a checkpoint in progress;
 * ``best_model.pt``: ``checkpoint.best: {metric: eval/loss, mode: min}`` (set in
   configs/gnn.yaml) keeps ``best/model.pt`` on each improvement, ``best_model.pt`` its
-  alias (see ddp.checkpointer.Checkpointer.keep_best);
+  alias (see ddp.checkpoint.manager.Checkpointer.keep_best);
 * W&B: ``--wandb-project cricket-gnn --run-name NAME``; the run is named, ``epoch`` is
   in every record and ``logging.wandb.init_timeout`` is the seed's 120 s.
 """

@@ -25,7 +25,8 @@ import torch
 
 import ddp
 from ddp import checkpoint as ckpt
-from ddp import fsdp, sharded
+from ddp import fsdp
+from ddp.checkpoint import sharded
 from ddp.config import TrainConfig
 from ddp.dist import Context
 from ddp.errors import ConfigError, TrainingDiverged
@@ -456,7 +457,7 @@ class Checkpointer:
             try:
                 path = str(ckpt.export_final(model, self.dir, self.config.to_yaml(), full))
             except OSError as exc:  # a full disk: one line on every rank, none left waiting
-                error = str(ckpt._write_error(Path(self.dir), "final", exc))
+                error = str(ckpt.save_error(Path(self.dir), "final", exc))
         path, error = ddp.broadcast_object((path, error))
         if error:
             raise ConfigError(error)
@@ -508,7 +509,7 @@ class Checkpointer:
             try:
                 path = str(self._write_best(model, full, key, value, global_step))
             except OSError as exc:
-                error = str(ckpt._write_error(Path(self.dir), self.BEST, exc))
+                error = str(ckpt.save_error(Path(self.dir), self.BEST, exc))
             else:
                 log.info("best model: %s=%.6g at step %d -> %s", key, value, global_step,
                          path)  # fmt: skip
@@ -574,12 +575,12 @@ def _write_own(directory: Path, rank: int, own: dict[str, Any]) -> None:
     try:
         ckpt.write_rank_state(directory, rank, own)
     except OSError as exc:
-        raise ckpt._write_error(directory.parent, directory.name, exc, rank) from None
+        raise ckpt.save_error(directory.parent, directory.name, exc, rank) from None
 
 
 def _first_line(exc: BaseException) -> str:
     """An error as the one line the other ranks raise for it."""
-    return str(exc) if isinstance(exc, ConfigError) else sharded._first_line(exc)
+    return str(exc) if isinstance(exc, ConfigError) else sharded.first_line(exc)
 
 
 def _save_now(tmp: Path, model: torch.nn.Module, opt: Any) -> tuple[dict[str, Any], Any]:
@@ -618,7 +619,7 @@ def _describe(exc: BaseException, rank: int, directory: Path, name: str
         exc = first[0] if isinstance(first, tuple) else first
     err = ckpt.write_error(exc)
     if err is not None:
-        return own, True, str(ckpt._write_error(directory, name, err, rank))
+        return own, True, str(ckpt.save_error(directory, name, err, rank))
     text = (str(exc).strip().splitlines() or [""])[0][:300]
     return own, False, (f"checkpoint.dir {str(directory)!r}: writing {name} (rank {rank}) "
                         f"failed: {type(exc).__name__}: {text}; the earlier checkpoints are "

@@ -194,10 +194,10 @@ def saved_shapes(directory: Path, prefix: str) -> dict[str, tuple[int, ...]]:
         }
     except Exception as exc:  # crafted or damaged (its digest was checked: crafted)
         raise ConfigError(f"checkpoint {str(directory)!r} has unreadable shard metadata "
-                          f"(.metadata: {_first_line(exc)})") from None  # fmt: skip
+                          f"(.metadata: {first_line(exc)})") from None  # fmt: skip
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = (str(exc).strip().splitlines() or [""])[0][:200]
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
@@ -218,7 +218,7 @@ def _load(box: dict[str, Any], directory: Path, path: str) -> None:
         if isinstance(failures, dict) and failures:
             first = failures[min(failures)]
             exc = first[0] if isinstance(first, tuple) else first
-        raise ConfigError(f"checkpoint {path!r} cannot be loaded ({_first_line(exc)})") from None
+        raise ConfigError(f"checkpoint {path!r} cannot be loaded ({first_line(exc)})") from None
 
 
 def load_model(directory: Path, model: nn.Module, path: str | None = None) -> None:

@@ -1,0 +1,83 @@
+"""Checkpoints: the file format, the directory lock, the manager and sharded saves.
+
+The package's parts, by what each owns:
+
+- :mod:`ddp.checkpoint.layout`: the on-disk names and the format version;
+- :mod:`ddp.checkpoint.files`: atomic, durable writes; bounded reads of untrusted files;
+- :mod:`ddp.checkpoint.format`: save, stage, list, load and prune checkpoints; RNG and
+  model state; each rank's own file; the final export;
+- :mod:`ddp.checkpoint.checks`: what a loaded checkpoint may hold, field by field;
+- :mod:`ddp.checkpoint.lock`: one live run per directory (``.ddp-lock``);
+- :mod:`ddp.checkpoint.manager`: the trainer's ``Checkpointer`` (state keys, background
+  saves, resume, the checks that a checkpoint fits this run) and ``LoopState``;
+- :mod:`ddp.checkpoint.sharded`: FSDP2's sharded saves through torch.distributed.checkpoint.
+
+``ddp.checkpoint`` itself offers the format's functions (``from ddp.checkpoint import
+atomic_save``), as the single module it replaces did; the manager is imported from its
+module (it imports the trainer's config and FSDP, which the format does not need).
+"""
+
+from __future__ import annotations
+
+from ddp.checkpoint.checks import (  # noqa: F401
+    FIELDS,
+    TRAINER_FIELDS,
+    check_fields,
+    check_like,
+    check_rng_state,
+    check_same_model,
+)
+from ddp.checkpoint.files import (  # noqa: F401
+    SMALL_FILE,
+    atomic_save,
+    atomic_save_digested,
+    atomic_write_text,
+    fsync_dir,
+    read_regular,
+    sha256_file,
+    write_error,
+)
+from ddp.checkpoint.format import (  # noqa: F401
+    RANK_FIELDS,
+    PendingSave,
+    StagedCheckpoint,
+    begin_save,
+    check_shards,
+    export_final,
+    find_latest,
+    list_checkpoints,
+    load_checkpoint,
+    load_latest,
+    model_state,
+    prune,
+    rank_dir,
+    rank_file_name,
+    read_checkpoint,
+    read_rank_state,
+    readable_checkpoints,
+    remove_checkpoint,
+    remove_stale_staging,
+    rng_state,
+    save_checkpoint,
+    save_error,
+    set_rng_state,
+    sharded_path,
+    stage_save,
+    staging_path,
+    step_path,
+    write_rank_state,
+)
+from ddp.checkpoint.layout import (  # noqa: F401
+    DIGEST_SUFFIX,
+    FORMAT_VERSION,
+    LATEST,
+    META,
+    RANK_FILE_LIMIT,
+)
+from ddp.checkpoint.lock import (  # noqa: F401
+    LOCK,
+    LOCK_REFRESH_S,
+    LOCK_STALE_BEATS,
+    DirLock,
+    process_start,
+)
