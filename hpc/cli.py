@@ -334,6 +334,8 @@ def cmd_submit(args: argparse.Namespace, command: list[str] | None) -> int:
     from hpc.charges import balance_warning, max_charge_line
 
     j = plan.job
+    for note in plan.notes:  # e.g. a sweep throttled to its queue's array limit
+        sys.stderr.write(note + "\n")
     for line in (max_charge_line(j.cluster, j.nodes, j.walltime, j.queue),
                  balance_warning(j.cluster, j.account, j.nodes, j.walltime, j.queue)):
         if line:  # stderr: `hpc submit` stdout stays the job id alone

@@ -107,6 +107,8 @@ class Plan:
     chain: int = 1
     #: The first segment's dependency (``--after JOBID[:KIND]``).
     after: After | None = None
+    #: Lines for stderr, said once (a sweep throttled to its queue's array limit).
+    notes: tuple[str, ...] = ()
 
     @property
     def scheduler(self) -> Scheduler:
@@ -158,6 +160,14 @@ def plan_submit(
     else:
         run_dir = runs.free_run_dir(runs_dir, job.name, now)
     tasks, max_parallel = _sweep_tasks(run_dir, record, sweep, max_parallel)
+    notes: list[str] = []
+    if tasks:  # the queue's array limit (issue 32: Polaris prod takes 10 at once)
+        from hpc.sweep import throttle
+
+        q = job.cluster.queues.get(job.queue or "") if job.queue else None
+        max_parallel, note = throttle(len(tasks), max_parallel, q.array_limit if q else None,
+                                      f"the {job.cluster.name} queue {job.queue!r}")
+        notes += [note] if note else []
     if tasks:
         from hpc.sweep import check_checkpoint_dirs
 
@@ -178,7 +188,7 @@ def plan_submit(
                 text=render_job(job, regenerate, templates),
                 argv=tuple(_submit_command(scheduler, str(script), after)),
                 regenerate=regenerate, templates=templates, now=now, sweep=tuple(tasks),
-                chain=chain, after=after)
+                chain=chain, after=after, notes=tuple(notes))
 
 
 def _submit_command(scheduler: Scheduler, script: str, after: After | None) -> list[str]:
@@ -199,7 +209,8 @@ def _check_chain(job: Job, chain: int, after: After | None) -> int:
                         "would end every task's chain; allowed: --chain or --sweep, not both")
     if chain > 1 or after is not None:
         job.scheduler.dependency(after or After("0", "any"))  # no dependencies: one line
-        queue = job.cluster.queues.get(job.spec.queue or "") if job.spec.queue else None
+        # the queue the job lands in, named or picked (Perlmutter's default QOS is debug)
+        queue = job.cluster.queues.get(job.queue or "") if job.queue else None
         if queue is not None and queue.no_dependencies:
             raise UserError(f"--chain/--after: the {job.cluster.name} queue {queue.name!r} takes "
                             f"no job dependencies ({queue.no_dependencies}); allowed: another "

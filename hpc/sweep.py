@@ -153,6 +153,32 @@ def check_max_parallel(value: Any, n_tasks: int) -> int:
     return number
 
 
+def throttle(n_tasks: int, max_parallel: int | None, limit: int | None, where: str
+             ) -> tuple[int | None, str | None]:
+    """``(max_parallel, note)`` for an array of ``n_tasks`` in a queue that lets at most
+    ``limit`` subjobs be queued or running at once (the profile's ``array_limit``).
+
+    Why: PBS accepts an array wider than Polaris' ``prod`` routing limit, and the
+    subjobs past it "sit forever without running" (ALCF, "Limits on job arrays"). With
+    no ``--max-parallel`` the array is throttled to the limit (``-J 0-14%10``) and the
+    note says so once. An explicit ``--max-parallel`` above it is refused in one line
+    rather than clamped: the user asked for a number, the site cannot honour it, and a
+    refusal before anything is written costs nothing, where a silent clamp would run a
+    different sweep than the one asked for (and a clamp with a message is still a
+    request overruled).
+    """
+    if limit is None or n_tasks <= limit:
+        return max_parallel, None
+    if max_parallel is None:
+        return limit, (f"hpc: {where} runs at most {limit} subjobs of an array at once; the "
+                       f"sweep's {n_tasks} tasks run {limit} at a time (%{limit})")
+    if max_parallel > limit:
+        raise UserError(f"--max-parallel: {max_parallel}; {where} runs at most {limit} subjobs "
+                        f"of an array at once (the others would wait forever); allowed: 1 to "
+                        f"{limit}")  # fmt: skip
+    return max_parallel, None
+
+
 def write_manifest(run_dir: Path, tasks: list[SweepTask], max_parallel: int | None = None) -> Path:
     """Write ``run_dir/sweep.json`` all or nothing (mkstemp + ``os.replace``): a task
     starting while a resubmission rewrites it reads the old or the new one, never half."""

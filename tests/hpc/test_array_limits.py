@@ -1,0 +1,162 @@
+"""Issue 32, arrays and chains as cited site rules, through ``hpc submit --dry-run``:
+
+- a sweep wider than its queue's ``array_limit`` is throttled to it (``-J 0-14%10`` on
+  Polaris ``prod``, ALCF "Limits on job arrays") and said once; an explicit
+  ``--max-parallel`` above the limit is one line, exit 2;
+- ``--chain N``/``--after`` in Perlmutter's ``debug`` QOS is one line, exit 2 (NERSC jobs
+  policy: "job chaining in the debug QOS is not allowed").
+
+The real OpenPBS check (``%N`` accepted, ``max_run_subjobs`` set) runs under the shared
+lock: ``flock /tmp/hpc-openpbs.lock python3 -m pytest -q tests/hpc/test_array_limits.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hpc import profiles
+from hpc.cli import main
+
+LRS = ",".join(str(i) for i in range(1, 16))  # 15 tasks
+
+
+def _submit(tmp_path: Path, cluster: str, *flags: str) -> int:
+    return main(["submit", "--dry-run", "--cluster", cluster, "--account", "p", "--name", "t",
+                 "--runs-dir", str(tmp_path / "runs"), *flags, "--", "python", "train.py"])
+
+
+def _array_line(out: str) -> str:
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("#PBS -J")]
+    return line
+
+
+@pytest.mark.parametrize(("queue", "nodes", "expected"), [
+    ("prod", "10", "#PBS -J 0-14%10"), ("preemptable", "1", "#PBS -J 0-14"),
+    ("debug", "1", "#PBS -J 0-14%1"),
+])
+def test_polaris_sweep_is_throttled_to_its_queue_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                      queue: str, nodes: str, expected: str) -> None:
+    """15 tasks: prod (10) and debug (1) throttle and say so once; preemptable (20) fits."""
+    assert _submit(tmp_path, "polaris", "--queue", queue, "--nodes", nodes, "--sweep",
+                   f"optim.lr={LRS}") == 0
+    out, err = capsys.readouterr()
+    assert _array_line(out) == expected
+    said = [ln for ln in err.splitlines() if "subjobs of an array at once" in ln]
+    if expected.endswith("-14"):
+        assert said == []
+    else:
+        limit = expected.rsplit("%", 1)[1]
+        assert said == [f"hpc: the polaris queue {queue!r} runs at most {limit} subjobs of an "
+                        f"array at once; the sweep's 15 tasks run {limit} at a time (%{limit})"]
+
+
+def test_a_sweep_within_the_limit_and_an_explicit_max_parallel_are_kept(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _submit(tmp_path, "polaris", "--queue", "prod", "--nodes", "10",
+                   "--sweep", "optim.lr=1,2,3") == 0
+    out, err = capsys.readouterr()
+    assert _array_line(out) == "#PBS -J 0-2" and "subjobs" not in err
+    assert _submit(tmp_path, "polaris", "--queue", "prod", "--nodes", "10", "--max-parallel", "4",
+                   "--sweep", f"optim.lr={LRS}") == 0
+    out, err = capsys.readouterr()
+    assert _array_line(out) == "#PBS -J 0-14%4" and "subjobs" not in err
+
+
+def test_max_parallel_above_the_queue_limit_is_one_line(tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused, not clamped: the user's number cannot run there (hpc.sweep.throttle)."""
+    assert _submit(tmp_path, "polaris", "--queue", "prod", "--nodes", "10", "--max-parallel",
+                   "11", "--sweep", f"optim.lr={LRS}") == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.strip().splitlines()[-1] == (
+        "hpc: error: --max-parallel: 11; the polaris queue 'prod' runs at most 10 subjobs of an "
+        "array at once (the others would wait forever); allowed: 1 to 10")
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_array_limits_are_cited_in_the_profiles() -> None:
+    """ALCF's table (debug 1, preemptable 20, prod 10) with its page beside the numbers."""
+    polaris = profiles.load("polaris", environ={})
+    assert {q: polaris.queues[q].array_limit for q in ("debug", "preemptable", "prod")} == \
+        {"debug": 1, "preemptable": 20, "prod": 10}
+    aurora = profiles.load("aurora", environ={})
+    assert aurora.queues["prod"].array_limit == 10
+    root = Path(profiles.BUILTIN_DIR)
+    page = "https://docs.alcf.anl.gov/running-jobs/example-job-scripts/#limits-on-job-arrays"
+    for name in ("polaris", "aurora"):
+        assert page in (root / f"{name}.yaml").read_text()
+    assert "unverified" in (root / "aurora.yaml").read_text().split("array_limit: 10")[1].splitlines()[0]
+
+
+def test_a_bad_array_limit_in_a_profile_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "site.yaml").write_text("scheduler: pbs\nqueues:\n  q: {nodes: 1-2, array_limit: 0}\n")
+    monkeypatch.setenv("HPC_DDP_CLUSTERS", str(tmp_path))
+    assert _submit(tmp_path, "site", "--sweep", "optim.lr=1,2") == 2
+    assert "queues.q.array_limit: 0 is not allowed; allowed: a whole number >= 1" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [
+    ("--chain", "2", "--queue", "debug"), ("--after", "123", "--queue", "debug"),
+    ("--chain", "3", "--walltime", "00:10:00"),  # no queue named: debug, the default QOS
+])
+def test_perlmutter_debug_qos_refuses_chains(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                             flags: tuple[str, ...]) -> None:
+    assert _submit(tmp_path, "perlmutter", *flags) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.strip().splitlines() == [
+        "hpc: error: --chain/--after: the perlmutter queue 'debug' takes no job dependencies "
+        "(NERSC: job chaining in the debug QOS is not allowed, https://docs.nersc.gov/jobs/policy/); "
+        "allowed: another queue, or one job"]
+
+
+def test_perlmutter_other_qos_and_one_debug_job_are_fine(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    assert _submit(tmp_path, "perlmutter", "--chain", "2", "--queue", "regular") == 0
+    assert "--dependency=afterany:SEGMENT1" in capsys.readouterr().out
+    assert _submit(tmp_path, "perlmutter", "--queue", "debug") == 0
+    assert _submit(tmp_path, "perlmutter", "--after", "123:any", "--queue", "regular") == 0
+    assert "--dependency=afterany:123" in capsys.readouterr().out
+
+
+def _openpbs() -> str | None:
+    qsub = "/opt/pbs/bin/qsub"
+    if not os.access(qsub, os.X_OK):
+        return None
+    ok = subprocess.run(["/opt/pbs/bin/qstat", "-B"], capture_output=True, timeout=30).returncode == 0
+    return qsub if ok else None
+
+
+@pytest.mark.pbs
+def test_openpbs_accepts_the_throttled_array(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The rendered ``-J 0-14%10`` on the real OpenPBS 23.06: accepted, max_run_subjobs 10.
+    Submitted held (``-h``) and deleted at once: nothing runs."""
+    qsub = _openpbs()
+    if qsub is None:
+        pytest.skip("no OpenPBS server here (scripts/openpbs.sh start)")
+    assert _submit(tmp_path, "polaris", "--queue", "prod", "--nodes", "10",
+                   "--sweep", f"optim.lr={LRS}") == 0
+    line = _array_line(capsys.readouterr().out)
+    script = tmp_path / "arr.pbs"
+    script.write_text(f"#!/bin/bash\n{line}\n#PBS -l select=1\n#PBS -l walltime=00:01:00\ntrue\n")
+    proc = subprocess.run([qsub, "-h", str(script)], capture_output=True, text=True, timeout=60,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    job_id = proc.stdout.strip()
+    try:
+        info = subprocess.run(["/opt/pbs/bin/qstat", "-f", job_id], capture_output=True, text=True,
+                              timeout=60).stdout
+        assert re.search(r"max_run_subjobs = 10\b", info), info
+        assert re.search(r"array_indices_submitted = 0-14\b", info), info
+    finally:
+        subprocess.run([shutil.which("qdel", path="/opt/pbs/bin") or "qdel", job_id],
+                       capture_output=True, timeout=60)
