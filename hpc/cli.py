@@ -347,6 +347,13 @@ def cmd_submit(args: argparse.Namespace, command: list[str] | None) -> int:
         sys.stdout.write(plan.text)
         sys.stdout.write(_job_sees(plan.job))
         sys.stdout.write(f"# submit: {shlex.join(argv)}\n")
+        for k, (offset, count) in enumerate(plan.parts[1:], 2):  # a sweep split by MaxArraySize
+            from hpc.chain import After
+
+            prev = After(f"ARRAY{k - 1}", "any") if plan.job.max_parallel else plan.after
+            then = plan.scheduler.array_part_command(str(plan.script), count, offset,
+                                                     plan.job.max_parallel, prev)
+            sys.stdout.write(f"# then array {k}/{len(plan.parts)}: {shlex.join(then)}\n")
         for k in range(2, plan.chain + 1):
             from hpc.chain import After
 

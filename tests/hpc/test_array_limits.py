@@ -12,6 +12,7 @@ lock: ``flock /tmp/hpc-openpbs.lock python3 -m pytest -q tests/hpc/test_array_li
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -160,3 +161,133 @@ def test_openpbs_accepts_the_throttled_array(tmp_path: Path, capsys: pytest.Capt
     finally:
         subprocess.run([shutil.which("qdel", path="/opt/pbs/bin") or "qdel", job_id],
                        capture_output=True, timeout=60)
+
+
+# --- SLURM MaxArraySize: a wider sweep is several arrays of one sweep ------------------
+
+SCONTROL_11 = 'printf "MaxArraySize            = 11\\nSchedulerParameters     = batch_sched_delay=0\\n"'
+SBATCH_COUNTER = 'n=$(grep -c "^sbatch" "$FAKE_LOG"); echo "$((700 + n))"'
+LRS25 = ",".join(str(i) for i in range(25))
+
+
+def _slurm(tmp_path: Path, *flags: str) -> int:
+    return main(["submit", "--cluster", "slurm", "--name", "t", "--runs-dir", str(tmp_path / "runs"),
+                 *flags, "--", "python", "train.py"])
+
+
+def test_array_limit_is_read_from_scontrol_show_config() -> None:
+    from hpc.schedulers.slurm import DEFAULT_MAX_ARRAY_SIZE, parse_array_limit
+
+    assert parse_array_limit("MaxArraySize            = 4001\n") == 4001
+    assert parse_array_limit("MaxArraySize = 100001\nSchedulerParameters = "
+                             "bf_continue,max_array_tasks=1000\n") == 1000
+    assert parse_array_limit("") == DEFAULT_MAX_ARRAY_SIZE == 1001
+    with pytest.raises(Exception, match="MaxArraySize = 0 .*allowed: one hpc submit per point"):
+        parse_array_limit("MaxArraySize = 0\n")
+
+
+def test_split_offsets_count_from_zero_in_every_array() -> None:
+    from hpc.sweep import split
+
+    assert split(2500, 1001) == [(0, 1001), (1001, 1001), (2002, 498)]
+    assert split(25, 11) == [(0, 11), (11, 11), (22, 3)]
+    assert split(11, 11) == [(0, 11)] and split(5, None) == [(0, 5)]
+
+
+def test_dry_run_of_a_wide_sweep_shows_every_array(fake_bin, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    fake_bin("scontrol", SCONTROL_11)
+    assert _slurm(tmp_path, "--dry-run", "--sweep", f"optim.lr={LRS25}") == 0
+    out, err = capsys.readouterr()
+    assert "#SBATCH --array=0-10\n" in out
+    assert '--offset "${1:-0}"' in out
+    then = [ln for ln in out.splitlines() if ln.startswith("# then array")]
+    assert [ln.split()[-1] for ln in then] == ["11", "22"]  # each array's offset: sbatch's $1
+    assert all(ln.split()[-2].endswith("/job.slurm") for ln in then)
+    assert "--array=0-10" in then[0] and "--array=0-2" in then[1]
+    assert "hpc: 25 tasks exceed the cluster's array size (11, MaxArraySize): one sweep of 3 " \
+           "arrays" in err
+    assert _slurm(tmp_path, "--dry-run", "--max-parallel", "4", "--sweep", f"optim.lr={LRS25}") == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH --array=0-10%4\n" in out
+    assert "--array=0-10%4 --dependency=afterany:ARRAY1" in out
+    assert "--array=0-2%4 --dependency=afterany:ARRAY2" in out
+
+
+def test_unreadable_config_takes_slurms_default(fake_bin, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """No controller answering: MaxArraySize's cited default, 1001 (slurm.conf(5))."""
+    fake_bin("scontrol", "echo 'slurm_load_ctl_conf error: Unable to contact slurm controller' >&2; exit 1")
+    lrs = ",".join(str(i) for i in range(1002))
+    assert _slurm(tmp_path, "--dry-run", "--sweep", f"optim.lr={lrs}") == 0
+    out, err = capsys.readouterr()
+    assert "#SBATCH --array=0-1000\n" in out
+    assert [ln.split()[-1] for ln in out.splitlines() if ln.startswith("# then array")] == ["1001"]
+    assert "(1001, MaxArraySize): one sweep of 2 arrays" in err
+
+
+def test_submit_records_one_sweep_and_status_cancel_take_every_array(
+        fake_bin, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fake_bin("scontrol", SCONTROL_11)
+    fake_bin("sbatch", SBATCH_COUNTER)
+    fake_bin("scancel", "true")
+    fake_bin("squeue", 'printf "701_%s|701|COMPLETED\\n" $(seq 0 10); '
+                       'printf "702_%s|702|RUNNING\\n" $(seq 0 10); '
+                       'printf "703_%s|703|PENDING\\n" 0 1 2')
+    assert _slurm(tmp_path, "--sweep", f"optim.lr={LRS25}") == 0
+    assert capsys.readouterr().out.strip() == "701"
+    sbatch = _fake_calls(fake_bin, "sbatch")
+    assert len(sbatch) == 3
+    assert sbatch[1].endswith("job.slurm 11") and "--array=0-10 " in sbatch[1]
+    assert sbatch[2].endswith("job.slurm 22") and "--array=0-2 " in sbatch[2]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["job_id"] == "701"
+    assert record["array_parts"] == [{"job_id": "701", "offset": 0, "count": 11},
+                                     {"job_id": "702", "offset": 11, "count": 11},
+                                     {"job_id": "703", "offset": 22, "count": 3}]
+    assert main(["status", str(run_dir)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "701 RUNNING"  # one sweep: running while any array runs
+    assert len(lines) == 26 and lines[12] == "702_0 RUNNING optim.lr=11"
+    assert lines[25] == "703_2 PENDING optim.lr=24"
+    assert len(_fake_calls(fake_bin, "squeue")) == 1  # all three arrays, one query
+    # a task of the third array finds the run (hpc status / logs by its id)
+    assert main(["status", "703_2", "--runs-dir", str(tmp_path / "runs")]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "703_2 PENDING"
+    assert main(["cancel", str(run_dir)]) == 0
+    assert _fake_calls(fake_bin, "scancel") == ["scancel -v 701", "scancel -v 702", "scancel -v 703"]
+
+
+def test_a_refused_array_cancels_the_queued_ones(fake_bin, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    fake_bin("scontrol", SCONTROL_11)
+    fake_bin("sbatch", 'n=$(grep -c "^sbatch" "$FAKE_LOG"); [ "$n" -lt 3 ] || '
+                       '{ echo "sbatch: error: QOSMaxSubmitJobPerUserLimit" >&2; exit 1; }; '
+                       'echo "$((700 + n))"')
+    fake_bin("scancel", "true")
+    assert _slurm(tmp_path, "--sweep", f"optim.lr={LRS25}") == 3
+    err = capsys.readouterr().err
+    assert "array 3 of 3 was refused" in err and "cancelled the 2 array(s) already queued (701, 702)" in err
+    assert _fake_calls(fake_bin, "scancel") == ["scancel -v 702", "scancel -v 701"]
+
+
+def test_a_task_finds_its_point_by_offset_plus_index(tmp_path: Path) -> None:
+    from hpc import sweep
+
+    tasks = sweep.tasks_from_flags([f"optim.lr={LRS25}"])
+    sweep.write_manifest(tmp_path, tasks)
+    env = {"SLURM_ARRAY_TASK_ID": "2"}
+    assert sweep.task_for(tmp_path, environ=env, offset="22").overrides == {"optim.lr": "24"}
+    assert sweep.task_for(tmp_path, environ=env, offset="").index == 2  # plain sbatch: $1 empty
+    with pytest.raises(Exception, match="past the 25 tasks"):
+        sweep.task_for(tmp_path, environ=env, offset="23")
+    for bad in ("-1", "1e3", "٣", "2;id"):
+        with pytest.raises(Exception, match="is not an array offset; allowed"):
+            sweep.task_for(tmp_path, environ=env, offset=bad)
+
+
+def _fake_calls(fake_bin, name: str) -> list[str]:
+    log = fake_bin.log
+    return [ln for ln in log.read_text().splitlines() if ln.startswith(name + " ")] \
+        if log.exists() else []

@@ -261,6 +261,8 @@ JobCompType=jobcomp/filetxt
 JobCompLoc={logs}/jobcomp.txt
 MpiDefault=none
 SchedulerParameters=batch_sched_delay=0
+# SLURM's default written out; tests/test_e2e_sweep.py starts a cluster with a smaller one
+MaxArraySize={os.environ.get('HPC_TEST_SLURM_MAX_ARRAY_SIZE', '1001')}
 MailProg=/bin/true
 ReturnToService=2
 MinJobAge=300
