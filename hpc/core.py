@@ -596,6 +596,8 @@ def watch(ident: str, runs_dir: Path, run_dir: Path | None = None
 
     job_id, scheduler, rec = locate(ident, runs_dir)
     found = runs.find(ident, runs_dir, history=True) if rec is not None else None
+    # the run of a sweep split into several arrays: it goes on while any of them does
+    parts = [p[0] for p in _parts_of(ident, rec, scheduler)] if rec is not None else []
     if rec is None and run_dir is not None and (run_dir / runs.RECORD).is_file():
         rec = runs.read_record(run_dir)  # an array task's id: its run's record
     try:
@@ -609,6 +611,9 @@ def watch(ident: str, runs_dir: Path, run_dir: Path | None = None
             entry = runs.job_entry(runs.read_record(found[0]), ident)
             if entry.get("state") not in (None, "RUNNING"):
                 return JobState(str(entry["state"]))
+        if parts:
+            states = scheduler.statuses(parts)
+            return combined_state([states[p] for p in parts])
         return scheduler.statuses([job_id])[job_id]
 
     return state, float(poll_s)

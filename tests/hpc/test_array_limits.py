@@ -291,3 +291,21 @@ def _fake_calls(fake_bin, name: str) -> list[str]:
     log = fake_bin.log
     return [ln for ln in log.read_text().splitlines() if ln.startswith(name + " ")] \
         if log.exists() else []
+
+
+def test_logs_follow_of_a_split_sweep_waits_for_every_array(fake_bin, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """``hpc logs -f RUN``'s state is the sweep's: running while the last array runs."""
+    from hpc import core
+
+    fake_bin("scontrol", SCONTROL_11)
+    fake_bin("sbatch", SBATCH_COUNTER)
+    fake_bin("squeue", 'printf "701|701|COMPLETED\\n702|702|COMPLETED\\n703|703|RUNNING\\n"')
+    assert _slurm(tmp_path, "--sweep", f"optim.lr={LRS25}") == 0
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    state, _ = core.watch(str(run_dir), tmp_path / "runs")
+    assert state() == "RUNNING"
+    from hpc.schedulers import JobState
+
+    assert core.combined_state([JobState.COMPLETED, JobState.FAILED]) == "FAILED"
+    assert core.combined_state([JobState.COMPLETED, JobState.PENDING]) == "PENDING"
