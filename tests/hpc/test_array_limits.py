@@ -212,6 +212,12 @@ def test_dry_run_of_a_wide_sweep_shows_every_array(fake_bin, tmp_path: Path,
     assert "#SBATCH --array=0-10%4\n" in out
     assert "--array=0-10%4 --dependency=afterany:ARRAY1" in out
     assert "--array=0-2%4 --dependency=afterany:ARRAY2" in out
+    # --after holds for every array of the sweep (without --max-parallel they run at once)
+    assert _slurm(tmp_path, "--dry-run", "--after", "123:any", "--sweep", f"optim.lr={LRS25}") == 0
+    out = capsys.readouterr().out
+    assert "# submit: sbatch --parsable --dependency=afterany:123 " in out
+    then = [ln for ln in out.splitlines() if ln.startswith("# then array")]
+    assert len(then) == 2 and all("--dependency=afterany:123 " in ln for ln in then)
 
 
 def test_unreadable_config_takes_slurms_default(fake_bin, tmp_path: Path,
