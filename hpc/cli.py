@@ -334,6 +334,8 @@ def cmd_submit(args: argparse.Namespace, command: list[str] | None) -> int:
     from hpc.charges import balance_warning, max_charge_line
 
     j = plan.job
+    for note in plan.notes:  # e.g. a sweep throttled to its queue's array limit
+        sys.stderr.write(note + "\n")
     for line in (max_charge_line(j.cluster, j.nodes, j.walltime, j.queue),
                  balance_warning(j.cluster, j.account, j.nodes, j.walltime, j.queue)):
         if line:  # stderr: `hpc submit` stdout stays the job id alone
@@ -345,6 +347,13 @@ def cmd_submit(args: argparse.Namespace, command: list[str] | None) -> int:
         sys.stdout.write(plan.text)
         sys.stdout.write(_job_sees(plan.job))
         sys.stdout.write(f"# submit: {shlex.join(argv)}\n")
+        for k, (offset, count) in enumerate(plan.parts[1:], 2):  # a sweep split by MaxArraySize
+            from hpc.chain import After
+
+            prev = After(f"ARRAY{k - 1}", "any") if plan.job.max_parallel else plan.after
+            then = plan.scheduler.array_part_command(str(plan.script), count, offset,
+                                                     plan.job.max_parallel, prev)
+            sys.stdout.write(f"# then array {k}/{len(plan.parts)}: {shlex.join(then)}\n")
         for k in range(2, plan.chain + 1):
             from hpc.chain import After
 

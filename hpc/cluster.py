@@ -38,6 +38,9 @@ class Queue:
     notes: tuple[str, ...] = ()  # comment lines for the script when this queue is used
     no_dependencies: str | None = None  # the site forbids job dependencies here (why, cited)
     max_queued: int | None = None  # the site's per-user limit of queued jobs here
+    #: Most subjobs of one job array eligible (queued or running) at once here: a PBS
+    #: array wider than this is throttled with ``%N`` (hpc.sweep.throttle); None = no limit.
+    array_limit: int | None = None
     charge_factor: float | None = None  # the site's per-queue/QOS factor; None = unverified
     charge_source: str = ""  # the page that states charge_factor
 

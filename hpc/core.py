@@ -108,6 +108,11 @@ class Plan:
     chain: int = 1
     #: The first segment's dependency (``--after JOBID[:KIND]``).
     after: After | None = None
+    #: Lines for stderr, said once (a sweep throttled to its queue's array limit).
+    notes: tuple[str, ...] = ()
+    #: ``(offset, count)`` of each array of a sweep wider than the cluster's array size
+    #: (``hpc.sweep.split``); empty: the sweep is one array.
+    parts: tuple[tuple[int, int], ...] = ()
 
     @property
     def scheduler(self) -> Scheduler:
@@ -160,12 +165,21 @@ def plan_submit(
     else:
         run_dir = runs.free_run_dir(runs_dir, job.name, now)
     tasks, max_parallel = _sweep_tasks(run_dir, record, sweep, max_parallel)
+    notes: list[str] = []
+    if tasks:  # the queue's array limit (issue 32: Polaris prod takes 10 at once)
+        from hpc.sweep import throttle
+
+        q = job.cluster.queues.get(job.queue or "") if job.queue else None
+        max_parallel, note = throttle(len(tasks), max_parallel, q.array_limit if q else None,
+                                      f"the {job.cluster.name} queue {job.queue!r}")
+        notes += [note] if note else []
+    parts = _array_parts(job, len(tasks), notes) if tasks else []
     if tasks:
         from hpc.sweep import check_checkpoint_dirs
 
         check_checkpoint_dirs(job.spec.command, tasks, run_dir)
-    if tasks:
-        job = replace(job, array_size=len(tasks), max_parallel=max_parallel)
+    if tasks:  # the first array's size: all tasks, or the first part of a split sweep
+        job = replace(job, array_size=parts[0][1], max_parallel=max_parallel)
     chain = _check_chain(job, chain, after)
     if chain > 1:
         job = replace(job, chain=True)
@@ -184,7 +198,8 @@ def plan_submit(
                 text=render_job(job, regenerate, templates),
                 argv=tuple(_submit_command(scheduler, str(script), after)),
                 regenerate=regenerate, templates=templates, now=now, sweep=tuple(tasks),
-                chain=chain, after=after)
+                chain=chain, after=after, notes=tuple(notes),
+                parts=tuple(parts) if len(parts) > 1 else ())
 
 
 def _submit_command(scheduler: Scheduler, script: str, after: After | None) -> list[str]:
@@ -205,7 +220,8 @@ def _check_chain(job: Job, chain: int, after: After | None) -> int:
                         "would end every task's chain; allowed: --chain or --sweep, not both")
     if chain > 1 or after is not None:
         job.scheduler.dependency(after or After("0", "any"))  # no dependencies: one line
-        queue = job.cluster.queues.get(job.spec.queue or "") if job.spec.queue else None
+        # the queue the job lands in, named or picked (Perlmutter's default QOS is debug)
+        queue = job.cluster.queues.get(job.queue or "") if job.queue else None
         if queue is not None and queue.no_dependencies:
             raise UserError(f"--chain/--after: the {job.cluster.name} queue {queue.name!r} takes "
                             f"no job dependencies ({queue.no_dependencies}); allowed: another "
@@ -324,6 +340,8 @@ def submit(plan: Plan, on_start: Callable[[str], None] | None = None) -> Submitt
     changes: dict[str, Any] = {"job_id": sub.job_id}
     if plan.after is not None:
         changes["after"] = f"{plan.after.job_id}:{plan.after.kind}"
+    if plan.parts:  # a sweep wider than the cluster's array size: its other arrays
+        changes["array_parts"] = _submit_parts(plan, scheduler, str(script), run_dir, sub.job_id)
     if plan.chain > 1:
         changes["chain"] = _submit_chain(scheduler, plan.chain, str(script), run_dir, sub.job_id)
     if sub.exit_code is not None:
@@ -346,6 +364,56 @@ def _pack(stage: Any, run_dir: Path, fresh: bool) -> None:
             with contextlib.suppress(OSError):
                 run_dir.rmdir()
         raise
+
+
+def _array_parts(job: Job, n_tasks: int, notes: list[str]) -> list[tuple[int, int]]:
+    """The arrays a sweep of ``n_tasks`` is submitted as: one, or (where the scheduler
+    splits) one per ``MaxArraySize`` tasks read from the cluster now (issue 32)."""
+    from hpc.sweep import split
+
+    scheduler = job.scheduler
+    limit = scheduler.array_size_limit() if scheduler.array_parts else None
+    parts = split(n_tasks, limit)
+    if len(parts) > 1:
+        paced = (f", each after the one before (--max-parallel {job.max_parallel} holds for the "
+                 "sweep)") if job.max_parallel else ""
+        notes.append(f"hpc: {n_tasks} tasks exceed the cluster's array size ({limit}, "
+                     f"MaxArraySize): one sweep of {len(parts)} arrays{paced}")
+    return parts
+
+
+def _submit_parts(plan: Plan, scheduler: Scheduler, script: str, run_dir: Path,
+                  first: str) -> list[dict[str, Any]]:
+    """Queue arrays 2..N of a split sweep. Each holds its own ``--after``; with a
+    ``--max-parallel`` each waits for the one before (``afterany``), so no more than
+    that many tasks of the sweep run at once. No half sweep: when a part is refused, the
+    parts queued are cancelled and the one line says so (as for a chain)."""
+    from hpc import runs
+    from hpc.chain import After
+    from hpc.errors import SchedulerError
+
+    mp = plan.job.max_parallel
+    done = [{"job_id": first, "offset": plan.parts[0][0], "count": plan.parts[0][1]}]
+    for k, (offset, count) in enumerate(plan.parts[1:], 2):
+        after = After(done[-1]["job_id"], "any") if mp else plan.after
+        try:
+            sub = scheduler.submit_array_part(script, count, offset, mp, after)
+        except Exception as exc:
+            undone = []
+            for part in reversed(done):
+                try:
+                    scheduler.cancel(str(part["job_id"]))
+                except Exception:  # said in the one line below
+                    undone.append(str(part["job_id"]))
+            ids = ", ".join(str(p["job_id"]) for p in done)
+            note = f"; could not cancel {', '.join(undone)}" if undone else ""
+            message = (f"--sweep: array {k} of {len(plan.parts)} was refused ({exc}); cancelled "
+                       f"the {len(done)} array(s) already queued ({ids}){note}")
+            runs.update_submission(run_dir, script, error=message, state="CANCELLED",
+                                   array_parts=done)
+            raise SchedulerError(message) from exc
+        done.append({"job_id": sub.job_id, "offset": offset, "count": count})
+    return done
 
 
 def _submit_chain(scheduler: Scheduler, count: int, script: str, run_dir: Path,
@@ -457,9 +525,55 @@ def run_status(ident: str, runs_dir: Path, cluster: str | None = None, tasks: bo
     if scheduler.array_index_var is None:  # tasks are the job's, one after another
         state = scheduler.statuses([job_id])[job_id]
         return job_id, state, [(job_id, label, state) for _, label in sweep]
+    parts = _parts_of(ident, rec, scheduler) if rec is not None else []
+    if parts:  # one sweep of several arrays (MaxArraySize): still one query for all
+        ids = {}
+        for index, label in sweep:
+            part = next((p for p in parts if p[1] <= index < p[1] + p[2]), None)
+            if part is not None:
+                ids[scheduler.task_id(part[0], index - part[1])] = label
+        states = scheduler.statuses([*(p[0] for p in parts), *ids])
+        state = combined_state([states[p[0]] for p in parts])
+        return job_id, state, [(tid, label, states[tid]) for tid, label in ids.items()]
     ids = {scheduler.task_id(job_id, index): label for index, label in sweep}
     states = scheduler.statuses([job_id, *ids])
     return job_id, states[job_id], [(tid, label, states[tid]) for tid, label in ids.items()]
+
+
+def _parts_of(ident: str, rec: dict[str, Any], scheduler: Scheduler
+              ) -> list[tuple[str, int, int]]:
+    """(job id, offset, count) of each array of a split sweep (``array_parts`` of the
+    record, checked: the record is untrusted); [] for a sweep that is one array."""
+    out = []
+    for part in rec.get("array_parts") or []:
+        job_id = str(part.get("job_id")) if isinstance(part, dict) else ""
+        offset, count = (part.get("offset"), part.get("count")) if isinstance(part, dict) else (0, 0)
+        if (not scheduler.owns_id(job_id) or type(offset) is not int or type(count) is not int
+                or offset < 0 or count < 1):
+            raise UserError(f"run: {ident!r}: run.json's array_parts entry {part!r} is not "
+                            f"a {scheduler.name} job id with offset and count; allowed: a record "
+                            "written by hpc submit --sweep")  # fmt: skip
+        out.append((job_id, offset, count))
+    return out
+
+
+def combined_state(states: list[JobState]) -> JobState:
+    """One state for a sweep of several arrays: running while any part runs, pending
+    while any waits; once all ended, FAILED if any failed, else the first that did not
+    complete, else COMPLETED."""
+    from hpc.schedulers import JobState
+
+    if len(set(states)) == 1:
+        return states[0]
+    for wanted in (JobState.RUNNING, JobState.PENDING):
+        if wanted in states:
+            return wanted
+    waiting = [s for s in states if not s.ended]
+    if waiting:
+        return waiting[0]
+    if JobState.FAILED in states:
+        return JobState.FAILED
+    return next((s for s in states if s != JobState.COMPLETED), JobState.COMPLETED)
 
 
 def _chain_entries(ident: str, rec: dict[str, Any], scheduler: Scheduler
@@ -506,6 +620,8 @@ def watch(ident: str, runs_dir: Path, run_dir: Path | None = None
 
     job_id, scheduler, rec = locate(ident, runs_dir)
     found = runs.find(ident, runs_dir, history=True) if rec is not None else None
+    # the run of a sweep split into several arrays: it goes on while any of them does
+    parts = [p[0] for p in _parts_of(ident, rec, scheduler)] if rec is not None else []
     if rec is None and run_dir is not None and (run_dir / runs.RECORD).is_file():
         rec = runs.read_record(run_dir)  # an array task's id: its run's record
     try:
@@ -519,6 +635,9 @@ def watch(ident: str, runs_dir: Path, run_dir: Path | None = None
             entry = runs.job_entry(runs.read_record(found[0]), ident)
             if entry.get("state") not in (None, "RUNNING"):
                 return JobState(str(entry["state"]))
+        if parts:
+            states = scheduler.statuses(parts)
+            return combined_state([states[p] for p in parts])
         return scheduler.statuses([job_id])[job_id]
 
     return state, float(poll_s)
@@ -548,6 +667,8 @@ def task_states(ident: str, runs_dir: Path) -> list[tuple[str, str, JobState]]:
 
 def cancel(ident: str, runs_dir: Path, cluster: str | None = None) -> str:
     """Ask the job's scheduler to end it; returns the job id."""
-    job_id, scheduler, _ = locate(ident, runs_dir, cluster)
-    scheduler.cancel(job_id)
+    job_id, scheduler, rec = locate(ident, runs_dir, cluster)
+    parts = _parts_of(ident, rec, scheduler) if rec is not None else []
+    for part_id in dict.fromkeys([job_id, *(p[0] for p in parts)]):  # a split sweep: all
+        scheduler.cancel(part_id)
     return job_id

@@ -56,6 +56,7 @@ CLUSTER_KEYS = (
 QUEUE_KEYS = (
     "nodes", "walltime", "bins", "description", "min_walltime", "by_request", "directive",
     "no_dependencies", "max_queued",
+    "array_limit",  # issue 32 arrays: most subjobs of an array queued/running at once
     "directives", "notes", "charge_factor", "charge_source",
 )
 LAUNCHER_KEYS = ("kind", "flavor", "cpu_bind", "depth", "args", "refuse")
@@ -203,6 +204,7 @@ def _queues(data: Any, where: str, directives: tuple[str, ...]) -> dict[str, Que
             directive=directive, directives=_directives(spec, "directives", qwhere),
             notes=_directives(spec, "notes", qwhere),
             no_dependencies=_site_rule(spec, qwhere), max_queued=_max_queued(spec, qwhere),
+            array_limit=_max_queued(spec, qwhere, "array_limit"),
             charge_factor=charges.factor(spec.get("charge_factor"), f"{qwhere}.charge_factor"),
             charge_source=str(spec.get("charge_source") or ""),
         )
@@ -218,11 +220,12 @@ def _site_rule(spec: dict[str, Any], where: str) -> str | None:
     return value
 
 
-def _max_queued(spec: dict[str, Any], where: str) -> int | None:
-    """``max_queued: N``: the site's per-user limit of queued jobs in this queue."""
-    value = spec.get("max_queued")
+def _max_queued(spec: dict[str, Any], where: str, key: str = "max_queued") -> int | None:
+    """``max_queued: N``: the site's per-user limit of queued jobs in this queue (and
+    ``array_limit: N``, the most subjobs of one array it lets be queued or running)."""
+    value = spec.get(key)
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise UserError(f"{where}.max_queued: {value!r} is not allowed; allowed: a whole "
+        raise UserError(f"{where}.{key}: {value!r} is not allowed; allowed: a whole "
                         "number >= 1")
     return value
 

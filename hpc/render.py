@@ -245,7 +245,7 @@ def context(job: Job, regenerate: str | None = None, script: str | None = None) 
     if job.array_size:  # each array task appends its own --set overrides (hpc.sweep)
         launch = [*launch, Raw('"${HPC_SWEEP_ARGS[@]}"')]
         sweep = {"python": python_of(spec.command), "index_var": scheduler.array_index_var,
-                 "last": job.array_size - 1}
+                 "last": job.array_size - 1, "offset_arg": scheduler.array_parts}
     # device_order first: a spec's own CUDA_VISIBLE_DEVICES still wins
     env = {**cluster.device_order_env(), **cluster.env, **spec.env}
     for key, value in scheduler.job_env(job).items():

@@ -282,7 +282,7 @@ def find(ident: str, runs_dir: Path, history: bool = False) -> tuple[Path, dict[
         for name in sorted(index.runs.get(key, ()), reverse=True):  # newest name first
             rec = _record_or_none(runs_dir / name / RECORD)
             entries = _entries(rec)
-            if not any(index_key(str(e.get("job_id") or "")) == key for e in entries):
+            if not any(index_key(j) == key for e in entries for j in _job_ids(e)):
                 stale = True  # the record is gone, damaged, or no longer holds the id
                 continue
             if any(_has_id(e, ident) for e in (entries if history else entries[-1:])):
@@ -332,8 +332,7 @@ def _entries(record: Any) -> list[dict[str, Any]]:
 
 def _index_lines(name: str, record: Any) -> list[str]:
     """The index lines of run ``name``: one per distinct key of its job ids."""
-    keys = dict.fromkeys(index_key(str(e["job_id"])) for e in _entries(record)
-                         if isinstance(e.get("job_id"), str) and e["job_id"])
+    keys = dict.fromkeys(index_key(j) for e in _entries(record) for j in _job_ids(e))
     run = json.dumps(name)
     return [f"{json.dumps(key)}\t{run}\n" for key in keys]
 
@@ -532,13 +531,28 @@ def job_entry(record: dict[str, Any], ident: str) -> dict[str, Any]:
     return record
 
 
+def _job_ids(entry: dict[str, Any]) -> list[str]:
+    """The job ids of one submission: its job, and the other arrays of a sweep split by
+    the cluster's array size (``array_parts``, hpc.core), so each part's id finds the run."""
+    ids = [entry.get("job_id")]
+    parts = entry.get("array_parts")
+    if isinstance(parts, list):
+        ids += [p.get("job_id") for p in parts if isinstance(p, dict)]
+    return list(dict.fromkeys(j for j in ids if isinstance(j, str) and j))
+
+
 def _has_id(entry: Any, ident: str) -> bool:
-    """Whether a record's entry is the job ``ident``: the same id, its number alone
+    """Whether a record's entry is the job ``ident`` (or holds it, one array of a split
+    sweep)."""
+    if not isinstance(entry, dict):
+        return False
+    return any(_is_id(job_id, ident) for job_id in _job_ids(entry))
+
+
+def _is_id(job_id: str, ident: str) -> bool:
+    """Whether ``job_id`` is the job ``ident``: the same id, its number alone
     (PBS ``123`` of ``123.server``), or another spelling of the same server (qsub
     prints ``123.host.domain``, qstat and users may say ``123.host``)."""
-    job_id = str(entry.get("job_id") or "") if isinstance(entry, dict) else ""
-    if not job_id:
-        return False
     if job_id == ident or job_id.split(".")[0] == ident:
         return True
     number, _, server = job_id.partition(".")

@@ -24,12 +24,14 @@ from hpc.errors import UserError
 
 MANIFEST = "sweep.json"
 VERSION = 1
-MAX_TASKS = 1000
+MAX_TASKS = 20_000
 """Most tasks one sweep may expand to: past this a typo (an extra value list) is likelier
-than intent, and schedulers cap array sizes near here (SLURM's MaxArraySize default 1001)."""
+than intent. It is no scheduler's array size: a sweep wider than the cluster's array
+limit (SLURM's ``MaxArraySize``, read at submit) is split into several arrays
+(:func:`split`)."""
 MAX_DIRNAME = 64
 MAX_VALUE = 256
-MAX_MANIFEST_BYTES = 4 * 1024 * 1024
+MAX_MANIFEST_BYTES = 16 * 1024 * 1024  # MAX_TASKS tasks of a few hundred bytes each
 ARRAY_INDEX_VARS = ("SLURM_ARRAY_TASK_ID", "PBS_ARRAY_INDEX")
 """Where a task finds its array index: SLURM, then PBS Pro/OpenPBS (both 0-based here:
 the array is submitted as ``0-(N-1)``)."""
@@ -153,6 +155,48 @@ def check_max_parallel(value: Any, n_tasks: int) -> int:
     return number
 
 
+def split(n_tasks: int, limit: int | None) -> list[tuple[int, int]]:
+    """``(offset, count)`` of each array a sweep of ``n_tasks`` is submitted as, where one
+    array may hold at most ``limit`` tasks (indices ``0 .. limit-1``).
+
+    Why offsets and not index ranges: SLURM's ``MaxArraySize`` caps the array *index*
+    ("the maximum job array task index value will be one less than MaxArraySize",
+    slurm.conf(5)), so ``--array=1001-2000`` is refused at the default 1001 just as
+    ``--array=0-1999`` is. Every part is therefore ``0 .. count-1``, and a task finds its
+    place in the sweep as ``offset + SLURM_ARRAY_TASK_ID`` (the offset is the part
+    script's first argument, ``python -m hpc.sweep shell ... --offset``).
+    """
+    if limit is None or n_tasks <= limit:
+        return [(0, n_tasks)]
+    return [(start, min(limit, n_tasks - start)) for start in range(0, n_tasks, limit)]
+
+
+def throttle(n_tasks: int, max_parallel: int | None, limit: int | None, where: str
+             ) -> tuple[int | None, str | None]:
+    """``(max_parallel, note)`` for an array of ``n_tasks`` in a queue that lets at most
+    ``limit`` subjobs be queued or running at once (the profile's ``array_limit``).
+
+    Why: PBS accepts an array wider than Polaris' ``prod`` routing limit, and the
+    subjobs past it "sit forever without running" (ALCF, "Limits on job arrays"). With
+    no ``--max-parallel`` the array is throttled to the limit (``-J 0-14%10``) and the
+    note says so once. An explicit ``--max-parallel`` above it is refused in one line
+    rather than clamped: the user asked for a number, the site cannot honour it, and a
+    refusal before anything is written costs nothing, where a silent clamp would run a
+    different sweep than the one asked for (and a clamp with a message is still a
+    request overruled).
+    """
+    if limit is None or n_tasks <= limit:
+        return max_parallel, None
+    if max_parallel is None:
+        return limit, (f"hpc: {where} runs at most {limit} subjobs of an array at once; the "
+                       f"sweep's {n_tasks} tasks run {limit} at a time (%{limit})")
+    if max_parallel > limit:
+        raise UserError(f"--max-parallel: {max_parallel}; {where} runs at most {limit} subjobs "
+                        f"of an array at once (the others would wait forever); allowed: 1 to "
+                        f"{limit}")  # fmt: skip
+    return max_parallel, None
+
+
 def write_manifest(run_dir: Path, tasks: list[SweepTask], max_parallel: int | None = None) -> Path:
     """Write ``run_dir/sweep.json`` all or nothing (mkstemp + ``os.replace``): a task
     starting while a resubmission rewrites it reads the old or the new one, never half."""
@@ -266,15 +310,29 @@ def array_index(index: int | str | None = None, environ: Mapping[str, str] | Non
 
 
 def task_for(
-    run_dir: Path, index: int | str | None = None, environ: Mapping[str, str] | None = None
+    run_dir: Path, index: int | str | None = None, environ: Mapping[str, str] | None = None,
+    offset: int | str | None = None,
 ) -> SweepTask:
-    """This array task's entry of ``run_dir/sweep.json`` (see :func:`array_index`)."""
+    """This array task's entry of ``run_dir/sweep.json`` (see :func:`array_index`): the
+    one at ``offset`` + its index, where the sweep was split into several arrays."""
     tasks = read_manifest(run_dir)
-    i = array_index(index, environ)
+    i = array_index(index, environ) + _offset(offset)
     if i >= len(tasks):
         raise UserError(f"sweep: array index {i} is past the {len(tasks)} tasks of "
                         f"{str(run_dir / MANIFEST)!r}; allowed: 0 to {len(tasks) - 1}")  # fmt: skip
     return tasks[i]
+
+
+def _offset(offset: int | str | None) -> int:
+    """``--offset`` as the part's submit command gave it ("" or None: 0, the first or
+    only array); ASCII digits only, as :func:`array_index` takes an index."""
+    text = "" if offset is None else str(offset).strip()
+    if not text:
+        return 0
+    if isinstance(offset, bool) or not re.fullmatch(r"[0-9]{1,6}", text):
+        raise UserError(f"sweep: --offset {str(offset)!r} is not an array offset; "
+                        "allowed: a whole number from 0 to 999999 in ASCII digits")  # fmt: skip
+    return int(text)
 
 
 CHECKPOINT_KEY = "checkpoint.dir"
@@ -375,7 +433,7 @@ def shell(run_dir: Path, task: SweepTask) -> str:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    """``python -m hpc.sweep shell RUN_DIR [--index N]``: what an array task evals::
+    """``python -m hpc.sweep shell RUN_DIR [--index N] [--offset K]``: what an array task evals::
 
         task=$(python -m hpc.sweep shell "$HPC_RUN_DIR") || exit 2
         eval "$task"
@@ -391,15 +449,17 @@ def _main(argv: list[str] | None = None) -> int:
         """Usage mistakes are one line too (argparse prints the usage, then exits)."""
 
         def error(self, message: str) -> Any:  # type: ignore[override]
-            raise UserError(f"{message}; allowed: shell RUN_DIR [--index N]")
+            raise UserError(f"{message}; allowed: shell RUN_DIR [--index N] [--offset K]")
 
     parser = Parser(prog="python -m hpc.sweep")
     parser.add_argument("action", choices=["shell"])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--index", default=None, help="array index (default: the scheduler's)")
+    parser.add_argument("--offset", default=None,
+                        help="this array's first task in the sweep (a sweep split into arrays)")
     try:
         args = parser.parse_args(argv)
-        task = task_for(args.run_dir, args.index)
+        task = task_for(args.run_dir, args.index, offset=args.offset)
         sys.stdout.write(shell(args.run_dir, task))
     except UserError as exc:
         sys.stderr.write(f"hpc sweep: error: {exc}\n")

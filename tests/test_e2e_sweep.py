@@ -73,3 +73,102 @@ def test_sweep_of_two_learning_rates_is_one_array(slurm_cluster, tmp_path: Path)
 
     image = mpimg.imread(png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and image.shape[0] > 300 and image.shape[1] > 300
+
+
+@pytest.fixture(scope="module")
+def small_array_cluster(slurm_cluster):
+    """A private SLURM test cluster with ``MaxArraySize=11`` (tests/support/slurm.py).
+
+    It takes the session's cluster first: its SLURM_CONF is what this fixture restores at
+    the module's end (made first, the session's cluster would be started inside this
+    one's monkeypatch, and the restore would unset SLURM_CONF for every later test).
+
+    Why 11 and 25 tasks, not the issue's 1001 and 2,500: the split is the same (three
+    arrays, the last one partial, offsets 0/11/22 as 0/1001/2002), and on this 2-core
+    machine 2,500 array tasks take about 10 minutes: measured 250 tasks of ``true`` with
+    MaxArraySize=101 (three arrays, all COMPLETED) in 62 s, 0.25 s a task, and 25 tasks
+    here in 8 s (docs/sites.md "Job arrays"), more than a test may spend."""
+    from tests.support import fixtures, slurm
+
+    fixtures.require(not slurm.missing_exes(), "SLURM (slurm-wlm, munge) not installed")
+    fixtures.require(os.geteuid() == 0, "the SLURM fixture runs slurmd as root")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HPC_TEST_SLURM_MAX_ARRAY_SIZE", "11")
+        with slurm.start_cluster() as cluster:
+            mp.setenv("SLURM_CONF", str(cluster.conf))
+            yield cluster
+
+
+def test_sweep_wider_than_max_array_size_is_one_sweep_of_three_arrays(
+        small_array_cluster, tmp_path: Path) -> None:
+    """25 tasks, MaxArraySize 11 (read from ``scontrol show config`` at submit): arrays of
+    11, 11 and 3 tasks, all run, each task its own sweep point (offset + array index);
+    ``run.json`` records the three array ids, ``hpc status`` shows one sweep of 25 task
+    lines, ``hpc logs`` finds a task of the third array, ``hpc cancel`` reaches all."""
+    runs = tmp_path / "runs"
+    n = 25
+    started = time.monotonic()
+    proc = hpc(
+        "submit", "--cluster", "slurm", "--queue", "debug", "--name", "wide", "--runs-dir", str(runs),
+        "--walltime", "00:05:00", "--sweep", "optim.lr=" + ",".join(str(i) for i in range(n)),
+        "--", "bash", "-c", 'echo "point $HPC_SWEEP_INDEX: $*" | tee "$HPC_RUN_DIR/point.txt"', "x",
+    )
+    job_id = proc.stdout.strip()
+    assert "one sweep of 3 arrays" in proc.stderr
+    (run_dir,) = runs.iterdir()
+    record = json.loads((run_dir / "run.json").read_text())
+    parts = record["array_parts"]
+    assert [(p["offset"], p["count"]) for p in parts] == [(0, 11), (11, 11), (22, 3)]
+    assert parts[0]["job_id"] == job_id and len({p["job_id"] for p in parts}) == 3
+    assert "#SBATCH --array=0-10\n" in (run_dir / "job.slurm").read_text()
+
+    deadline = time.monotonic() + 240
+    while True:
+        lines = hpc("status", str(run_dir), "--runs-dir", str(runs)).stdout.splitlines()
+        tasks = [ln.split() for ln in lines[1:]]
+        if len(tasks) == n and all(t[1] in FINAL for t in tasks):
+            break
+        assert time.monotonic() < deadline, lines
+        time.sleep(0.5)
+    elapsed = time.monotonic() - started
+    sys.stderr.write(f"{n} tasks in 3 arrays: {elapsed:.1f} s from submit to all ended\n")
+    assert lines[0].split() == [job_id, "COMPLETED"], lines[0]
+    ids = [f"{p['job_id']}_{i}" for p in parts for i in range(p["count"])]
+    assert [t[0] for t in tasks] == ids
+    assert [t[1] for t in tasks] == ["COMPLETED"] * n, lines
+    assert [t[2] for t in tasks] == [f"optim.lr={i}" for i in range(n)]
+    for i in range(n):  # each task ran its own point: offset + SLURM_ARRAY_TASK_ID
+        (task_dir,) = run_dir.glob(f"{i:03d}-*")
+        assert (task_dir / "point.txt").read_text() == f"point {i}: --set optim.lr={i}\n"
+
+    last = f"{parts[2]['job_id']}_2"  # task 24, the third array's last
+    log = hpc("logs", last, "--runs-dir", str(runs))
+    assert log.returncode == 0
+    assert "point 24: --set optim.lr=24\n" in log.stdout, log.stdout
+    assert hpc("status", last, "--runs-dir", str(runs)).stdout.split()[:2] == [last, "COMPLETED"]
+
+
+def test_cancel_of_a_split_sweep_reaches_every_array(small_array_cluster, tmp_path: Path) -> None:
+    """``hpc cancel RUN`` of a sweep of three arrays cancels all three (and every task)."""
+    runs = tmp_path / "runs"
+    n = 25
+    job_id = hpc(
+        "submit", "--cluster", "slurm", "--queue", "debug", "--name", "wide", "--runs-dir", str(runs),
+        "--walltime", "00:05:00", "--sweep", "optim.lr=" + ",".join(str(i) for i in range(n)),
+        "--", "sleep", "300",
+    ).stdout.strip()
+    (run_dir,) = runs.iterdir()
+    parts = json.loads((run_dir / "run.json").read_text())["array_parts"]
+    assert len(parts) == 3
+    out = hpc("cancel", str(run_dir), "--runs-dir", str(runs)).stdout
+    assert out.strip() == f"{job_id} cancel requested"
+    deadline = time.monotonic() + 120
+    while True:
+        lines = hpc("status", str(run_dir), "--runs-dir", str(runs)).stdout.splitlines()
+        tasks = [ln.split() for ln in lines[1:]]
+        if len(tasks) == n and all(t[1] in FINAL for t in tasks):
+            break
+        assert time.monotonic() < deadline, lines
+        time.sleep(0.5)
+    assert {t[1] for t in tasks} == {"CANCELLED"}, lines
+    assert lines[0].split() == [job_id, "CANCELLED"]

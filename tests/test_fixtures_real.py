@@ -42,6 +42,22 @@ def test_slurm_trivial_job_completes(slurm_cluster: SlurmCluster, tmp_path: Path
 
 
 @pytest.mark.slurm
+def test_a_second_cluster_in_this_process_leaves_the_first_running(
+        slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """A test module's own cluster (tests/test_e2e_sweep.py's MaxArraySize=11 one) once
+    took the session's cluster, owned by this same live process, for a stale one: it
+    killed its daemons, and its teardown dropped the session's /etc/hosts line."""
+    from tests.support.slurm import HOSTS_FILE, start_cluster
+
+    with start_cluster() as second:
+        assert second.root != slurm_cluster.root and slurm_cluster.root.is_dir()
+    assert slurm_cluster.nodes_idle(), slurm_cluster.log_tail()
+    assert f"{os.getpid()}:{slurm_cluster.root.name}" in HOSTS_FILE.read_text()
+    job = slurm_cluster.submit(_script(tmp_path / "after.sh", "#SBATCH -N2 -n2\nsrun hostname\n"))
+    assert slurm_cluster.wait(job, timeout=60) == "COMPLETED", slurm_cluster.log_tail()
+
+
+@pytest.mark.slurm
 @pytest.mark.multinode
 def test_slurm_srun_spans_both_nodes(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     script = _script(

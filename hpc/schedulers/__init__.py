@@ -112,6 +112,10 @@ class Scheduler:
     #: tasks one after another itself), and whether ``max_parallel`` can be expressed.
     array_index_var: ClassVar[str | None] = None
     array_throttle: ClassVar[bool] = False
+    #: Whether a sweep wider than :meth:`array_size_limit` is submitted as several
+    #: arrays, each told its first task in the sweep by its script's first argument
+    #: (``hpc.sweep.split``); False: one array, whatever its size.
+    array_parts: ClassVar[bool] = False
     #: True where submit runs the job here to the end: it writes the job's log into the
     #: run directory itself and the record holds the final state; False where a
     #: directive (``-o``/``--output``) sends the log there and the scheduler knows the state.
@@ -157,6 +161,30 @@ class Scheduler:
     def task_id(self, job_id: str, index: int) -> str:
         """The id of one array task, as the scheduler's clients take it."""
         return f"{job_id}_{index}"
+
+    def array_size_limit(self) -> int | None:
+        """Most tasks one array may hold here (indices ``0 .. N-1``), asked of the
+        cluster at submit time; None: no limit known (one array)."""
+        return None
+
+    def array_part_command(self, script: str, count: int, offset: int,
+                           max_parallel: int | None = None, after: After | None = None
+                           ) -> list[str]:
+        """The submit command of one more array of a split sweep: ``count`` tasks whose
+        first is task ``offset`` of the sweep (see :attr:`array_parts`)."""
+        raise UserError(f"--sweep: the {self.name} scheduler cannot split a sweep into "
+                        "several arrays; allowed: a sweep within its array size")
+
+    def submit_array_part(self, script: str, count: int, offset: int,
+                          max_parallel: int | None = None, after: After | None = None
+                          ) -> Submission:
+        """Submit one more array of a split sweep (:meth:`array_part_command`)."""
+        argv = self.array_part_command(script, count, offset, max_parallel, after)
+        proc = run(argv)
+        if proc.returncode != 0:
+            raise SchedulerError(f"{argv[0]} refused the job (exit {proc.returncode}): "
+                                 f"{last_line(proc.stderr or proc.stdout)}")
+        return Submission(self.parse_job_id(proc.stdout))
 
     # --- its job ids and logs (hpc logs) ---------------------------------------------
 

@@ -145,6 +145,25 @@ def _sacct_lines(text: str) -> list[tuple[str, str, str]]:
     return out
 
 
+DEFAULT_MAX_ARRAY_SIZE = 1001
+"""slurm.conf(5) MaxArraySize: "The default value is 1001" (indices 0 to 1000)."""
+
+
+def parse_array_limit(config: str) -> int:
+    """Most tasks of one array from ``scontrol show config``'s text: ``MaxArraySize``,
+    lowered by ``SchedulerParameters``' ``max_array_tasks`` (slurm.conf(5): "limit the
+    number of tasks in any single job array"); the default where the line is missing."""
+    found = re.search(r"^MaxArraySize\s*=\s*([0-9]{1,9})\s*$", config, re.M)
+    limit = int(found.group(1)) if found else DEFAULT_MAX_ARRAY_SIZE
+    if limit == 0:
+        raise UserError("--sweep: this SLURM cluster has MaxArraySize = 0 (job arrays are "
+                        "disabled, slurm.conf(5)); allowed: one hpc submit per point, no --sweep")
+    tasks = re.search(r"^SchedulerParameters\s*=.*\bmax_array_tasks=([0-9]{1,9})\b", config, re.M)
+    if tasks and 0 < int(tasks.group(1)) < limit:
+        limit = int(tasks.group(1))
+    return limit
+
+
 class Slurm(Scheduler):
     """SLURM: sbatch scripts, ranks started by srun (or one torchrun per node)."""
 
@@ -156,6 +175,7 @@ class Slurm(Scheduler):
     detect_order = 10
     array_index_var = "SLURM_ARRAY_TASK_ID"
     array_throttle = True  # --array=0-9%2
+    array_parts = True  # sbatch --array=0-N SCRIPT OFFSET (array_part_command)
     # --output=DIR/%x-%j.out (an array's tasks: %x-%A_%a.out), from template_values
     log_patterns = (r"(?P<name>.+)-(?P<job>[0-9]+(?:_[0-9]+)?)\.out",)
     id_examples = "12345, 12345_3"
@@ -191,6 +211,35 @@ class Slurm(Scheduler):
             "log_name": "%x-%A_%a.out" if job.array_size else "%x-%j.out",
             "err_name": "%x-%A_%a.err" if job.array_size else "%x-%j.err",
         }
+
+    def array_size_limit(self) -> int:
+        """``MaxArraySize`` from ``scontrol show config`` (and ``max_array_tasks`` of
+        ``SchedulerParameters`` where it is lower), read at submit time.
+
+        slurm.conf(5), MaxArraySize: "The maximum job array task index value will be one
+        less than MaxArraySize to allow for an index value of zero ... The default value
+        is 1001" (https://slurm.schedmd.com/slurm.conf.html#OPT_MaxArraySize; also
+        https://slurm.schedmd.com/job_array.html: "the maximum value is ... MaxArraySize
+        minus one"). It caps the index, not the count, so a part holds at most that many
+        tasks numbered from 0. Unreadable (no scontrol, no controller): the default.
+        ``MaxArraySize=0`` disables arrays: one line.
+        """
+        try:
+            proc = run(["scontrol", "show", "config"], timeout=30)
+        except SchedulerError:
+            return DEFAULT_MAX_ARRAY_SIZE
+        return parse_array_limit(proc.stdout if proc.returncode == 0 else "")
+
+    def array_part_command(self, script: str, count: int, offset: int,
+                           max_parallel: int | None = None, after: After | None = None
+                           ) -> list[str]:
+        """``sbatch --parsable --array=0-(count-1)[%P] SCRIPT OFFSET``: the command line's
+        ``--array`` wins over the script's ``#SBATCH --array`` (sbatch(1): options on the
+        command line override those in the script), and the offset reaches the task as
+        the script's first argument (sbatch(1): "script [args(0)...]")."""
+        spec = f"0-{count - 1}" + (f"%{max_parallel}" if max_parallel else "")
+        return ["sbatch", "--parsable", f"--array={spec}",
+                *(self.dependency(after) if after else []), script, str(offset)]
 
     def split_id(self, job_id: str) -> tuple[str, str | None] | None:
         """``12345`` -> (12345, None); an array task ``12345_3`` -> (12345, 3)."""

@@ -44,8 +44,8 @@ def test_parse_keeps_order_and_strings():
         (["../x=1"], "not a config key"),
         (["a=1\n2"], "control character"),
         (["a=" + "x" * 300], "at most 256"),
-        ([f"a={','.join(map(str, range(11)))}", f"b={','.join(map(str, range(100)))}"],
-         "11 x 100 = 1100 tasks; allowed: at most 1000"),
+        ([f"a={','.join(map(str, range(21)))}", f"b={','.join(map(str, range(1000)))}"],
+         "21 x 1000 = 21000 tasks; allowed: at most 20000"),
     ],
 )
 def test_parse_refuses_with_one_line(items, expected):
@@ -55,12 +55,12 @@ def test_parse_refuses_with_one_line(items, expected):
 def test_cap_is_checked_before_expanding():
     # 10**12 tasks would never fit in memory: refused from the sizes alone.
     items = [f"k{i}={','.join(map(str, range(10)))}" for i in range(12)]
-    assert "allowed: at most 1000" in _error(sweep.tasks_from_flags, items)
+    assert "allowed: at most 20000" in _error(sweep.tasks_from_flags, items)
 
 
 def test_exactly_the_cap_is_allowed():
-    tasks = sweep.tasks_from_flags(["a=" + ",".join(map(str, range(10))),
-                                    "b=" + ",".join(map(str, range(100)))])  # fmt: skip
+    tasks = sweep.tasks_from_flags(["a=" + ",".join(map(str, range(20))),
+                                    "b=" + ",".join(map(str, range(1000)))])  # fmt: skip
     assert len(tasks) == sweep.MAX_TASKS
     assert len({t.dirname for t in tasks}) == sweep.MAX_TASKS
 
@@ -161,8 +161,8 @@ def _set(data: dict, path: tuple, value) -> dict:
     [
         (lambda d: [d], "holds a list"),
         (lambda d: _set(d, ("version",), 2), "version 2"),
-        (lambda d: _set(d, ("tasks",), []), "list of 1 to 1000"),
-        (lambda d: _set(d, ("tasks",), {"0": {}}), "list of 1 to 1000"),
+        (lambda d: _set(d, ("tasks",), []), "list of 1 to 20000"),
+        (lambda d: _set(d, ("tasks",), {"0": {}}), "list of 1 to 20000"),
         (lambda d: _set(d, ("max_parallel",), 3), "max_parallel 3"),
         (lambda d: _set(d, ("max_parallel",), "1"), "max_parallel '1'"),
         (lambda d: _set(d, ("tasks", 1), "x"), "task 1 is not an object"),

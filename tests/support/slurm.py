@@ -133,11 +133,19 @@ def _cluster_pids(run_dir: Path) -> list[int]:
     return sorted(p for p in pids if _alive(p))
 
 
+#: Clusters this process runs now: a second cluster started beside the session's (a test
+#: module's own, with other settings) must not take the first for a stale one, whose
+#: owner (this process) is alive but which an earlier crashed session would have left.
+_ACTIVE: set[Path] = set()
+
+
 def cleanup_stale(base: Path | None = None) -> list[Path]:
     """Kill the daemons of run dirs whose owner process is dead; remove those dirs."""
     base = base or base_dir()
     removed = []
     for run_dir in sorted(base.glob("run-*")):
+        if run_dir in _ACTIVE:
+            continue  # this process's own running cluster
         try:
             owner = int((run_dir / "owner.pid").read_text())
         except (OSError, ValueError):
@@ -261,6 +269,8 @@ JobCompType=jobcomp/filetxt
 JobCompLoc={logs}/jobcomp.txt
 MpiDefault=none
 SchedulerParameters=batch_sched_delay=0
+# SLURM's default written out; tests/test_e2e_sweep.py starts a cluster with a smaller one
+MaxArraySize={os.environ.get('HPC_TEST_SLURM_MAX_ARRAY_SIZE', '1001')}
 MailProg=/bin/true
 ReturnToService=2
 MinJobAge=300
@@ -313,7 +323,7 @@ HOSTS_FILE = Path("/etc/hosts")
 HOSTS_MARK = "# hpc-ddp test cluster"
 
 
-def _add_host_names(names: Sequence[str]) -> bool:
+def _add_host_names(names: Sequence[str], tag: str = "") -> bool:
     """Make the emulated node names resolve (to 127.0.0.1), as node names do on a real cluster.
 
     Jobs see the NodeNames (n1, n2) in SLURM_JOB_NODELIST and connect to the first one
@@ -323,21 +333,23 @@ def _add_host_names(names: Sequence[str]) -> bool:
     """
     try:
         with HOSTS_FILE.open("a", encoding="utf-8") as fh:
-            fh.write(f"127.0.0.1 {' '.join(names)} {HOSTS_MARK} {os.getpid()}\n")
+            fh.write(f"127.0.0.1 {' '.join(names)} {HOSTS_MARK} {os.getpid()}:{tag}\n")
     except OSError:
         return False  # the names must resolve some other way; jobs say so if they do not
     return True
 
 
-def _remove_host_names(pid: int | None = None) -> None:
-    """Drop this run's hosts line; with ``pid=0`` the lines of runs that died without it."""
+def _remove_host_names(pid: int | None = None, tag: str = "") -> None:
+    """Drop this run's hosts line (``PID:TAG``: one process may run two clusters); with
+    ``pid=0`` the lines of runs that died without it."""
     def ours(line: str) -> bool:
         if HOSTS_MARK not in line:
             return False
         owner = line.rstrip().rsplit(" ", 1)[-1]
         if pid == 0:
-            return owner.isdigit() and not _alive(int(owner))
-        return owner == str(pid or os.getpid())
+            owner_pid = owner.split(":", 1)[0]
+            return owner_pid.isdigit() and not _alive(int(owner_pid))
+        return owner == f"{pid or os.getpid()}:{tag}"
 
     with contextlib.suppress(OSError):
         lines = HOSTS_FILE.read_text(encoding="utf-8").splitlines(keepends=True)
@@ -364,8 +376,9 @@ def start_cluster(timeout: float = 30) -> Iterator[SlurmCluster]:
         if key != "SLURM_CONF":
             del env[key]  # a test run inside a SLURM job must not leak that job's settings
     cluster = SlurmCluster(root=root, conf=conf, log_dir=root / "log", env=env)
+    _ACTIVE.add(root)
     _remove_host_names(pid=0)
-    added_hosts = _add_host_names(NODES)
+    added_hosts = _add_host_names(NODES, root.name)
     key = root / "munge.key"  # own key: the packaged one is owned by munge, refused to root
     key.write_bytes(os.urandom(128))
     key.chmod(0o600)
@@ -384,8 +397,9 @@ def start_cluster(timeout: float = 30) -> Iterator[SlurmCluster]:
         yield cluster
     finally:
         stop_cluster(cluster)
+        _ACTIVE.discard(root)
         if added_hosts:
-            _remove_host_names()
+            _remove_host_names(tag=root.name)
 
 
 def stop_cluster(cluster: SlurmCluster) -> None:
