@@ -74,6 +74,32 @@ class Launcher:
 
 
 @dataclass(frozen=True)
+class Tiles:
+    """Devices that are tiles of GPUs (``devices_per_node`` counts tiles).
+
+    Why: a rank picks device ``local_rank % count``; with tiles as devices, ``ppn`` equal
+    to the GPU count would give ranks 0..5 the two tiles of GPUs 0-2 and leave the rest
+    of the node idle. At ``ppn`` <= the GPU count each rank gets a whole GPU instead:
+    ``composite_env`` makes every GPU one device (both tiles) and ``composite_cpu_bind``
+    spreads the ranks' cores over the sockets the GPUs hang off.
+    """
+
+    per_gpu: int
+    composite_env: dict[str, str] = field(default_factory=dict)
+    composite_cpu_bind: str | None = None
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a job's ranks go on a node: variables, the mpiexec CPU binding, a note."""
+
+    env: dict[str, str] = field(default_factory=dict)
+    cpu_bind: str | None = None
+    note: str | None = None
+
+
+@dataclass(frozen=True)
 class Cluster:
     """A validated cluster profile."""
 
@@ -111,6 +137,8 @@ class Cluster:
     sources: tuple[str, ...] = ()
     #: The site's charge rules (hpc.charges): unit, source URL, machine factor; {} = unknown.
     charge: dict = field(default_factory=dict)
+    #: GPUs made of tiles (Aurora); None: each device is a whole GPU (see :class:`Tiles`).
+    tiles: Tiles | None = None
 
     @property
     def script_suffix(self) -> str:
@@ -143,6 +171,32 @@ class Cluster:
         """Comment lines the script carries for ``queue`` (e.g. preemption advice)."""
         q = self.queues.get(queue) if queue else None
         return list(q.notes) if q is not None else []
+
+    def layout(self, ppn: int) -> Layout:
+        """The rank layout for ``ppn`` ranks per node (see :class:`Tiles`).
+
+        With tiles, ``ppn`` up to the GPU count is one rank per GPU (both tiles, the
+        composite variables and CPU list); above it one rank per tile as before. A
+        ``ppn`` that leaves devices idle gets a note naming how many, said once by
+        :func:`hpc.render.context`; a CPU-only or unknown node gets none.
+        """
+        devices = self.devices_per_node
+        if not devices or self.device == "cpu":
+            return Layout(cpu_bind=self.launcher.cpu_bind)
+        t = self.tiles
+        if t is not None and ppn <= devices // t.per_gpu:
+            gpus = devices // t.per_gpu
+            idle = gpus - ppn
+            note = (f"ppn {ppn}: one rank per GPU (both tiles), {idle} GPU{'s' * (idle != 1)} "
+                    f"idle of {gpus} per node on {self.name}; allowed without idle devices: "
+                    f"ppn {gpus} (one rank per GPU) or {devices} (one per tile)") if idle else None
+            return Layout(dict(t.composite_env), t.composite_cpu_bind or self.launcher.cpu_bind,
+                          note)  # fmt: skip
+        idle = devices - ppn
+        what = "GPU tile" if t is not None else f"{self.device} device"
+        note = (f"ppn {ppn}: {idle} {what}{'s' * (idle != 1)} idle of {devices} per node on "
+                f"{self.name}; allowed without idle devices: ppn {devices}") if idle > 0 else None
+        return Layout(cpu_bind=self.launcher.cpu_bind, note=note)
 
     def device_order_env(self) -> dict[str, str]:
         """``{CUDA_VISIBLE_DEVICES: "3,2,1,0"}`` for ``device_order``, else nothing.

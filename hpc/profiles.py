@@ -34,7 +34,7 @@ from hpc._util import (
     parse_walltime,
     variable_name,
 )
-from hpc.cluster import DEVICE_ORDER_VARS, Cluster, Launcher, Queue
+from hpc.cluster import DEVICE_ORDER_VARS, Cluster, Launcher, Queue, Tiles
 from hpc.errors import UserError
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "clusters"
@@ -51,8 +51,9 @@ CLUSTER_KEYS = (
     "system", "place", "filesystems", "constraint", "gpu_directive", "gpus_per_node",
     "cpus_per_task", "launcher", "module_use", "modules", "setup", "env", "extends",
     "shell", "directives", "min_walltime", "device_order", "env_prepend", "poll_s",
-    "charge",
+    "charge", "tiles",
 )
+TILES_KEYS = ("per_gpu", "composite_env", "composite_cpu_bind", "source")
 QUEUE_KEYS = (
     "nodes", "walltime", "bins", "description", "min_walltime", "by_request", "directive",
     "no_dependencies", "max_queued",
@@ -304,6 +305,33 @@ def load(name: str, environ: dict[str, str] | None = None, cwd: Path | None = No
         poll_s=_poll_s(data, where),
         sources=tuple(sources),
         charge=_charge(data, where),
+        tiles=_tiles(data.get("tiles"), devices_per_node, where),
+    )
+
+
+def _tiles(data: Any, devices: int | None, where: str) -> Tiles | None:
+    """``tiles: {per_gpu: 2, composite_env: {...}, composite_cpu_bind: list:..., source: URL}``
+    (see :class:`hpc.cluster.Tiles`): ``devices_per_node`` must be a whole number of GPUs."""
+    if data is None:
+        return None
+    twhere = f"{where}: tiles"
+    if not isinstance(data, dict):
+        raise UserError(f"{twhere}: allowed: a mapping with {', '.join(TILES_KEYS)}")
+    check_keys(data, TILES_KEYS, twhere)
+    per_gpu = _int(data, "per_gpu", twhere)
+    if not per_gpu or not devices or devices % per_gpu:
+        raise UserError(f"{twhere}: per_gpu: {data.get('per_gpu')!r} is not allowed; allowed: "
+                        f"a whole number >= 1 that divides devices_per_node ({devices})")
+    env = data.get("composite_env") or {}
+    if not isinstance(env, dict):
+        raise UserError(f"{twhere}: composite_env: allowed: a mapping of NAME: value")
+    bind = data.get("composite_cpu_bind")
+    return Tiles(
+        per_gpu=per_gpu,
+        composite_env={variable_name(str(k), f"{twhere}: composite_env"): _env_str(v)
+                       for k, v in env.items()},
+        composite_cpu_bind=None if bind is None else str(bind),
+        source=str(data.get("source", "")),
     )
 
 

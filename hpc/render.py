@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 _PKG = Path(__file__).resolve().parent
 _LOG = logging.getLogger(__name__)
+_SAID: set[str] = set()  # rank-layout notes already said in this process (hpc.cluster.Layout)
 
 MAX_TEMPLATE = 1 << 20
 """Largest template file read (a real one is a few kilobytes)."""
@@ -247,7 +248,11 @@ def context(job: Job, regenerate: str | None = None, script: str | None = None) 
         sweep = {"python": python_of(spec.command), "index_var": scheduler.array_index_var,
                  "last": job.array_size - 1}
     # device_order first: a spec's own CUDA_VISIBLE_DEVICES still wins
-    env = {**cluster.device_order_env(), **cluster.env, **spec.env}
+    layout = cluster.layout(job.ppn)  # one rank per GPU or per tile (hpc.cluster.Tiles)
+    if layout.note and layout.note not in _SAID:  # said once per process, not per render
+        _SAID.add(layout.note)
+        _LOG.warning("hpc: %s", layout.note)
+    env = {**cluster.device_order_env(), **cluster.env, **layout.env, **spec.env}
     for key, value in scheduler.job_env(job).items():
         env.setdefault(key, value)
     if spec.per_rank_logs:  # ddp.init sends each rank's output to RUN/ranks/rank-NNNNN.log
