@@ -91,6 +91,47 @@ class Tiles:
 
 
 @dataclass(frozen=True)
+class Rule:
+    """One of a site's known issues as data (profile ``rules: {NAME: {...}}``).
+
+    ``when`` is the condition: a node range (``nodes``) and variables of the job's
+    environment (``env``: NAME: value, ``null`` for set at all). Where it holds, the rule
+    gives defaults (``env``, the spec's own win), drops and unsets variables (``unset``:
+    a module may set them too), says one ``warn`` line, or ``refuse``s the job in one
+    line. ``enabled: false`` makes a switch a user turns on in their own profile (merged
+    per key). Why data: the action depends on the job, never on the site's name.
+    """
+
+    name: str
+    source: str
+    nodes: tuple[int, int] | None = None
+    when_env: dict[str, str | None] = field(default_factory=dict)
+    enabled: bool = True
+    env: dict[str, str] = field(default_factory=dict)
+    unset: tuple[str, ...] = ()
+    warn: str | None = None
+    refuse: str | None = None
+
+    def holds(self, nodes: int, env: dict[str, str]) -> bool:
+        """Whether the rule applies to a job of ``nodes`` nodes with environment ``env``."""
+        if not self.enabled:
+            return False
+        if self.nodes is not None and not self.nodes[0] <= nodes <= self.nodes[1]:
+            return False
+        return all(key in env and (want is None or env[key] == want)
+                   for key, want in self.when_env.items())
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What a profile's rules made of a job's environment (:meth:`Cluster.apply_rules`)."""
+
+    env: dict[str, str]
+    unset: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Layout:
     """Where a job's ranks go on a node: variables, the mpiexec CPU binding, a note."""
 
@@ -139,6 +180,8 @@ class Cluster:
     charge: dict = field(default_factory=dict)
     #: GPUs made of tiles (Aurora); None: each device is a whole GPU (see :class:`Tiles`).
     tiles: Tiles | None = None
+    #: The site's known issues as rules (:class:`Rule`), in profile order.
+    rules: tuple[Rule, ...] = ()
 
     @property
     def script_suffix(self) -> str:
@@ -197,6 +240,30 @@ class Cluster:
         note = (f"ppn {ppn}: {idle} {what}{'s' * (idle != 1)} idle of {devices} per node on "
                 f"{self.name}; allowed without idle devices: ppn {devices}") if idle > 0 else None
         return Layout(cpu_bind=self.launcher.cpu_bind, note=note)
+
+    def apply_rules(self, nodes: int, env: dict[str, str],
+                    own: frozenset[str] = frozenset()) -> Applied:
+        """Apply :attr:`rules` to a job of ``nodes`` nodes whose environment is ``env``
+        (``own``: the names the spec sets itself, which a rule's default never replaces).
+
+        A refusing rule raises one UserError line naming the rule, why, and its page;
+        every condition is read on ``env`` as the job would have it before any rule.
+        """
+        out, unset, warnings = dict(env), [], []
+        held = [r for r in self.rules if r.holds(nodes, env)]
+        for rule in held:
+            if rule.refuse:
+                raise UserError(f"{self.name} rule {rule.name}: {rule.refuse} ({rule.source})")
+        for rule in held:
+            for key, value in rule.env.items():
+                if key not in own:
+                    out[key] = value
+            for key in rule.unset:
+                out.pop(key, None)
+                unset.append(key)
+            if rule.warn:
+                warnings.append(f"{self.name} rule {rule.name}: {rule.warn} ({rule.source})")
+        return Applied(out, tuple(dict.fromkeys(unset)), tuple(warnings))
 
     def device_order_env(self) -> dict[str, str]:
         """``{CUDA_VISIBLE_DEVICES: "3,2,1,0"}`` for ``device_order``, else nothing.

@@ -257,6 +257,12 @@ def context(job: Job, regenerate: str | None = None, script: str | None = None) 
         env.setdefault(key, value)
     if spec.per_rank_logs:  # ddp.init sends each rank's output to RUN/ranks/rank-NNNNN.log
         env.setdefault("DDP_RANK_LOGS", "1")
+    applied = cluster.apply_rules(job.nodes, env, frozenset(spec.env))  # the site's known issues
+    env = applied.env
+    for line in applied.warnings:
+        if line not in _SAID:
+            _SAID.add(line)
+            _LOG.warning("hpc: %s", line)
     check_values(job, env)
     source = spec.source or "command-line flags"
     return {
@@ -277,6 +283,7 @@ def context(job: Job, regenerate: str | None = None, script: str | None = None) 
         # {conda: ENV}: the conda whose shell hook activates it (a name: the job's PATH's)
         "conda": _conda_of(spec.python),
         "env": env,
+        "unset": list(applied.unset),  # after the exports: a module may set them too
         # env_prepend: (VAR, 'dir') per directory, each put in front of $VAR in turn
         "env_prepend": [(var, quote(d)) for var, dirs in cluster.env_prepend.items() for d in dirs],
         "shell": cluster.shell,

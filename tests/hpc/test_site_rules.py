@@ -162,3 +162,95 @@ def test_checked_in_pbs_jobs_have_no_comment_among_directives() -> None:
     assert jobs
     for path in jobs:
         assert _comments_before_last_directive(path.read_text(encoding="utf-8")) == [], path
+
+
+# --- environment rules (hpc.cluster.Rule) ----------------------------------------------
+
+
+@pytest.mark.parametrize("cluster", ["aurora", "polaris"])
+def test_alcf_tmpdir_is_short_unless_the_spec_sets_it(tmp_path: Path, cluster: str) -> None:
+    """ALCF known issues: AF_UNIX path too long under mpiexec -> TMPDIR=/tmp by default."""
+    proc = _hpc("render", str(_spec(tmp_path, cluster=cluster)), "--no-account")
+    assert proc.returncode == 0, proc.stderr
+    assert "export TMPDIR=/tmp" in proc.stdout.splitlines()
+    own = _hpc("render", str(_spec(tmp_path, cluster=cluster, env={"TMPDIR": "/local/t"})),
+               "--no-account")
+    assert "export TMPDIR=/local/t" in own.stdout.splitlines() and "TMPDIR=/tmp" not in own.stdout
+    slurm = _hpc("render", str(_spec(tmp_path, cluster="perlmutter")), "--account", "m1")
+    assert "TMPDIR" not in slurm.stdout  # a rule of the ALCF profiles, not of every site
+
+
+def _frontier(tmp_path: Path, nodes: int, **env: str) -> subprocess.CompletedProcess[str]:
+    spec = _spec(tmp_path, cluster="frontier", env=env)
+    data = yaml.safe_load(spec.read_text())
+    data.pop("queue")
+    data["nodes"] = nodes
+    spec.write_text(yaml.safe_dump(data), encoding="utf-8")
+    return _hpc("render", str(spec), "--account", "abc123")
+
+
+def test_frontier_refuses_memhooks_in_one_line(tmp_path: Path) -> None:
+    proc = _frontier(tmp_path, 2, FI_MR_CACHE_MONITOR="memhooks")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert "memhooks" in proc.stderr and "allowed: kdreg2" in proc.stderr
+    assert "pytorch_frontier.html" in proc.stderr
+    assert _frontier(tmp_path, 2, FI_MR_CACHE_MONITOR="userfaultfd").returncode == 0
+
+
+def test_frontier_nccl_net_ofi_only_from_two_nodes(tmp_path: Path) -> None:
+    """OLCF: the plugin never initialises on one node; NCCL_NET=OFI is for multi-node."""
+    one = _frontier(tmp_path, 1, NCCL_NET="OFI")
+    assert one.returncode == 2 and one.stderr.count("\n") == 1
+    assert "1-node job" in one.stderr and "allowed: NCCL_NET=Socket" in one.stderr
+    two = _frontier(tmp_path, 2, NCCL_NET="OFI")
+    assert two.returncode == 0, two.stderr
+    assert "export NCCL_NET=OFI" in two.stdout.splitlines()
+    assert _frontier(tmp_path, 1, NCCL_NET="Socket").returncode == 0
+
+
+PLUGIN_VARS = ["NCCL_NET_GDR_LEVEL", "NCCL_CROSS_NIC", "NCCL_COLLNET_ENABLE", "NCCL_NET"]
+
+
+def test_polaris_aws_ofi_nccl_switch(tmp_path: Path) -> None:
+    """Off by default (ALCF's recommended plugin variables exported); switched on in the
+    user's own profile, the four variables ALCF names are unset after every export and
+    said once."""
+    spec = str(_spec(tmp_path, cluster="polaris"))
+    default = _hpc("render", spec, "--no-account")
+    assert default.returncode == 0 and "unset" not in default.stdout
+    assert "export NCCL_NET='AWS Libfabric'" in default.stdout.splitlines()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "polaris.yaml").write_text("rules: {aws_ofi_nccl_off: {enabled: true}}\n",
+                                       encoding="utf-8")
+    proc = _hpc("render", spec, "--no-account", env={"HPC_DDP_CLUSTERS": str(mine)})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert f"unset {' '.join(PLUGIN_VARS)}" in lines
+    at = lines.index(f"unset {' '.join(PLUGIN_VARS)}")
+    assert not [ln for ln in lines if ln.startswith(tuple(f"export {v}=" for v in PLUGIN_VARS))]
+    assert max(i for i, ln in enumerate(lines) if ln.startswith("export ") and "=" in ln
+               and not ln.startswith("export LD_LIBRARY_PATH")) < at
+    said = [ln for ln in proc.stderr.splitlines() if "aws_ofi_nccl_off" in ln]
+    assert len(said) == 1 and "/libraries/nccl/" in said[0]
+    # the job's shell really has them unset when a module had set them
+    run = subprocess.run(["bash", "-c", "export NCCL_NET=x NCCL_CROSS_NIC=1; "
+                          + "\n".join(lines[at:at + 1]) + "\necho \"[${NCCL_NET-}${NCCL_CROSS_NIC-}]\""],
+                         capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(("rule", "said"), [
+    ("{x: {env: {A: b}}}", "rules: x: source: ''"),
+    ("{x: {when: {nodes: 0-1}, warn: w, source: 'https://a'}}", "rules: x: when: nodes"),
+    ("{x: {when: {queue: debug}, source: 'https://a'}}", "queue"),
+])
+def test_a_bad_rule_is_one_line(tmp_path: Path, rule: str, said: str) -> None:
+    site = tmp_path / "sites"
+    site.mkdir()
+    (site / "ruled.yaml").write_text(f"extends: pbs\nrules: {rule}\n", encoding="utf-8")
+    proc = _hpc("render", str(_spec(tmp_path, cluster="ruled")),
+                env={"HPC_DDP_CLUSTERS": str(site)})
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert said in proc.stderr
