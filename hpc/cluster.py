@@ -77,6 +77,73 @@ class Launcher:
 
 
 @dataclass(frozen=True)
+class Tiles:
+    """Devices that are tiles of GPUs (``devices_per_node`` counts tiles).
+
+    Why: a rank picks device ``local_rank % count``; with tiles as devices, ``ppn`` equal
+    to the GPU count would give ranks 0..5 the two tiles of GPUs 0-2 and leave the rest
+    of the node idle. At ``ppn`` <= the GPU count each rank gets a whole GPU instead:
+    ``composite_env`` makes every GPU one device (both tiles) and ``composite_cpu_bind``
+    spreads the ranks' cores over the sockets the GPUs hang off.
+    """
+
+    per_gpu: int
+    composite_env: dict[str, str] = field(default_factory=dict)
+    composite_cpu_bind: str | None = None
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One of a site's known issues as data (profile ``rules: {NAME: {...}}``).
+
+    ``when`` is the condition: a node range (``nodes``) and variables of the job's
+    environment (``env``: NAME: value, ``null`` for set at all). Where it holds, the rule
+    gives defaults (``env``, the spec's own win), drops and unsets variables (``unset``:
+    a module may set them too), says one ``warn`` line, or ``refuse``s the job in one
+    line. ``enabled: false`` makes a switch a user turns on in their own profile (merged
+    per key). Why data: the action depends on the job, never on the site's name.
+    """
+
+    name: str
+    source: str
+    nodes: tuple[int, int] | None = None
+    when_env: dict[str, str | None] = field(default_factory=dict)
+    enabled: bool = True
+    env: dict[str, str] = field(default_factory=dict)
+    unset: tuple[str, ...] = ()
+    warn: str | None = None
+    refuse: str | None = None
+
+    def holds(self, nodes: int, env: dict[str, str]) -> bool:
+        """Whether the rule applies to a job of ``nodes`` nodes with environment ``env``."""
+        if not self.enabled:
+            return False
+        if self.nodes is not None and not self.nodes[0] <= nodes <= self.nodes[1]:
+            return False
+        return all(key in env and (want is None or env[key] == want)
+                   for key, want in self.when_env.items())
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What a profile's rules made of a job's environment (:meth:`Cluster.apply_rules`)."""
+
+    env: dict[str, str]
+    unset: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a job's ranks go on a node: variables, the mpiexec CPU binding, a note."""
+
+    env: dict[str, str] = field(default_factory=dict)
+    cpu_bind: str | None = None
+    note: str | None = None
+
+
+@dataclass(frozen=True)
 class Cluster:
     """A validated cluster profile."""
 
@@ -117,6 +184,10 @@ class Cluster:
     #: When the job's venv is copied to node-local storage (hpc.stage): min_nodes for
     #: ``stage: auto``, local_dir, source; {} = only when a spec says ``stage: always``.
     python_stage: dict = field(default_factory=dict)
+    #: GPUs made of tiles (Aurora); None: each device is a whole GPU (see :class:`Tiles`).
+    tiles: Tiles | None = None
+    #: The site's known issues as rules (:class:`Rule`), in profile order.
+    rules: tuple[Rule, ...] = ()
 
     @property
     def script_suffix(self) -> str:
@@ -149,6 +220,56 @@ class Cluster:
         """Comment lines the script carries for ``queue`` (e.g. preemption advice)."""
         q = self.queues.get(queue) if queue else None
         return list(q.notes) if q is not None else []
+
+    def layout(self, ppn: int) -> Layout:
+        """The rank layout for ``ppn`` ranks per node (see :class:`Tiles`).
+
+        With tiles, ``ppn`` up to the GPU count is one rank per GPU (both tiles, the
+        composite variables and CPU list); above it one rank per tile as before. A
+        ``ppn`` that leaves devices idle gets a note naming how many, said once by
+        :func:`hpc.render.context`; a CPU-only or unknown node gets none.
+        """
+        devices = self.devices_per_node
+        if not devices or self.device == "cpu":
+            return Layout(cpu_bind=self.launcher.cpu_bind)
+        t = self.tiles
+        if t is not None and ppn <= devices // t.per_gpu:
+            gpus = devices // t.per_gpu
+            idle = gpus - ppn
+            note = (f"ppn {ppn}: one rank per GPU (both tiles), {idle} GPU{'s' * (idle != 1)} "
+                    f"idle of {gpus} per node on {self.name}; allowed without idle devices: "
+                    f"ppn {gpus} (one rank per GPU) or {devices} (one per tile)") if idle else None
+            return Layout(dict(t.composite_env), t.composite_cpu_bind or self.launcher.cpu_bind,
+                          note)  # fmt: skip
+        idle = devices - ppn
+        what = "GPU tile" if t is not None else f"{self.device} device"
+        note = (f"ppn {ppn}: {idle} {what}{'s' * (idle != 1)} idle of {devices} per node on "
+                f"{self.name}; allowed without idle devices: ppn {devices}") if idle > 0 else None
+        return Layout(cpu_bind=self.launcher.cpu_bind, note=note)
+
+    def apply_rules(self, nodes: int, env: dict[str, str],
+                    own: frozenset[str] = frozenset()) -> Applied:
+        """Apply :attr:`rules` to a job of ``nodes`` nodes whose environment is ``env``
+        (``own``: the names the spec sets itself, which a rule's default never replaces).
+
+        A refusing rule raises one UserError line naming the rule, why, and its page;
+        every condition is read on ``env`` as the job would have it before any rule.
+        """
+        out, unset, warnings = dict(env), [], []
+        held = [r for r in self.rules if r.holds(nodes, env)]
+        for rule in held:
+            if rule.refuse:
+                raise UserError(f"{self.name} rule {rule.name}: {rule.refuse} ({rule.source})")
+        for rule in held:
+            for key, value in rule.env.items():
+                if key not in own:
+                    out[key] = value
+            for key in rule.unset:
+                out.pop(key, None)
+                unset.append(key)
+            if rule.warn:
+                warnings.append(f"{self.name} rule {rule.name}: {rule.warn} ({rule.source})")
+        return Applied(out, tuple(dict.fromkeys(unset)), tuple(warnings))
 
     def device_order_env(self) -> dict[str, str]:
         """``{CUDA_VISIBLE_DEVICES: "3,2,1,0"}`` for ``device_order``, else nothing.

@@ -148,8 +148,9 @@ def mpiexec(job: Job) -> list[str]:
         words += ["--ppn", str(job.ppn)]
         if launcher.depth:
             words += ["--depth", str(launcher.depth)]
-        if launcher.cpu_bind:
-            words += ["--cpu-bind", launcher.cpu_bind]
+        cpu_bind = job.cluster.layout(job.ppn).cpu_bind  # per ppn (hpc.cluster.Tiles)
+        if cpu_bind:
+            words += ["--cpu-bind", cpu_bind]
     else:
         words += ["-ppn", str(job.ppn)]
     return [*words, *launcher.args, *wrapped(job)]

@@ -34,7 +34,7 @@ from hpc._util import (
     parse_walltime,
     variable_name,
 )
-from hpc.cluster import DEVICE_ORDER_VARS, Cluster, Launcher, Queue
+from hpc.cluster import DEVICE_ORDER_VARS, Cluster, Launcher, Queue, Rule, Tiles
 from hpc.errors import UserError
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "clusters"
@@ -51,8 +51,11 @@ CLUSTER_KEYS = (
     "system", "place", "filesystems", "constraint", "gpu_directive", "gpus_per_node",
     "cpus_per_task", "launcher", "module_use", "modules", "setup", "env", "extends",
     "shell", "directives", "min_walltime", "device_order", "env_prepend", "poll_s",
-    "charge", "python_stage",
+    "charge", "python_stage", "tiles", "rules",
 )
+RULE_KEYS = ("when", "enabled", "env", "unset", "warn", "refuse", "source")
+WHEN_KEYS = ("nodes", "env")
+TILES_KEYS = ("per_gpu", "composite_env", "composite_cpu_bind", "source")
 QUEUE_KEYS = (
     "nodes", "walltime", "bins", "description", "min_walltime", "by_request", "directive",
     "no_dependencies", "max_queued",
@@ -308,6 +311,84 @@ def load(name: str, environ: dict[str, str] | None = None, cwd: Path | None = No
         sources=tuple(sources),
         charge=_charge(data, where),
         python_stage=stage.profile_rule(data, where),
+        tiles=_tiles(data.get("tiles"), devices_per_node, where),
+        rules=_rules(data.get("rules"), where),
+    )
+
+
+def _rules(data: Any, where: str) -> tuple[Rule, ...]:
+    """``rules: {NAME: {when: {nodes, env}, enabled, env, unset, warn, refuse, source}}``
+    (see :class:`hpc.cluster.Rule`); a mapping, so a user's profile can switch one rule
+    (``rules: {NAME: {enabled: true}}``) and leave the others; ``null`` removes one."""
+    if data is None:
+        return ()
+    if not isinstance(data, dict):
+        raise UserError(f"{where}: rules: allowed: a mapping of NAME: {{when, env, unset, "
+                        "warn, refuse, source}")
+    out = []
+    for name, rule in data.items():
+        if rule is None:
+            continue
+        rwhere = f"{where}: rules: {name}"
+        if not isinstance(rule, dict):
+            raise UserError(f"{rwhere}: allowed: a mapping with {', '.join(RULE_KEYS)}")
+        check_keys(rule, RULE_KEYS, rwhere)
+        source = str(rule.get("source") or "")
+        if not source.startswith(("https://", "http://")):
+            raise UserError(f"{rwhere}: source: {source!r} is not allowed; allowed: the URL of "
+                            "the page that states the issue")
+        when = rule.get("when") or {}
+        if not isinstance(when, dict):
+            raise UserError(f"{rwhere}: when: allowed: a mapping with {', '.join(WHEN_KEYS)}")
+        check_keys(when, WHEN_KEYS, f"{rwhere}: when")
+        when_env = when.get("env") or {}
+        env = rule.get("env") or {}
+        if not isinstance(when_env, dict) or not isinstance(env, dict):
+            raise UserError(f"{rwhere}: env: allowed: a mapping of NAME: value")
+        texts = {k: " ".join(str(rule[k]).split()) for k in ("warn", "refuse") if rule.get(k)}
+        enabled = rule.get("enabled", True)
+        if not isinstance(enabled, bool):
+            raise UserError(f"{rwhere}: enabled: {enabled!r} is not allowed; allowed: true, false")
+        out.append(Rule(
+            name=str(name),
+            source=source,
+            nodes=None if when.get("nodes") is None else parse_range(when["nodes"],
+                                                                     f"{rwhere}: when: nodes"),
+            when_env={variable_name(str(k), f"{rwhere}: when: env"):
+                      (None if v is None else _env_str(v)) for k, v in when_env.items()},
+            enabled=enabled,
+            env={variable_name(str(k), f"{rwhere}: env"): _env_str(v) for k, v in env.items()},
+            unset=tuple(variable_name(v, f"{rwhere}: unset") for v in _strings(rule, "unset",
+                                                                                rwhere)),
+            warn=texts.get("warn"),
+            refuse=texts.get("refuse"),
+        ))  # fmt: skip
+    return tuple(out)
+
+
+def _tiles(data: Any, devices: int | None, where: str) -> Tiles | None:
+    """``tiles: {per_gpu: 2, composite_env: {...}, composite_cpu_bind: list:..., source: URL}``
+    (see :class:`hpc.cluster.Tiles`): ``devices_per_node`` must be a whole number of GPUs."""
+    if data is None:
+        return None
+    twhere = f"{where}: tiles"
+    if not isinstance(data, dict):
+        raise UserError(f"{twhere}: allowed: a mapping with {', '.join(TILES_KEYS)}")
+    check_keys(data, TILES_KEYS, twhere)
+    per_gpu = _int(data, "per_gpu", twhere)
+    if not per_gpu or not devices or devices % per_gpu:
+        raise UserError(f"{twhere}: per_gpu: {data.get('per_gpu')!r} is not allowed; allowed: "
+                        f"a whole number >= 1 that divides devices_per_node ({devices})")
+    env = data.get("composite_env") or {}
+    if not isinstance(env, dict):
+        raise UserError(f"{twhere}: composite_env: allowed: a mapping of NAME: value")
+    bind = data.get("composite_cpu_bind")
+    return Tiles(
+        per_gpu=per_gpu,
+        composite_env={variable_name(str(k), f"{twhere}: composite_env"): _env_str(v)
+                       for k, v in env.items()},
+        composite_cpu_bind=None if bind is None else str(bind),
+        source=str(data.get("source", "")),
     )
 
 

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 _PKG = Path(__file__).resolve().parent
 _LOG = logging.getLogger(__name__)
+_SAID: set[str] = set()  # rank-layout notes already said in this process (hpc.cluster.Layout)
 
 MAX_TEMPLATE = 1 << 20
 """Largest template file read (a real one is a few kilobytes)."""
@@ -247,11 +248,21 @@ def context(job: Job, regenerate: str | None = None, script: str | None = None) 
         sweep = {"python": python_of(spec.command), "index_var": scheduler.array_index_var,
                  "last": job.array_size - 1, "offset_arg": scheduler.array_parts}
     # device_order first: a spec's own CUDA_VISIBLE_DEVICES still wins
-    env = {**cluster.device_order_env(), **cluster.env, **spec.env}
+    layout = cluster.layout(job.ppn)  # one rank per GPU or per tile (hpc.cluster.Tiles)
+    if layout.note and layout.note not in _SAID:  # said once per process, not per render
+        _SAID.add(layout.note)
+        _LOG.warning("hpc: %s", layout.note)
+    env = {**cluster.device_order_env(), **cluster.env, **layout.env, **spec.env}
     for key, value in scheduler.job_env(job).items():
         env.setdefault(key, value)
     if spec.per_rank_logs:  # ddp.init sends each rank's output to RUN/ranks/rank-NNNNN.log
         env.setdefault("DDP_RANK_LOGS", "1")
+    applied = cluster.apply_rules(job.nodes, env, frozenset(spec.env))  # the site's known issues
+    env = applied.env
+    for line in applied.warnings:
+        if line not in _SAID:
+            _SAID.add(line)
+            _LOG.warning("hpc: %s", line)
     check_values(job, env)
     source = spec.source or "command-line flags"
     return {
@@ -272,6 +283,7 @@ def context(job: Job, regenerate: str | None = None, script: str | None = None) 
         # {conda: ENV}: the conda whose shell hook activates it (a name: the job's PATH's)
         "conda": _conda_of(spec.python),
         "env": env,
+        "unset": list(applied.unset),  # after the exports: a module may set them too
         # env_prepend: (VAR, 'dir') per directory, each put in front of $VAR in turn
         "env_prepend": [(var, quote(d)) for var, dirs in cluster.env_prepend.items() for d in dirs],
         "shell": cluster.shell,

@@ -115,6 +115,23 @@ def _timeout_and_source(value: float | timedelta | None) -> tuple[timedelta, str
     return limit, source
 
 
+#: pytorch#156782 (https://github.com/pytorch/pytorch/issues/156782): XCCL ``Send``/``Recv``
+#: (and gather, scatter, grouped collectives) "may get stuck" on torch 2.8; the workaround
+#: is "CCL_SEND=direct and CCL_RECV=direct", fixed in 2.9. Known only on the node (the
+#: torch the job imports), so the compute side sets it, before the process group exists.
+XCCL_P2P_FIX = {"CCL_SEND": "direct", "CCL_RECV": "direct"}
+
+
+def xccl_p2p_env(device_type: str, torch_version: str,
+                 environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+    """The variables to set for pytorch#156782: on XPU with torch 2.8.x only, and never
+    over a value the user set (``CCL_SEND=...`` in the job wins)."""
+    release = torch_version.split("+", 1)[0].split(".")
+    if device_type != "xpu" or release[:2] != ["2", "8"]:
+        return {}
+    return {k: v for k, v in XCCL_P2P_FIX.items() if k not in environ}
+
+
 def _set_device(device: torch.device) -> None:
     import torch
 
@@ -169,6 +186,14 @@ def _init(
     limit, limit_source = _timeout_and_source(timeout)
     choice = backends.choose(device, backend, info.local_rank, info.world_size)
     _set_device(choice.device)
+    import torch
+
+    fix = xccl_p2p_env(choice.device.type, torch.__version__, os.environ)
+    if fix:  # before init_process_group: oneCCL reads them when the communicator is made
+        os.environ.update(fix)
+        if info.rank == 0:
+            log.info("torch %s on xpu: %s (pytorch#156782, fixed in 2.9)", torch.__version__,
+                     " ".join(f"{k}={v}" for k, v in fix.items()))  # fmt: skip
     if info.world_size > 1 and not tdist.is_initialized():
         atexit.register(_at_exit)
         info, address = resolve_master(info)

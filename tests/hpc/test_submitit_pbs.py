@@ -239,7 +239,7 @@ def test_two_ranks_through_the_pals_mpiexec(pbs: Path, lmod_frameworks: Path) ->
                  "#PBS -l walltime=00:10:00", "export CCL_ATL_TRANSPORT=mpi",
                  "module load frameworks"):
         assert line in script
-    assert "mpiexec -n 2 --ppn 2 --cpu-bind list:1-8:9-16:" in script
+    assert "mpiexec -n 2 --ppn 2 --cpu-bind list:1-16:17-32:" in script  # one rank per GPU
 
 
 def sleep_long() -> str:
