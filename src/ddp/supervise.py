@@ -135,7 +135,11 @@ def _record(run_dir: Path, event: dict[str, Any]) -> None:
     if not isinstance(sup, dict):
         sup = data["supervisor"] = {}
     events = sup.setdefault("events", [])
-    events.append({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **event})
+    # "t": the same instant in epoch seconds, sub-second: bench/recovery.py splits a
+    # recovery (kill -> failure -> restart -> first step) from these and the ranks' times
+    now = time.time()
+    events.append({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now)),
+                   "t": round(now, 3), **event})
     sup["restarts"] = sum(1 for e in events if e.get("event") == "restart")
     tmp = path.with_name(".run.json.supervise.tmp")
     tmp.write_text(json.dumps(data, indent=1))
@@ -331,7 +335,10 @@ def supervise(args: argparse.Namespace) -> int:
                     and not _exited(b)]  # a rank that ended is the launcher's exit to judge
             if hung:
                 break
-            time.sleep(args.poll_s)
+            try:  # wakes at the launcher's exit, not at the next tick (a crash is seen at once)
+                att.proc.wait(timeout=args.poll_s)
+            except subprocess.TimeoutExpired:
+                pass
         if not hung and att.proc.returncode == 0:
             record(run_dir, {"event": "completed", "attempt": attempt})
             _say(f"attempt {attempt} completed")
