@@ -130,6 +130,21 @@ def test_the_same_error_on_every_rank_ends_without_restart(tmp_path: Path) -> No
     assert "ValueError: the same error on every rank" in events[0]["why"]
     assert not (tmp_path / "run" / "supervise-attempt-2.log").exists()
     assert "not restarting" in err
+    times = [e["t"] for e in events]  # epoch seconds, what bench/recovery.py splits by
+    assert all(isinstance(t, float) for t in times) and times == sorted(times), events
+
+
+def test_a_launcher_exit_is_seen_at_once_not_at_the_next_poll(tmp_path: Path) -> None:
+    """The watch loop wakes on the launcher's exit: with a 60 s poll interval a crash
+    is still recorded at once (a fixed sleep would hold it for the whole interval)."""
+    start = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "ddp.supervise", "--run-dir", str(tmp_path),
+                        "--poll-s", "60", "--max-restarts", "0", "--", sys.executable, "-c",
+                        "import time; time.sleep(0.5); exit(1)"],
+                       env=_launch.base_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 1, p.stderr
+    assert time.monotonic() - start < 30, "the exit waited for the poll interval"
+    assert [e["event"] for e in _events_in(tmp_path)] == ["failure", "stopped"]
 
 
 def test_no_launcher_command_is_one_line_exit_2() -> None:
