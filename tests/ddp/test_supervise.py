@@ -236,6 +236,46 @@ def test_slurm_node_lost_relaunches_alone_on_the_other(slurm_cluster, tmp_path: 
     assert sorted(i for ids in kept for i in ids) == list(range(N))
 
 
+@pytest.mark.slurm
+def test_slurm_hung_rank_on_the_other_node_is_probed_named_and_excluded(
+        slurm_cluster, tmp_path: Path) -> None:
+    """2 nodes; n2's rank is SIGSTOPped. The supervisor (on n1) cannot signal it, so a
+    probe (``srun --overlap`` on n2) takes its stack, reports it stopped and kills it: n2
+    alone is named and excluded, and the job completes on n1."""
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    spec = _spec(tmp_path, hold={"rank": 1, "step": 4, "dir": str(hold)})
+    run = tmp_path / "run"
+    script = tmp_path / "job.sh"
+    script.write_text("\n".join([
+        "#!/bin/bash", "#SBATCH -N 2", "#SBATCH --ntasks-per-node=1", "#SBATCH --no-kill",
+        "set -eu", f"export PYTHONPATH={_launch.ROOT / 'src'}:{_launch.ROOT}",
+        f"export OMP_NUM_THREADS=1 MASTER_PORT={free_port()}",
+        f"{sys.executable} -m ddp.supervise --run-dir {run} --hang-timeout-s 10 "
+        f"--max-restarts 1 --poll-s 0.2 -- srun --kill-on-bad-exit=1 {sys.executable} "
+        f"{_launch.ROOT / WORKER} {shlex.quote(json.dumps(spec))}"]) + "\n")  # fmt: skip
+    job = slurm_cluster.submit(script)
+    deadline = time.monotonic() + 120
+    while not (hold / "ready").exists():
+        assert slurm_cluster.state(job) in ("PENDING", "RUNNING"), slurm_cluster.job_log(job)
+        assert time.monotonic() < deadline, slurm_cluster.job_log(job)
+        time.sleep(0.05)
+    os.kill(int((hold / "ready").read_text()), signal.SIGSTOP)  # n2's rank, on this host
+    (hold / "released").touch()  # seen only once the rank is continued
+    state = slurm_cluster.wait(job, timeout=180)
+    log = slurm_cluster.job_log(job)
+    assert state == "COMPLETED", log[-5000:]
+    failure = [e for e in _events(tmp_path) if e["event"] == "failure"]
+    assert failure[0]["kind"] == "hang" and failure[0]["nodes"] == ["n2"], failure
+    assert "'1': 'stopped'" in failure[0]["why"] or "1: 'stopped'" in failure[0]["why"], failure
+    stuck = (run / "failures" / "1" / "rank-1.txt").read_text()
+    assert "_index_worker.py" in stuck and "in step" in stuck, stuck  # taken on n2 by the probe
+    assert "File " in (run / "failures" / "1" / "rank-0.txt").read_text()
+    assert "excluding node(s) n2; relaunching on n1" in log
+    r1 = _attempts(tmp_path / "seen" / "1.txt")
+    assert len(r1) == 1, r1  # n2's rank never ran again
+
+
 def test_srun_relaunch_line_names_nodes_tasks_and_exclusions(monkeypatch) -> None:
     from ddp.supervise import srun_command, tasks_per_node
 
