@@ -52,7 +52,8 @@ N, BATCH, HOLD_STEP = 96, 4, 4  # 12 steps per rank at world 2; n2's rank stops 
 def worker(spec: dict[str, Any]) -> None:
     """One rank of the job (run by srun): a tiny Trainer run that writes
     ``timeline/JOB.STEP.RANK.jsonl`` (process start, load start/end, first step) and, on
-    n2's rank in the first attempt, ``hold/ready`` (its pid) before step ``HOLD_STEP + 1``."""
+    n2's rank in the first attempt, ``hold/ready`` (its pid) before step ``HOLD_STEP + 1``,
+    where it then waits for good (a stopped rank continued for its stack stays stuck)."""
     t0 = time.time()
     rank = int(os.environ.get("SLURM_PROCID", "0"))
     name = f"{os.environ.get('SLURM_JOB_ID', '0')}.{os.environ.get('SLURM_STEP_ID', '0')}.{rank}"
@@ -94,11 +95,11 @@ def worker(spec: dict[str, Any]) -> None:
             first[0] = False
             mark("first_step", step=trainer.global_step + 1)
         if (spec.get("fault") and rank == 1 and trainer.global_step == HOLD_STEP
-                and not (hold / "released").exists()):
+                and not (hold / "ready").exists()):  # the first attempt only
             (hold / "ready.tmp").write_text(str(os.getpid()))
             os.replace(hold / "ready.tmp", hold / "ready")
             deadline = time.monotonic() + 300  # only against a bench that never acts
-            while not (hold / "released").exists() and time.monotonic() < deadline:
+            while time.monotonic() < deadline:  # a true hang: it never goes on by itself
                 time.sleep(0.01)  # the bench kills or stops this rank here
         x, y = batch
         return nn.functional.mse_loss(model(x), y)
@@ -183,7 +184,6 @@ def run_case(cluster: Any, base: Path, name: str, fault: str | None, supervised:
         pid = int(ready.read_text())
         t_fault = time.time()
         os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-        (case_dir / "hold" / "released").touch()
     if fault and not supervised:  # the job dies; resubmit it as soon as it is seen ended
         state = _wait("the job's end", lambda: _ended(cluster, job), 300, cluster, job)
         t_dead = time.time()

@@ -180,6 +180,7 @@ def collect_stacks(hb_dir: Path, out: Path, beats: dict[int, dict[str, Any]],
     at the time of the hang ("stopped", "running", "gone", "remote")."""
     out.mkdir(parents=True, exist_ok=True)
     host, states, pending = _node(), {}, {}
+    restop: list[int] = []  # stopped ranks: stopped again once they have dumped
     for rank, rec in sorted(beats.items()):
         pid = int(rec.get("pid", 0))
         if rec.get("host") != host or pid <= 0:
@@ -197,6 +198,8 @@ def collect_stacks(hb_dir: Path, out: Path, beats: dict[int, dict[str, Any]],
         except OSError:
             continue
         pending[rank] = (stack, before, pid)
+        if states[rank] == "stopped":
+            restop.append(pid)
         if shutil.which("py-spy"):
             with open(out / f"rank-{rank}.py-spy.txt", "w") as fh:
                 subprocess.run(["py-spy", "dump", "--pid", str(pid)], stdout=fh,
@@ -212,6 +215,11 @@ def collect_stacks(hb_dir: Path, out: Path, beats: dict[int, dict[str, Any]],
         time.sleep(0.02)
     for rank in pending:
         (out / f"rank-{rank}.txt").write_text("no stack: the rank did not answer the signal\n")
+    for pid in restop:  # as it was found: it must not train on (or finish) before the kill,
+        try:            # which for another node's rank comes a probe's start later
+            os.kill(pid, signal.SIGSTOP)
+        except OSError:
+            pass
     return states
 
 

@@ -287,3 +287,38 @@ def test_srun_relaunch_line_names_nodes_tasks_and_exclusions(monkeypatch) -> Non
     assert srun_command(line, ["n1"], ["n2"], per) == [
         "srun", "--nodes=1", "--ntasks=4", "--ntasks-per-node=4", "--exclude=n2",
         "--cpu-bind=none", "python", "t.py", "-n", "3"]  # fmt: skip
+
+
+def test_a_stopped_rank_dumps_its_stack_and_is_stopped_again(tmp_path: Path) -> None:
+    """collect_stacks continues a SIGSTOPped rank so faulthandler can dump, then stops it
+    again: it must not train on (or finish) before the kill, which for a rank on another
+    node comes a probe's start later."""
+    from ddp.supervise import _node, _proc_state, collect_stacks
+
+    hb = tmp_path / "hb"
+    hb.mkdir()
+    code = ("import faulthandler, signal, sys, time\n"
+            f"f = open({str(hb / 'stack-rank-0.txt')!r}, 'w')\n"
+            "faulthandler.register(signal.SIGUSR2, file=f, all_threads=True)\n"
+            "print('up', flush=True)\n"
+            "def stuck_here():\n    while True: time.sleep(0.01)\n"
+            "stuck_here()\n")  # fmt: skip
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "up\n"
+        os.kill(child.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 30
+        while _proc_state(child.pid) not in ("T", "t"):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        states = collect_stacks(hb, tmp_path / "out", {0: {"pid": child.pid, "host": _node()}},
+                                int(signal.SIGUSR2))  # fmt: skip
+        assert states == {0: "stopped"}
+        assert "stuck_here" in (tmp_path / "out" / "rank-0.txt").read_text()
+        deadline = time.monotonic() + 30  # a stop takes effect when the kernel delivers it
+        while _proc_state(child.pid) not in ("T", "t"):
+            assert time.monotonic() < deadline, "the rank runs on after its dump"
+            time.sleep(0.01)
+    finally:
+        child.kill()
+        child.wait()
