@@ -21,6 +21,8 @@ events in ``run.json`` (their ``t``), and each rank's own timeline (this script 
 worker, ``--worker``): process start, checkpoint load start and end, first step.
 
 * detection = failure event - fault (resubmit path: the job seen ended by ``scontrol``);
+  for a hang also seen (the supervisor's ``seen_t``: no beat for hang_timeout_s) - fault,
+  and stacks + kill = failure event - seen (every rank's stack, the probe on n2, the kills);
 * relaunch = first rank's checkpoint load start in the next attempt - failure event
   (srun's step launch, Python and torch imports, ``ddp.init``'s rendezvous);
 * load = load end - load start (``Checkpointer.load`` + ``restore_model``);
@@ -200,13 +202,17 @@ def run_case(cluster: Any, base: Path, name: str, fault: str | None, supervised:
     events = []
     if supervised:
         events = json.loads((case_dir / "run" / "run.json").read_text())["supervisor"]["events"]
-        res["events"] = [{k: e[k] for k in ("event", "t", "nodes", "kind") if k in e}
+        res["events"] = [{k: e[k] for k in ("event", "t", "seen_t", "nodes", "kind") if k in e}
                          for e in events]  # fmt: skip
     if not fault:
         return res
     procs = _timelines(case_dir)
     resumed = [p for p in procs if p[0]["t"] > t_fault]
-    t_detect = next((e["t"] for e in events if e["event"] == "failure"), t_dead)
+    failure = next((e for e in events if e["event"] == "failure"), {})
+    t_detect = failure.get("t", t_dead)
+    if "seen_t" in failure:  # a hang: seen, then every rank's stacks taken and ranks killed
+        res["seen_s"] = round(failure["seen_t"] - t_fault, 2)
+        res["stacks_kill_s"] = round(t_detect - failure["seen_t"], 2)
     load_start = min(e["t"] for p in resumed for e in p if e["event"] == "load_start")
     load_end = max(e["t"] for p in resumed for e in p if e["event"] == "load_end")
     first = min(e["t"] for p in resumed for e in p if e["event"] == "first_step")
@@ -267,8 +273,8 @@ def main(argv: list[str] | None = None) -> int:
                 res["round"] = i
                 print(json.dumps(res), file=sys.stderr)
                 runs.append(res)
-    cols = ("detection_s", "relaunch_s", "load_s", "to_first_step_s", "total_s", "wall_s",
-            "wall_lost_s")  # fmt: skip
+    cols = ("seen_s", "stacks_kill_s", "detection_s", "relaunch_s", "load_s",
+            "to_first_step_s", "total_s", "wall_s", "wall_lost_s")  # fmt: skip
     for r in runs:  # against the same round's baseline
         base = next((b["wall_s"] for b in runs
                      if b["case"] == "baseline" and b["round"] == r["round"]), None)  # fmt: skip

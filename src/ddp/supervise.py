@@ -389,11 +389,13 @@ def supervise(args: argparse.Namespace) -> int:
         _say(f"attempt {attempt}: {' '.join(cmd)}")
         att = Attempt(cmd, env, run_dir / f"supervise-attempt-{attempt}.log")
         hung: list[int] = []
+        seen = 0.0
         while att.proc.poll() is None:
             now, beats = time.time(), read_beats(hb_dir)
             hung = [r for r, b in beats.items() if now - float(b.get("time", now)) > args.hang_timeout_s
                     and not _exited(b)]  # a rank that ended is the launcher's exit to judge
             if hung:
+                seen = time.time()  # the event's "seen_t": before the stacks and the kills
                 break
             try:  # wakes at the launcher's exit, not at the next tick (a crash is seen at once)
                 att.proc.wait(timeout=args.poll_s)
@@ -445,6 +447,8 @@ def supervise(args: argparse.Namespace) -> int:
         event = {"event": "failure", "attempt": attempt, "kind": "hang" if hung else "exit",
                  "exit_code": rc, "why": why, "ranks": culprits, "nodes": nodes,
                  "failures_dir": str(fdir)}  # fmt: skip
+        if hung:
+            event["seen_t"] = round(seen, 3)
         record(run_dir, event)
         _say(f"attempt {attempt} failed: {why}; nodes {nodes}; evidence in {fdir}")
         if kind == "fatal":

@@ -267,6 +267,7 @@ def test_slurm_hung_rank_on_the_other_node_is_probed_named_and_excluded(
     assert state == "COMPLETED", log[-5000:]
     failure = [e for e in _events(tmp_path) if e["event"] == "failure"]
     assert failure[0]["kind"] == "hang" and failure[0]["nodes"] == ["n2"], failure
+    assert failure[0]["seen_t"] <= failure[0]["t"], failure  # seen, then stacks and kills
     assert "'1': 'stopped'" in failure[0]["why"] or "1: 'stopped'" in failure[0]["why"], failure
     stuck = (run / "failures" / "1" / "rank-1.txt").read_text()
     assert "_index_worker.py" in stuck and "in step" in stuck, stuck  # taken on n2 by the probe
