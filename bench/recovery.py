@@ -87,7 +87,16 @@ def worker(spec: dict[str, Any]) -> None:
         real_restore(self, state, model)
         mark("load_end", step=int(state["global_step"]))
 
+    real_loop = Checkpointer.restore_loop
+
+    def restore_loop(self: Checkpointer, *a: Any, **kw: Any) -> Any:
+        mark("loop_start")
+        got = real_loop(self, *a, **kw)
+        mark("loop_end")
+        return got
+
     Checkpointer.load, Checkpointer.restore_model = load, restore  # type: ignore[method-assign]
+    Checkpointer.restore_loop = restore_loop  # type: ignore[method-assign]
     hold = Path(spec["dir"]) / "hold"
     first = [True]
     trainer: Trainer
