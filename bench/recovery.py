@@ -59,7 +59,7 @@ def worker(spec: dict[str, Any]) -> None:
     t0 = time.time()
     rank = int(os.environ.get("SLURM_PROCID", "0"))
     name = f"{os.environ.get('SLURM_JOB_ID', '0')}.{os.environ.get('SLURM_STEP_ID', '0')}.{rank}"
-    tl = open(Path(spec["dir"]) / "timeline" / f"{name}.jsonl", "a")  # noqa: SIM115
+    tl = open(Path(spec["dir"]) / "timeline" / f"{name}.jsonl", "a")
 
     def mark(event: str, **kw: Any) -> None:
         tl.write(json.dumps({"event": event, "t": time.time(), **kw}) + "\n")
@@ -70,7 +70,7 @@ def worker(spec: dict[str, Any]) -> None:
     from torch import nn
 
     import ddp
-    from ddp.checkpointer import Checkpointer
+    from ddp.checkpoint.manager import Checkpointer
     from ddp.config import TrainConfig
     from ddp.trainer import Trainer
 
