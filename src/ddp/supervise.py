@@ -135,7 +135,11 @@ def _record(run_dir: Path, event: dict[str, Any]) -> None:
     if not isinstance(sup, dict):
         sup = data["supervisor"] = {}
     events = sup.setdefault("events", [])
-    events.append({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **event})
+    # "t": the same instant in epoch seconds, sub-second: bench/recovery.py splits a
+    # recovery (kill -> failure -> restart -> first step) from these and the ranks' times
+    now = time.time()
+    events.append({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now)),
+                   "t": round(now, 3), **event})
     sup["restarts"] = sum(1 for e in events if e.get("event") == "restart")
     tmp = path.with_name(".run.json.supervise.tmp")
     tmp.write_text(json.dumps(data, indent=1))
@@ -176,6 +180,7 @@ def collect_stacks(hb_dir: Path, out: Path, beats: dict[int, dict[str, Any]],
     at the time of the hang ("stopped", "running", "gone", "remote")."""
     out.mkdir(parents=True, exist_ok=True)
     host, states, pending = _node(), {}, {}
+    restop: list[int] = []  # stopped ranks: stopped again once they have dumped
     for rank, rec in sorted(beats.items()):
         pid = int(rec.get("pid", 0))
         if rec.get("host") != host or pid <= 0:
@@ -193,6 +198,8 @@ def collect_stacks(hb_dir: Path, out: Path, beats: dict[int, dict[str, Any]],
         except OSError:
             continue
         pending[rank] = (stack, before, pid)
+        if states[rank] == "stopped":
+            restop.append(pid)
         if shutil.which("py-spy"):
             with open(out / f"rank-{rank}.py-spy.txt", "w") as fh:
                 subprocess.run(["py-spy", "dump", "--pid", str(pid)], stdout=fh,
@@ -208,7 +215,64 @@ def collect_stacks(hb_dir: Path, out: Path, beats: dict[int, dict[str, Any]],
         time.sleep(0.02)
     for rank in pending:
         (out / f"rank-{rank}.txt").write_text("no stack: the rank did not answer the signal\n")
+    for pid in restop:  # as it was found: it must not train on (or finish) before the kill,
+        try:            # which for another node's rank comes a probe's start later
+            os.kill(pid, signal.SIGSTOP)
+        except OSError:
+            pass
     return states
+
+
+#: Seconds a per-node probe may take (srun's step launch, the stack wait of
+#: :func:`collect_stacks`, Python's start): a node that does not answer in time is unhealthy.
+PROBE_TIMEOUT_S = 60.0
+
+
+def probe_nodes(nodes: Sequence[str], run_dir: Path, fdir: Path, action: str,
+                timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, dict[int, str] | None]:  # fmt: skip
+    """Run ``python -m ddp.supervise --probe ACTION`` on each node (one ``srun --overlap``
+    step each, in parallel, inside the job's allocation): ``stacks`` collects the node's
+    ranks' stacks into ``fdir`` and reports their states, ``kill`` SIGKILLs them.
+
+    Why: the supervisor runs on the batch node; a rank on another node can be neither
+    signalled nor seen in /proc from there, so without this a hung rank on n2 left no
+    stack and both nodes were named. Returns node -> {rank: state}, or None for a node
+    whose probe failed or did not answer within ``timeout_s`` (an unhealthy node)."""
+    procs = {}
+    for node in nodes:
+        cmd = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}",
+               sys.executable, "-m", "ddp.supervise", "--probe", action, "--run-dir",
+               str(run_dir), "--failures-dir", str(fdir)]  # fmt: skip
+        procs[node] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                       text=True, start_new_session=True)  # fmt: skip
+    deadline, out = time.monotonic() + timeout_s, {}
+    for node, proc in procs.items():
+        try:
+            text, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _stop_launcher(proc, grace_s=2.0)
+            out[node] = None
+            continue
+        found = [x for x in text.splitlines() if x.startswith("{")]
+        try:
+            rec = json.loads(found[-1]) if proc.returncode == 0 and found else None
+            out[node] = {int(r): str(st) for r, st in rec["states"].items()} if rec else None
+        except (ValueError, KeyError, TypeError, AttributeError):
+            out[node] = None
+    return out
+
+
+def _probe_here(run_dir: Path, fdir: Path, action: str, sig: int) -> int:
+    """The probe's side (on the node srun put it on): this node's ranks only."""
+    hb_dir = run_dir / "heartbeats"
+    mine = {r: b for r, b in read_beats(hb_dir).items() if b.get("host") == _node()}
+    if action == "stacks":
+        states = collect_stacks(hb_dir, fdir, mine, sig)
+    else:
+        _kill_ranks(mine)
+        states = {r: "killed" for r in mine}
+    print(json.dumps({"node": _node(), "states": states}), flush=True)
+    return 0
 
 
 def _kill_ranks(beats: dict[int, dict[str, Any]]) -> None:
@@ -325,13 +389,18 @@ def supervise(args: argparse.Namespace) -> int:
         _say(f"attempt {attempt}: {' '.join(cmd)}")
         att = Attempt(cmd, env, run_dir / f"supervise-attempt-{attempt}.log")
         hung: list[int] = []
+        seen = 0.0
         while att.proc.poll() is None:
             now, beats = time.time(), read_beats(hb_dir)
             hung = [r for r, b in beats.items() if now - float(b.get("time", now)) > args.hang_timeout_s
                     and not _exited(b)]  # a rank that ended is the launcher's exit to judge
             if hung:
+                seen = time.time()  # the event's "seen_t": before the stacks and the kills
                 break
-            time.sleep(args.poll_s)
+            try:  # wakes at the launcher's exit, not at the next tick (a crash is seen at once)
+                att.proc.wait(timeout=args.poll_s)
+            except subprocess.TimeoutExpired:
+                pass
         if not hung and att.proc.returncode == 0:
             record(run_dir, {"event": "completed", "attempt": attempt})
             _say(f"attempt {attempt} completed")
@@ -341,10 +410,25 @@ def supervise(args: argparse.Namespace) -> int:
         if hung:
             beats = read_beats(hb_dir)
             states = collect_stacks(hb_dir, fdir, beats, int(sig))
+            others = sorted({str(beats[r].get("host")) for r, s in states.items()
+                             if s == "remote"}) if use_srun else []  # fmt: skip
+            if others:  # the other nodes' ranks: a probe on each (stacks, states, health)
+                for node, got in probe_nodes(others, run_dir, fdir, "stacks").items():
+                    for r, b in beats.items():
+                        if b.get("host") == node:
+                            states[r] = (got or {}).get(r, "unreachable" if got is None
+                                                        else "gone")  # fmt: skip
             _kill_ranks(beats)
+            if others:  # kill before srun's SIGTERM: a continued rank would take the
+                # trainer's preemption path (a vote with dead peers, then its watchdog)
+                alive = [n for n in others if any(
+                    states.get(r) not in ("unreachable", "gone")
+                    for r, b in beats.items() if b.get("host") == n)]  # fmt: skip
+                probe_nodes(alive, run_dir, fdir, "kill", timeout_s=30.0)
             rc = _stop_launcher(att.proc)
             att.reader.join(timeout=30)
-            culprits = sorted(r for r, s in states.items() if s in ("stopped", "gone")) or hung
+            culprits = sorted(r for r, s in states.items()
+                              if s in ("stopped", "gone", "unreachable")) or hung  # fmt: skip
             nodes = sorted({str(beats[r].get("host")) for r in culprits if r in beats})
             why = (f"hang: no progress for {args.hang_timeout_s:g} s on ranks {hung}; "
                    f"stopped/gone ranks {culprits}; states {states}")  # fmt: skip
@@ -363,6 +447,8 @@ def supervise(args: argparse.Namespace) -> int:
         event = {"event": "failure", "attempt": attempt, "kind": "hang" if hung else "exit",
                  "exit_code": rc, "why": why, "ranks": culprits, "nodes": nodes,
                  "failures_dir": str(fdir)}  # fmt: skip
+        if hung:
+            event["seen_t"] = round(seen, 3)
         record(run_dir, event)
         _say(f"attempt {attempt} failed: {why}; nodes {nodes}; evidence in {fdir}")
         if kind == "fatal":
@@ -403,6 +489,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--spares", type=int, default=0, help="spare nodes held back (default 0)")
     p.add_argument("--run-dir", help="the run directory (default $HPC_RUN_DIR, else .)")
     p.add_argument("--poll-s", type=float, default=0.5, help=argparse.SUPPRESS)
+    p.add_argument("--probe", choices=("stacks", "kill"), help=argparse.SUPPRESS)
+    p.add_argument("--failures-dir", help=argparse.SUPPRESS)
     p.add_argument("launch", nargs=argparse.REMAINDER, help="-- then the launcher command")
     try:
         args = p.parse_args(argv)
@@ -410,6 +498,10 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         raise SystemExit(0 if exc.code == 0 else 2) from None
     if args.launch and args.launch[0] == "--":
         args.launch = args.launch[1:]
+    if args.probe:  # the per-node probe (probe_nodes), started by the supervisor
+        if not (args.run_dir and args.failures_dir):
+            _fail("--probe needs --run-dir and --failures-dir")
+        return args
     if not args.launch:
         _fail("no launcher command: put it after --, e.g. -- torchrun --nproc-per-node 2 train.py")
     if not 0 < args.hang_timeout_s <= 86400:
@@ -424,7 +516,11 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return supervise(parse(sys.argv[1:] if argv is None else argv))
+    args = parse(sys.argv[1:] if argv is None else argv)
+    if args.probe:
+        sig = getattr(signal, os.environ.get("DDP_STACK_SIGNAL", "SIGUSR2"), signal.SIGUSR2)
+        return _probe_here(Path(args.run_dir), Path(args.failures_dir), args.probe, int(sig))
+    return supervise(args)
 
 
 if __name__ == "__main__":

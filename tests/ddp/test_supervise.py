@@ -130,6 +130,21 @@ def test_the_same_error_on_every_rank_ends_without_restart(tmp_path: Path) -> No
     assert "ValueError: the same error on every rank" in events[0]["why"]
     assert not (tmp_path / "run" / "supervise-attempt-2.log").exists()
     assert "not restarting" in err
+    times = [e["t"] for e in events]  # epoch seconds, what bench/recovery.py splits by
+    assert all(isinstance(t, float) for t in times) and times == sorted(times), events
+
+
+def test_a_launcher_exit_is_seen_at_once_not_at_the_next_poll(tmp_path: Path) -> None:
+    """The watch loop wakes on the launcher's exit: with a 60 s poll interval a crash
+    is still recorded at once (a fixed sleep would hold it for the whole interval)."""
+    start = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "ddp.supervise", "--run-dir", str(tmp_path),
+                        "--poll-s", "60", "--max-restarts", "0", "--", sys.executable, "-c",
+                        "import time; time.sleep(0.5); exit(1)"],
+                       env=_launch.base_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 1, p.stderr
+    assert time.monotonic() - start < 30, "the exit waited for the poll interval"
+    assert [e["event"] for e in _events_in(tmp_path)] == ["failure", "stopped"]
 
 
 def test_no_launcher_command_is_one_line_exit_2() -> None:
@@ -221,6 +236,47 @@ def test_slurm_node_lost_relaunches_alone_on_the_other(slurm_cluster, tmp_path: 
     assert sorted(i for ids in kept for i in ids) == list(range(N))
 
 
+@pytest.mark.slurm
+def test_slurm_hung_rank_on_the_other_node_is_probed_named_and_excluded(
+        slurm_cluster, tmp_path: Path) -> None:
+    """2 nodes; n2's rank is SIGSTOPped. The supervisor (on n1) cannot signal it, so a
+    probe (``srun --overlap`` on n2) takes its stack, reports it stopped and kills it: n2
+    alone is named and excluded, and the job completes on n1."""
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    spec = _spec(tmp_path, hold={"rank": 1, "step": 4, "dir": str(hold)})
+    run = tmp_path / "run"
+    script = tmp_path / "job.sh"
+    script.write_text("\n".join([
+        "#!/bin/bash", "#SBATCH -N 2", "#SBATCH --ntasks-per-node=1", "#SBATCH --no-kill",
+        "set -eu", f"export PYTHONPATH={_launch.ROOT / 'src'}:{_launch.ROOT}",
+        f"export OMP_NUM_THREADS=1 MASTER_PORT={free_port()}",
+        f"{sys.executable} -m ddp.supervise --run-dir {run} --hang-timeout-s 10 "
+        f"--max-restarts 1 --poll-s 0.2 -- srun --kill-on-bad-exit=1 {sys.executable} "
+        f"{_launch.ROOT / WORKER} {shlex.quote(json.dumps(spec))}"]) + "\n")  # fmt: skip
+    job = slurm_cluster.submit(script)
+    deadline = time.monotonic() + 120
+    while not (hold / "ready").exists():
+        assert slurm_cluster.state(job) in ("PENDING", "RUNNING"), slurm_cluster.job_log(job)
+        assert time.monotonic() < deadline, slurm_cluster.job_log(job)
+        time.sleep(0.05)
+    os.kill(int((hold / "ready").read_text()), signal.SIGSTOP)  # n2's rank, on this host
+    (hold / "released").touch()  # seen only once the rank is continued
+    state = slurm_cluster.wait(job, timeout=180)
+    log = slurm_cluster.job_log(job)
+    assert state == "COMPLETED", log[-5000:]
+    failure = [e for e in _events(tmp_path) if e["event"] == "failure"]
+    assert failure[0]["kind"] == "hang" and failure[0]["nodes"] == ["n2"], failure
+    assert failure[0]["seen_t"] <= failure[0]["t"], failure  # seen, then stacks and kills
+    assert "'1': 'stopped'" in failure[0]["why"] or "1: 'stopped'" in failure[0]["why"], failure
+    stuck = (run / "failures" / "1" / "rank-1.txt").read_text()
+    assert "_index_worker.py" in stuck and "in step" in stuck, stuck  # taken on n2 by the probe
+    assert "File " in (run / "failures" / "1" / "rank-0.txt").read_text()
+    assert "excluding node(s) n2; relaunching on n1" in log
+    r1 = _attempts(tmp_path / "seen" / "1.txt")
+    assert len(r1) == 1, r1  # n2's rank never ran again
+
+
 def test_srun_relaunch_line_names_nodes_tasks_and_exclusions(monkeypatch) -> None:
     from ddp.supervise import srun_command, tasks_per_node
 
@@ -232,3 +288,38 @@ def test_srun_relaunch_line_names_nodes_tasks_and_exclusions(monkeypatch) -> Non
     assert srun_command(line, ["n1"], ["n2"], per) == [
         "srun", "--nodes=1", "--ntasks=4", "--ntasks-per-node=4", "--exclude=n2",
         "--cpu-bind=none", "python", "t.py", "-n", "3"]  # fmt: skip
+
+
+def test_a_stopped_rank_dumps_its_stack_and_is_stopped_again(tmp_path: Path) -> None:
+    """collect_stacks continues a SIGSTOPped rank so faulthandler can dump, then stops it
+    again: it must not train on (or finish) before the kill, which for a rank on another
+    node comes a probe's start later."""
+    from ddp.supervise import _node, _proc_state, collect_stacks
+
+    hb = tmp_path / "hb"
+    hb.mkdir()
+    code = ("import faulthandler, signal, sys, time\n"
+            f"f = open({str(hb / 'stack-rank-0.txt')!r}, 'w')\n"
+            "faulthandler.register(signal.SIGUSR2, file=f, all_threads=True)\n"
+            "print('up', flush=True)\n"
+            "def stuck_here():\n    while True: time.sleep(0.01)\n"
+            "stuck_here()\n")  # fmt: skip
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "up\n"
+        os.kill(child.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 30
+        while _proc_state(child.pid) not in ("T", "t"):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        states = collect_stacks(hb, tmp_path / "out", {0: {"pid": child.pid, "host": _node()}},
+                                int(signal.SIGUSR2))  # fmt: skip
+        assert states == {0: "stopped"}
+        assert "stuck_here" in (tmp_path / "out" / "rank-0.txt").read_text()
+        deadline = time.monotonic() + 30  # a stop takes effect when the kernel delivers it
+        while _proc_state(child.pid) not in ("T", "t"):
+            assert time.monotonic() < deadline, "the rank runs on after its dump"
+            time.sleep(0.01)
+    finally:
+        child.kill()
+        child.wait()
