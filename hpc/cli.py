@@ -396,7 +396,7 @@ def cmd_logs(args: argparse.Namespace, command: list[str] | None) -> int:
     else:
         run_dir, job = logs.locate(args.id, runs_dir)
     if args.grep is not None:
-        found = logs.grep(run_dir, args.grep, sys.stdout)
+        found = logs.grep(run_dir, args.grep, sys.stdout, job)
         where = ", ".join(f"rank {r} ({h})" for r, h in found)
         sys.stderr.write(f"hpc: {args.grep!r} found in {where}\n" if found else
                          f"hpc: {args.grep!r} is in no rank's log\n")  # fmt: skip
@@ -404,6 +404,12 @@ def cmd_logs(args: argparse.Namespace, command: list[str] | None) -> int:
     if args.rank is not None:
         if args.rank < 0:
             raise UserError(f"logs: --rank {args.rank}; allowed: a rank >= 0")
+        if not logs.rank_logs(run_dir):  # no own files: the labelled lines of the job log
+            if args.follow or args.err:
+                raise UserError("logs: --rank with -f or --err needs per-rank files; allowed: "
+                                "--rank alone for a job log with rank labels")  # fmt: skip
+            logs.print_rank(run_dir, args.rank, sys.stdout, job)
+            return 0
         path = logs.rank_log(run_dir, args.rank)
     else:
         path = logs.find_log(run_dir, job)

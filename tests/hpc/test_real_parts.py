@@ -64,7 +64,8 @@ def test_submit_and_follow_a_job(request: pytest.FixtureRequest, tmp_path: Path,
     # the log is kept in the run directory (runs/.index: the job-id index status made)
     (run_dir,) = [p for p in (tmp_path / "runs").iterdir() if not p.name.startswith(".")]
     log = (run_dir / f"hpc_probe-{job_id}.out").read_text()
-    assert sorted(log.split("\n")[:2]) == ["rank=0 arg=a b;$(x)", "rank=1 arg=a b;$(x)"]
+    # each line under srun --label's rank prefix (per-rank files off: issue 31)
+    assert sorted(log.split("\n")[:2]) == ["0: rank=0 arg=a b;$(x)", "1: rank=1 arg=a b;$(x)"]
 
 
 @pytest.mark.mpi
