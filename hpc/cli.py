@@ -135,6 +135,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             p.add_argument("id", help="scheduler job id, run directory, or its name under --runs-dir")
             p.add_argument("--cluster", help="cluster profile, to say which scheduler")
             p.add_argument("--runs-dir", default="runs")
+            if name == "status":
+                p.add_argument("--watch", action="store_true",
+                               help="a live view (state, latest metrics, slowest rank, "
+                                    "restarts) until the job ends; exits with its status")
             p.set_defaults(func=globals()[fn])
     if want("logs"):
         p = sub.add_parser("logs", parents=[common], help="print a job's log; -f follows it")
@@ -373,11 +377,21 @@ def cmd_submit(args: argparse.Namespace, command: list[str] | None) -> int:
 
 def cmd_status(args: argparse.Namespace, command: list[str] | None) -> int:
     """Print ``JOBID STATE`` with the state normalized; a sweep adds a line per task
-    (the job and its tasks are one scheduler query)."""
+    (the job and its tasks are one scheduler query); a supervised run adds its restarts
+    and excluded nodes. ``--watch``: :mod:`hpc.watch`."""
+    from hpc import runs, watch
+
+    if getattr(args, "watch", False):
+        return watch.run(args.id, Path(args.runs_dir), args.cluster, sys.stdout, sys.stderr,
+                         tty=sys.stdout.isatty())
     job_id, state, tasks = core.run_status(args.id, Path(args.runs_dir), args.cluster)
     sys.stdout.write(f"{job_id} {state}\n")
     for task_id, label, task_state in tasks:
         sys.stdout.write(f"{task_id} {task_state} {label}\n")
+    found = runs.find(args.id, Path(args.runs_dir), history=True)
+    restarts, excluded, stopped = watch.supervisor_events(found[1] if found else {})
+    if restarts or excluded or stopped:  # on stderr: scripts read stdout's JOBID STATE lines
+        sys.stderr.write(watch.supervisor_line(restarts, excluded, stopped) + "\n")
     return 0
 
 
@@ -391,7 +405,7 @@ def cmd_logs(args: argparse.Namespace, command: list[str] | None) -> int:
     else:
         run_dir, job = logs.locate(args.id, runs_dir)
     if args.grep is not None:
-        found = logs.grep(run_dir, args.grep, sys.stdout)
+        found = logs.grep(run_dir, args.grep, sys.stdout, job)
         where = ", ".join(f"rank {r} ({h})" for r, h in found)
         sys.stderr.write(f"hpc: {args.grep!r} found in {where}\n" if found else
                          f"hpc: {args.grep!r} is in no rank's log\n")  # fmt: skip
@@ -399,6 +413,12 @@ def cmd_logs(args: argparse.Namespace, command: list[str] | None) -> int:
     if args.rank is not None:
         if args.rank < 0:
             raise UserError(f"logs: --rank {args.rank}; allowed: a rank >= 0")
+        if not logs.rank_logs(run_dir):  # no own files: the labelled lines of the job log
+            if args.follow or args.err:
+                raise UserError("logs: --rank with -f or --err needs per-rank files; allowed: "
+                                "--rank alone for a job log with rank labels")  # fmt: skip
+            logs.print_rank(run_dir, args.rank, sys.stdout, job)
+            return 0
         path = logs.rank_log(run_dir, args.rank)
     else:
         path = logs.find_log(run_dir, job)

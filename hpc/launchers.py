@@ -140,8 +140,23 @@ def torchrun_args(command: list[str]) -> list[str]:
     return ["--no-python", *command]
 
 
+def labelled(job: Job) -> bool:
+    """True when the merged job log is rank-labelled by the launcher: whenever each
+    rank's own file is off (``per_rank_logs``). A 1,000-rank job's merged log is
+    otherwise a mix nobody can attribute; ``hpc logs --rank/--grep`` read the labels
+    (:mod:`hpc.logs`)."""
+    return not job.spec.per_rank_logs
+
+
 def mpiexec(job: Job) -> list[str]:
-    """``mpiexec -n RANKS --ppn PPN [--depth D] [--cpu-bind B]`` (PALS) or hydra's ``-ppn``."""
+    """``mpiexec -n RANKS --ppn PPN [--depth D] [--cpu-bind B]`` (PALS) or hydra's ``-ppn``.
+
+    Labels (:func:`labelled`): PALS ``--label --line-buffer``: each line prefixed with
+    its rank, and whole lines, so two ranks' output never shares one (HPE's PALS
+    mpiexec(1) is behind HPE's support portal: the ``RANK: `` format is unverified,
+    taken from users' Cray PALS logs; tests/support/pals/mpiexec mimics it). MPICH
+    hydra: ``-prepend-rank`` ("prepend rank to output" in ``mpiexec.hydra -help``,
+    MPICH 4.0.2 as run here), which prints ``[RANK] ``."""
     launcher = job.cluster.launcher
     words: list[str] = ["mpiexec", "-n", str(job.ranks)]
     if launcher.flavor == "pals":
@@ -151,21 +166,26 @@ def mpiexec(job: Job) -> list[str]:
         cpu_bind = job.cluster.layout(job.ppn).cpu_bind  # per ppn (hpc.cluster.Tiles)
         if cpu_bind:
             words += ["--cpu-bind", cpu_bind]
+        label = ["--label", "--line-buffer"] if labelled(job) else []
     else:
         words += ["-ppn", str(job.ppn)]
-    return [*words, *launcher.args, *wrapped(job)]
+        label = ["-prepend-rank"] if labelled(job) else []
+    return [*words, *launcher.args, *label, *wrapped(job)]  # labels last: site flags stay put
 
 
 def srun(job: Job) -> list[str]:
     """``srun --kill-on-bad-exit=1``; tasks come from the allocation.
 
     Since SLURM 22.05 srun no longer inherits ``--cpus-per-task`` from sbatch, so
-    it is repeated here.
+    it is repeated here. ``--label`` (``RANK: `` before each line,
+    https://slurm.schedmd.com/srun.html#OPT_label) unless each rank has its own file
+    (:func:`labelled`).
     """
     words = ["srun", "--kill-on-bad-exit=1"]
     if job.cpus_per_task:
         words.append(f"--cpus-per-task={job.cpus_per_task}")
-    return [*words, *job.cluster.launcher.args, *wrapped(job)]
+    label = ["--label"] if labelled(job) else []
+    return [*words, *job.cluster.launcher.args, *label, *wrapped(job)]  # labels last
 
 
 def torchrun_per_node(job: Job) -> tuple[list[str], list[str]]:

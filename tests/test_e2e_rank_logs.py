@@ -49,3 +49,23 @@ def test_two_nodes_two_ranks_each_in_its_own_file(slurm_cluster: Any, tmp_path: 
     # the job log keeps rank 0's output and every rank's stderr
     log = "\n".join(p.read_text() for p in run_dir.glob("*.out"))
     assert "marker-out-0" in log and "marker-out-3" not in log and "marker-err-3" in log
+
+
+def test_without_rank_files_the_merged_log_is_labelled(slurm_cluster: Any, tmp_path: Path) -> None:
+    """per_rank_logs off: srun --label prefixes each line with its rank, and ``hpc logs
+    --rank 1`` shows rank 1's lines only (2 nodes x 1 rank)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    runs = tmp_path / "runs"
+    spec = write_spec(tmp_path / "l.yaml", [PY, str(probe)], nodes=2, ppn=1)
+    job_id, run_dir = submit(str(spec), runs=runs)
+    assert "srun --kill-on-bad-exit=1 --label " in (run_dir / "job.slurm").read_text()
+    assert wait_status(job_id, runs) == "COMPLETED"
+    log = "\n".join(p.read_text() for p in run_dir.glob("*.out"))
+    for rank in (0, 1):
+        assert f"{rank}: marker-out-{rank}" in log and f"{rank}: marker-err-{rank}" in log, log
+    shown = hpc("logs", job_id, "--runs-dir", str(runs), "--rank", "1").stdout.splitlines()
+    assert "marker-out-1" in shown and "marker-err-1" in shown, shown
+    assert not any("marker-" in line and line.endswith("-0") for line in shown), shown
+    found = hpc("logs", str(run_dir), "--grep", "marker-err-1")
+    assert found.stdout.strip() == "rank 1 (?): marker-err-1" and "found in rank 1" in found.stderr

@@ -64,7 +64,8 @@ def test_submit_and_follow_a_job(request: pytest.FixtureRequest, tmp_path: Path,
     # the log is kept in the run directory (runs/.index: the job-id index status made)
     (run_dir,) = [p for p in (tmp_path / "runs").iterdir() if not p.name.startswith(".")]
     log = (run_dir / f"hpc_probe-{job_id}.out").read_text()
-    assert sorted(log.split("\n")[:2]) == ["rank=0 arg=a b;$(x)", "rank=1 arg=a b;$(x)"]
+    # each line under srun --label's rank prefix (per-rank files off: issue 31)
+    assert sorted(log.split("\n")[:2]) == ["0: rank=0 arg=a b;$(x)", "1: rank=1 arg=a b;$(x)"]
 
 
 @pytest.mark.mpi
@@ -90,5 +91,6 @@ def test_aurora_script_runs_under_pals_shim(pals_mpiexec: Path, tmp_path: Path) 
     proc = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    ranks = sorted(ln for ln in proc.stdout.splitlines() if ln.startswith("R "))
-    assert ranks == ["R 0 0 2", "R 1 1 2"], proc.stdout + proc.stderr
+    # PALS --label: each line under its rank's "N: " (per-rank files off: issue 31)
+    ranks = sorted(ln for ln in proc.stdout.splitlines() if ": R " in ln)
+    assert ranks == ["0: R 0 0 2", "1: R 1 1 2"], proc.stdout + proc.stderr

@@ -110,14 +110,14 @@ def test_aurora_launch_line() -> None:
     assert "#PBS -l filesystems=home:flare" in text
     assert "#PBS -q debug" in text and "#PBS -A proj" in text
     assert ("mpiexec -n 24 --ppn 12 --cpu-bind list:1-8:9-16:17-24:25-32:33-40:41-48:"
-            "53-60:61-68:69-76:77-84:85-92:93-100 python -m ddp dpo") in text
+            "53-60:61-68:69-76:77-84:85-92:93-100 --label --line-buffer python -m ddp dpo") in text
     assert "export CCL_PROCESS_LAUNCHER=pmix" in text
     assert "ddp.exec" not in text  # project recipes are not wrapped
 
 
 def test_plain_script_is_wrapped_and_recipe_is_not() -> None:
     wrapped = render(make_job("slurm", command=["python", "train.py"]))
-    assert "srun --kill-on-bad-exit=1 python -m ddp.exec -- python train.py" in wrapped
+    assert "srun --kill-on-bad-exit=1 --label python -m ddp.exec -- python train.py" in wrapped
     never = render(make_job("slurm", command=["python", "train.py"], wrap="never"))
     assert "ddp.exec" not in never
     always = render(make_job("slurm", command=["python", "-m", "ddp", "x"], wrap="always"))
@@ -207,3 +207,15 @@ def test_tilde_paths_are_expanded_for_schedulers_and_shells(monkeypatch) -> None
     text = render(job)
     assert "#SBATCH --output=/home/u/logs/%x-%j.out" in text
     assert "source /home/u/venvs/ddp/bin/activate" in text
+
+
+def test_merged_log_is_rank_labelled_unless_each_rank_has_its_own_file() -> None:
+    """srun --label / PALS --label --line-buffer / hydra -prepend-rank (issue 31), and
+    none of them where per_rank_logs gives each rank a file of its own."""
+    for cluster, flags in (("slurm", "srun --kill-on-bad-exit=1 --label python"),
+                           ("polaris", "--cpu-bind depth --label --line-buffer python"),
+                           ("pbs", "mpiexec -n 1 -ppn 1 -prepend-rank python")):
+        kw = {"account": "p"} if cluster == "polaris" else {}
+        assert flags in render(make_job(cluster, command=["python", "t.py"], **kw)), cluster
+        own = render(make_job(cluster, command=["python", "t.py"], per_rank_logs=True, **kw))
+        assert "--label" not in own and "-prepend-rank" not in own, cluster

@@ -22,7 +22,7 @@ def test_slurm_srun_runs_under_the_supervisor_with_no_kill() -> None:
     text = _script("slurm", {"hang_timeout_s": 90, "max_restarts": 5}, nodes="2", queue="debug")
     assert "#SBATCH --no-kill" in text
     assert ("python -m ddp.supervise --hang-timeout-s=90 --max-restarts=5 --min-nodes=1 "
-            "--spares=0 -- srun --kill-on-bad-exit=1 python -m ddp.exec -- python t.py") in text  # fmt: skip
+            "--spares=0 -- srun --kill-on-bad-exit=1 --label python -m ddp.exec -- python t.py") in text  # fmt: skip
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
     plain = render(make_job("slurm", command=["python", "t.py"], queue="debug"), cwd=REPO)
     assert "--no-kill" not in plain and "ddp.supervise" not in plain

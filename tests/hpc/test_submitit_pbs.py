@@ -205,7 +205,8 @@ def test_submit_gets_the_result(pbs: Path, capsys: pytest.CaptureFixture[str]) -
     script = job.paths.submission_file.read_text()
     assert "#PBS -N adder\n" in script and "#PBS -l select=1\n" in script
     assert f"#PBS -o {run_dir}/\n" in script
-    assert f"mpiexec -n 1 -ppn 1 {sys.executable} -u -m hpc.executors.pbs {run_dir}" in script
+    # -prepend-rank: the merged .OU is rank-labelled (issue 31); each rank's own log as before
+    assert f"mpiexec -n 1 -ppn 1 -prepend-rank {sys.executable} -u -m hpc.executors.pbs {run_dir}" in script
     assert "INFO" in job.stdout()  # the rank's own log, as srun --output writes on SLURM
     assert (run_dir / f"{job.job_id}.OU").is_file()  # the batch shell's, from #PBS -o
     assert cli_main(["status", str(run_dir)]) == 0  # the run directory names the job

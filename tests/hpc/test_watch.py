@@ -1,0 +1,179 @@
+"""``hpc status RUN --watch`` (hpc.watch): what a pipe gets, the end status, Ctrl-C.
+
+The scheduler is scripted here (the real SLURM: tests/hpc/test_watch_slurm.py); the run's files
+are real: metrics.jsonl lines as the trainer writes them and run.json events written
+by ddp.supervise's own ``record``. ``sleep`` is where the next thing happens, so no test
+waits on a clock."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from ddp.supervise import record
+from hpc import watch
+from hpc.errors import UserError
+
+
+class Scripted(watch.Watcher):
+    """A Watcher whose scheduler answers from a list (one entry a query); the files are
+    the run directory's own."""
+
+    def __init__(self, run_dir: Path, states: list[str]) -> None:
+        self.run_dir, self.states, self.asked = run_dir, states, 0
+        self.ident, self.runs_dir = str(run_dir), run_dir.parent
+
+    def look(self) -> watch.View:
+        state = self.states[min(self.asked, len(self.states) - 1)]
+        self.asked += 1
+        metrics, (restarts, excluded, stopped) = watch.local_parts(self.run_dir)
+        return watch.View("42", state, [], metrics, restarts, excluded, stopped)
+
+    final = look
+
+
+def _metrics(run_dir: Path, step: int, loss: float, slow: int) -> None:
+    with (run_dir / "metrics.jsonl").open("a") as fh:
+        fh.write(json.dumps({"kind": "train", "step": step, "loss": loss,
+                             "samples_per_s": 100.0 + step, "slowest_rank": float(slow)}) + "\n")
+
+
+def test_a_pipe_gets_a_line_only_when_it_changes(tmp_path: Path) -> None:
+    (tmp_path / "run.json").write_text("{}")
+    w = Scripted(tmp_path, ["PENDING", "RUNNING", "RUNNING", "RUNNING", "RUNNING", "COMPLETED"])
+    script = iter([
+        lambda: None,  # nothing new: nothing printed
+        lambda: _metrics(tmp_path, 2, 1.5, 1),
+        lambda: record(tmp_path, {"event": "exclude", "excluded": ["n2"], "nodes": ["n2"]}),
+        lambda: (record(tmp_path, {"event": "restart", "attempt": 2}),
+                 _metrics(tmp_path, 4, 1.25, 0)),
+        lambda: None,
+    ])
+    out, err = io.StringIO(), io.StringIO()
+    code = watch.run("r", tmp_path, None, out, err, tty=False, sleep=lambda _: next(script)(),
+                     watcher=w)
+    assert code == 0 and err.getvalue() == "hpc: job ended: COMPLETED\n"
+    assert out.getvalue().splitlines() == [
+        "job 42 PENDING",
+        "job 42 RUNNING",
+        "metrics step 2 loss 1.5 samples/s 102.0",
+        "slowest rank 1",
+        "supervisor: 0 restarts, excluded n2",
+        "metrics step 4 loss 1.25 samples/s 104.0",
+        "slowest rank 0",
+        "supervisor: 1 restart, excluded n2",
+        "job 42 COMPLETED",
+    ]
+
+
+def test_a_job_that_failed_is_a_failing_exit(tmp_path: Path) -> None:
+    (tmp_path / "run.json").write_text("{}")
+    w = Scripted(tmp_path, ["RUNNING", "FAILED"])
+    code = watch.run("r", tmp_path, None, io.StringIO(), io.StringIO(), tty=False,
+                     sleep=lambda _: None, watcher=w)
+    assert code == 1
+
+
+def test_ctrl_c_leaves_with_130_and_asks_nothing_more(tmp_path: Path) -> None:
+    (tmp_path / "run.json").write_text("{}")
+    w = Scripted(tmp_path, ["RUNNING"])
+
+    def interrupted(_: float) -> None:
+        raise KeyboardInterrupt
+
+    err = io.StringIO()
+    for tty in (False, True):
+        w.asked = 0
+        code = watch.run("r", tmp_path, None, io.StringIO(), err, tty=tty, sleep=interrupted,
+                         watcher=w)
+        assert code == 130 and w.asked == 1
+    assert "the job was not touched" in err.getvalue()
+
+
+def test_a_terminal_gets_the_live_view_ending_in_the_final_state(tmp_path: Path) -> None:
+    (tmp_path / "run.json").write_text("{}")
+    _metrics(tmp_path, 6, 0.5, 1)
+    w = Scripted(tmp_path, ["RUNNING", "COMPLETED"])
+    out = io.StringIO()
+    assert watch.run("r", tmp_path, None, out, io.StringIO(), tty=True, sleep=lambda _: None,
+                     watcher=w) == 0
+    assert "job 42 COMPLETED" in out.getvalue() and "metrics step 6 loss 0.5" in out.getvalue()
+
+
+def test_the_last_metrics_line_is_read_from_the_tail_and_half_lines_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    pad = json.dumps({"kind": "train", "step": 0, "note": "x" * 1000})
+    lines = [pad] * 200 + [json.dumps({"kind": "train", "step": 7, "loss": 2.0}),
+                           json.dumps({"kind": "eval", "step": 7, "loss": 1.0})]
+    path.write_text("\n".join(lines) + '\n{"kind": "train", "st')  # a line being written
+    assert path.stat().st_size > watch.TAIL_BYTES
+    assert watch.last_metrics(path) == {"kind": "train", "step": 7, "loss": 2.0}
+    assert watch.last_metrics(tmp_path / "none.jsonl") is None
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(UserError, match="named pipe"):
+        watch.last_metrics(fifo)  # never a hang
+
+
+def test_malformed_supervisor_blocks_count_as_absent() -> None:
+    for rec in ({}, {"supervisor": []}, {"supervisor": {"events": "x"}},
+                {"supervisor": {"events": [1, None, {"event": "exclude", "excluded": "n2"}]}}):
+        assert watch.supervisor_events(rec) == (0, [], None)
+    rec = {"supervisor": {"events": [{"event": "restart"}, {"event": "stopped", "why": "w"}]}}
+    assert watch.supervisor_events(rec) == (1, [], "w")
+    assert watch.metrics_line({"step": True, "loss": float("nan")}) == "metrics (no step yet)"
+
+
+def _chain(fake_bin, tmp_path: Path, squeue: str) -> Path:
+    """A 3-segment SLURM chain submitted through the CLI against fake clients."""
+    from hpc.cli import main
+
+    fake_bin("sbatch", 'n=$(grep -c "^sbatch" "$FAKE_LOG"); echo "$((500 + n))"')
+    fake_bin("squeue", squeue)
+    fake_bin("scontrol", 'echo "JobId=$3 ExitCode=0:0"')
+    assert main(["submit", "--cluster", "slurm", "--account", "p", "--name", "t", "--chain",
+                 "3", "--runs-dir", str(tmp_path / "runs"), "--", "python", "t.py"]) == 0
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    return run_dir
+
+
+def test_watch_asks_the_scheduler_once_a_look_for_every_segment(
+        fake_bin, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """Batched as plain ``hpc status`` is: one squeue a look for the job and its three
+    segments, and the scheduler is asked again only when its Backoff is due."""
+    from hpc.cli import main
+
+    squeue = ('n=$(grep -c "^squeue" "$FAKE_LOG"); s=RUNNING; [ "$n" -ge 3 ] && s=COMPLETED; '
+              'printf "501|501|$s\\n502|502|$s\\n503|503|$s\\n"')
+    run_dir = _chain(fake_bin, tmp_path, squeue)
+    capsys.readouterr()
+    ticks: list[float] = []
+    now = [0.0]
+    monkeypatch.setattr(watch, "_sleep", lambda s: (ticks.append(s), now.__setitem__(0, now[0] + s)))
+    monkeypatch.setattr(watch, "_clock", lambda: now[0])
+    assert main(["status", str(run_dir), "--watch"]) == 0
+    calls = [c for c in fake_bin.log.read_text().splitlines() if c.startswith("squeue")]
+    # asked at t=0, 1 and 3 s (Backoff 1 s, doubling), then once more for the end state;
+    # the look at t=2 read only the files
+    assert len(calls) == 4 and ticks == [1.0, 1.0, 1.0], (calls, ticks)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "job 501 RUNNING" and out[-1] == "  503 COMPLETED segment 3/3"
+
+
+def test_plain_status_names_restarts_and_excluded_nodes(
+        fake_bin, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    from hpc.cli import main
+
+    run_dir = _chain(fake_bin, tmp_path, 'printf "501|501|RUNNING\\n"')
+    record(run_dir, {"event": "exclude", "nodes": ["n2"], "excluded": ["n2"]})
+    record(run_dir, {"event": "restart", "attempt": 2})
+    capsys.readouterr()
+    assert main(["status", str(run_dir)]) == 0
+    got = capsys.readouterr()
+    assert got.out.splitlines()[0] == "501 RUNNING"  # stdout keeps its JOBID STATE lines
+    assert got.err == "supervisor: 1 restart, excluded n2\n"
