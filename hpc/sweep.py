@@ -32,7 +32,13 @@ limit (SLURM's ``MaxArraySize``, read at submit) is split into several arrays
 MAX_DIRNAME = 64
 MAX_VALUE = 256
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024  # MAX_TASKS tasks of a few hundred bytes each
-ARRAY_INDEX_VARS = ("SLURM_ARRAY_TASK_ID", "PBS_ARRAY_INDEX")
+def array_index_vars() -> tuple[str, ...]:
+    """Each scheduler's array-task variable (``Scheduler.array_index_var``), from the
+    schedulers themselves: a new scheduler module brings its own."""
+    from hpc import schedulers
+
+    found = (schedulers.get(name).array_index_var for name in schedulers.names())
+    return tuple(var for var in found if var)
 """Where a task finds its array index: SLURM, then PBS Pro/OpenPBS (both 0-based here:
 the array is submitted as ``0-(N-1)``)."""
 
@@ -295,13 +301,14 @@ def array_index(index: int | str | None = None, environ: Mapping[str, str] | Non
     env = os.environ if environ is None else environ
     where = "--index"
     if index is None:
-        for var in ARRAY_INDEX_VARS:
+        names = array_index_vars()
+        for var in names:
             if env.get(var, "").strip():
                 index, where = env[var], f"${var}"
                 break
         else:
             raise UserError("sweep: no array index; allowed: --index N, or run as an array task "
-                            f"({' or '.join('$' + v for v in ARRAY_INDEX_VARS)} set)")  # fmt: skip
+                            f"({' or '.join('$' + v for v in names)} set)")  # fmt: skip
     text = str(index).strip()
     if isinstance(index, bool) or not re.fullmatch(r"[0-9]{1,6}", text):
         raise UserError(f"sweep: {where} {str(index)!r} is not an array index; "

@@ -164,6 +164,14 @@ def parse_array_limit(config: str) -> int:
     return limit
 
 
+def slurm_time(seconds: int) -> str:
+    """``--time`` as sbatch takes it: HH:MM:SS below a day, D-HH:MM:SS from one day on."""
+    from hpc._util import format_walltime
+
+    days, rest = divmod(seconds, 86400)
+    return f"{days}-{format_walltime(rest)}" if days else format_walltime(rest)
+
+
 class Slurm(Scheduler):
     """SLURM: sbatch scripts, ranks started by srun (or one torchrun per node)."""
 
@@ -204,6 +212,7 @@ class Slurm(Scheduler):
         per_node = job.launcher == "torchrun"
         cpus = job.cpus_per_task
         return {
+            "slurm_time": slurm_time(job.walltime),
             "tasks_per_node": 1 if per_node else job.ppn,
             "cpus_per_task": cpus * job.ppn if cpus and per_node else cpus,
             "array": self.array_spec(job),
