@@ -210,7 +210,7 @@ def resolve(
         )
     cluster.check_job(queue, walltime, launcher, scheduler.launchers)
     if spec.wrap == "auto":  # torchrun already exports RANK/LOCAL_RANK/...; mpiexec and srun do not
-        wrapped = launcher in ("mpiexec", "srun") and not is_ddp_command(spec.command)
+        wrapped = schedulers.LAUNCHERS[launcher].per_rank and not is_ddp_command(spec.command)
     else:
         wrapped = spec.wrap == "always"
     scheduler.check_spec(spec, cluster)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpc import schedulers
 from hpc._util import (
     check_keys,
     did_you_mean,
@@ -43,7 +44,7 @@ SPEC_KEYS = (
 #: ``resilience:`` keys (python -m ddp.supervise's flags) and their defaults.
 RESILIENCE = {"hang_timeout_s": 600.0, "max_restarts": 3, "min_nodes": 1, "spares": 0}
 WRAP_MODES = ("auto", "always", "never")
-LAUNCHERS = ("auto", "mpiexec", "srun", "torchrun")
+LAUNCHERS = ("auto", *schedulers.LAUNCHERS)  # a spec may also leave it to the profile
 _SIGNAL = r"^((R|B|RB|BR):)?(SIG)?[A-Z0-9]+(@\d+)?\Z"  # compiled on first use (re's cache)
 #: A Python interpreter as the first word of a command (``python``, ``/venv/bin/python3.11``).
 PYTHON = r"^(.*/)?python(\d+(\.\d+)*)?\Z"  # compiled on first use (re's cache)

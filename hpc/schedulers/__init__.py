@@ -93,6 +93,27 @@ class Submission:
         return JobState.COMPLETED if self.exit_code == 0 else JobState.FAILED
 
 
+@dataclass(frozen=True)
+class LauncherKind:
+    """One way to start a job's ranks; a scheduler lists the kinds it can run
+    (``Scheduler.launchers``), a profile picks its default, a spec may name another."""
+
+    name: str
+    #: Starts every rank itself, without torchrun's variables (RANK, LOCAL_RANK, ...): a
+    #: command that is not ``python -m ddp`` runs under ``python -m ddp.exec`` (wrap: auto).
+    per_rank: bool
+
+
+#: Every launcher kind, once (spec, profiles and job read it from here).
+LAUNCHERS: dict[str, LauncherKind] = {
+    kind.name: kind for kind in (
+        LauncherKind("mpiexec", per_rank=True),
+        LauncherKind("srun", per_rank=True),
+        LauncherKind("torchrun", per_rank=False),  # one per node; it exports the variables
+    )
+}
+
+
 class Scheduler:
     """One batch system. Subclasses set the class attributes and the client methods."""
 

@@ -108,3 +108,14 @@ def _error(fn, *args) -> str:
     with pytest.raises(core.UserError) as info:
         fn(*args)
     return str(info.value)
+
+
+def test_every_scheduler_launches_with_known_launcher_kinds() -> None:
+    """The launcher kinds are listed once (hpc.schedulers.LAUNCHERS); a scheduler's own
+    list names only those, and the spec and profile choices are read from that table."""
+    from hpc import profiles, schedulers, spec
+
+    for name in schedulers.names():
+        assert set(schedulers.get(name).launchers) <= set(schedulers.LAUNCHERS), name
+    assert spec.LAUNCHERS == ("auto", *schedulers.LAUNCHERS)
+    assert profiles.LAUNCHER_KINDS == tuple(schedulers.LAUNCHERS)
