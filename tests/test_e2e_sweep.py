@@ -99,6 +99,20 @@ def small_array_cluster(slurm_cluster):
             yield cluster
 
 
+def _until_every_task_ended(run_dir: Path, runs: Path, n: int,
+                            timeout: float) -> tuple[list[str], list[list[str]]]:
+    """``hpc status RUN``'s lines once all ``n`` task lines show a final state (the
+    bound only against a hang), and the task lines split into words."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = hpc("status", str(run_dir), "--runs-dir", str(runs)).stdout.splitlines()
+        tasks = [ln.split() for ln in lines[1:]]
+        if len(tasks) == n and all(t[1] in FINAL for t in tasks):
+            return lines, tasks
+        assert time.monotonic() < deadline, lines
+        time.sleep(0.5)
+
+
 def test_sweep_wider_than_max_array_size_is_one_sweep_of_three_arrays(
         small_array_cluster, tmp_path: Path) -> None:
     """25 tasks, MaxArraySize 11 (read from ``scontrol show config`` at submit): arrays of
@@ -122,14 +136,7 @@ def test_sweep_wider_than_max_array_size_is_one_sweep_of_three_arrays(
     assert parts[0]["job_id"] == job_id and len({p["job_id"] for p in parts}) == 3
     assert "#SBATCH --array=0-10\n" in (run_dir / "job.slurm").read_text()
 
-    deadline = time.monotonic() + 240
-    while True:
-        lines = hpc("status", str(run_dir), "--runs-dir", str(runs)).stdout.splitlines()
-        tasks = [ln.split() for ln in lines[1:]]
-        if len(tasks) == n and all(t[1] in FINAL for t in tasks):
-            break
-        assert time.monotonic() < deadline, lines
-        time.sleep(0.5)
+    lines, tasks = _until_every_task_ended(run_dir, runs, n, timeout=240)
     elapsed = time.monotonic() - started
     sys.stderr.write(f"{n} tasks in 3 arrays: {elapsed:.1f} s from submit to all ended\n")
     assert lines[0].split() == [job_id, "COMPLETED"], lines[0]
@@ -162,13 +169,6 @@ def test_cancel_of_a_split_sweep_reaches_every_array(small_array_cluster, tmp_pa
     assert len(parts) == 3
     out = hpc("cancel", str(run_dir), "--runs-dir", str(runs)).stdout
     assert out.strip() == f"{job_id} cancel requested"
-    deadline = time.monotonic() + 120
-    while True:
-        lines = hpc("status", str(run_dir), "--runs-dir", str(runs)).stdout.splitlines()
-        tasks = [ln.split() for ln in lines[1:]]
-        if len(tasks) == n and all(t[1] in FINAL for t in tasks):
-            break
-        assert time.monotonic() < deadline, lines
-        time.sleep(0.5)
+    lines, tasks = _until_every_task_ended(run_dir, runs, n, timeout=120)
     assert {t[1] for t in tasks} == {"CANCELLED"}, lines
     assert lines[0].split() == [job_id, "CANCELLED"]

@@ -192,15 +192,13 @@ def _attempts(path: Path) -> list[list[tuple[int, list[int]]]]:
     return runs
 
 
-@pytest.mark.slurm
-def test_slurm_node_lost_relaunches_alone_on_the_other(slurm_cluster, tmp_path: Path) -> None:
-    """2 nodes, one rank each; n2's rank is SIGKILLed mid-epoch: srun names n2, the
-    supervisor excludes it and relaunches on n1 at half the world size; the job completes
-    and the epoch's every sample is trained exactly once."""
+def _supervised_two_nodes(slurm_cluster, tmp_path: Path, supervise: str, sig: int) -> str:
+    """Submit a 2-node job (one rank a node) under ``ddp.supervise SUPERVISE -- srun``,
+    wait until rank 1 (on n2, which shares this host) holds before step 4, send it
+    ``sig`` and let it go on; the job's id."""
     hold = tmp_path / "hold"
     hold.mkdir()
     spec = _spec(tmp_path, hold={"rank": 1, "step": 4, "dir": str(hold)})
-    run = tmp_path / "run"
     script = tmp_path / "job.sh"
     script.write_text("\n".join([
         "#!/bin/bash", "#SBATCH -N 2", "#SBATCH --ntasks-per-node=1", "#SBATCH --no-kill",
@@ -208,8 +206,8 @@ def test_slurm_node_lost_relaunches_alone_on_the_other(slurm_cluster, tmp_path: 
         # a free port: the default is derived from the job id, which every private test
         # cluster starts at 1, so another test process's job may hold it
         f"export OMP_NUM_THREADS=1 MASTER_PORT={free_port()}",
-        f"{sys.executable} -m ddp.supervise --run-dir {run} --hang-timeout-s 60 "
-        f"--max-restarts 2 --min-nodes 1 -- srun --kill-on-bad-exit=1 {sys.executable} "
+        f"{sys.executable} -m ddp.supervise --run-dir {tmp_path / 'run'} {supervise} "
+        f"-- srun --kill-on-bad-exit=1 {sys.executable} "
         f"{_launch.ROOT / WORKER} {shlex.quote(json.dumps(spec))}"]) + "\n")  # fmt: skip
     job = slurm_cluster.submit(script)
     deadline = time.monotonic() + 120
@@ -217,8 +215,18 @@ def test_slurm_node_lost_relaunches_alone_on_the_other(slurm_cluster, tmp_path: 
         assert slurm_cluster.state(job) in ("PENDING", "RUNNING"), slurm_cluster.job_log(job)
         assert time.monotonic() < deadline, slurm_cluster.job_log(job)
         time.sleep(0.05)
-    os.kill(int((hold / "ready").read_text()), signal.SIGKILL)  # n2 shares this host here
-    (hold / "released").touch()
+    os.kill(int((hold / "ready").read_text()), sig)
+    (hold / "released").touch()  # a stopped rank sees it only once continued
+    return job
+
+
+@pytest.mark.slurm
+def test_slurm_node_lost_relaunches_alone_on_the_other(slurm_cluster, tmp_path: Path) -> None:
+    """2 nodes, one rank each; n2's rank is SIGKILLed mid-epoch: srun names n2, the
+    supervisor excludes it and relaunches on n1 at half the world size; the job completes
+    and the epoch's every sample is trained exactly once."""
+    job = _supervised_two_nodes(slurm_cluster, tmp_path, "--hang-timeout-s 60 --max-restarts 2 "
+                                "--min-nodes 1", signal.SIGKILL)
     state = slurm_cluster.wait(job, timeout=180)
     log = slurm_cluster.job_log(job)
     assert state == "COMPLETED", log[-5000:]
@@ -242,26 +250,8 @@ def test_slurm_hung_rank_on_the_other_node_is_probed_named_and_excluded(
     """2 nodes; n2's rank is SIGSTOPped. The supervisor (on n1) cannot signal it, so a
     probe (``srun --overlap`` on n2) takes its stack, reports it stopped and kills it: n2
     alone is named and excluded, and the job completes on n1."""
-    hold = tmp_path / "hold"
-    hold.mkdir()
-    spec = _spec(tmp_path, hold={"rank": 1, "step": 4, "dir": str(hold)})
-    run = tmp_path / "run"
-    script = tmp_path / "job.sh"
-    script.write_text("\n".join([
-        "#!/bin/bash", "#SBATCH -N 2", "#SBATCH --ntasks-per-node=1", "#SBATCH --no-kill",
-        "set -eu", f"export PYTHONPATH={_launch.ROOT / 'src'}:{_launch.ROOT}",
-        f"export OMP_NUM_THREADS=1 MASTER_PORT={free_port()}",
-        f"{sys.executable} -m ddp.supervise --run-dir {run} --hang-timeout-s 10 "
-        f"--max-restarts 1 --poll-s 0.2 -- srun --kill-on-bad-exit=1 {sys.executable} "
-        f"{_launch.ROOT / WORKER} {shlex.quote(json.dumps(spec))}"]) + "\n")  # fmt: skip
-    job = slurm_cluster.submit(script)
-    deadline = time.monotonic() + 120
-    while not (hold / "ready").exists():
-        assert slurm_cluster.state(job) in ("PENDING", "RUNNING"), slurm_cluster.job_log(job)
-        assert time.monotonic() < deadline, slurm_cluster.job_log(job)
-        time.sleep(0.05)
-    os.kill(int((hold / "ready").read_text()), signal.SIGSTOP)  # n2's rank, on this host
-    (hold / "released").touch()  # seen only once the rank is continued
+    job = _supervised_two_nodes(slurm_cluster, tmp_path, "--hang-timeout-s 10 --max-restarts 1 "
+                                "--poll-s 0.2", signal.SIGSTOP)
     state = slurm_cluster.wait(job, timeout=180)
     log = slurm_cluster.job_log(job)
     assert state == "COMPLETED", log[-5000:]
@@ -269,6 +259,7 @@ def test_slurm_hung_rank_on_the_other_node_is_probed_named_and_excluded(
     assert failure[0]["kind"] == "hang" and failure[0]["nodes"] == ["n2"], failure
     assert failure[0]["seen_t"] <= failure[0]["t"], failure  # seen, then stacks and kills
     assert "'1': 'stopped'" in failure[0]["why"] or "1: 'stopped'" in failure[0]["why"], failure
+    run = tmp_path / "run"
     stuck = (run / "failures" / "1" / "rank-1.txt").read_text()
     assert "_index_worker.py" in stuck and "in step" in stuck, stuck  # taken on n2 by the probe
     assert "File " in (run / "failures" / "1" / "rank-0.txt").read_text()
