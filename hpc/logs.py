@@ -233,7 +233,13 @@ def print_rank(run_dir: Path, rank: int, out: TextIO, job: str | None = None) ->
     """Print rank ``rank``'s lines of the merged job log, labels removed (as its own
     file would hold them); one line naming what the log has otherwise."""
     seen: set[int] = set()
-    for path in _merged(run_dir, job):
+    try:
+        merged = _merged(run_dir, job)
+    except UserError:  # neither per-rank files nor a job log: say the first
+        raise UserError(f"logs: {str(run_dir)!r} has no per-rank logs and no job log; "
+                        "allowed: --rank for a job submitted with per_rank_logs: true, or "
+                        "one whose log has rank labels") from None
+    for path in merged:
         for r, line in labelled_lines(path):
             seen.add(r)
             if r == rank:
