@@ -84,6 +84,8 @@ class Stage:
     local_dir: str
     pack_at: str
     why: str
+    #: The spec asked (``stage: always``): nothing to explain on stderr.
+    asked: bool = False
 
     def dest(self, job_id_var: str) -> str:
         """The copy's folder on each node, as shell text (the job id from ``job_id_var``)."""
@@ -177,7 +179,7 @@ def decide(job: Job) -> Stage | None:
         raise UserError(f"python.stage: {stage}: the {job.cluster.name} profile runs the job on "
                         "this machine, which has no nodes to stage to; allowed: never here")
     return Stage(venv=str(python["venv"]), local_dir=rule.get("local_dir", DEFAULT_LOCAL_DIR),
-                 pack_at=str(python.get("pack", "submit")), why=why)
+                 pack_at=str(python.get("pack", "submit")), why=why, asked=stage == "always")
 
 
 def pack(stage: Stage, run_dir: Path) -> str:
@@ -195,7 +197,7 @@ def pack(stage: Stage, run_dir: Path) -> str:
         with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as out:
             for root, dirs, names in os.walk(venv):
                 dirs.sort()
-                for name in [*sorted(dirs), *sorted(names)]:
+                for name in [*dirs, *sorted(names)]:  # dirs sorted in place: walked in order
                     path = Path(root, name)
                     rel = path.relative_to(venv)
                     info = out.gettarinfo(str(path), arcname=str(rel))
@@ -220,5 +222,5 @@ def pack(stage: Stage, run_dir: Path) -> str:
 
 def note(stage: Stage) -> None:
     """Say once on stderr why the environment is staged, where the spec did not ask."""
-    if stage.why != "stage: always":
+    if not stage.asked:
         print(f"hpc: python.stage: {stage.why}", file=sys.stderr)
