@@ -74,6 +74,9 @@ class Launcher:
     depth: int | None = None
     args: tuple[str, ...] = ()
     refuse: dict[str, str] = field(default_factory=dict)  # launcher kind -> why the site warns
+    #: flags for a launch started while the job's ranks run (ddp.supervise's per-node
+    #: probe): Aurora's ``--no-vni`` (aurora.yaml cites the known issue)
+    concurrent_args: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

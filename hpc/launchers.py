@@ -97,20 +97,25 @@ def supervised(job: Job, launch: list[Any]) -> list[Any]:
     """``python -m ddp.supervise FLAGS -- LAUNCH`` for a spec with ``resilience:``: the
     supervisor inside the allocation relaunches without a hung or dead rank's node.
 
-    It reads the launch line it relaunches, so it must be the launcher itself: ``srun``
-    on SLURM (rendered with ``--no-kill``) or the local ``torchrun``; PBS (a rewritten
-    host file under ``tolerate_node_failures``) and one torchrun per node are not done."""
+    It reads the launch line it relaunches, so it must be a launcher the scheduler lists
+    in ``supervised_launchers``: ``srun`` on SLURM (rendered with ``--no-kill``),
+    ``mpiexec`` on PBS (``tolerate_node_failures``, a rewritten host file per relaunch),
+    the local ``torchrun``; one torchrun per node is not done."""
     r = job.spec.resilience or {}
-    name = job.scheduler.name
-    if name not in ("slurm", "local") or (name == "slurm" and job.launcher != "srun"):
-        raise UserError(f"resilience: not available for {name} with launcher {job.launcher}; "
-                        "allowed: SLURM with srun, or the local cluster")  # fmt: skip
+    sched = job.scheduler
+    if job.launcher not in sched.supervised_launchers:
+        raise UserError(f"resilience: not available for {sched.name} with launcher "
+                        f"{job.launcher}; allowed: {sched.name} with "
+                        f"{' or '.join(sched.supervised_launchers) or 'no launcher'}")  # fmt: skip
     if int(r["min_nodes"]) > job.nodes:
         raise UserError(f"resilience.min_nodes: {r['min_nodes']} is more than the job's "
                         f"{job.nodes} node(s); allowed: 1 to {job.nodes}")  # fmt: skip
     flags = [f"--hang-timeout-s={float(r['hang_timeout_s']):g}",
              f"--max-restarts={int(r['max_restarts'])}", f"--min-nodes={int(r['min_nodes'])}",
              f"--spares={int(r['spares'])}"]  # fmt: skip
+    concurrent = job.cluster.launcher.concurrent_args
+    if concurrent:  # one word: the supervisor splits it (ddp.supervise --concurrent-args)
+        flags.append(f"--concurrent-args={sh_join(concurrent)}")
     return [python_of(job.spec.command), "-m", "ddp.supervise", *flags, "--", *launch]
 
 

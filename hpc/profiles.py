@@ -62,7 +62,7 @@ QUEUE_KEYS = (
     "array_limit",  # issue 32 arrays: most subjobs of an array queued/running at once
     "directives", "notes", "charge_factor", "charge_source",
 )
-LAUNCHER_KEYS = ("kind", "flavor", "cpu_bind", "depth", "args", "refuse")
+LAUNCHER_KEYS = ("kind", "flavor", "cpu_bind", "depth", "args", "refuse", "concurrent_args")
 
 
 def profile_dirs(environ: dict[str, str] | None = None, cwd: Path | None = None) -> list[Path]:
@@ -236,7 +236,8 @@ def _max_queued(spec: dict[str, Any], where: str, key: str = "max_queued") -> in
 def _launcher(data: Any, default: str, where: str) -> Launcher:
     data = data or {}
     if not isinstance(data, dict):
-        raise UserError(f"{where}: launcher: allowed: a mapping with kind, flavor, cpu_bind, depth, args")
+        raise UserError(f"{where}: launcher: allowed: a mapping with "
+                        f"{', '.join(LAUNCHER_KEYS)}")
     lwhere = f"{where}: launcher"
     check_keys(data, LAUNCHER_KEYS, lwhere)
     cpu_bind = data.get("cpu_bind")
@@ -255,6 +256,7 @@ def _launcher(data: Any, default: str, where: str) -> Launcher:
         depth=_int(data, "depth", lwhere),
         args=_strings(data, "args", lwhere),
         refuse=reasons,
+        concurrent_args=_strings(data, "concurrent_args", lwhere),
     )
 
 

@@ -123,6 +123,9 @@ class Scheduler:
     script_suffix: ClassVar[str] = ".sh"
     #: Launcher kinds that can start ranks here; the first is a profile's default.
     launchers: ClassVar[tuple[str, ...]]
+    #: Launcher kinds ``resilience:`` can run under ``ddp.supervise`` here: the ones whose
+    #: line the supervisor can relaunch on fewer nodes (``ddp.relaunch``).
+    supervised_launchers: ClassVar[tuple[str, ...]] = ()
     #: The profile's ``queue_directive`` when it gives none, and the ones it may give.
     queue_directives: ClassVar[tuple[str, ...]] = ("queue",)
     #: The client whose presence on PATH says a login node has this scheduler, and the

@@ -28,6 +28,7 @@ class Local(Scheduler):
     name = "local"
     script_suffix = ".sh"
     launchers = ("torchrun",)
+    supervised_launchers = ("torchrun",)  # one node: the same line again
     runs_here = True
     # submit writes output.log, then output-2.log ... for each --resume (create_free)
     log_patterns = (r"output(?:-(?P<seq>[0-9]+))?\.log",)

@@ -588,6 +588,7 @@ class PBS(Scheduler):
     name = "pbs"
     script_suffix = ".pbs"
     launchers = ("mpiexec",)
+    supervised_launchers = ("mpiexec",)  # a rewritten host file per relaunch
     queue_directives = ("queue",)
     client = "qstat"
     detect_order = 20

@@ -178,6 +178,7 @@ class Slurm(Scheduler):
     name = "slurm"
     script_suffix = ".slurm"
     launchers = ("srun", "torchrun")
+    supervised_launchers = ("srun",)  # --nodelist/--exclude per relaunch
     queue_directives = ("partition", "qos", "queue")
     client = "squeue"
     detect_order = 10

@@ -79,9 +79,14 @@ def _every_from_env() -> float:
 class Heartbeat:
     """Publishes one rank's progress; :meth:`beat` is cheap enough to call every step."""
 
-    def __init__(self, folder: Path | None, rank: int, every_s: float | None = None) -> None:
+    def __init__(self, folder: Path | None, rank: int, every_s: float | None = None,
+                 node_rank: int | None = None) -> None:
         self.folder = folder
         self.rank = rank
+        # the launcher's index of this rank's node (PALS_NODEID, SLURM_NODEID, GROUP_RANK):
+        # ddp.supervise maps it onto its host list, which names nodes the way the hostfile
+        # does (an FQDN on Aurora) and tells apart emulated nodes that share one host
+        self.node_rank = node_rank
         self.every_s = every_s if every_s is not None else _every_from_env()
         self._next = 0.0  # monotonic time of the next write
         self._host = node_name()
@@ -107,6 +112,8 @@ class Heartbeat:
         self._next = now + self.every_s
         rec = {"rank": self.rank, "step": int(step), "phase": phase, "time": time.time(),
                "pid": os.getpid(), "host": self._host}  # fmt: skip
+        if self.node_rank is not None:
+            rec["node_rank"] = int(self.node_rank)
         path = self.folder / f"rank-{self.rank}.json"
         tmp = self.folder / f".rank-{self.rank}.json.tmp"
         try:

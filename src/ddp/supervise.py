@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -35,9 +36,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
+
+from ddp.relaunch import Nodes, killed_nodes, match_hosts, probe_prefix
 
 PREEMPTED = 75  # ddp.preemption.PREEMPTED_EXIT_CODE, without importing torch here
 _RANK_FAILED = re.compile(r"^(?:\[rank \d+\] )?(?:ddp: error: )?rank (\d+) failed: (.+)$")
@@ -49,52 +52,6 @@ _RUN_JSON_LIMIT = 8 << 20  # run.json is a small record; anything larger is not 
 def _node() -> str:
     """This node's name as the ranks' heartbeats spell it (ddp.heartbeat.node_name)."""
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-
-
-# srun's own report of a task killed by a signal: "srun: error: n2: task 1: Killed",
-# "srun: error: n2: tasks 2-3: Killed" (an exit by error is "Exited with exit code N")
-_SRUN_KILLED = re.compile(r"^srun: error: (\S+): tasks? [\d,-]+: (?:Killed|Terminated|.*[Ss]ignal)")
-
-
-def tasks_per_node(cmd: list[str], n_nodes: int) -> int:
-    """Tasks per node: the srun line's ``--ntasks-per-node=K``, else the job's
-    ``$SLURM_NTASKS_PER_NODE``, else ``$SLURM_NTASKS`` over the nodes, else 1."""
-    for a in cmd:
-        if a.startswith("--ntasks-per-node="):
-            return max(1, int(a.split("=", 1)[1]))
-    per = os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0].split(",")[0]
-    if per.isdigit():
-        return max(1, int(per))
-    total = os.environ.get("SLURM_NTASKS", "")
-    return max(1, int(total) // max(1, n_nodes)) if total.isdigit() else 1
-
-
-def srun_command(cmd: list[str], nodes: list[str], excluded: list[str], per_node: int) -> list[str]:
-    """``cmd`` (an srun line, options in ``--opt=value`` form) on ``nodes`` only:
-    ``--nodes``, ``--ntasks`` (``per_node`` each: the world shrinks with the nodes; the
-    batch step's ``$SLURM_NTASKS`` would otherwise ask for the old world) and
-    ``--exclude=EXCLUDED`` go first; the line's own node and task counts are dropped, and
-    so is ``--kill-on-bad-exit``: srun would kill the healthy nodes' tasks too and report
-    them "Killed", hiding which node failed (they end through their failed collective)."""
-    rest, skip = [], False
-    for i, a in enumerate(cmd[1:], 1):
-        if skip:
-            skip = False
-            continue
-        if a in ("-N", "--nodes", "-x", "--exclude", "-w", "--nodelist", "-n", "--ntasks"):
-            skip = True
-            continue
-        if a.startswith(("--nodes=", "--exclude=", "--nodelist=", "--ntasks=",
-                         "--ntasks-per-node=", "--kill-on-bad-exit", "-K")) or (
-                a.startswith(("-N", "-x", "-w", "-n")) and len(a) > 2 and not a.startswith("--")):
-            continue
-        if not a.startswith("-"):  # the program: srun's options end here
-            rest.extend(cmd[i:])
-            break
-        rest.append(a)
-    extra = [f"--exclude={','.join(excluded)}"] if excluded else []
-    return [cmd[0], f"--nodes={len(nodes)}", f"--ntasks={per_node * len(nodes)}",
-            f"--ntasks-per-node={per_node}", *extra, *rest]
 
 
 def _say(msg: str) -> None:
@@ -229,10 +186,12 @@ PROBE_TIMEOUT_S = 60.0
 
 
 def probe_nodes(nodes: Sequence[str], run_dir: Path, fdir: Path, action: str,
+                prefix: Callable[[str], list[str]],
                 timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, dict[int, str] | None]:  # fmt: skip
-    """Run ``python -m ddp.supervise --probe ACTION`` on each node (one ``srun --overlap``
-    step each, in parallel, inside the job's allocation): ``stacks`` collects the node's
-    ranks' stacks into ``fdir`` and reports their states, ``kill`` SIGKILLs them.
+    """Run ``python -m ddp.supervise --probe ACTION`` on each node (one task each, in
+    parallel, inside the job's allocation, started by ``prefix(node)``:
+    :func:`ddp.relaunch.probe_prefix`): ``stacks`` collects the node's ranks' stacks into
+    ``fdir`` and reports their states, ``kill`` SIGKILLs them.
 
     Why: the supervisor runs on the batch node; a rank on another node can be neither
     signalled nor seen in /proc from there, so without this a hung rank on n2 left no
@@ -240,9 +199,8 @@ def probe_nodes(nodes: Sequence[str], run_dir: Path, fdir: Path, action: str,
     whose probe failed or did not answer within ``timeout_s`` (an unhealthy node)."""
     procs = {}
     for node in nodes:
-        cmd = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}",
-               sys.executable, "-m", "ddp.supervise", "--probe", action, "--run-dir",
-               str(run_dir), "--failures-dir", str(fdir)]  # fmt: skip
+        cmd = [*prefix(node), sys.executable, "-m", "ddp.supervise", "--probe", action,
+               "--run-dir", str(run_dir), "--failures-dir", str(fdir)]  # fmt: skip
         procs[node] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                        text=True, start_new_session=True)  # fmt: skip
     deadline, out = time.monotonic() + timeout_s, {}
@@ -355,6 +313,10 @@ def _clear(hb_dir: Path) -> None:
 
 
 def supervise(args: argparse.Namespace) -> int:
+    """The loop: launch, watch, collect the evidence of a failure, decide, relaunch.
+
+    Long because each step reads the state the one before left (the attempt, the beats
+    it saw, the nodes it named); the launcher-specific parts are :mod:`ddp.relaunch`."""
     run_dir = Path(args.run_dir or os.environ.get("HPC_RUN_DIR") or ".").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     hb_dir = run_dir / "heartbeats"
@@ -364,28 +326,21 @@ def supervise(args: argparse.Namespace) -> int:
     # beats several times per hang timeout, never more often than every 0.1 s
     env.setdefault("DDP_HEARTBEAT_EVERY_S", f"{max(0.1, min(2.0, args.hang_timeout_s / 4)):g}")
     sig = getattr(signal, env.setdefault("DDP_STACK_SIGNAL", "SIGUSR2"), signal.SIGUSR2)
-    failures = 0
-    use_srun = os.path.basename(args.launch[0]) == "srun" and bool(os.environ.get("SLURM_JOB_NODELIST"))
-    excluded: list[str] = []
-    every: list[str] = []
-    active: list[str] = []
-    spares: list[str] = []
-    per_node = 1
-    if use_srun:
-        from ddp.hostlist import expand_nodelist
+    try:
+        nodes = Nodes.of(args.launch, args.spares, os.environ)
+    except ValueError as exc:
+        _fail(str(exc))
+    concurrent = shlex.split(args.concurrent_args or "")
 
-        every = expand_nodelist(os.environ["SLURM_JOB_NODELIST"])
-        if args.spares >= len(every):
-            _fail(f"--spares {args.spares}: the job has {len(every)} nodes; allowed: fewer")
-        active, spares = every[: len(every) - args.spares], every[len(every) - args.spares:]
-        per_node = tasks_per_node(args.launch, len(every))
-        _say(f"nodes {active}" + (f", spares {spares}" if spares else ""))
+    def prefix(node: str) -> list[str]:
+        return probe_prefix(nodes.kind, args.launch, node, concurrent)
+
+    if nodes.active:
+        _say(f"nodes {nodes.active}" + (f", spares {nodes.spares}" if nodes.spares else ""))
+    failures = 0
     for attempt in range(1, args.max_restarts + 2):
         _clear(hb_dir)
-        cmd = (srun_command(args.launch, active, excluded, per_node) if use_srun
-               else args.launch)  # fmt: skip
-        if use_srun:
-            cmd.insert(2, f"--nodelist={','.join(active)}")
+        cmd = nodes.command(args.launch, run_dir / f"hostfile-{attempt}")
         _say(f"attempt {attempt}: {' '.join(cmd)}")
         att = Attempt(cmd, env, run_dir / f"supervise-attempt-{attempt}.log")
         hung: list[int] = []
@@ -410,26 +365,26 @@ def supervise(args: argparse.Namespace) -> int:
         if hung:
             beats = read_beats(hb_dir)
             states = collect_stacks(hb_dir, fdir, beats, int(sig))
-            others = sorted({str(beats[r].get("host")) for r, s in states.items()
-                             if s == "remote"}) if use_srun else []  # fmt: skip
+            others = sorted({nodes.node_of(beats[r]) for r, s in states.items()
+                             if s == "remote"}) if nodes.active else []  # fmt: skip
             if others:  # the other nodes' ranks: a probe on each (stacks, states, health)
-                for node, got in probe_nodes(others, run_dir, fdir, "stacks").items():
+                for node, got in probe_nodes(others, run_dir, fdir, "stacks", prefix).items():
                     for r, b in beats.items():
-                        if b.get("host") == node:
+                        if nodes.node_of(b) == node:
                             states[r] = (got or {}).get(r, "unreachable" if got is None
                                                         else "gone")  # fmt: skip
             _kill_ranks(beats)
-            if others:  # kill before srun's SIGTERM: a continued rank would take the
-                # trainer's preemption path (a vote with dead peers, then its watchdog)
+            if others:  # kill before the launcher's SIGTERM: a continued rank would take
+                # the trainer's preemption path (a vote with dead peers, then its watchdog)
                 alive = [n for n in others if any(
                     states.get(r) not in ("unreachable", "gone")
-                    for r, b in beats.items() if b.get("host") == n)]  # fmt: skip
-                probe_nodes(alive, run_dir, fdir, "kill", timeout_s=30.0)
+                    for r, b in beats.items() if nodes.node_of(b) == n)]  # fmt: skip
+                probe_nodes(alive, run_dir, fdir, "kill", prefix, timeout_s=30.0)
             rc = _stop_launcher(att.proc)
             att.reader.join(timeout=30)
             culprits = sorted(r for r, s in states.items()
                               if s in ("stopped", "gone", "unreachable")) or hung  # fmt: skip
-            nodes = sorted({str(beats[r].get("host")) for r in culprits if r in beats})
+            named = sorted({nodes.node_of(beats[r]) for r in culprits if r in beats})
             why = (f"hang: no progress for {args.hang_timeout_s:g} s on ranks {hung}; "
                    f"stopped/gone ranks {culprits}; states {states}")  # fmt: skip
             kind = "node"
@@ -440,17 +395,17 @@ def supervise(args: argparse.Namespace) -> int:
             beats = read_beats(hb_dir)
             dead = sorted(r for r, b in beats.items() if b.get("host") == _node()
                           and _proc_state(int(b.get("pid", 0))) is None)  # fmt: skip
-            culprits, nodes = dead, sorted({str(beats[r].get("host")) for r in dead})
-            if use_srun:  # srun names the nodes whose tasks a signal ended
-                nodes = sorted({m.group(1) for x in att.lines if (m := _SRUN_KILLED.match(x))})
+            culprits, named = dead, sorted({nodes.node_of(beats[r]) for r in dead})
+            if nodes.active:  # the launcher names the nodes whose ranks a signal ended
+                named = match_hosts(killed_nodes(nodes.kind, att.lines), nodes.active)
             shutil.copy(run_dir / f"supervise-attempt-{attempt}.log", fdir / "output.log")
         event = {"event": "failure", "attempt": attempt, "kind": "hang" if hung else "exit",
-                 "exit_code": rc, "why": why, "ranks": culprits, "nodes": nodes,
+                 "exit_code": rc, "why": why, "ranks": culprits, "nodes": named,
                  "failures_dir": str(fdir)}  # fmt: skip
         if hung:
             event["seen_t"] = round(seen, 3)
         record(run_dir, event)
-        _say(f"attempt {attempt} failed: {why}; nodes {nodes}; evidence in {fdir}")
+        _say(f"attempt {attempt} failed: {why}; nodes {named}; evidence in {fdir}")
         if kind == "fatal":
             record(run_dir, {"event": "stopped", "attempt": attempt, "why": why})
             _say(f"not restarting: {why}")
@@ -460,16 +415,12 @@ def supervise(args: argparse.Namespace) -> int:
                              "why": f"max_restarts={args.max_restarts} used"})  # fmt: skip
             _say(f"not restarting: max_restarts={args.max_restarts} used")
             return 128 - rc if rc < 0 else (rc or 1)  # killed by a signal: 128+N
-        if use_srun and nodes and set(nodes) < set(active):
-            active = [n for n in active if n not in nodes]
-            excluded += [n for n in nodes if n not in excluded]
-            while spares and len(active) < len(every) - args.spares:
-                active.append(spares.pop(0))  # a spare takes a failed node's place
-            record(run_dir, {"event": "exclude", "attempt": attempt, "nodes": nodes,
-                             "excluded": excluded, "remaining": active})  # fmt: skip
-            _say(f"excluding node(s) {','.join(nodes)}; relaunching on {','.join(active)}")
-        if use_srun and len(active) < args.min_nodes:
-            why = f"{len(active)} node(s) left, below --min-nodes {args.min_nodes}"
+        if nodes.leave_out(named, args.spares):
+            record(run_dir, {"event": "exclude", "attempt": attempt, "nodes": named,
+                             "excluded": nodes.excluded, "remaining": nodes.active})  # fmt: skip
+            _say(f"excluding node(s) {','.join(named)}; relaunching on {','.join(nodes.active)}")
+        if nodes.active and len(nodes.active) < args.min_nodes:
+            why = f"{len(nodes.active)} node(s) left, below --min-nodes {args.min_nodes}"
             record(run_dir, {"event": "stopped", "attempt": attempt, "why": why})
             _say(f"not restarting: {why}")
             return 128 - rc if rc < 0 else (rc or 1)
@@ -488,6 +439,9 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
                    help="fewest nodes to relaunch on (multi-node launchers; default 1)")
     p.add_argument("--spares", type=int, default=0, help="spare nodes held back (default 0)")
     p.add_argument("--run-dir", help="the run directory (default $HPC_RUN_DIR, else .)")
+    p.add_argument("--concurrent-args", default="",
+                   help="launcher flags for an mpiexec started while the ranks run (the "
+                        "per-node probe), e.g. --concurrent-args=--no-vni on Aurora")
     p.add_argument("--poll-s", type=float, default=0.5, help=argparse.SUPPRESS)
     p.add_argument("--probe", choices=("stacks", "kill"), help=argparse.SUPPRESS)
     p.add_argument("--failures-dir", help=argparse.SUPPRESS)

@@ -123,7 +123,7 @@ class Trainer:
             backend=cfg.ddp.backend, device=cfg.ddp.device, timeout=cfg.ddp.timeout_s
         )
         self.checkpointer = Checkpointer(cfg, self.ctx)
-        self._beat = Heartbeat(heartbeat_dir(), self.ctx.rank)
+        self._beat = Heartbeat(heartbeat_dir(), self.ctx.rank, node_rank=self.ctx.node_rank)
         self._beat.beat(self.global_step, "start", force=True)
         self.loggers = Loggers(cfg, self.ctx.is_main, self.ctx.world_size)
         exit_code = 1  # W&B's run state on the way out (issue 27.6): failed unless set

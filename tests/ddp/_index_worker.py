@@ -46,7 +46,8 @@ def main() -> None:
         real_set_epoch(self, epoch)
 
     parts.GlobalOrderSampler.set_epoch = set_epoch  # type: ignore[method-assign]
-    rank = int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0")  # srun: no RANK
+    rank = int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID")
+               or os.environ.get("PMI_RANK") or "0")  # srun, mpiexec: no RANK yet
     log = open(os.path.join(spec["log_dir"], f"{rank}.txt"), "a")
 
     hold = spec.get("hold")  # issue 30: {"rank", "step", "dir"}: wait there for the test

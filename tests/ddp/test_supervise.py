@@ -269,7 +269,7 @@ def test_slurm_hung_rank_on_the_other_node_is_probed_named_and_excluded(
 
 
 def test_srun_relaunch_line_names_nodes_tasks_and_exclusions(monkeypatch) -> None:
-    from ddp.supervise import srun_command, tasks_per_node
+    from ddp.relaunch import srun_command, tasks_per_node
 
     monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
     monkeypatch.setenv("SLURM_NTASKS", "8")
@@ -292,8 +292,10 @@ def test_a_stopped_rank_dumps_its_stack_and_is_stopped_again(tmp_path: Path) -> 
     code = ("import faulthandler, signal, sys, time\n"
             f"f = open({str(hb / 'stack-rank-0.txt')!r}, 'w')\n"
             "faulthandler.register(signal.SIGUSR2, file=f, all_threads=True)\n"
-            "print('up', flush=True)\n"
-            "def stuck_here():\n    while True: time.sleep(0.01)\n"
+            # "up" from inside stuck_here: a stop right after "up" (before the call) was
+            # a stack of <module> only, one run in a few on a loaded machine
+            "def stuck_here():\n    print('up', flush=True)\n"
+            "    while True: time.sleep(0.01)\n"
             "stuck_here()\n")  # fmt: skip
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:

@@ -28,6 +28,26 @@ def test_slurm_srun_runs_under_the_supervisor_with_no_kill() -> None:
     assert "--no-kill" not in plain and "ddp.supervise" not in plain
 
 
+def test_pbs_mpiexec_runs_under_the_supervisor_tolerating_node_failures() -> None:
+    """Aurora: ``-W tolerate_node_failures=all`` among the directives (a dead node does
+    not end the job), the PALS line under the supervisor, and Aurora's ``--no-vni`` for
+    the probe's second mpiexec; the generic PBS profile has no such flag."""
+    text = _script("aurora", {"max_restarts": 2, "spares": 1}, account="p", nodes="3")
+    directives = [x for x in text.splitlines() if x.startswith("#PBS")]
+    assert "#PBS -W tolerate_node_failures=all" in directives
+    first_comment = next(i for i, x in enumerate(text.splitlines()[1:], 1) if x.startswith("# "))
+    assert all(text.splitlines().index(d) < first_comment for d in directives)  # ALCF: no
+    # comment before or among the directives
+    assert ("-m ddp.supervise --hang-timeout-s=600 --max-restarts=2 --min-nodes=1 --spares=1 "
+            "--concurrent-args=--no-vni -- mpiexec -n 36 --ppn 12") in text  # fmt: skip
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+    generic = _script("pbs", True, nodes="2")
+    assert "#PBS -W tolerate_node_failures=all" in generic and "--concurrent-args" not in generic
+    assert "-- mpiexec -n 2 -ppn 1" in generic
+    plain = render(make_job("aurora", command=["python", "t.py"], account="p"), cwd=REPO)
+    assert "tolerate_node_failures" not in plain and "ddp.supervise" not in plain
+
+
 def test_true_takes_the_defaults_and_local_runs_it_too() -> None:
     assert JobSpec.from_mapping({"command": ["x"], "resilience": True}).resilience == RESILIENCE
     assert JobSpec.from_mapping({"command": ["x"], "resilience": False}).resilience is None
@@ -52,7 +72,6 @@ def test_bad_values_are_one_line(value: object, says: str) -> None:
 
 
 @pytest.mark.parametrize(("cluster", "kw", "says"), [
-    ("aurora", {"account": "p"}, "not available for pbs"),
     ("slurm", {"queue": "debug", "launcher": "torchrun"}, "not available for slurm with launcher torchrun"),
     ("slurm", {"queue": "debug", "nodes": "2"}, "more than the job's 2 node(s)"),
 ])  # fmt: skip
