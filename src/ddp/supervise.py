@@ -131,6 +131,46 @@ def _exited(beat: dict[str, Any]) -> bool:
     return beat.get("host") == _node() and pid > 0 and _proc_state(pid) in (None, "Z")
 
 
+# ---- NCCL's flight recorder ----------------------------------------------------------------
+#: The ranks' flight-recorder files: ProcessGroupNCCL makes the FIFO ``STEM<rank>.pipe``
+#: when TORCH_NCCL_DEBUG_INFO_PIPE_FILE=STEM and the trace buffer is on, and a write to it
+#: makes its watchdog thread (alive while the main thread hangs) dump the last collectives
+#: to ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE<rank>`` (pytorch torch/csrc/distributed/c10d/
+#: ProcessGroupNCCL.cpp ``DumpPipe``; the variables: https://docs.pytorch.org/tutorials/
+#: prototype/flight_recorder_tutorial.html). ``torchfrtrace DIR`` reads the copies.
+FR_STEM = "nccl-trace-rank-"
+
+
+def flight_recorder_env(hb_dir: Path) -> dict[str, str]:
+    """The variables that turn the recorder and its dump-on-demand pipe on (the user's own
+    settings win). No cost outside NCCL: other backends never read them."""
+    stem = str(hb_dir / FR_STEM)
+    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_FR_BUFFER_SIZE": "2000",
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": stem,
+            "TORCH_FR_DUMP_TEMP_FILE": stem, "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": stem}  # fmt: skip
+
+
+def _poke_flight_recorder(hb_dir: Path, rank: int) -> Path | None:
+    """Ask ``rank``'s recorder for a dump; the dump's path, or None without a recorder
+    (no FIFO: not NCCL, or the buffer off). Never blocks: a FIFO nobody reads is ENXIO."""
+    import stat
+
+    pipe = hb_dir / f"{FR_STEM}{rank}.pipe"
+    try:
+        if not stat.S_ISFIFO(os.lstat(pipe).st_mode):
+            return None
+        fd = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        os.write(fd, b"1")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return hb_dir / f"{FR_STEM}{rank}"
+
+
 def collect_stacks(hb_dir: Path, out: Path, beats: dict[int, dict[str, Any]],
                    sig: int, wait_s: float = 10.0) -> dict[int, str]:
     """Ask every local rank for its stacks; copy them into ``out``. Returns rank -> state
@@ -138,6 +178,7 @@ def collect_stacks(hb_dir: Path, out: Path, beats: dict[int, dict[str, Any]],
     out.mkdir(parents=True, exist_ok=True)
     host, states, pending = _node(), {}, {}
     restop: list[int] = []  # stopped ranks: stopped again once they have dumped
+    traces: dict[int, tuple[Path, int]] = {}  # rank -> (flight-recorder dump, mtime before)
     for rank, rec in sorted(beats.items()):
         pid = int(rec.get("pid", 0))
         if rec.get("host") != host or pid <= 0:
@@ -155,6 +196,9 @@ def collect_stacks(hb_dir: Path, out: Path, beats: dict[int, dict[str, Any]],
         except OSError:
             continue
         pending[rank] = (stack, before, pid)
+        dump = _poke_flight_recorder(hb_dir, rank)
+        if dump is not None:
+            traces[rank] = (dump, dump.stat().st_mtime_ns if dump.exists() else 0)
         if states[rank] == "stopped":
             restop.append(pid)
         if shutil.which("py-spy"):
@@ -162,22 +206,33 @@ def collect_stacks(hb_dir: Path, out: Path, beats: dict[int, dict[str, Any]],
                 subprocess.run(["py-spy", "dump", "--pid", str(pid)], stdout=fh,
                                stderr=subprocess.STDOUT, timeout=30, check=False)  # fmt: skip
     deadline = time.monotonic() + wait_s
-    while pending and time.monotonic() < deadline:
-        for rank, (stack, before, _pid) in list(pending.items()):
+    while (pending or traces) and time.monotonic() < deadline:
+        for rank, (stack, before, pid) in list(pending.items()):
             size = stack.stat().st_size if stack.exists() else 0
             if size > before:  # faulthandler writes the dump in one go from its handler
+                if pid in restop:  # stopped again at once: continued, it could train on
+                    _stop(pid)
                 time.sleep(0.05)
                 (out / f"rank-{rank}.txt").write_bytes(stack.read_bytes()[before:])
                 del pending[rank]
+        for rank, (dump, mtime) in list(traces.items()):
+            if dump.is_file() and dump.stat().st_mtime_ns != mtime:
+                time.sleep(0.1)  # the watchdog writes and closes the file in one go
+                shutil.copyfile(dump, out / dump.name)
+                del traces[rank]
         time.sleep(0.02)
     for rank in pending:
         (out / f"rank-{rank}.txt").write_text("no stack: the rank did not answer the signal\n")
     for pid in restop:  # as it was found: it must not train on (or finish) before the kill,
-        try:            # which for another node's rank comes a probe's start later
-            os.kill(pid, signal.SIGSTOP)
-        except OSError:
-            pass
+        _stop(pid)      # which for another node's rank comes a probe's start later
     return states
+
+
+def _stop(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGSTOP)
+    except OSError:
+        pass
 
 
 #: Seconds a per-node probe may take (srun's step launch, the stack wait of
@@ -323,6 +378,8 @@ def supervise(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env.setdefault("HPC_RUN_DIR", str(run_dir))  # checkpoints resume from the same folder
     env["DDP_HEARTBEAT_DIR"] = str(hb_dir)
+    for key, value in flight_recorder_env(hb_dir).items():  # NCCL's recorder, on demand
+        env.setdefault(key, value)
     # beats several times per hang timeout, never more often than every 0.1 s
     env.setdefault("DDP_HEARTBEAT_EVERY_S", f"{max(0.1, min(2.0, args.hang_timeout_s / 4)):g}")
     sig = getattr(signal, env.setdefault("DDP_STACK_SIGNAL", "SIGUSR2"), signal.SIGUSR2)
@@ -373,6 +430,11 @@ def supervise(args: argparse.Namespace) -> int:
                         if nodes.node_of(b) == node:
                             states[r] = (got or {}).get(r, "unreachable" if got is None
                                                         else "gone")  # fmt: skip
+            if att.proc.poll() == 0:  # the ranks went on while their stacks were taken
+                record(run_dir, {"event": "completed", "attempt": attempt,
+                                 "note": "a hang was seen, then every rank finished"})  # fmt: skip
+                _say(f"attempt {attempt} completed (after a hang was seen; stacks in {fdir})")
+                return 0
             _kill_ranks(beats)
             if others:  # kill before the launcher's SIGTERM: a continued rank would take
                 # the trainer's preemption path (a vote with dead peers, then its watchdog)

@@ -116,13 +116,19 @@ def test_an_unreadable_host_file_is_one_line_exit_2(tmp_path: Path) -> None:
         f"supervise: error: host file {tmp_path / 'missing'}: not a regular file"]
 
 
+def _text(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
 @pytest.mark.mpi
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
 def test_pals_mpiexec_node_lost_relaunches_on_the_other_with_a_rewritten_host_file(
-        tmp_path: Path) -> None:
+        tmp_path: Path, sig: int) -> None:
     """2 emulated nodes under the PALS shim (hydra's fork launcher runs both "hosts" of the
-    host file here; PALS_NODEID tells the ranks apart); node 1's rank is SIGKILLed mid-epoch:
-    hydra's report names nodeB, the supervisor writes hostfile-2 without it and the job
-    completes on nodeA at half the world size, every sample of the epoch trained once."""
+    host file here; PALS_NODEID tells the ranks apart); node 1's rank is SIGKILLed (hydra's
+    report names nodeB) or SIGSTOPped (a hang: its beat's node index names nodeB) mid-epoch.
+    The supervisor writes hostfile-2 without nodeB and the job completes on nodeA at half
+    the world size, every sample of the epoch trained once."""
     require_exe("mpiexec.hydra", "mpiexec.mpich")
     hold = tmp_path / "hold"
     hold.mkdir()
@@ -134,14 +140,18 @@ def test_pals_mpiexec_node_lost_relaunches_on_the_other_with_a_rewritten_host_fi
     env.pop("HPC_RUN_DIR", None)
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "ddp.supervise", "--run-dir", str(run), "--poll-s", "0.1",
-           "--max-restarts", "2", "--", str(PALS), "-n", "2", "--ppn", "1", "--label",
+           "--max-restarts", "2", "--hang-timeout-s", "5", "--", str(PALS), "-n", "2", "--ppn", "1", "--label",
            sys.executable, WORKER, json.dumps(spec)]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, cwd=_launch.ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
         wait_until(lambda: (hold / "ready").exists(), 120, "rank 1 (on nodeB) at step 4",
                    ended=lambda: None if proc.poll() is None else f"exit {proc.returncode}")  # fmt: skip
-        os.kill(int((hold / "ready").read_text()), signal.SIGKILL)
+        os.kill(int((hold / "ready").read_text()), sig)
+        if sig == signal.SIGSTOP:  # held until the hang is recorded: the stack dump
+            # continues the rank for a moment, and released it would finish the epoch
+            wait_until(lambda: "failure" in _text(run / "run.json"), 120, "the hang seen",
+                       ended=lambda: None if proc.poll() is None else f"exit {proc.returncode}")  # fmt: skip
         (hold / "released").touch()
         out, _ = proc.communicate(timeout=240)
     finally:
@@ -154,6 +164,10 @@ def test_pals_mpiexec_node_lost_relaunches_on_the_other_with_a_rewritten_host_fi
     events = json.loads((run / "run.json").read_text())["supervisor"]["events"]
     excl = [e for e in events if e["event"] == "exclude"]
     assert excl and excl[0]["nodes"] == ["nodeB"] and excl[0]["remaining"] == ["nodeA"], events
+    failure = [e for e in events if e["event"] == "failure"][0]
+    assert failure["kind"] == ("hang" if sig == signal.SIGSTOP else "exit"), failure
+    if sig == signal.SIGSTOP:  # the stuck rank's stack shows where it waited
+        assert "_index_worker.py" in (run / "failures" / "1" / "rank-1.txt").read_text()
     r0, r1 = _attempts(tmp_path / "seen" / "0.txt"), _attempts(tmp_path / "seen" / "1.txt")
     assert len(r0) == 2 and len(r1) == 1, (r0, r1)  # nodeB's rank never ran again
     resumed = r0[1][0][0] - 1

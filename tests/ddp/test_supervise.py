@@ -309,6 +309,7 @@ def test_a_stopped_rank_dumps_its_stack_and_is_stopped_again(tmp_path: Path) -> 
                                 int(signal.SIGUSR2))  # fmt: skip
         assert states == {0: "stopped"}
         assert "stuck_here" in (tmp_path / "out" / "rank-0.txt").read_text()
+        assert not list((tmp_path / "out").glob("nccl-trace-*"))  # no recorder: not NCCL
         deadline = time.monotonic() + 30  # a stop takes effect when the kernel delivers it
         while _proc_state(child.pid) not in ("T", "t"):
             assert time.monotonic() < deadline, "the rank runs on after its dump"
@@ -316,3 +317,42 @@ def test_a_stopped_rank_dumps_its_stack_and_is_stopped_again(tmp_path: Path) -> 
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_hang_collects_the_nccl_flight_recorder_through_its_pipe(tmp_path: Path) -> None:
+    """The rank below stands for ProcessGroupNCCL (no GPU here): as its ``DumpPipe`` does,
+    it makes the FIFO ``STEM<rank>.pipe`` and, from a thread other than the hung main one,
+    writes ``STEM<rank>`` when anything is written to it. collect_stacks pokes the pipe and
+    copies the dump beside the stacks (a rank without a pipe, not NCCL, gets no file: the
+    test above)."""
+    from ddp.supervise import FR_STEM, _node, collect_stacks, flight_recorder_env
+
+    hb = tmp_path / "hb"
+    hb.mkdir()
+    env = flight_recorder_env(hb)
+    assert env["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"] == env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
+    stem = env["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"]
+    assert stem == str(hb / FR_STEM) and int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
+    code = ("import faulthandler, os, signal, threading, time\n"
+            f"stem, hb = {stem!r}, {str(hb)!r}\n"
+            "f = open(os.path.join(hb, 'stack-rank-0.txt'), 'w')\n"
+            "faulthandler.register(signal.SIGUSR2, file=f, all_threads=True)\n"
+            "os.mkfifo(stem + '0.pipe')\n"
+            "def watchdog():\n"
+            "    fd = os.open(stem + '0.pipe', os.O_RDONLY)\n"
+            "    while not os.read(fd, 1): time.sleep(0.01)\n"
+            "    with open(stem + '0', 'w') as out: out.write('entries: all_reduce seq 7')\n"
+            "threading.Thread(target=watchdog, daemon=True).start()\n"
+            "def stuck_here():\n    print('up', flush=True)\n"
+            "    while True: time.sleep(0.01)\n"
+            "stuck_here()\n")  # fmt: skip
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "up\n"
+        beats = {0: {"pid": child.pid, "host": _node()}}
+        states = collect_stacks(hb, tmp_path / "out", beats, int(signal.SIGUSR2), wait_s=5)
+        assert states[0] == "running"
+        assert (tmp_path / "out" / f"{FR_STEM}0").read_text() == "entries: all_reduce seq 7"
+        assert "stuck_here" in (tmp_path / "out" / "rank-0.txt").read_text()
+    finally:
+        child.kill()
