@@ -9,7 +9,12 @@ The package's parts, by what each owns:
 - :mod:`ddp.checkpoint.checks`: what a loaded checkpoint may hold, field by field;
 - :mod:`ddp.checkpoint.lock`: one live run per directory (``.ddp-lock``);
 - :mod:`ddp.checkpoint.manager`: the trainer's ``Checkpointer`` (state keys, background
-  saves, resume, the checks that a checkpoint fits this run) and ``LoopState``;
+  saves, resume, the checks that a checkpoint fits this run), written in parts:
+  :mod:`~ddp.checkpoint.manager_base` (lock, pending save, the ranks' agreement),
+  :mod:`~ddp.checkpoint.manager_save` (save and export),
+  :mod:`~ddp.checkpoint.manager_resume` (load, restore, resume checks, hyper-parameters
+  reapplied), :mod:`~ddp.checkpoint.manager_best` (``checkpoint.best``); ``LoopState``
+  in :mod:`ddp.checkpoint.loop`;
 - :mod:`ddp.checkpoint.sharded`: FSDP2's sharded saves through torch.distributed.checkpoint.
 
 ``ddp.checkpoint`` itself offers the format's functions (``from ddp.checkpoint import
