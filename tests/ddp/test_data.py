@@ -16,7 +16,8 @@ import torch
 
 from ddp.data import fasta
 from ddp.data.dataset import TokenDataset
-from ddp.data.store import StoreWriter, TokenStore, write_store
+from ddp.data.store import TokenStore
+from ddp.data.store_write import StoreWriter, write_store
 from ddp.errors import ConfigError
 from ddp.recipes._common import encode
 from ddp.recipes.uniref50 import read_fasta

@@ -25,7 +25,8 @@ import pytest
 
 from ddp.data import fasta
 from ddp.data.dataset import TokenDataset
-from ddp.data.store import TokenStore, write_store
+from ddp.data.store import TokenStore
+from ddp.data.store_write import write_store
 from ddp.errors import ConfigError
 from ddp.recipes._common import encode
 from ddp.recipes.uniref50 import read_fasta

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp import config as ddp_config
+from ddp import config_load as ddp_config
 from ddp import recipes
 from ddp.errors import ConfigError
 from ddp.loggers import layer_of, run_info

@@ -124,7 +124,7 @@ def _main(argv: Sequence[str] | None) -> int:
     except DownloadError as exc:
         print(f"ddp.data: error: {exc}", file=sys.stderr)
         return 3
-    except KeyboardInterrupt as exc:  # ddp.data.store.Interrupted: SIGTERM, SIGHUP too
+    except KeyboardInterrupt as exc:  # ddp.data.store_write.Interrupted: SIGTERM, SIGHUP too
         signum = getattr(exc, "signum", signal.SIGINT)
         kept = (" (a download keeps only its .part, to resume)"
                 if getattr(args, "run", None) is _download else "")

@@ -35,15 +35,13 @@ from ddp.data.store import (
     HEADER,
     MAX_HEADER,
     STORE_MADE_BY,
-    Interrupted,
-    StoreWriteError,
-    StoreWriter,
     TokenStore,
     _mix64,
     cache_dir,
     open_regular,
     read_regular,
 )
+from ddp.data.store_write import Interrupted, StoreWriteError, StoreWriter
 from ddp.errors import ConfigError
 
 #: Name recorded in every store this module writes; a recipe with another tokenizer

@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 
 from ddp.data.fasta import TOKENIZER, UNK, VOCAB_SIZE
-from ddp.data.store import StoreWriter, TokenStore, open_regular
+from ddp.data.store import TokenStore, open_regular
+from ddp.data.store_write import StoreWriter
 from ddp.errors import ConfigError
 
 #: The seed's vocabulary, in id order (its data script's ``special_tokens + amino_acids``).
