@@ -79,3 +79,61 @@ def test_unread_factors_stay_unverified(
     assert f"(queue {queue}; see {source})" in line
     # no number is printed as the charge itself
     assert not re.search(r"maximum charge: [0-9.]+ node-hours \(", line)
+
+
+#: A fake ``showusage`` printing the table of OLCF's "Viewing Usage" section
+#: (https://docs.olcf.ornl.gov/systems/frontier_user_guide.html#viewing-usage, olcf-user-docs
+#: @2745903), its example row kept (abc123: 20000 allocated, 19873.7 remaining) and a second
+#: project added so that the row is picked by project, not by position.
+FAKE_SHOWUSAGE = r'''
+cat <<'OUT'
+  Usage:
+                           Project Totals
+  Project             Allocation      Usage      Remaining     Usage
+  _________________|______________|___________|____________|______________
+  xyz999           |  500         |   499.0   |  1.0       |   0.00
+  abc123           |  20000       |   126.3   |  19873.7   |   1560.80
+OUT
+'''
+
+
+@pytest.mark.parametrize(("nodes", "walltime", "warned"), [
+    ("2000", "12:00:00", True),   # 24,000 node-hours > 19,873.7 remaining
+    ("2000", "08:00:00", False),  # 16,000 fits
+])
+def test_frontier_submit_warns_past_showusage_remaining(
+    nodes: str, walltime: str, warned: bool, fake_bin, capsys: pytest.CaptureFixture[str],
+) -> None:
+    fake_bin("showusage", FAKE_SHOWUSAGE)
+    code = main(["submit", "--dry-run", "--account", "ABC123", "--name", "t", "--cluster",
+                 "frontier", "--nodes", nodes, "--walltime", walltime, "--", "true"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert fake_bin.log.read_text().startswith("showusage")
+    warning = [ln for ln in err.splitlines() if "remaining" in ln]
+    if warned:
+        assert warning == ["hpc: warning: this request may charge up to 24000 node-hours, more "
+                           "than project ABC123's remaining 19873.7 on frontier (showusage)"]
+    else:
+        assert warning == []
+
+
+def test_frontier_without_showusage_or_its_project_says_nothing(
+    fake_bin, capsys: pytest.CaptureFixture[str],
+) -> None:
+    fake_bin("showusage", FAKE_SHOWUSAGE)
+    code = main(["submit", "--dry-run", "--account", "other1", "--name", "t", "--cluster",
+                 "frontier", "--nodes", "2000", "--walltime", "12:00:00", "--", "true"])
+    assert code == 0 and "remaining" not in capsys.readouterr().err
+
+
+def test_unknown_balance_command_is_one_line_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    d = tmp_path / ".hpc" / "clusters"
+    d.mkdir(parents=True)
+    (d / "site.yaml").write_text("extends: frontier\ncharge: {balance: iris}\n")
+    code = main(["submit", "--dry-run", "--account", "p", "--cluster", "site", "--", "true"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "charge.balance: 'iris' is not allowed; allowed: sbank, showusage" in err
