@@ -197,6 +197,43 @@ def sbank_balance(project: str, resource: str) -> float | None:
     return total if seen else None
 
 
+#: OLCF's documented balance query on Frontier: ``showusage`` ("Viewing Usage",
+#: https://docs.olcf.ornl.gov/systems/frontier_user_guide.html#viewing-usage, read at
+#: olcf/olcf-user-docs @2745903): a "Project Totals" table whose rows are
+#: ``abc123 | 20000 | 126.3 | 19873.7 | 1560.80`` under the header
+#: "Project Allocation Usage Remaining Usage"; the fourth column is what is left.
+SHOWUSAGE = "showusage"
+
+#: charge.balance in a profile -> the command it runs (hpc.profiles checks the name).
+BALANCE_COMMANDS = {"sbank": SBANK, "showusage": SHOWUSAGE}
+
+
+def showusage_balance(project: str) -> float | None:
+    """The project's remaining allocation from ``showusage``; None when it cannot say.
+
+    The table lists every project of the user, so the project's own row is picked by
+    its first column (OLCF project ids are lower case, e.g. ``abc123``; compared without
+    case so ``-A ABC123`` finds it).
+    """
+    import shutil
+    import subprocess
+
+    if shutil.which(SHOWUSAGE) is None:
+        return None
+    try:
+        out = subprocess.run([SHOWUSAGE], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    for line in out.stdout.splitlines():
+        cells = [c.strip() for c in line.split("|")]
+        # a row: Project | Allocation | Usage | Remaining | (your) Usage
+        if len(cells) >= 4 and cells[0].lower() == project.lower():
+            return _number(cells[3])
+    return None
+
+
 def balance_warning(cluster: Any, account: str | None, nodes: int, walltime_s: int,
                     queue: str | None) -> str | None:
     """A line when the request's maximum node-hours exceed the project's remaining balance.
@@ -205,10 +242,12 @@ def balance_warning(cluster: Any, account: str | None, nodes: int, walltime_s: i
     otherwise nothing (no balance known is not a problem worth a line).
     """
     charge = getattr(cluster, "charge", None) or {}
-    if charge.get("balance") != "sbank" or not account:
+    kind = charge.get("balance")
+    if kind not in BALANCE_COMMANDS or not account:
         return None
     resource = getattr(cluster, "system", None) or cluster.name
-    balance = sbank_balance(account, resource)
+    balance = (sbank_balance(account, resource) if kind == "sbank"
+               else showusage_balance(account))
     if balance is None:
         return None
     q = cluster.queues.get(queue) if queue else None
@@ -218,4 +257,5 @@ def balance_warning(cluster: Any, account: str | None, nodes: int, walltime_s: i
     if need <= balance:
         return None
     return (f"hpc: warning: this request may charge up to {need:g} node-hours, more than "
-            f"project {account}'s remaining {balance:g} on {resource} ({SBANK})")
+            f"project {account}'s remaining {balance:g} on {resource} "
+            f"({BALANCE_COMMANDS[kind]})")

@@ -378,7 +378,8 @@ def cmd_submit(args: argparse.Namespace, command: list[str] | None) -> int:
 def cmd_status(args: argparse.Namespace, command: list[str] | None) -> int:
     """Print ``JOBID STATE`` with the state normalized; a sweep adds a line per task
     (the job and its tasks are one scheduler query); a supervised run adds its restarts
-    and excluded nodes. ``--watch``: :mod:`hpc.watch`."""
+    and excluded nodes; a failed job adds its failing rank's last lines on stderr
+    (:mod:`hpc.failure`). ``--watch``: :mod:`hpc.watch`."""
     from hpc import runs, watch
 
     if getattr(args, "watch", False):
@@ -392,6 +393,12 @@ def cmd_status(args: argparse.Namespace, command: list[str] | None) -> int:
     restarts, excluded, stopped = watch.supervisor_events(found[1] if found else {})
     if restarts or excluded or stopped:  # on stderr: scripts read stdout's JOBID STATE lines
         sys.stderr.write(watch.supervisor_line(restarts, excluded, stopped) + "\n")
+    if found and state == "FAILED":  # issue 31.2: the failing rank's last lines
+        from hpc import failure, logs
+
+        job = logs.locate(args.id, Path(args.runs_dir))[1]
+        for line in failure.failing_rank_lines(found[0], found[1], job):
+            sys.stderr.write(line + "\n")
     return 0
 
 

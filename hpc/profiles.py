@@ -480,7 +480,8 @@ def _charge(data: dict[str, Any], where: str) -> dict[str, Any]:
            "machine_factor_required": bool(value.get("machine_factor_required", False))}
     balance = value.get("balance")
     if balance is not None:
-        if balance != "sbank":
-            raise UserError(f"{where}: charge.balance: {balance!r} is not allowed; allowed: sbank")
+        if balance not in charges.BALANCE_COMMANDS:
+            raise UserError(f"{where}: charge.balance: {balance!r} is not allowed; allowed: "
+                            + ", ".join(sorted(charges.BALANCE_COMMANDS)))
         out["balance"] = balance
     return out

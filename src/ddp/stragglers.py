@@ -6,7 +6,9 @@ time, which is the same everywhere. What differs is what each rank does before t
 first collective of the step: waiting for its data and running its forward pass. Each
 rank times those with host timers (``time.perf_counter``: no device sync, so on an
 asynchronous device the forward time is the host's view of it: launch plus any wait),
-plus the rest of the step (backward, the collective, the optimizer) as ``sync``. One
+plus the rest of the step (backward, the collective, the optimizer) as ``sync``. Where
+the device has timing events (:class:`DeviceTimes`), the forward and the backward are
+also timed on the device, read at log points only, and replace the host's view. One
 exception: DDP's second step rebuilds its gradient buckets with a broadcast inside the
 forward, so that one log point's forward times include a wait (a streak needs more).
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,3 +117,70 @@ def unpack(summed: list[float], world: int) -> list[list[float]]:
     """The all-reduced slots (a sum, or a mean times ``world``) as per-rank rows."""
     n = len(PHASES)
     return [summed[r * n: (r + 1) * n] for r in range(world)]
+
+
+# --- device events (issue 31 item 1): the forward's time on the device itself ----------
+
+
+def device_event_factory(device: Any) -> Callable[[], Any] | None:
+    """A maker of timing events for ``device``'s type; None where it has none (CPU, MPS).
+
+    CUDA (ROCm too: torch exposes it as ``cuda``) and Intel XPU have events that
+    ``record()`` a timestamp on the current stream without making the host wait;
+    ``torch.cuda.Event(enable_timing=True)`` / ``torch.xpu.Event(enable_timing=True)``.
+    """
+    import torch
+
+    kind = getattr(device, "type", str(device))
+    module = {"cuda": getattr(torch, "cuda", None), "xpu": getattr(torch, "xpu", None)}.get(kind)
+    event = getattr(module, "Event", None) if module is not None else None
+    if event is None:
+        return None
+    return lambda: event(enable_timing=True)
+
+
+class DeviceTimes:
+    """Each micro-step's forward and backward timed on the device, read at log points.
+
+    Why: on an asynchronous device the host timers see the forward's launch, not its
+    run, so the host's "compute" figure says little about a slow GPU. Three events per
+    micro-step (before the forward, after it, after the backward) are recorded on the
+    stream: recording never waits. ``elapsed_time`` needs completed events, so they are
+    read only in :meth:`phases`, at a log point, after one ``synchronize`` on the last
+    event: the log point's collective and its ``tolist()`` wait for the device there
+    anyway, so no host sync is added between log points (tests/ddp/test_trainer_sync.py).
+
+    The forward on the device is the "compute" phase (the one DDP does not equalise).
+    The backward's device time, which includes DDP's wait for the gradient all-reduce at
+    its end, replaces the host's view of the backward inside "sync".
+    """
+
+    def __init__(self, new_event: Callable[[], Any], clock: Callable[[], float]) -> None:
+        self._new, self._clock = new_event, clock
+        self._steps: list[tuple[Any, Any, Any, float]] = []  # events + host backward s
+        self._open: list[Any] = []
+        self._host: list[float] = []
+
+    def mark(self) -> None:
+        """Record an event now: before the forward, after it, after the backward."""
+        ev = self._new()
+        ev.record()
+        self._open.append(ev)
+        self._host.append(self._clock())
+        if len(self._open) == 3:
+            start, mid, end = self._open
+            self._steps.append((start, mid, end, self._host[2] - self._host[1]))
+            self._open, self._host = [], []
+
+    def phases(self, times: list[float]) -> list[float]:
+        """``times`` (data, compute, sync host seconds since the last log point) with
+        compute := the device's forward seconds and the host's backward in sync replaced
+        by the device's. Reads (and forgets) the events recorded since the last call."""
+        if not self._steps:
+            return list(times)
+        self._steps[-1][2].synchronize()  # the log point waits for the device anyway
+        fwd = sum(s.elapsed_time(m) for s, m, _, _ in self._steps) / 1000.0  # ms -> s
+        bwd = sum(m.elapsed_time(e) for _, m, e, _ in self._steps) / 1000.0
+        host_bwd = sum(h for *_, h in self._steps)
+        self._steps = []
+        return [times[0], fwd, max(0.0, times[2] - host_bwd) + bwd]

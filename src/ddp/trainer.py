@@ -91,6 +91,9 @@ class Trainer:
         self._signal: int | None = None  # set by the handler; acted on at step boundaries
         self._vote: Vote | None = None
         self._stragglers: Stragglers | None = None  # per-rank timing (world > 1, rank 0 judges)
+        #: device events around forward and backward where the device has them (issue 31)
+        self._device_times: stragglers.DeviceTimes | None = None
+        self._mark: Callable[[], None] = lambda: None  # DeviceTimes.mark, else nothing
         #: rank 0's clock for ``checkpoint.every_s`` (seconds; tests inject their own)
         self.clock: Callable[[], float] = time.monotonic
         self._eval_preempted = False  # evaluate() stopped early on a preemption signal
@@ -174,6 +177,10 @@ class Trainer:
             self.ctx.world_size, hosts, lc.straggler_factor, lc.straggler_points,
             lc.straggler_min_s, path.parent / "ranks.jsonl" if path is not None else None)
         self._stragglers.open()
+        new_event = stragglers.device_event_factory(self.ctx.device)
+        if new_event is not None:  # CUDA/ROCm/XPU; CPU keeps the host timers
+            self._device_times = stragglers.DeviceTimes(new_event, time.perf_counter)
+            self._mark = self._device_times.mark
 
     def _fit(self) -> dict[str, Any]:
         cfg, ckpt = self.config, self.checkpointer
@@ -398,15 +405,18 @@ class Trainer:
         model = self.wrapped
         batch = self._move(batch)
         t0 = time.perf_counter()
+        self._mark()
         with parts.grad_sync(model, last_in_group):
             with parts.autocast(self.config.precision, self.ctx.device):
                 loss = win.add(self.step_fn(model, batch))
             t1 = time.perf_counter()
+            self._mark()
             scaled = loss / group if group != 1 else loss
             if loop.scaler is not None:
                 loop.scaler.scale(scaled).backward()
             else:
                 scaled.backward()
+        self._mark()
         win.times[1] += t1 - t0  # the forward: what DDP does not equalise across ranks
         win.times[2] += time.perf_counter() - t1
 
@@ -449,7 +459,9 @@ class Trainer:
         world, n_steps = self.ctx.world_size, max(1, step - win.step0)
         n_slots = world * len(stragglers.PHASES) if self._stragglers is not None else 0
         if n_slots:  # every rank's phase times, in its own slots of the same collective
-            mine = stragglers.slots(world, self.ctx.rank, [t / n_steps for t in win.times])
+            times = (self._device_times.phases(win.times) if self._device_times is not None
+                     else win.times)  # device events are read here only
+            mine = stragglers.slots(world, self.ctx.rank, [t / n_steps for t in times])
             vec = torch.cat([vec, vec.new_tensor(mine)])
         vec = ddp.reduce_mean(vec).tolist()
         per_rank_metrics: dict[str, float] = {}

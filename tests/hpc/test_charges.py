@@ -13,8 +13,7 @@ SOURCES = {
     "aurora": "https://www.alcf.anl.gov/managing-your-award/managing-your-allocation",
     "polaris": "https://www.alcf.anl.gov/managing-your-award/managing-your-allocation",
     "perlmutter": "https://docs.nersc.gov/policies/charging-policy/",
-    "frontier": "https://docs.olcf.ornl.gov/systems/frontier_user_guide.html",
-}
+}  # frontier's factor is cited now: tests/hpc/test_charges_cited.py
 
 
 def _dry(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -28,7 +27,7 @@ def test_builtin_profiles_print_node_hours_and_say_the_factor_is_unverified(
     cluster: str, capsys: pytest.CaptureFixture[str], tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """No site factor could be read from the sites' pages, so none is printed as a fact."""
+    """No site factor could be read from these sites' pages, so none is printed as a fact."""
     monkeypatch.chdir(tmp_path)
     code, out, err = _dry(capsys, "--cluster", cluster, "--nodes", "2", "--walltime", "00:15:00",
                           "--queue", "debug")

@@ -1,0 +1,66 @@
+"""A failing rank's last lines in ``hpc status RUN`` (issue 31 item 2), on the real SLURM:
+2 nodes x 1 rank, rank 1 raises after printing numbered lines while rank 0 waits; srun
+(--kill-on-bad-exit) then ends rank 0. Both log layouts: per-rank files, and the
+rank-labelled merged job log. The status names rank 1, its node n2, and quotes its last
+lines; rank 0's lines are never quoted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.test_e2e_schedulers import PY, hpc, submit, wait_status, write_spec
+
+pytestmark = pytest.mark.slurm
+
+PROBE = """\
+import sys, time
+import ddp
+r = ddp.init().rank
+for i in range(20):
+    print(f"rank{r}-line-{i}", flush=True)
+if r == 1:
+    print("bad bytes: \\x1b[31m\\x00\\x07 end", flush=True)
+    sys.stdout.buffer.write(b"\\xff\\xfe not utf-8\\n")
+    sys.stdout.flush()
+    raise RuntimeError("boom-on-rank-1")
+time.sleep(120)  # srun ends this rank once rank 1 has failed
+"""
+
+
+def _failed_status(tmp_path: Path, per_rank: bool) -> tuple[str, Path, str]:
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    runs = tmp_path / "runs"
+    fields = {"per_rank_logs": True} if per_rank else {}
+    spec = write_spec(tmp_path / "f.yaml", [PY, str(probe)], nodes=2, ppn=1, **fields)
+    job_id, run_dir = submit(str(spec), runs=runs)
+    assert wait_status(job_id, runs) == "FAILED"
+    got = hpc("status", job_id, "--runs-dir", str(runs))
+    assert got.stdout.strip() == f"{job_id} FAILED"
+    return job_id, run_dir, got.stderr
+
+
+#: rank 1's last 8 lines as the probe writes them: the quoted form of the escape and
+#: NUL/BEL bytes and of the invalid UTF-8 is U+FFFD, never the raw bytes.
+LAST = ["rank1-line-18", "rank1-line-19", "bad bytes: \ufffd[31m\ufffd\ufffd end",
+        "\ufffd\ufffd not utf-8", "[rank1]: Traceback (most recent call last):"]
+
+
+@pytest.mark.parametrize("per_rank", [True, False], ids=["rank-files", "labelled-log"])
+def test_status_quotes_the_failing_ranks_last_lines(
+    slurm_cluster: Any, tmp_path: Path, per_rank: bool,
+) -> None:
+    job_id, run_dir, err = _failed_status(tmp_path, per_rank)
+    lines = err.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("hpc: rank "))
+    head, quoted = lines[start], [ln.removeprefix("  | ") for ln in lines[start + 1:]]
+    where = (run_dir / "ranks" / "rank-00001.log") if per_rank else run_dir / f"e2e-{job_id}.out"
+    assert head == (f"hpc: rank 1 (n2) failed (srun: exited with exit code 1); its last 8 "
+                    f"lines ({where}):"), err
+    assert quoted[:5] == LAST, err
+    assert quoted[-1] == "[rank1]: RuntimeError: boom-on-rank-1", err
+    assert len(quoted) == 8 and not any("rank0-" in q for q in quoted), err
+    assert not any(c in err for c in "\x1b\x00\x07"), err
