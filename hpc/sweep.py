@@ -27,8 +27,8 @@ VERSION = 1
 MAX_TASKS = 20_000
 """Most tasks one sweep may expand to: past this a typo (an extra value list) is likelier
 than intent. It is no scheduler's array size: a sweep wider than the cluster's array
-limit (SLURM's ``MaxArraySize``, read at submit) is split into several arrays
-(:func:`split`)."""
+limit (SLURM's ``MaxArraySize``, PBS's ``max_array_size``, read at submit) is split
+into several arrays (:func:`split`)."""
 MAX_DIRNAME = 64
 MAX_VALUE = 256
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024  # MAX_TASKS tasks of a few hundred bytes each
@@ -170,7 +170,8 @@ def split(n_tasks: int, limit: int | None) -> list[tuple[int, int]]:
     slurm.conf(5)), so ``--array=1001-2000`` is refused at the default 1001 just as
     ``--array=0-1999`` is. Every part is therefore ``0 .. count-1``, and a task finds its
     place in the sweep as ``offset + SLURM_ARRAY_TASK_ID`` (the offset is the part
-    script's first argument, ``python -m hpc.sweep shell ... --offset``). PBS caps the
+    script's first argument, or ``$HPC_SWEEP_OFFSET`` under PBS: the scheduler's
+    ``array_offset_word``, read by ``python -m hpc.sweep shell ... --offset``). PBS caps the
     count instead (``max_array_size``, see ``hpc.schedulers.pbs``); the same parts fit.
 
     No part of one task where the limit allows it: PBS refuses an array of one subjob
