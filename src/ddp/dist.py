@@ -563,7 +563,7 @@ def _unbound_default_group() -> Iterator[None]:
     group is being made."""
     import torch.distributed as tdist
 
-    default = tdist.distributed_c10d._get_default_group()
+    default = tdist.group.WORLD
     bound = getattr(default, "bound_device_id", None)
     if bound is None:
         yield
