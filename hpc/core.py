@@ -378,7 +378,7 @@ def _array_parts(job: Job, n_tasks: int, notes: list[str]) -> list[tuple[int, in
         paced = (f", each after the one before (--max-parallel {job.max_parallel} holds for the "
                  "sweep)") if job.max_parallel else ""
         notes.append(f"hpc: {n_tasks} tasks exceed the cluster's array size ({limit}, "
-                     f"MaxArraySize): one sweep of {len(parts)} arrays{paced}")
+                     f"{scheduler.array_size_setting}): one sweep of {len(parts)} arrays{paced}")
     return parts
 
 

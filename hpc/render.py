@@ -242,7 +242,8 @@ def context(job: Job, regenerate: str | None = None, script: str | None = None) 
     if job.array_size:  # each array task appends its own --set overrides (hpc.sweep)
         launch = [*launch, Raw('"${HPC_SWEEP_ARGS[@]}"')]
         sweep = {"python": python_of(spec.command), "index_var": scheduler.array_index_var,
-                 "last": job.array_size - 1, "offset_arg": scheduler.array_parts}
+                 "last": job.array_size - 1, "offset_arg": scheduler.array_parts,
+                 "offset_word": scheduler.array_offset_word}
     # device_order first: a spec's own CUDA_VISIBLE_DEVICES still wins
     layout = cluster.layout(job.ppn)  # one rank per GPU or per tile (hpc.cluster.Tiles)
     if layout.note and layout.note not in _SAID:  # said once per process, not per render

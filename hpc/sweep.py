@@ -27,8 +27,8 @@ VERSION = 1
 MAX_TASKS = 20_000
 """Most tasks one sweep may expand to: past this a typo (an extra value list) is likelier
 than intent. It is no scheduler's array size: a sweep wider than the cluster's array
-limit (SLURM's ``MaxArraySize``, read at submit) is split into several arrays
-(:func:`split`)."""
+limit (SLURM's ``MaxArraySize``, PBS's ``max_array_size``, read at submit) is split
+into several arrays (:func:`split`)."""
 MAX_DIRNAME = 64
 MAX_VALUE = 256
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024  # MAX_TASKS tasks of a few hundred bytes each
@@ -170,11 +170,23 @@ def split(n_tasks: int, limit: int | None) -> list[tuple[int, int]]:
     slurm.conf(5)), so ``--array=1001-2000`` is refused at the default 1001 just as
     ``--array=0-1999`` is. Every part is therefore ``0 .. count-1``, and a task finds its
     place in the sweep as ``offset + SLURM_ARRAY_TASK_ID`` (the offset is the part
-    script's first argument, ``python -m hpc.sweep shell ... --offset``).
+    script's first argument, or ``$HPC_SWEEP_OFFSET`` under PBS: the scheduler's
+    ``array_offset_word``, read by ``python -m hpc.sweep shell ... --offset``). PBS caps the
+    count instead (``max_array_size``, see ``hpc.schedulers.pbs``); the same parts fit.
+
+    No part of one task where the limit allows it: PBS refuses an array of one subjob
+    (``qsub -J 0-0``: "qsub: illegal -J value", seen on OpenPBS 23.06; its range parser
+    wants start < end, src/lib/Libutil/range.c ``parse_subjob_index``), so a lone last
+    task joins the part before it, which gives one up (``(0, 5), (5, 4), (9, 2)`` for 11
+    tasks at 5). SLURM takes either.
     """
     if limit is None or n_tasks <= limit:
         return [(0, n_tasks)]
-    return [(start, min(limit, n_tasks - start)) for start in range(0, n_tasks, limit)]
+    parts = [(start, min(limit, n_tasks - start)) for start in range(0, n_tasks, limit)]
+    if parts[-1][1] == 1 and limit >= 3:
+        (before, count), (last, _) = parts[-2], parts[-1]
+        parts[-2:] = [(before, count - 1), (last - 1, 2)]
+    return parts
 
 
 def throttle(n_tasks: int, max_parallel: int | None, limit: int | None, where: str

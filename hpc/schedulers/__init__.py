@@ -137,9 +137,15 @@ class Scheduler:
     array_index_var: ClassVar[str | None] = None
     array_throttle: ClassVar[bool] = False
     #: Whether a sweep wider than :meth:`array_size_limit` is submitted as several
-    #: arrays, each told its first task in the sweep by its script's first argument
+    #: arrays, each told its first task in the sweep by :attr:`array_offset_word`
     #: (``hpc.sweep.split``); False: one array, whatever its size.
     array_parts: ClassVar[bool] = False
+    #: The shell word that gives an array part its offset inside the job (empty: 0, the
+    #: first part): the script's first argument (``sbatch SCRIPT OFFSET``), or a variable
+    #: where the submit command passes a script no arguments (PBS: ``qsub -v``).
+    array_offset_word: ClassVar[str] = "${1:-0}"
+    #: The cluster setting :meth:`array_size_limit` reads, named in the note of a split.
+    array_size_setting: ClassVar[str] = "array size"
     #: True where submit runs the job here to the end: it writes the job's log into the
     #: run directory itself and the record holds the final state; False where a
     #: directive (``-o``/``--output``) sends the log there and the scheduler knows the state.

@@ -16,6 +16,7 @@ import shlex
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
+from hpc.errors import UserError
 from hpc.schedulers import JobState, Scheduler, SchedulerError, chunks, last_line, run, stream
 
 if TYPE_CHECKING:
@@ -582,6 +583,29 @@ def parse_qstat_text(text: str) -> JobState:
     return JobState(next(iter(info.values()))["State"]) if info else JobState.UNKNOWN
 
 
+DEFAULT_MAX_ARRAY_SIZE = 10000
+"""OpenPBS pbs_server_attributes(7B), max_array_size: "The maximum number of subjobs that
+are allowed in any array job ... Default: 10000"
+(https://github.com/openpbs/openpbs/blob/master/doc/man1/pbs_server_attributes.7B; the
+server applies the same when it is unset, src/server/array_func.c ``setup_ajinfo``:
+``PBS_MAX_ARRAY_JOB_DFL /* default limit 10000 */``). It caps the number of subjobs,
+not the index (``count > limit``; ``qsub -J 10-14`` passes at 5, ``-J 0-5`` is refused:
+"qsub: Array job exceeds server or queue size limit", both seen on OpenPBS 23.06)."""
+
+
+def parse_max_array_size(text: str) -> int:
+    """Most subjobs of one array from ``qstat -Bf``'s text (the lowest where several
+    servers answer); :data:`DEFAULT_MAX_ARRAY_SIZE` where no server lists it. Below 2
+    no sweep fits: PBS takes no array of one subjob (``hpc.sweep.split``)."""
+    found = [int(v) for v in re.findall(r"^\s*max_array_size\s*=\s*([0-9]{1,9})\s*$", text, re.M)]
+    limit = min(found) if found else DEFAULT_MAX_ARRAY_SIZE
+    if limit < 2:
+        raise UserError(f"--sweep: this PBS server's max_array_size is {limit}, and PBS takes no "
+                        "array of fewer than 2 subjobs (qsub: illegal -J value); allowed: one "
+                        "hpc submit per point, no --sweep")
+    return limit
+
+
 class PBS(Scheduler):
     """PBS Pro: qsub scripts with ``#PBS`` directives; ranks started by mpiexec."""
 
@@ -602,6 +626,33 @@ class PBS(Scheduler):
                     r"(?P<name>.+)\.o(?P<job>[0-9]+(?:\.[0-9]+)?)")
     id_examples = "123.server, 123[3].server"
     job_id_var = "PBS_JOBID"
+    # A sweep wider than the server's max_array_size is several arrays (issue 32): qsub
+    # passes a script no arguments, so each part's offset travels as a variable (qsub -v).
+    array_parts = True
+    array_offset_word = "${HPC_SWEEP_OFFSET:-0}"
+    array_size_setting = "max_array_size"
+
+    def array_size_limit(self) -> int:
+        """The server's ``max_array_size`` from ``qstat -Bf`` (readable by every user:
+        "Readable by all; settable by Operator and Manager"), read at submit time; the
+        default 10000 where it cannot be read (:data:`DEFAULT_MAX_ARRAY_SIZE`)."""
+        try:
+            proc = run(["qstat", "-Bf"], timeout=30)
+        except SchedulerError:
+            return DEFAULT_MAX_ARRAY_SIZE
+        return parse_max_array_size(proc.stdout if proc.returncode == 0 else "")
+
+    def array_part_command(self, script: str, count: int, offset: int,
+                           max_parallel: int | None = None, after: After | None = None
+                           ) -> list[str]:
+        """``qsub -J 0-(count-1)[%P] -v HPC_SWEEP_OFFSET=OFFSET SCRIPT``: the command
+        line's ``-J`` wins over the script's ``#PBS -J`` (qsub(1B): "Attributes set via
+        command-line options take precedence over those set using PBS directives"), and
+        ``-v`` adds the offset to the job's environment (qsub(1B) ``-v``), where the
+        script reads it (:attr:`array_offset_word`)."""
+        spec = f"0-{count - 1}" + (f"%{max_parallel}" if max_parallel else "")
+        return ["qsub", "-J", spec, "-v", f"HPC_SWEEP_OFFSET={offset}",
+                *(self.dependency(after) if after else []), script]
 
     def template_values(self, job: Job) -> dict[str, Any]:
         """The array range for ``#PBS -J`` (a subjob's log is ``DIR/ID[i].server.OU``)."""

@@ -185,6 +185,7 @@ class Slurm(Scheduler):
     array_index_var = "SLURM_ARRAY_TASK_ID"
     array_throttle = True  # --array=0-9%2
     array_parts = True  # sbatch --array=0-N SCRIPT OFFSET (array_part_command)
+    array_size_setting = "MaxArraySize"
     # --output=DIR/%x-%j.out (an array's tasks: %x-%A_%a.out), from template_values
     log_patterns = (r"(?P<name>.+)-(?P<job>[0-9]+(?:_[0-9]+)?)\.out",)
     id_examples = "12345, 12345_3"

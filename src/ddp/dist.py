@@ -132,6 +132,31 @@ def xccl_p2p_env(device_type: str, torch_version: str,
     return {k: v for k, v in XCCL_P2P_FIX.items() if k not in environ}
 
 
+#: ezpz PR #149 (https://github.com/saforem2/ezpz/pull/149, Aurora job 8518207): FSDP2 on
+#: XPU deadlocked on its first ``all_gather_into_tensor`` until the default group was made
+#: with ``init_process_group(device_id=xpu:N)`` after ``torch.xpu.set_device(N)``: unbound,
+#: xccl routed some ranks' collectives to ``xpu:0`` and others to ``xpu:LOCAL_RANK``.
+#: Bound on every XPU job, not only FSDP2 ones: ``init`` runs before the strategy is known,
+#: and torch 2.13's Python side does little else with it on the paths this project takes
+#: (distributed_c10d.py: ``init_process_group`` stores it as ``pg.bound_device_id``,
+#: 2095-2096; eager connect only for a backend that ``supports_splitting``, 2333-2335;
+#: ``barrier`` takes it as its device, 5332-5334; DeviceMesh's ``split_group``, 564, is
+#: for a mesh dimension smaller than the world, device_mesh.py 523, and ddp.fsdp's mesh
+#: is 1-D over every rank). ``new_group`` inherits it: see :func:`_unbound_default_group`.
+#: Device type -> the backends whose default group is bound. Not on nccl: its binding
+#: also switches on eager communicators and ``ncclCommSplit`` (a change of its own, not
+#: this fix); never on gloo, which has no backend for the accelerator (backend_capability).
+BIND_DEVICE_ID: dict[str, tuple[str, ...]] = {"xpu": ("xccl",)}
+
+
+def bound_device(device: torch.device, backend: str) -> torch.device | None:
+    """The ``device_id`` to make the default group with (:data:`BIND_DEVICE_ID`): the
+    device this rank was just set to, or None where the rule does not apply."""
+    if device.index is None or backend not in BIND_DEVICE_ID.get(device.type, ()):
+        return None
+    return device
+
+
 def _set_device(device: torch.device) -> None:
     import torch
 
@@ -199,6 +224,7 @@ def _init(
         info, address = resolve_master(info)
         os.environ.update(info.torchrun_vars())  # for libraries that read env:// themselves
         store = rendezvous_store(info, limit, address)
+        bound = bound_device(choice.device, choice.backend)  # after _set_device (ezpz #149)
         tdist.init_process_group(
             backend=choice.backend,
             # The prefix torch's own init_method path adds: keys never meet an agent's.
@@ -206,6 +232,7 @@ def _init(
             rank=info.rank,
             world_size=info.world_size,
             timeout=limit,
+            **({"device_id": bound} if bound is not None else {}),
         )
         # Small control messages (the preemption vote) travel apart from the training
         # collectives: on the device a read makes the host wait for the GPU every step,
@@ -511,9 +538,41 @@ def checkpoint_group() -> Any:
         import torch.distributed as tdist
 
         limit = _CONTEXT.timeout_s if _CONTEXT is not None else None
-        with _lazy_gloo():
+        with _lazy_gloo(), _unbound_default_group():
             _CKPT_GROUP = tdist.new_group(backend="gloo", timeout=_timeout(limit))
     return _CKPT_GROUP
+
+
+@contextmanager
+def _unbound_default_group() -> Iterator[None]:
+    """The default group's ``bound_device_id`` (:data:`BIND_DEVICE_ID`) cleared while a
+    CPU (Gloo) group is made, then put back.
+
+    torch 2.13's ``new_group`` gives the new group the default group's bound device
+    (distributed_c10d.py 5963-5964, ``device_id = default_pg.bound_device_id``); an
+    explicit other one is refused ("Mismatched bound device", 5965-5969), and ``cpu`` is
+    refused anyway (2014-2017). The Gloo group would then be bound to ``xpu:N`` and
+    ``new_group`` fails at its eager-connect check, ``pg._get_backend(device_id)``
+    (2333): "No backend type associated with device type xpu" (Gloo serves cpu and cuda
+    only). Cleared, the Gloo group is unbound and its collectives (and ``barrier``, which
+    takes a bound device as its own, 5332-5334) stay on the CPU. Only the Python-side
+    record changes: each backend got its own copy when it was registered
+    (ProcessGroup.hpp ``setBackend``), so the default group's XCCL keeps its device.
+    ezpz clears it the same way around ``init_device_mesh`` (``init_device_mesh_safe``,
+    PR #149). Called on the main thread between steps (checkpoint saves), when no other
+    group is being made."""
+    import torch.distributed as tdist
+
+    default = tdist.group.WORLD
+    bound = getattr(default, "bound_device_id", None)
+    if bound is None:
+        yield
+        return
+    default.bound_device_id = None
+    try:
+        yield
+    finally:
+        default.bound_device_id = bound
 
 
 @contextmanager

@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -224,7 +225,7 @@ def test_unreadable_config_takes_slurms_default(fake_bin, tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """No controller answering: MaxArraySize's cited default, 1001 (slurm.conf(5))."""
     fake_bin("scontrol", "echo 'slurm_load_ctl_conf error: Unable to contact slurm controller' >&2; exit 1")
-    lrs = ",".join(str(i) for i in range(1002))
+    lrs = ",".join(str(i) for i in range(1003))  # 1001 + 2 (a lone last task: see split)
     assert _slurm(tmp_path, "--dry-run", "--sweep", f"optim.lr={lrs}") == 0
     out, err = capsys.readouterr()
     assert "#SBATCH --array=0-1000\n" in out
@@ -315,3 +316,119 @@ def test_logs_follow_of_a_split_sweep_waits_for_every_array(fake_bin, tmp_path: 
 
     assert core.combined_state([JobState.COMPLETED, JobState.FAILED]) == "FAILED"
     assert core.combined_state([JobState.COMPLETED, JobState.PENDING]) == "PENDING"
+
+
+# --- PBS max_array_size: the same split, the offset through qsub -v ----------------------
+
+QSTAT_B5 = ('printf "Server: vm-pbs\\n    server_state = Active\\n    max_array_size = 5\\n'
+            '    pbs_version = 23.06.06\\n"')
+LRS12 = ",".join(str(i) for i in range(12))
+
+
+def _pbs(tmp_path: Path, *flags: str) -> int:
+    return main(["submit", "--cluster", "pbs", "--name", "t", "--runs-dir", str(tmp_path / "runs"),
+                 "--walltime", "00:05:00", *flags, "--", "python", "train.py"])
+
+
+def test_max_array_size_is_read_from_qstat_bf() -> None:
+    from hpc.schedulers.pbs import DEFAULT_MAX_ARRAY_SIZE, parse_max_array_size
+
+    assert parse_max_array_size("Server: s\n    max_array_size = 5\n    total_jobs = 3\n") == 5
+    assert parse_max_array_size("Server: a\n    max_array_size = 400\nServer: b\n"
+                                "    max_array_size = 300\n") == 300
+    assert parse_max_array_size("Server: s\n    total_jobs = 3\n") == DEFAULT_MAX_ARRAY_SIZE == 10000
+    assert parse_max_array_size("") == 10000
+    for tiny in ("0", "1"):
+        with pytest.raises(Exception, match=f"max_array_size is {tiny}.*allowed: one hpc submit "
+                                            "per point"):
+            parse_max_array_size(f"    max_array_size = {tiny}\n")
+
+
+def test_split_leaves_no_array_of_one_task() -> None:
+    """PBS refuses ``-J 0-0``: a lone last task joins the part before it."""
+    from hpc.sweep import split
+
+    assert split(11, 5) == [(0, 5), (5, 4), (9, 2)]
+    assert split(12, 5) == [(0, 5), (5, 5), (10, 2)]
+    assert split(10001, 10000) == [(0, 9999), (9999, 2)]
+    assert split(3, 2) == [(0, 2), (2, 1)]  # at 2 it cannot; qsub says so for that part
+
+
+def test_pbs_dry_run_splits_at_the_read_limit(fake_bin, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """12 tasks at max_array_size 5 (qstat -Bf): arrays of 5, 5, 2, each part's offset
+    given to qsub -v and read by the script from $HPC_SWEEP_OFFSET."""
+    fake_bin("qstat", QSTAT_B5)
+    assert _pbs(tmp_path, "--dry-run", "--sweep", f"optim.lr={LRS12}") == 0
+    out, err = capsys.readouterr()
+    assert _array_line(out) == "#PBS -J 0-4"
+    assert '--index "$PBS_ARRAY_INDEX" --offset "${HPC_SWEEP_OFFSET:-0}")' in out
+    then = [ln.split(": ", 1)[1] for ln in out.splitlines() if ln.startswith("# then array")]
+    assert [ln.split()[:5] for ln in then] == [
+        ["qsub", "-J", "0-4", "-v", "HPC_SWEEP_OFFSET=5"],
+        ["qsub", "-J", "0-1", "-v", "HPC_SWEEP_OFFSET=10"]]
+    assert all(ln.endswith("/job.pbs") for ln in then)
+    assert "hpc: 12 tasks exceed the cluster's array size (5, max_array_size): one sweep of 3 " \
+           "arrays" in err
+    assert _fake_calls(fake_bin, "qstat") == ["qstat -Bf"]
+    assert _pbs(tmp_path, "--dry-run", "--max-parallel", "2", "--sweep", f"optim.lr={LRS12}") == 0
+    out = capsys.readouterr().out
+    assert "#PBS -J 0-4%2\n" in out
+    assert "qsub -J 0-4%2 -v HPC_SWEEP_OFFSET=5 -W depend=afterany:ARRAY1 " in out
+    assert "qsub -J 0-1%2 -v HPC_SWEEP_OFFSET=10 -W depend=afterany:ARRAY2 " in out
+
+
+def test_pbs_unreadable_server_takes_the_cited_default(fake_bin, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """No server answering: max_array_size's default, 10000 (pbs_server_attributes(7B))."""
+    fake_bin("qstat", "echo 'Connection refused' >&2; exit 1")
+    lrs = ",".join(str(i) for i in range(10001))
+    assert _pbs(tmp_path, "--dry-run", "--sweep", f"optim.lr={lrs}") == 0
+    out, err = capsys.readouterr()
+    assert _array_line(out) == "#PBS -J 0-9998"  # 9999 + 2: no array of one subjob
+    then = [ln for ln in out.splitlines() if ln.startswith("# then array")]
+    assert len(then) == 1 and "qsub -J 0-1 -v HPC_SWEEP_OFFSET=9999 " in then[0]
+    assert "(10000, max_array_size): one sweep of 2 arrays" in err
+    assert _pbs(tmp_path, "--dry-run", "--sweep", "optim.lr=1,2,3") == 0  # fits: one array
+    out = capsys.readouterr().out
+    assert _array_line(out) == "#PBS -J 0-2" and "# then array" not in out
+
+
+def test_pbs_submit_records_one_sweep_of_every_array(fake_bin, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    fake_bin("qstat", QSTAT_B5)
+    fake_bin("qsub", 'n=$(grep -c "^qsub" "$FAKE_LOG"); echo "$((700 + n))[].vm-pbs"')
+    assert _pbs(tmp_path, "--sweep", f"optim.lr={LRS12}") == 0
+    assert capsys.readouterr().out.strip() == "701[].vm-pbs"
+    qsub = _fake_calls(fake_bin, "qsub")
+    assert len(qsub) == 3
+    assert qsub[1].startswith("qsub -J 0-4 -v HPC_SWEEP_OFFSET=5 ") and qsub[1].endswith("job.pbs")
+    assert qsub[2].startswith("qsub -J 0-1 -v HPC_SWEEP_OFFSET=10 ")
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["array_parts"] == [{"job_id": "701[].vm-pbs", "offset": 0, "count": 5},
+                                     {"job_id": "702[].vm-pbs", "offset": 5, "count": 5},
+                                     {"job_id": "703[].vm-pbs", "offset": 10, "count": 2}]
+
+
+def test_a_pbs_task_finds_its_point_by_the_offset_variable(
+        fake_bin, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The rendered script's task line, run by bash as subjob 1 of the first array (no
+    variable) and of the third (``qsub -v HPC_SWEEP_OFFSET=10``): points 1 and 11."""
+    from hpc import sweep
+
+    fake_bin("qstat", QSTAT_B5)
+    fake_bin("python", f'exec {sys.executable} "$@"')  # the command's python
+    assert _pbs(tmp_path, "--dry-run", "--sweep", f"optim.lr={LRS12}") == 0
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("task=$(")]
+    sweep.write_manifest(tmp_path, sweep.tasks_from_flags([f"optim.lr={LRS12}"]))
+    script = f'{line}\neval "$task"\necho "$HPC_SWEEP_LABEL"\n'
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "HPC_RUN_DIR": str(tmp_path), "PBS_ARRAY_INDEX": "1", "PYTHONPATH": root}
+    env.pop("HPC_SWEEP_OFFSET", None)
+    first = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True,
+                           timeout=60)
+    third = subprocess.run(["bash", "-c", script], env={**env, "HPC_SWEEP_OFFSET": "10"},
+                           capture_output=True, text=True, timeout=60)
+    assert (first.returncode, first.stdout) == (0, "optim.lr=1\n"), first.stderr
+    assert (third.returncode, third.stdout) == (0, "optim.lr=11\n"), third.stderr
