@@ -102,7 +102,7 @@ def supervised(job: Job, launch: list[Any]) -> list[Any]:
     host file under ``tolerate_node_failures``) and one torchrun per node are not done."""
     r = job.spec.resilience or {}
     name = job.scheduler.name
-    if name not in ("slurm", "local") or (name == "slurm" and job.launcher != "srun"):
+    if not job.scheduler.supervises(job):
         raise UserError(f"resilience: not available for {name} with launcher {job.launcher}; "
                         "allowed: SLURM with srun, or the local cluster")  # fmt: skip
     if int(r["min_nodes"]) > job.nodes:
