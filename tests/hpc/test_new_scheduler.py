@@ -35,6 +35,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 TOY = '''
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -54,6 +55,10 @@ class Toy(Scheduler):
     launchers = ("mpiexec", "toyrun")
     log_patterns = (r"toy-(?P<job>T\\d+)\\.log",)
     job_id_var = "TOY_JOB_ID"
+    array_index_var = "TOY_ARRAY_INDEX"  # a sweep: one process per task (submit below)
+
+    def template_values(self, job):
+        return {"array": self.array_spec(job)}
 
     def split_id(self, job_id):
         return (job_id, None) if job_id[:1] == "T" and job_id[1:].isdigit() else None
@@ -80,18 +85,34 @@ class Toy(Scheduler):
 
     def submit(self, script, run_dir, on_start=None, after=None):
         state = Path(os.environ["TOY_STATE"])
-        job_id = f"T{len(list(state.glob('*.pid'))) + 1}"
+        job_id = f"T{len(list(state.glob('T*.id'))) + 1}"
+        (state / f"{job_id}.id").write_text("")
+        array = re.search(r"^#TOY array=0-([0-9]+)$", Path(script).read_text(), re.M)
+        if array is None:
+            self._start(state, script, run_dir, job_id, {})
+        for index in range(int(array.group(1)) + 1 if array else 0):
+            task = self.task_id(job_id, index)
+            self._start(state, script, run_dir, task, {self.array_index_var: str(index)})
+        return Submission(job_id)
+
+    def _start(self, state, script, run_dir, job_id, env):
         log = open(Path(run_dir) / self.log_name("", job_id, None, 1), "wb")
         proc = subprocess.Popen(
             ["bash", "-c", 'bash "$0"; echo $? > "$1"', script, str(state / f"{job_id}.rc")],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, self.job_id_var: job_id})
+            env={**os.environ, **env, self.job_id_var: job_id})
         log.close()
         (state / f"{job_id}.pid").write_text(str(proc.pid))
-        return Submission(job_id)
 
     def status(self, job_id):
         state = Path(os.environ["TOY_STATE"])
+        tasks = sorted(p.stem for p in state.glob(f"{job_id}_*.pid"))
+        if tasks:  # an array: running while a task runs, else failed if one failed
+            states = {self.status(t) for t in tasks}
+            for answer in (JobState.RUNNING, JobState.FAILED, JobState.CANCELLED):
+                if answer in states:
+                    return answer
+            return JobState.COMPLETED
         if (state / f"{job_id}.cancelled").exists():
             return JobState.CANCELLED
         rc = state / f"{job_id}.rc"
@@ -114,7 +135,13 @@ SCHEDULER = Toy
 TEMPLATE = """#!{{ shell }}
 # {{ header|comment }}
 #TOY nodes={{ job.nodes }} name={{ name|q }}
+{% if array %}
+#TOY array={{ array }}
+{% endif %}
 {% include "_common.sh.j2" %}
+{% if sweep %}
+{% include "_sweep.sh.j2" %}
+{% endif %}
 {% for line in preamble %}
 {{ line }}
 {% endfor %}
@@ -199,6 +226,8 @@ def toyrun(toy: dict[str, str], tmp_path: Path,
     monkeypatch.setattr(profiles, "LAUNCHER_KINDS", tuple(schedulers.LAUNCHERS))
     state = tmp_path / "toy-state"
     state.mkdir()
+    (tmp_path / "profiles" / "toyrunbox.yaml").write_text(
+        "scheduler: toy\nppn: 2\nlauncher:\n  kind: toyrun\n")
     monkeypatch.setenv("TOY_STATE", str(state))
     for key, value in toy.items():
         monkeypatch.setenv(key, value)
@@ -274,3 +303,29 @@ def test_the_python_api_refuses_a_scheduler_without_a_job_id_variable(
     with pytest.raises(core.UserError, match="^cluster: the toy scheduler names no variable"):
         hpc.executor(cluster="toybox", launcher="toyrun")
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
+
+
+def test_a_sweep_runs_through_the_toy_scheduler_and_launcher(
+        toyrun: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``hpc submit --sweep`` on a profile whose default launcher is the toy's: one toy
+    array, each task in its own folder with its overrides, on every rank; ``hpc status``
+    asks the toy for the array and each task."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("import json, os, sys\n"
+                     "name = f\"argv-{os.environ['RANK']}.json\"\n"
+                     "json.dump(sys.argv[1:], open(os.path.join(os.environ['HPC_RUN_DIR'], name), 'w'))\n")
+    assert cli_main(["submit", "--cluster", "toyrunbox", "--runs-dir", "runs",
+                     "--sweep", "a=1,2", "--", sys.executable, str(probe)]) == 0
+    assert capsys.readouterr().out.strip() == "T1"
+    (run,) = (tmp_path / "runs").iterdir()
+    script = (run / "job.toy").read_text()
+    assert "#TOY array=0-1\n" in script and "toyrun 2" in script
+    toy_sched = schedulers.get("toy")
+    wait_until(lambda: toy_sched.status("T1") == "COMPLETED", 60, "toy sweep ended",
+               log=lambda: "".join(p.read_text() for p in run.glob("toy-*.log")))
+    seen = {p.relative_to(run).as_posix(): json.loads(p.read_text()) for p in run.glob("*/argv-*.json")}
+    assert seen == {"000-a-1/argv-0.json": ["--set", "a=1"], "000-a-1/argv-1.json": ["--set", "a=1"],
+                    "001-a-2/argv-0.json": ["--set", "a=2"], "001-a-2/argv-1.json": ["--set", "a=2"]}
+    assert cli_main(["status", str(run), "--runs-dir", "runs"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "T1 COMPLETED", "T1_0 COMPLETED a=1", "T1_1 COMPLETED a=2"]
