@@ -126,10 +126,10 @@ def used_lines(run_dir: Path) -> list[str]:
     from hpc import schedulers
 
     try:  # the scheduler says which client keeps a finished job's times (issue 29)
-        scheduler: schedulers.Scheduler | None = schedulers.get(sched)
+        scheduler = schedulers.get(sched)
     except UserError:
-        scheduler = None
-    tool = scheduler.usage_client if scheduler is not None else None
+        scheduler = schedulers.Scheduler()  # an unknown name: no client, as for local
+    tool = scheduler.usage_client
     if tool is None:
         return [f"node-hours: not known for scheduler {sched or 'local'} (no scheduler times)"]
     if shutil.which(tool) is None:
@@ -139,7 +139,7 @@ def used_lines(run_dir: Path) -> list[str]:
         job_id = str(entry.get("job_id") or "")
         if not job_id:
             continue
-        got = scheduler.job_usage(job_id)  # type: ignore[union-attr]
+        got = scheduler.job_usage(job_id)
         if isinstance(got, str):
             lines.append(f"job {job_id}: node-hours unknown ({got})")
             continue

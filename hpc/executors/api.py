@@ -62,8 +62,9 @@ def executor(
     if folder is None:
         from hpc import runs
 
-        run_dir = runs.new_run_dir(Path(runs_dir), job.name)
-    target = run_dir if run_dir is not None else Path(folder)  # type: ignore[arg-type]
+        run_dir = target = runs.new_run_dir(Path(runs_dir), job.name)
+    else:
+        target = Path(folder)
     try:
         ex = _make(job, target, max_num_timeout, run_dir, debug)
         if submitit_parameters:
