@@ -9,12 +9,15 @@ pickle a function, run it on the compute nodes and bring its result back:
   profile as ``hpc render`` (``#PBS -l select=N:system=..``, ``place``, ``walltime``,
   ``filesystems``, ``-q``, ``-A``, ``-N``, ``-o`` into the job folder) with the launch
   line ``mpiexec -n RANKS --ppn PPN [site flags] python -u -m hpc.executors.pbs FOLDER``,
-  and submits it with ``qsub`` (the job id is the id line qsub prints). Several
-  submissions at once (``map_array``) become one PBS job array (``-J 0-N``).
+  and submits it with ``hpc.schedulers.pbs.PBS.submit`` (``qsub``; the job id is the
+  id line qsub prints), as ``hpc submit`` does. It is ``hpc.executors.script``'s
+  executor with PBS's additions, and holds the resolved, frozen Job. Several
+  submissions at once (``map_array``) become one PBS job array (``-J 0-N``, added by
+  ``PBS.submitit_array`` to a copy of the Job).
 - ``PBSJob`` / ``PBSInfoWatcher``: state from the one PBS client,
   ``hpc.schedulers.pbs.query`` (``qstat -x -f -F json`` for all watched jobs, else
   ``qstat -f`` text, else plain ``qstat``), the same answer ``hpc status`` gives;
-  ``qdel`` cancels.
+  ``PBS.cancel`` (``qdel``) cancels, a refusal its one-line ``SchedulerError``.
 - ``PBSJobEnvironment`` (``hpc.executors.pbs_env``): what a rank knows on the
   compute node, and the requeue that PBS lacks.
 
