@@ -123,7 +123,13 @@ def used_lines(run_dir: Path) -> list[str]:
         return []
     entries = [*record.get("submissions", []), record]
     sched = str(record.get("scheduler", ""))
-    tool = {"slurm": "sacct", "pbs": "qstat"}.get(sched)
+    from hpc import schedulers
+
+    try:  # the scheduler says which client keeps a finished job's times (issue 29)
+        scheduler = schedulers.get(sched)
+    except UserError:
+        scheduler = schedulers.Scheduler()  # an unknown name: no client, as for local
+    tool = scheduler.usage_client
     if tool is None:
         return [f"node-hours: not known for scheduler {sched or 'local'} (no scheduler times)"]
     if shutil.which(tool) is None:
@@ -133,7 +139,7 @@ def used_lines(run_dir: Path) -> list[str]:
         job_id = str(entry.get("job_id") or "")
         if not job_id:
             continue
-        got = _slurm_used(job_id) if sched == "slurm" else _pbs_used(job_id)
+        got = scheduler.job_usage(job_id)
         if isinstance(got, str):
             lines.append(f"job {job_id}: node-hours unknown ({got})")
             continue

@@ -310,12 +310,7 @@ def submit(plan: Plan, on_start: Callable[[str], None] | None = None) -> Submitt
 
             write_manifest(run_dir, list(plan.sweep), job.max_parallel)
         argv = scheduler.submit_command(str(script))
-        record: dict[str, Any] = {
-            "name": job.name, "cluster": job.cluster.name, "scheduler": scheduler.name,
-            "script": str(script), "spec": job.spec.source, "submit_command": shlex.join(argv),
-            "cwd": os.getcwd(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "job_id": None,
-            **git,
-        }
+        record = runs.new_record(job, git, script=str(script), submit_command=shlex.join(argv))
         if job.spec.split_logs:  # hpc logs --err: the job's stderr has its own file
             record["split_logs"] = True
         if plan.sweep:  # a line per task: its index, overrides and folder

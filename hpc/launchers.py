@@ -103,7 +103,7 @@ def supervised(job: Job, launch: list[Any]) -> list[Any]:
     the local ``torchrun``; one torchrun per node is not done."""
     r = job.spec.resilience or {}
     sched = job.scheduler
-    if job.launcher not in sched.supervised_launchers:
+    if not sched.supervises(job):
         raise UserError(f"resilience: not available for {sched.name} with launcher "
                         f"{job.launcher}; allowed: {sched.name} with "
                         f"{' or '.join(sched.supervised_launchers) or 'no launcher'}")  # fmt: skip

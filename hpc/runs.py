@@ -187,6 +187,38 @@ def write_record(run_dir: Path, record: dict[str, Any]) -> None:
         write_atomic(run_dir / RECORD, text, "run directory")
 
 
+def new_record(job: Any, git: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    """The ``run.json`` of a new submission of ``job`` (a resolved ``hpc.job.Job``).
+
+    The one place both ``hpc submit`` (adding its script and submit command) and
+    ``hpc.executor`` (adding its submitit executor, folder and job ids) make a record,
+    so ``hpc status``/``logs``/``cancel`` read the same keys from either. ``git`` is
+    :func:`git_info`'s answer, asked by the caller before it takes the run's lock.
+    """
+    record: dict[str, Any] = {
+        "name": job.name, "cluster": job.cluster.name, "scheduler": job.scheduler.name,
+        "spec": job.spec.source, "cwd": os.getcwd(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "job_id": None,
+    }
+    return {**record, **fields, **git}
+
+
+def add_job_ids(run_dir: Path, job_ids: list[str]) -> None:
+    """Append ids a Python API executor submitted to ``run.json`` (``job_id``: the
+    latest, what ``hpc status RUN`` asks), under the run's lock. A record that is gone
+    or damaged is left alone: the jobs were submitted, only the note is lost."""
+    if not job_ids:
+        return
+    with locked(run_dir):
+        try:
+            record = read_record(run_dir)
+        except UserError:
+            return
+        record["job_ids"] = [*record.get("job_ids", []), *job_ids]
+        record["job_id"] = job_ids[-1]
+        write_record(run_dir, record)
+
+
 def update_submission(run_dir: Path, script: str, **changes: Any) -> None:
     """Apply ``changes`` to the submission of ``script``, under the lock.
 

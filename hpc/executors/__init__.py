@@ -7,9 +7,13 @@ the same one-line ``UserError`` the CLI prints. ``executor.submit(fn, *args)`` p
 the call; ``job.result()`` brings the return value back, ``job.cancel()`` cancels, and
 ``executor.map_array(fn, items)`` submits one job array.
 
+The profile's scheduler builds the executor (``Scheduler.submitit_executor``):
+
 - SLURM profiles -> ``submitit.SlurmExecutor`` (one srun task per rank);
 - PBS profiles -> ``hpc.executors.pbs.PBSExecutor`` (one mpiexec rank per rank);
 - ``local`` -> ``submitit.LocalExecutor`` (processes on this machine);
+- any other scheduler -> ``hpc.executors.script.ScriptExecutor`` (its own template,
+  submit, status and cancel);
 - ``debug`` -> ``submitit.DebugExecutor`` (in this process, for a debugger).
 
 ``hpc.distributed(fn)`` runs ``fn`` on every rank with the environment ``ddp.init()``
@@ -22,13 +26,15 @@ list by rank, and ``job.task(0).result()`` is rank 0's (``job.result()`` refuses
 with several tasks).
 
 This package is the only part of ``hpc`` that imports submitit (``api`` and
-``params`` only when called; ``pbs`` and ``pbs_env`` are the submitit plugin), and
-nothing imports it but ``hpc.__init__``'s lazy ``hpc.executor``/``hpc.distributed``
-and submitit's plugin discovery, so ``import hpc`` stays cheap.
+``params`` only when called; ``recorded``, ``script``, ``pbs`` and ``pbs_env`` at
+module level, imported only by the schedulers' ``submitit_executor`` and submitit's
+plugin discovery), and nothing else imports it but ``hpc.__init__``'s lazy
+``hpc.executor``/``hpc.distributed``, so ``import hpc`` stays cheap.
 
-Modules: ``api`` (``executor``, run directories), ``params`` (the job as each
-submitit executor's parameters), ``ranks`` (``distributed``: every rank's
-environment), ``pbs`` and ``pbs_env`` (the PBS plugin).
+Modules: ``api`` (``executor``, run directories), ``params`` (the job as submitit's
+own executors' parameters), ``recorded`` (executors that note their job ids in the
+run record), ``script`` (the executor for any scheduler), ``ranks``
+(``distributed``: every rank's environment), ``pbs`` and ``pbs_env`` (the PBS plugin).
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -50,47 +49,61 @@ def executor(
         if key in more:
             raise UserError(f"{key}: not taken by hpc.executor; allowed: leave it out (the "
                             "submitted function is the command, logs go to folder)")
-    kind_debug = cluster == "debug"
+    debug = cluster == DEBUG  # the keyword's own value, not a profile or scheduler
     overrides = {
-        "cluster": "local" if kind_debug else cluster, "nodes": nodes, "ppn": ppn,
+        "cluster": "local" if debug else cluster, "nodes": nodes, "ppn": ppn,
         "walltime": walltime, "queue": queue, "account": account, "name": name, **more,
     }
     job = resolve(spec, overrides)
-    kind = "debug" if kind_debug else job.cluster.scheduler
-    _check_kind(kind, job)
+    if debug and job.ranks > 1:
+        raise UserError(f"ppn: {job.ppn} is not allowed with cluster 'debug', which runs the "
+                        "function once in this process; allowed: 1 (or cluster='local')")
     run_dir = None
     if folder is None:
         from hpc import runs
 
-        run_dir = runs.new_run_dir(Path(runs_dir), job.name)
-        target = run_dir
+        run_dir = target = runs.new_run_dir(Path(runs_dir), job.name)
     else:
-        if kind == "pbs":  # it becomes the script's #PBS -o/-e paths
-            from hpc.spec import path_value
-
-            path_value(str(folder), "folder")
         target = Path(folder)
-    ex = _make(kind, job, target, max_num_timeout, overrides, spec)
-    if submitit_parameters:
-        try:
-            ex.update_parameters(**submitit_parameters)
-        except (ValueError, TypeError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-            raise UserError(f"submitit_parameters: {first}") from None
+    try:
+        ex = _make(job, target, max_num_timeout, run_dir, debug)
+        if submitit_parameters:
+            try:
+                ex.update_parameters(**submitit_parameters)
+            except (ValueError, TypeError) as exc:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+                raise UserError(f"submitit_parameters: {first}") from None
+    except BaseException:
+        if run_dir is not None:  # refused: no run directory of a job never submitted
+            _discard(run_dir)
+        raise
     if run_dir is not None:
-        _write_run_dir(run_dir, job, kind, ex)
-    ex._hpc_run_dir = run_dir
+        _write_run_dir(run_dir, job, ex)
     return ex
 
 
-def _check_kind(kind: str, job: Any) -> None:
-    """What submitit cannot do with this job: several ranks in-process, torchrun on SLURM."""
-    if kind == "debug" and job.ranks > 1:
-        raise UserError(f"ppn: {job.ppn} is not allowed with cluster 'debug', which runs the "
-                        "function once in this process; allowed: 1 (or cluster='local')")
-    if job.launcher == "torchrun" and kind == "slurm":
-        raise UserError(f"launcher: 'torchrun' cannot start submitit's ranks on {job.cluster.name}; "
-                        "allowed: auto, srun (submitit starts one srun task per rank)")
+#: ``cluster=`` value that runs the function in this process (submitit's DebugExecutor).
+DEBUG = "debug"
+
+
+def _make(job: Any, folder: Path, max_num_timeout: int, run_dir: Path | None,
+          debug: bool) -> Any:
+    """The executor for ``job``: the scheduler's own (``Scheduler.submitit_executor``), or
+    submitit's DebugExecutor for ``cluster='debug'``."""
+    if debug:
+        from submitit import DebugExecutor
+
+        return DebugExecutor(folder)
+    return job.scheduler.submitit_executor(job, folder, max_num_timeout, run_dir)
+
+
+def _discard(run_dir: Path) -> None:
+    """Remove a run directory this call made and left empty (or holding only its lock)."""
+    import shutil
+
+    names = {p.name for p in run_dir.iterdir()} if run_dir.is_dir() else set()
+    if names <= {".lock"}:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def resolve(spec: str | os.PathLike[str] | None, overrides: dict[str, Any]) -> Any:
@@ -109,74 +122,9 @@ def resolve(spec: str | os.PathLike[str] | None, overrides: dict[str, Any]) -> A
     return build_job(None if spec is None else str(spec), ov)
 
 
-def _make(kind: str, job: Any, folder: Path, max_num_timeout: int,
-          overrides: dict[str, Any], spec: Any) -> Any:
-    """The executor of ``kind`` for ``job``, its parameters set."""
-    from hpc.executors import params
-
-    if kind == "debug":
-        from submitit import DebugExecutor
-
-        return _recording(DebugExecutor)(folder)
-    if kind == "local":
-        from submitit import LocalExecutor
-
-        ex = _recording(LocalExecutor)(folder, max_num_timeout=max_num_timeout)
-        ex.update_parameters(**params.local_parameters(job))
-        return ex
-    python = "python" if job.spec.python else None
-    if kind == "slurm":
-        from submitit import SlurmExecutor
-
-        try:
-            ex = _recording(SlurmExecutor)(folder, max_num_timeout=max_num_timeout, python=python)
-        except RuntimeError:
-            raise UserError(f"cluster: {job.cluster.name} is a SLURM cluster but srun is not on "
-                            "PATH here; allowed: a login node of that cluster, or cluster='local' "
-                            "/ 'debug' on this machine") from None
-        ex.update_parameters(**params.slurm_parameters(job))
-        return ex
-    from hpc.executors.pbs import PBSExecutor
-
-    ex = _recording(PBSExecutor)(folder, max_num_timeout=max_num_timeout, python=python,
-                                 cluster=job.cluster.name)
-    ex.update_parameters(**params.pbs_parameters(job))
-    return ex
-
-
-# --- run directory ------------------------------------------------------------------
-
-_RECORDING: dict[type, type] = {}
-
-
-def _recording(cls: type) -> type:
-    """``cls`` with submissions recorded in the run directory's ``run.json``.
-
-    A subclass of the same name, made once per class, so ``isinstance`` checks and
-    submitit's ``Executor.name()`` see the executor they expect.
-    """
-    if cls not in _RECORDING:
-        def _internal_process_submissions(self: Any, delayed_submissions: list[Any]) -> list[Any]:
-            jobs = cls._internal_process_submissions(self, delayed_submissions)  # type: ignore[attr-defined]
-            run_dir = getattr(self, "_hpc_run_dir", None)
-            if run_dir is not None:
-                _record_jobs(run_dir, [j.job_id for j in jobs], cls.__name__)
-            return jobs
-
-        _RECORDING[cls] = type(cls.__name__, (cls,), {
-            "_internal_process_submissions": _internal_process_submissions,
-            "__module__": cls.__module__,
-            "__doc__": cls.__doc__,
-        })
-    return _RECORDING[cls]
-
-
-def _scheduler_name(kind: str) -> str:
-    return {"debug": "local"}.get(kind, kind)
-
-
-def _write_run_dir(run_dir: Path, job: Any, kind: str, ex: Any) -> None:
-    """``spec.yaml`` (the resolved spec) and ``run.json``, like ``hpc submit`` leaves."""
+def _write_run_dir(run_dir: Path, job: Any, ex: Any) -> None:
+    """``spec.yaml`` (the resolved spec) and ``run.json`` (``hpc.runs.new_record``, as
+    ``hpc submit`` writes it), so ``hpc status/logs/cancel RUN`` work on it."""
     import yaml
 
     from hpc import runs
@@ -186,33 +134,6 @@ def _write_run_dir(run_dir: Path, job: Any, kind: str, ex: Any) -> None:
     (run_dir / "spec.yaml").write_text(
         yaml.safe_dump(data, sort_keys=False, allow_unicode=True), encoding="utf-8"
     )
-    record = {
-        "name": job.name, "cluster": job.cluster.name, "scheduler": _scheduler_name(kind),
-        "executor": f"submitit {type(ex).__name__}", "folder": str(run_dir.resolve()),
-        "spec": job.spec.source, "cwd": os.getcwd(),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "job_id": None, "job_ids": [],
-        **runs.git_info(),
-    }
-    runs.write_record(run_dir, record)
-
-
-def _record_jobs(run_dir: Path, job_ids: list[str], executor_class: str) -> None:
-    """Add submitted ids to ``run.json``; ``job_id`` names the latest (``hpc status RUN``)."""
-    from hpc import runs
-
-    try:
-        record = runs.read_record(run_dir)
-    except UserError:
-        return
-    if executor_class == "LocalExecutor":  # local job ids are pids; hpc status reads local-PID
-        job_ids = [f"local-{j}" for j in job_ids]
-    elif executor_class == "PBSExecutor":  # array tasks as PBS names subjobs: 123[4].srv
-        from hpc.schedulers.pbs import pbs_id
-
-        job_ids = [pbs_id(j) for j in job_ids]
-    elif executor_class == "DebugExecutor":
-        job_ids = []  # ran (or will run) in this process: nothing to ask a scheduler
-    record["job_ids"] = [*record.get("job_ids", []), *job_ids]
-    if job_ids:
-        record["job_id"] = job_ids[-1]
+    record = runs.new_record(job, runs.git_info(), job_ids=[], folder=str(run_dir.resolve()),
+                             executor=f"submitit {type(ex).__name__}")
     runs.write_record(run_dir, record)

@@ -1,4 +1,5 @@
-"""A resolved job as each submitit executor's parameters (SLURM, local, PBS)."""
+"""A resolved job as submitit's own executors' parameters (SLURM, local), and the
+signal rule every executor shares (the PBS and script executors hold the Job itself)."""
 
 from __future__ import annotations
 
@@ -96,17 +97,6 @@ def local_parameters(job: Any) -> dict[str, Any]:
     setup = [line for line in setup_lines(job) if not line.lstrip().startswith("#")]
     if setup:
         params["setup"] = setup
-    return params
-
-
-def pbs_parameters(job: Any) -> dict[str, Any]:
-    """PBSExecutor parameters: the resolved spec itself (it renders it again, with its own
-    command and log folder, through the same template as ``hpc render``)."""
-    from hpc.executors.pbs import SPEC_PARAMETERS
-
-    data = job.to_dict()
-    params = {k: data[k] for k in SPEC_PARAMETERS if k in data}
-    params["walltime"] = job.walltime
     return params
 
 

@@ -60,9 +60,6 @@ def distributed(fn: Callable[..., R]) -> Callable[..., R]:
     return Distributed(fn)
 
 
-#: Executors whose launcher variables ddp.env reads itself (srun, PALS/MPICH mpiexec),
-#: and the in-process debug executor, which has one rank.
-_LAUNCHER_KNOWN = ("slurm", "pbs", "debug")
 PORT_BASE, PORT_SPAN, DEFAULT_PORT = 20000, 9000, 29500
 
 
@@ -102,7 +99,12 @@ def export_rank_env() -> dict[str, str]:
         env = submitit.JobEnvironment()
     except RuntimeError:  # not inside a submitit job
         return {}
-    if env.cluster in _LAUNCHER_KNOWN:
+    from submitit.local.local import LocalJobEnvironment
+
+    # Only submitit's local tasks need them: srun and PALS/MPICH mpiexec set variables
+    # ddp.env reads itself, the debug executor runs one rank in this process, and the
+    # script executor's launcher (or ddp.exec) exports torchrun's already.
+    if not isinstance(env, LocalJobEnvironment):
         return {}
     values = {k: v for k, v in rank_env(env).items() if k not in os.environ}
     os.environ.update(values)

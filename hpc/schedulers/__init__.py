@@ -308,6 +308,50 @@ class Scheduler:
         (``hpc logs -f`` then goes by the state alone)."""
         return None
 
+    # --- the Python API (hpc.executor): issue 29 ----------------------------------------
+
+    def submitit_executor(self, job: Job, folder: Path, max_num_timeout: int = 3,
+                          run_dir: Path | None = None) -> Any:
+        """The submitit executor that runs Python functions as this scheduler's jobs
+        (``hpc.executor``), set up for the resolved ``job``; ``run_dir``: the run
+        directory whose ``run.json`` gets the ids it submits.
+
+        By default :class:`hpc.executors.script.ScriptExecutor`: this scheduler's own
+        template, ``submit``, ``statuses`` and ``cancel``, so a new scheduler module has
+        the Python API as it is (it needs :attr:`job_id_var`)."""
+        from hpc.executors.script import ScriptExecutor
+
+        return ScriptExecutor(folder, max_num_timeout=max_num_timeout,
+                              python="python" if job.spec.python else None, job=job,
+                              run_dir=run_dir)
+
+    def submitit_array(self, job: Job, size: int) -> Job | None:
+        """``job`` as one array of ``size`` tasks for ``map_array`` (its id ``ID``, the
+        tasks' ``ID_0 .. ID_N-1`` as submitit names them); None: this scheduler has no
+        array form for it, so each task is a job of its own."""
+        return None
+
+    def record_ids(self, submitit_ids: Sequence[str]) -> list[str]:
+        """The ids ``run.json`` keeps for jobs its submitit executor returned: the form
+        this scheduler's clients (and so ``hpc status``/``cancel``) take."""
+        return list(submitit_ids)
+
+    # --- what no caller asks by this scheduler's name (issue 29) ----------------------
+
+    #: The client that keeps a finished job's start, end and node count (``hpc status
+    #: --used``); None: no scheduler times (``hpc.charges.used_lines`` says so).
+    usage_client: ClassVar[str | None] = None
+
+    def job_usage(self, job_id: str) -> tuple[float, int] | str:
+        """(seconds, nodes) the job held, from :attr:`usage_client`; or why not."""
+        return f"the {self.name} scheduler keeps no job times"
+
+    def supervises(self, job: Job) -> bool:
+        """Whether ``ddp.supervise`` can relaunch this job's launch line inside its
+        allocation (``resilience:``, :func:`hpc.launchers.supervised`): its launcher is
+        one of :attr:`supervised_launchers`."""
+        return job.launcher in self.supervised_launchers
+
 
 _NAME = r"^[a-z][a-z0-9_]*\Z"
 

@@ -9,7 +9,7 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -114,6 +114,24 @@ class Local(Scheduler):
             raise UserError(f"job: {job_id!r} is not running (finished, or its pid now belongs "
                             "to another process); allowed: a running local job")  # fmt: skip
         os.killpg(pid, signal.SIGTERM)  # the job's session leader: every process of the job
+
+
+    # --- the Python API (hpc.executor): issue 29 ----------------------------------------
+
+    def submitit_executor(self, job: Job, folder: Path, max_num_timeout: int = 3,
+                          run_dir: Path | None = None) -> Any:
+        """submitit's LocalExecutor: the ranks as processes here, the walltime as its timeout."""
+        from hpc.executors import params
+        from hpc.executors.recorded import LocalExecutor
+
+        ex = LocalExecutor(folder, max_num_timeout=max_num_timeout, run_dir=run_dir,
+                           scheduler=self)
+        ex.update_parameters(**params.local_parameters(job))
+        return ex
+
+    def record_ids(self, submitit_ids: Sequence[str]) -> list[str]:
+        """submitit's local ids are pids: ``local-PID``, the form ``hpc status`` reads."""
+        return [f"local-{j}" for j in submitit_ids]
 
 
 class _Forward:

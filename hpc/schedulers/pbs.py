@@ -20,6 +20,8 @@ from hpc.errors import UserError
 from hpc.schedulers import JobState, Scheduler, SchedulerError, chunks, last_line, run, stream
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from hpc.chain import After
     from hpc.job import Job
     from hpc.stage import Stage
@@ -759,6 +761,33 @@ class PBS(Scheduler):
         if proc.returncode != 0:
             raise SchedulerError(f"qdel {job_id} failed (exit {proc.returncode}): "
                                  f"{last_line(proc.stderr or proc.stdout)}")
+
+    # --- the Python API (hpc.executor): issue 29 ----------------------------------------
+
+    def submitit_executor(self, job: Job, folder: Path, max_num_timeout: int = 3,
+                          run_dir: Path | None = None) -> Any:
+        """The PBS submitit plugin's executor (``hpc.executors.pbs``), holding ``job``."""
+        from hpc.executors.pbs import PBSExecutor
+
+        return PBSExecutor(folder, max_num_timeout=max_num_timeout,
+                           python="python" if job.spec.python else None, job=job,
+                           run_dir=run_dir)
+
+    def submitit_array(self, job: Job, size: int) -> Job | None:
+        """One PBS job array (``#PBS -J 0-N``); its subjobs are ``123[].srv_i`` to submitit."""
+        return job.with_spec(directives=[*job.spec.directives, f"-J 0-{size - 1}"])
+
+    def record_ids(self, submitit_ids: Sequence[str]) -> list[str]:
+        """Subjobs as PBS names them (``123[].srv_4`` -> ``123[4].srv``)."""
+        return [pbs_id(j) for j in submitit_ids]
+
+    usage_client = "qstat"
+
+    def job_usage(self, job_id: str) -> tuple[float, int] | str:
+        """``qstat -xf``'s stime, obittime and nodect (the reader lives with the charges)."""
+        from hpc.charges import _pbs_used
+
+        return _pbs_used(job_id)
 
 
 SCHEDULER = PBS

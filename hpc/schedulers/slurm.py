@@ -395,5 +395,37 @@ class Slurm(Scheduler):
             said = "\n".join(errors) or proc.stderr or proc.stdout
             raise SchedulerError(f"scancel {job_id} refused (exit {proc.returncode}): "
                                  f"{last_line(said)}")
+    # --- the Python API (hpc.executor): issue 29 ----------------------------------------
+
+    def submitit_executor(self, job: Job, folder: Path, max_num_timeout: int = 3,
+                          run_dir: Path | None = None) -> Any:
+        """submitit's SlurmExecutor (one srun task per rank), parameters from ``job``."""
+        from hpc.executors import params
+        from hpc.executors.recorded import SlurmExecutor
+        from hpc.schedulers import LAUNCHERS
+
+        if not LAUNCHERS[job.launcher].per_rank:
+            raise UserError(f"launcher: {job.launcher!r} cannot start submitit's ranks on "
+                            f"{job.cluster.name}; allowed: auto, srun (submitit starts one "
+                            "srun task per rank)")
+        try:
+            ex = SlurmExecutor(folder, max_num_timeout=max_num_timeout,
+                               python="python" if job.spec.python else None,
+                               run_dir=run_dir, scheduler=self)
+        except RuntimeError:
+            raise UserError(f"cluster: {job.cluster.name} is a SLURM cluster but srun is not on "
+                            "PATH here; allowed: a login node of that cluster, or cluster='local' "
+                            "/ 'debug' on this machine") from None
+        ex.update_parameters(**params.slurm_parameters(job))
+        return ex
+
+    usage_client = "sacct"
+
+    def job_usage(self, job_id: str) -> tuple[float, int] | str:
+        """sacct's Start, End and NNodes (the reader lives with the charge arithmetic)."""
+        from hpc.charges import _slurm_used
+
+        return _slurm_used(job_id)
+
 
 SCHEDULER = Slurm

@@ -2,29 +2,63 @@
 
 docs/architecture.md promises this; here a toy batch system ("toy": its
 own script suffix, launcher, submit client, job ids and log names) is added from a
-temporary folder only, and rendering, the dry run and ``hpc logs`` all take it.
+temporary folder only, and rendering, the dry run and ``hpc logs`` all take it. With a
+toy launcher (``toyrun``: one entry of ``hpc.schedulers.LAUNCHERS``, its words built by
+the toy's ``launch``) it also drives the Python API end to end: ``hpc.executor`` on
+the toy's profile submits a function through the toy's own ``submit`` (which runs the
+script here, in the background), its ranks' results come back, ``map_array`` and
+``cancel`` work, and the run directory's record serves ``hpc status``. No line of hpc
+names the toy: the scheduler's default ``submitit_executor`` is the script executor.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import cloudpickle
 import pytest
 
-from hpc import core, logs, schedulers
+import hpc
+from hpc import core, logs, profiles, schedulers, spec
+from hpc.cli import main as cli_main
+from hpc.errors import SchedulerError
+from tests.support.polling import wait_until
+
+# Job functions travel by value: the toy's jobs need not import this test module.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 TOY = '''
-from hpc.schedulers import Scheduler
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+from hpc.errors import SchedulerError
+from hpc.schedulers import JobState, Scheduler, Submission
+
+# toyrun: start N copies of the command here, each told its rank as torchrun would
+TOYRUN = ('n=$1; shift; pids=; for r in $(seq 0 $((n - 1))); do RANK=$r LOCAL_RANK=$r '
+          'WORLD_SIZE=$n LOCAL_WORLD_SIZE=$n GROUP_RANK=0 "$@" & pids="$pids $!"; done; '
+          'rc=0; for p in $pids; do wait $p || rc=$?; done; exit $rc')
 
 
 class Toy(Scheduler):
     name = "toy"
     script_suffix = ".toy"
-    launchers = ("mpiexec",)
+    launchers = ("mpiexec", "toyrun")
     log_patterns = (r"toy-(?P<job>T\\d+)\\.log",)
+    job_id_var = "TOY_JOB_ID"
+    array_index_var = "TOY_ARRAY_INDEX"  # a sweep: one process per task (submit below)
+
+    def template_values(self, job):
+        return {"array": self.array_spec(job)}
 
     def split_id(self, job_id):
         return (job_id, None) if job_id[:1] == "T" and job_id[1:].isdigit() else None
@@ -35,13 +69,64 @@ class Toy(Scheduler):
     def launch(self, job):
         from hpc import launchers
 
+        if job.launcher == "toyrun":
+            return ["# toy preamble"], ["bash", "-c", TOYRUN, "toyrun", str(job.ppn),
+                                        *launchers.wrapped(job)]
         return ["# toy preamble"], launchers.mpiexec(job)
 
-    def submit_command(self, script):
+    def submit_command(self, script, after=None):
         return ["toysub", "--now", script]
 
     def parse_job_id(self, stdout):
         return stdout.strip()
+
+    # The toy's "cluster" is this machine: submit starts the script in the background
+    # (its own session) and keeps TOY_STATE/ID.pid, then ID.rc when it ends.
+
+    def submit(self, script, run_dir, on_start=None, after=None):
+        state = Path(os.environ["TOY_STATE"])
+        job_id = f"T{len(list(state.glob('T*.id'))) + 1}"
+        (state / f"{job_id}.id").write_text("")
+        array = re.search(r"^#TOY array=0-([0-9]+)$", Path(script).read_text(), re.M)
+        if array is None:
+            self._start(state, script, run_dir, job_id, {})
+        for index in range(int(array.group(1)) + 1 if array else 0):
+            task = self.task_id(job_id, index)
+            self._start(state, script, run_dir, task, {self.array_index_var: str(index)})
+        return Submission(job_id)
+
+    def _start(self, state, script, run_dir, job_id, env):
+        log = open(Path(run_dir) / self.log_name("", job_id, None, 1), "wb")
+        proc = subprocess.Popen(
+            ["bash", "-c", 'bash "$0"; echo $? > "$1"', script, str(state / f"{job_id}.rc")],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **env, self.job_id_var: job_id})
+        log.close()
+        (state / f"{job_id}.pid").write_text(str(proc.pid))
+
+    def status(self, job_id):
+        state = Path(os.environ["TOY_STATE"])
+        tasks = sorted(p.stem for p in state.glob(f"{job_id}_*.pid"))
+        if tasks:  # an array: running while a task runs, else failed if one failed
+            states = {self.status(t) for t in tasks}
+            for answer in (JobState.RUNNING, JobState.FAILED, JobState.CANCELLED):
+                if answer in states:
+                    return answer
+            return JobState.COMPLETED
+        if (state / f"{job_id}.cancelled").exists():
+            return JobState.CANCELLED
+        rc = state / f"{job_id}.rc"
+        if rc.exists() and rc.read_text().strip():
+            return JobState.COMPLETED if rc.read_text().strip() == "0" else JobState.FAILED
+        return JobState.RUNNING if (state / f"{job_id}.pid").exists() else JobState.UNKNOWN
+
+    def cancel(self, job_id):
+        state = Path(os.environ["TOY_STATE"])
+        if self.status(job_id) != JobState.RUNNING:
+            raise SchedulerError(f"toycancel {job_id} refused: the job is not running")
+        (state / f"{job_id}.cancelled").write_text("")
+        # SIGKILL: submitit's ranks log and ignore SIGTERM (SLURM's warning before the kill)
+        os.killpg(int((state / f"{job_id}.pid").read_text()), signal.SIGKILL)
 
 
 SCHEDULER = Toy
@@ -50,7 +135,13 @@ SCHEDULER = Toy
 TEMPLATE = """#!{{ shell }}
 # {{ header|comment }}
 #TOY nodes={{ job.nodes }} name={{ name|q }}
+{% if array %}
+#TOY array={{ array }}
+{% endif %}
 {% include "_common.sh.j2" %}
+{% if sweep %}
+{% include "_sweep.sh.j2" %}
+{% endif %}
 {% for line in preamble %}
 {{ line }}
 {% endfor %}
@@ -119,3 +210,122 @@ def test_every_scheduler_launches_with_known_launcher_kinds() -> None:
         assert set(schedulers.get(name).launchers) <= set(schedulers.LAUNCHERS), name
     assert spec.LAUNCHERS == ("auto", *schedulers.LAUNCHERS)
     assert profiles.LAUNCHER_KINDS == tuple(schedulers.LAUNCHERS)
+
+
+# --- the Python API through the toy scheduler and a toy launcher ----------------------
+
+
+@pytest.fixture()
+def toyrun(toy: dict[str, str], tmp_path: Path,
+           monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
+    """The toy launcher in the launcher table (and the choices read from it at import),
+    the toy's job state folder, and the toy's profiles for this process."""
+    kind = schedulers.LauncherKind("toyrun", per_rank=False)  # it exports torchrun's variables
+    monkeypatch.setitem(schedulers.LAUNCHERS, "toyrun", kind)
+    monkeypatch.setattr(spec, "LAUNCHERS", ("auto", *schedulers.LAUNCHERS))
+    monkeypatch.setattr(profiles, "LAUNCHER_KINDS", tuple(schedulers.LAUNCHERS))
+    state = tmp_path / "toy-state"
+    state.mkdir()
+    (tmp_path / "profiles" / "toyrunbox.yaml").write_text(
+        "scheduler: toy\nppn: 2\nlauncher:\n  kind: toyrun\n")
+    monkeypatch.setenv("TOY_STATE", str(state))
+    for key, value in toy.items():
+        monkeypatch.setenv(key, value)
+    yield toy
+
+
+def rank_sum(a: int, b: int) -> tuple[int, int, int]:
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), a + b
+
+
+def wait_cancelled(marker: str) -> str:
+    Path(marker).write_text(os.environ["TOY_JOB_ID"])
+    time.sleep(60)
+    return "not cancelled"
+
+
+def _done(job: Any, timeout: float = 60) -> None:
+    wait_until(lambda: job.done(force_check=True), timeout, f"toy job {job.job_id} done",
+               log=lambda: job.stderr() or "")
+
+
+def test_the_python_api_runs_through_the_toy_scheduler_and_launcher(
+        toyrun: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hpc.executors.script import ScriptExecutor
+
+    ex = hpc.executor(cluster="toybox", ppn=2, launcher="toyrun", name="fn")
+    assert type(ex) is ScriptExecutor  # the default of Scheduler.submitit_executor
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    job = ex.submit(rank_sum, 2, 3)
+    assert job.job_id == "T1"
+    _done(job)
+    assert job.results() == [(0, 2, 5), (1, 2, 5)]  # each rank's own, through toyrun
+    script = job.paths.submission_file.read_text()
+    assert "#TOY nodes=1 name=fn" in script and "# toy preamble" in script
+    assert "toyrun 2" in script and "-m hpc.executors.script" in script
+    assert 'export HPC_SUBMITIT_JOB_ID="${TOY_JOB_ID}"' in script
+    record = json.loads((run_dir / "run.json").read_text())
+    assert (record["scheduler"], record["cluster"], record["job_ids"]) == ("toy", "toybox", ["T1"])
+    assert record["executor"] == "submitit ScriptExecutor"
+    toy_sched = schedulers.get("toy")  # the results come before the script's own end
+    wait_until(lambda: toy_sched.status("T1") == "COMPLETED", 30, "toy job T1 ended")
+    assert cli_main(["status", str(run_dir)]) == 0  # the record names the toy's job
+    assert capsys.readouterr().out == "T1 COMPLETED\n"
+
+    jobs = ex.map_array(rank_sum, [1, 2], [10, 20])  # no array form: a job per call
+    assert [j.job_id for j in jobs] == ["T2", "T3"]
+    for j in jobs:
+        _done(j)
+    assert [j.results() for j in jobs] == [[(0, 2, 11), (1, 2, 11)], [(0, 2, 22), (1, 2, 22)]]
+    assert json.loads((run_dir / "run.json").read_text())["job_ids"] == ["T1", "T2", "T3"]
+
+    marker = tmp_path / "started"
+    late = ex.submit(wait_cancelled, str(marker))
+    wait_until(marker.exists, 60, "toy job started", log=lambda: late.stderr() or "")
+    assert late.state == "RUNNING"
+    late.cancel()  # the toy's own cancel
+    _done(late)
+    assert late.state == "CANCELLED"
+    with pytest.raises(Exception, match="T4"):  # submitit's UncompletedJobError names it
+        late.result()
+    with pytest.raises(SchedulerError, match="^toycancel T4 refused: the job is not running$"):
+        late.cancel()  # a refusal is the scheduler's own one line
+    late.cancel(check=False)  # not checked: ignored, as submitit's executors do
+
+
+def test_the_python_api_refuses_a_scheduler_without_a_job_id_variable(
+        toyrun: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The script executor needs the job's id inside the job: one line, nothing left."""
+    import importlib
+
+    module = importlib.import_module("hpc.schedulers.toy")
+    monkeypatch.setattr(module.Toy, "job_id_var", None)
+    with pytest.raises(core.UserError, match="^cluster: the toy scheduler names no variable"):
+        hpc.executor(cluster="toybox", launcher="toyrun")
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
+
+
+def test_a_sweep_runs_through_the_toy_scheduler_and_launcher(
+        toyrun: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``hpc submit --sweep`` on a profile whose default launcher is the toy's: one toy
+    array, each task in its own folder with its overrides, on every rank; ``hpc status``
+    asks the toy for the array and each task."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("import json, os, sys\n"
+                     "name = f\"argv-{os.environ['RANK']}.json\"\n"
+                     "json.dump(sys.argv[1:], open(os.path.join(os.environ['HPC_RUN_DIR'], name), 'w'))\n")
+    assert cli_main(["submit", "--cluster", "toyrunbox", "--runs-dir", "runs",
+                     "--sweep", "a=1,2", "--", sys.executable, str(probe)]) == 0
+    assert capsys.readouterr().out.strip() == "T1"
+    (run,) = (tmp_path / "runs").iterdir()
+    script = (run / "job.toy").read_text()
+    assert "#TOY array=0-1\n" in script and "toyrun 2" in script
+    toy_sched = schedulers.get("toy")
+    wait_until(lambda: toy_sched.status("T1") == "COMPLETED", 60, "toy sweep ended",
+               log=lambda: "".join(p.read_text() for p in run.glob("toy-*.log")))
+    seen = {p.relative_to(run).as_posix(): json.loads(p.read_text()) for p in run.glob("*/argv-*.json")}
+    assert seen == {"000-a-1/argv-0.json": ["--set", "a=1"], "000-a-1/argv-1.json": ["--set", "a=1"],
+                    "001-a-2/argv-0.json": ["--set", "a=2"], "001-a-2/argv-1.json": ["--set", "a=2"]}
+    assert cli_main(["status", str(run), "--runs-dir", "runs"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "T1 COMPLETED", "T1_0 COMPLETED a=1", "T1_1 COMPLETED a=2"]
