@@ -101,6 +101,9 @@ def _init_recorded(monkeypatch: pytest.MonkeyPatch, node: str, device: str, back
         monkeypatch.delenv(key)
     env = DistEnv(rank=local_rank, local_rank=local_rank, world_size=4, local_world_size=4,
                   node_rank=0, master_addr="127.0.0.1", master_port=29500, launcher="torchrun")
+    for key in env.torchrun_vars():  # init exports them; undone after the test (they
+        monkeypatch.setenv(key, "x")  # leaked RANK=2 WORLD_SIZE=4 into later tests'
+        monkeypatch.delenv(key)       # local ranks: test_python_api)
     try:
         dist.init(backend=backend, device=device, env=env, exit_on_error=False)
     finally:
