@@ -113,6 +113,8 @@ def supervised(job: Job, launch: list[Any]) -> list[Any]:
     flags = [f"--hang-timeout-s={float(r['hang_timeout_s']):g}",
              f"--max-restarts={int(r['max_restarts'])}", f"--min-nodes={int(r['min_nodes'])}",
              f"--spares={int(r['spares'])}"]  # fmt: skip
+    if job.stage is not None and job.stage.tolerant:  # nodes that failed to unpack: left out
+        flags.append(Raw('--staged="$HPC_STAGE_OK"'))
     concurrent = job.cluster.launcher.concurrent_args
     if concurrent:  # one word: the supervisor splits it (ddp.supervise --concurrent-args)
         flags.append(f"--concurrent-args={sh_join(concurrent)}")

@@ -23,7 +23,9 @@ entry points' ``#!`` lines are pointed at the copy while unpacking. What the ven
 points to stays where it is: the base interpreter (``pyvenv.cfg``'s ``home``), a
 ``--system-site-packages`` base (Aurora's ``frameworks`` module), editable installs
 (``.pth`` files naming a checkout). A node whose unpack fails is named by the
-launcher (``srun: error: NODE: task N: Exited``) and the job stops before training.
+launcher (``srun: error: NODE: task N: Exited``) and the job stops before training;
+under ``resilience:`` the job goes on instead: each node that unpacked leaves a mark in
+``RUN/stage-ok-JOBID/`` and ``ddp.supervise --staged`` leaves the others out.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ PROFILE_KEYS = ("min_nodes", "local_dir", "source")
 #: points' ``#!OLD/bin/...`` lines are matched as plain text (a quoted case pattern, no
 #: regex), so any path works. No user value is part of this text: they arrive as $1..$3.
 UNPACK = r"""set -eu
-tar_file=$1 dest=$2 old=$3
+tar_file=$1 dest=$2 old=$3 ok_dir=${4:-}
 if [ ! -d "$dest" ]; then
   tmp=$(mktemp -d "$dest.XXXXXX")
   tar -xf "$tar_file" -C "$tmp"
@@ -73,6 +75,7 @@ if [ ! -d "$dest" ]; then
   mv -T "$tmp" "$dest" 2>/dev/null || rm -rf "$tmp"
 fi
 echo "python.stage: $(hostname): $dest"
+if [ -n "$ok_dir" ]; then : > "$ok_dir/${SLURMD_NODENAME:-$(hostname)}"; fi
 """
 
 
@@ -86,6 +89,15 @@ class Stage:
     why: str
     #: The spec asked (``stage: always``): nothing to explain on stderr.
     asked: bool = False
+    #: Under ``resilience:``: an unpack that fails does not end the job; each node that
+    #: unpacked leaves a mark in ``$HPC_STAGE_OK`` and ``ddp.supervise --staged`` leaves
+    #: the others out (the scheduler's unpack line passes ``"$HPC_STAGE_OK"`` last).
+    tolerant: bool = False
+
+    @property
+    def ok_arg(self) -> str:
+        """The unpack script's 4th argument: the marks' folder, or nothing."""
+        return ' "$HPC_STAGE_OK"' if self.tolerant else ""
 
     def dest(self, job_id_var: str) -> str:
         """The copy's folder on each node, as shell text (the job id from ``job_id_var``)."""
@@ -105,7 +117,15 @@ class Stage:
         if self.pack_at == "job":
             out.append(f'tar -cf "$HPC_STAGE_TAR.$$" -C {shlex.quote(self.venv)} . '
                        '&& mv -f "$HPC_STAGE_TAR.$$" "$HPC_STAGE_TAR"')
-        out += [*spread, *unpack, *cleanup]
+        if self.tolerant:  # resilience: a node that fails is left out by ddp.supervise
+            said = ("python.stage: an unpack failed; ddp.supervise leaves out the nodes "
+                    "with no mark in")
+            out += [f'HPC_STAGE_OK="$HPC_RUN_DIR"/stage-ok-"${{{job_id_var}}}"',
+                    'mkdir -p "$HPC_STAGE_OK"', *spread,
+                    *(f'{line} || echo {shlex.quote(said)} "$HPC_STAGE_OK"' for line in unpack),
+                    *cleanup]
+        else:
+            out += [*spread, *unpack, *cleanup]
         out += ['export VIRTUAL_ENV="$HPC_STAGE_DEST"',
                 'export PATH="$HPC_STAGE_DEST/bin${PATH:+:$PATH}"',
                 "unset PYTHONHOME"]
@@ -179,7 +199,8 @@ def decide(job: Job) -> Stage | None:
         raise UserError(f"python.stage: {stage}: the {job.cluster.name} profile runs the job on "
                         "this machine, which has no nodes to stage to; allowed: never here")
     return Stage(venv=str(python["venv"]), local_dir=rule.get("local_dir", DEFAULT_LOCAL_DIR),
-                 pack_at=str(python.get("pack", "submit")), why=why, asked=stage == "always")
+                 pack_at=str(python.get("pack", "submit")), why=why, asked=stage == "always",
+                 tolerant=bool(job.spec.resilience))
 
 
 def pack(stage: Stage, run_dir: Path) -> str:

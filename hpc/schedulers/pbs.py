@@ -708,7 +708,7 @@ class PBS(Scheduler):
         return stage.lines(
             self.job_id_var or "", spread=[],
             unpack=[f'mpiexec -n {job.nodes} {ppn} 1 bash -c "$HPC_STAGE_UNPACK" unpack '
-                    f'"$HPC_STAGE_TAR" "$HPC_STAGE_DEST" {shlex.quote(stage.venv)}'],
+                    f'"$HPC_STAGE_TAR" "$HPC_STAGE_DEST" {shlex.quote(stage.venv)}{stage.ok_arg}'],
             cleanup=[])
 
     def submit_command(self, script: str, after: After | None = None) -> list[str]:

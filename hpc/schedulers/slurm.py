@@ -285,11 +285,13 @@ class Slurm(Scheduler):
         each node's copy of the tar (a separate step: two emulated nodes share one /tmp)."""
         per_node = ('srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" '
                     "--ntasks-per-node=1 --kill-on-bad-exit=1")
+        # under resilience one node's failure must not end the others' unpack (their marks)
+        unpack = per_node.replace(" --kill-on-bad-exit=1", "") if stage.tolerant else per_node
         return stage.lines(
             self.job_id_var or "",
             spread=['sbcast --force "$HPC_STAGE_TAR" "$HPC_STAGE_DEST.tar"'],
-            unpack=[f'{per_node} bash -c "$HPC_STAGE_UNPACK" unpack "$HPC_STAGE_DEST.tar" '
-                    f'"$HPC_STAGE_DEST" {shlex.quote(stage.venv)}'],
+            unpack=[f'{unpack} bash -c "$HPC_STAGE_UNPACK" unpack "$HPC_STAGE_DEST.tar" '
+                    f'"$HPC_STAGE_DEST" {shlex.quote(stage.venv)}{stage.ok_arg}'],
             cleanup=[f'{per_node} rm -f "$HPC_STAGE_DEST.tar"'])
 
     def submit_command(self, script: str, after: After | None = None) -> list[str]:

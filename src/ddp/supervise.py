@@ -367,6 +367,34 @@ def _clear(hb_dir: Path) -> None:
         f.unlink(missing_ok=True)
 
 
+def _leave_out_unstaged(nodes: Nodes, marks: Path, args: argparse.Namespace,
+                        run_dir: Path) -> bool:
+    """Leave out the nodes whose unpack of the staged environment left no mark in
+    ``marks`` (hpc.stage: one empty file per node that unpacked, named as the scheduler
+    names it); False when too few are left to start (a ``stopped`` record says why)."""
+    try:
+        marked = [p.name for p in marks.iterdir()] if marks.is_dir() else []
+    except OSError:
+        marked = []
+    failed = [n for n in nodes.every if n not in match_hosts(marked, nodes.every)]
+    if not failed:
+        return True
+    nodes.spares = [n for n in nodes.spares if n not in failed]
+    left = nodes.leave_out([n for n in failed if n in nodes.active], args.spares)
+    if left or not set(failed) & set(nodes.active):
+        record(run_dir, {"event": "exclude", "attempt": 0, "nodes": failed,
+                         "why": "python.stage: no unpacked environment on these nodes",
+                         "excluded": nodes.excluded, "remaining": nodes.active})  # fmt: skip
+        _say(f"excluding node(s) {','.join(failed)}: their python.stage unpack failed")
+    if set(failed) >= set(nodes.active) or len(nodes.active) < args.min_nodes:
+        why = (f"python.stage: the unpack failed on {','.join(failed)}; "
+               f"{len(set(nodes.active) - set(failed))} node(s) left, --min-nodes {args.min_nodes}")
+        record(run_dir, {"event": "stopped", "attempt": 0, "why": why})
+        _say(f"not starting: {why}")
+        return False
+    return True
+
+
 def supervise(args: argparse.Namespace) -> int:
     """The loop: launch, watch, collect the evidence of a failure, decide, relaunch.
 
@@ -394,6 +422,9 @@ def supervise(args: argparse.Namespace) -> int:
 
     if nodes.active:
         _say(f"nodes {nodes.active}" + (f", spares {nodes.spares}" if nodes.spares else ""))
+    if args.staged and nodes.active and not _leave_out_unstaged(nodes, Path(args.staged), args,
+                                                                run_dir):  # fmt: skip
+        return 1
     failures = 0
     for attempt in range(1, args.max_restarts + 2):
         _clear(hb_dir)
@@ -501,6 +532,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
                    help="fewest nodes to relaunch on (multi-node launchers; default 1)")
     p.add_argument("--spares", type=int, default=0, help="spare nodes held back (default 0)")
     p.add_argument("--run-dir", help="the run directory (default $HPC_RUN_DIR, else .)")
+    p.add_argument("--staged", help="a folder of marks, one per node whose unpack of the "
+                   "staged environment worked (hpc.stage): the others are left out")
     p.add_argument("--concurrent-args", default="",
                    help="launcher flags for an mpiexec started while the ranks run (the "
                         "per-node probe), e.g. --concurrent-args=--no-vni on Aurora")

@@ -174,3 +174,30 @@ def test_pals_mpiexec_node_lost_relaunches_on_the_other_with_a_rewritten_host_fi
     kept = [ids for att in (r0[0], r1[0]) for step, ids in att if step <= resumed]
     kept += [ids for _step, ids in r0[1]]
     assert sorted(i for ids in kept for i in ids) == list(range(N))
+
+
+@pytest.mark.mpi
+def test_nodes_whose_staged_unpack_failed_are_left_out_before_the_first_launch(
+        tmp_path: Path) -> None:
+    """``--staged MARKS`` (hpc.stage under resilience): nodeB left no mark, so the first
+    attempt already runs on nodeA alone; with no mark at all the job does not start."""
+    require_exe("mpiexec.hydra", "mpiexec.mpich")
+    hosts, marks, run = tmp_path / "nodefile", tmp_path / "marks", tmp_path / "run"
+    hosts.write_text("nodeA.cm\nnodeB.cm\n")
+    marks.mkdir()
+    (marks / "nodeA").touch()  # as gethostname() or SLURMD_NODENAME spells it
+    env = {**_launch.base_env(), "PBS_NODEFILE": str(hosts), "HYDRA_LAUNCHER": "fork"}
+    cmd = [sys.executable, "-m", "ddp.supervise", "--run-dir", str(run), "--staged", str(marks),
+           "--", str(PALS), "-n", "2", "--ppn", "1", sys.executable, "-c", "print('ran')"]  # fmt: skip
+    out = subprocess.run(cmd, env=env, cwd=_launch.ROOT, capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("ran") == 1 and (run / "hostfile-1").read_text() == "nodeA.cm\n"
+    assert "excluding node(s) nodeB.cm: their python.stage unpack failed" in out.stderr
+    events = json.loads((run / "run.json").read_text())["supervisor"]["events"]
+    assert events[0]["event"] == "exclude" and events[0]["nodes"] == ["nodeB.cm"], events
+    (marks / "nodeA").unlink()
+    out = subprocess.run(cmd, env=env, cwd=_launch.ROOT, capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert out.returncode == 1 and "ran" not in out.stdout, out.stderr
+    assert "not starting: python.stage: the unpack failed on nodeA.cm,nodeB.cm" in out.stderr

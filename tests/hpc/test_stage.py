@@ -183,3 +183,37 @@ def test_pack_keeps_links_and_the_unpack_points_entry_points_at_the_copy(
     prefix = subprocess.run([str(dest / "bin" / "python"), "-c", "import sys; print(sys.prefix)"],
                             capture_output=True, text=True, timeout=60).stdout.strip()
     assert prefix == str(dest)
+
+
+def test_under_resilience_a_failed_unpack_leaves_a_node_out_instead_of_ending_the_job(
+        tmp_path: Path, a_venv: Path) -> None:
+    """With ``resilience:`` the unpack step does not end the job (no --kill-on-bad-exit,
+    ``|| echo``), each node that unpacked leaves a mark, and the supervisor gets the marks'
+    folder; the unpack script writes its node's mark (tests/ddp/test_relaunch.py: the
+    supervisor leaves an unmarked node out)."""
+    proc = _dry_run(tmp_path, _spec(tmp_path, {"venv": str(a_venv), "stage": "always"},
+                                    resilience=True), "--cluster", "slurm", "--nodes", "2")
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    assert 'HPC_STAGE_OK="$HPC_RUN_DIR"/stage-ok-"${SLURM_JOB_ID}"' in text
+    unpack = next(x for x in text.splitlines() if "$HPC_STAGE_UNPACK" in x)
+    assert "--kill-on-bad-exit" not in unpack and unpack.split(" || echo ")[0].endswith(
+        ' "$HPC_STAGE_OK"'), unpack
+    assert '--staged="$HPC_STAGE_OK"' in text.split("ddp.supervise", 1)[1].split(" -- ")[0]
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+    plain = _dry_run(tmp_path, _spec(tmp_path, {"venv": str(a_venv), "stage": "always"}),
+                     "--cluster", "slurm", "--nodes", "2").stdout
+    assert "HPC_STAGE_OK" not in plain and "--kill-on-bad-exit=1 bash -c" in plain
+    run, marks = tmp_path / "run", tmp_path / "marks"
+    run.mkdir()
+    marks.mkdir()
+    stage = Stage(venv=str(a_venv), local_dir=str(tmp_path / "node"), pack_at="submit", why="t")
+    pack(stage, run)
+    env = {**os.environ, "SLURMD_NODENAME": "n7"}
+    for dest, code in ((tmp_path / "copy", 0), (tmp_path / "no" / "such" / "copy", 1)):
+        got = subprocess.run(["bash", "-c", UNPACK, "unpack", str(run / TAR_NAME), str(dest),
+                              str(a_venv), str(marks)], env=env, capture_output=True,
+                             text=True, timeout=60)  # fmt: skip
+        assert got.returncode == code, got.stderr
+        assert sorted(p.name for p in marks.iterdir()) == (["n7"] if code == 0 else [])
+        (marks / "n7").unlink(missing_ok=True)  # a mark only where the unpack worked
