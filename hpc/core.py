@@ -369,6 +369,12 @@ def _array_parts(job: Job, n_tasks: int, notes: list[str]) -> list[tuple[int, in
     scheduler = job.scheduler
     limit = scheduler.array_size_limit() if scheduler.array_parts else None
     parts = split(n_tasks, limit)
+    if min(count for _, count in parts) < scheduler.array_min_size:  # only at a limit of 2
+        raise UserError(f"--sweep: {n_tasks} tasks in arrays of at most {limit} "
+                        f"({scheduler.array_size_setting}) leave one array of "
+                        f"{min(c for _, c in parts)} task, and {scheduler.name} takes no array "
+                        f"of fewer than {scheduler.array_min_size}; allowed: a multiple of "
+                        f"{limit} tasks")
     if len(parts) > 1:
         paced = (f", each after the one before (--max-parallel {job.max_parallel} holds for the "
                  "sweep)") if job.max_parallel else ""

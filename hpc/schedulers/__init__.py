@@ -140,6 +140,8 @@ class Scheduler:
     #: arrays, each told its first task in the sweep by :attr:`array_offset_word`
     #: (``hpc.sweep.split``); False: one array, whatever its size.
     array_parts: ClassVar[bool] = False
+    #: The fewest tasks one array may have here (PBS: 2, ``qsub -J 0-0`` is refused).
+    array_min_size: ClassVar[int] = 1
     #: The shell word that gives an array part its offset inside the job (empty: 0, the
     #: first part): the script's first argument (``sbatch SCRIPT OFFSET``), or a variable
     #: where the submit command passes a script no arguments (PBS: ``qsub -v``).

@@ -614,6 +614,7 @@ class PBS(Scheduler):
     name = "pbs"
     script_suffix = ".pbs"
     launchers = ("mpiexec",)
+    array_min_size = 2  # "qsub: illegal -J value" for -J 0-0 (hpc.sweep.split)
     supervised_launchers = ("mpiexec",)  # a rewritten host file per relaunch
     queue_directives = ("queue",)
     client = "qstat"

@@ -351,7 +351,7 @@ def test_split_leaves_no_array_of_one_task() -> None:
     assert split(11, 5) == [(0, 5), (5, 4), (9, 2)]
     assert split(12, 5) == [(0, 5), (5, 5), (10, 2)]
     assert split(10001, 10000) == [(0, 9999), (9999, 2)]
-    assert split(3, 2) == [(0, 2), (2, 1)]  # at 2 it cannot; qsub says so for that part
+    assert split(3, 2) == [(0, 2), (2, 1)]  # at 2 it cannot: hpc refuses that sweep (below)
 
 
 def test_pbs_dry_run_splits_at_the_read_limit(fake_bin, tmp_path: Path,
@@ -376,6 +376,21 @@ def test_pbs_dry_run_splits_at_the_read_limit(fake_bin, tmp_path: Path,
     assert "#PBS -J 0-4%2\n" in out
     assert "qsub -J 0-4%2 -v HPC_SWEEP_OFFSET=5 -W depend=afterany:ARRAY1 " in out
     assert "qsub -J 0-1%2 -v HPC_SWEEP_OFFSET=10 -W depend=afterany:ARRAY2 " in out
+
+
+def test_pbs_at_a_limit_of_two_an_odd_sweep_is_one_line_not_a_refused_array(
+        fake_bin, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """At max_array_size 2 the last of 5 tasks would be ``-J 0-0``, which qsub refuses
+    after the first arrays are queued: refused before anything is submitted instead."""
+    fake_bin("qstat", QSTAT_B5.replace("= 5", "= 2"))
+    fake_bin("qsub", "echo 1.vm-pbs")
+    assert _pbs(tmp_path, "--sweep", "optim.lr=1,2,3,4,5") == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        "hpc: error: --sweep: 5 tasks in arrays of at most 2 (max_array_size) leave one array "
+        "of 1 task, and pbs takes no array of fewer than 2; allowed: a multiple of 2 tasks"]
+    assert _fake_calls(fake_bin, "qsub") == [] and not list((tmp_path / "runs").glob("*"))
+    assert _pbs(tmp_path, "--dry-run", "--sweep", "optim.lr=1,2,3,4") == 0  # 2 + 2: fine
 
 
 def test_pbs_unreadable_server_takes_the_cited_default(fake_bin, tmp_path: Path,
