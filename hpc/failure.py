@@ -8,11 +8,12 @@ files are off).
 
 The rule for "the failing rank", first that applies:
 
-1. **The scheduler's word.** srun reports each task that ended by itself with an error as
+1. **The launcher's word.** srun reports each task that ended by itself with an error as
    ``srun: error: HOST: task N: Exited with exit code K`` (``tasks N-M`` for a range); the
    tasks srun then ended itself (``--kill-on-bad-exit``) are reported as ``Killed`` or
    ``Terminated``, so they are consequences, not causes. The first "Exited with exit
-   code" line of the job log names the rank and its host.
+   code" line of the job log names the rank and its host. PALS ``mpiexec`` says
+   ``HOST: rank N exited with code K`` (see :data:`_PALS_EXIT`).
 2. **The supervisor's word.** The latest ``failure`` event in run.json's
    ``supervisor.events`` (written by ``ddp.supervise``) lists the ranks it found dead or
    stopped; the first of them.
@@ -47,6 +48,11 @@ MAX_CHARS = 300
 # "srun: error: n2: task 1: Exited with exit code 1"; "srun: error: n2: tasks 2-3: ..."
 _SRUN_EXIT = re.compile(rb"srun: error: (\S+): tasks? ([0-9]+)(?:-[0-9]+)?: "
                         rb"Exited with exit code ([0-9]+)")
+# PALS (Aurora, Polaris): "HOST: rank N exited with code K", one line per rank, K 0 for
+# the clean ones; the ranks PALS then ends are "rank N died from signal 15" (a cascade).
+# As captured on Sunspot by ALCF's ezpz (https://github.com/saforem2/ezpz, src/ezpz/
+# launch auto-retry, job 12471663); HPE's mpiexec(1) is behind its portal: unverified.
+_PALS_EXIT = re.compile(rb"^(?:[0-9]+: )?(\S+): rank ([0-9]+) exited with code ([0-9]+)")
 _ERROR_LINE = re.compile(rb"Traceback \(most recent call last\):|(?:^|\] )(?:ddp: error: )?"
                          rb"rank [0-9]+ failed: ")
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
@@ -125,11 +131,13 @@ def failing_rank_lines(run_dir: Path, record: dict[str, Any] | None = None,
     rank: int | None = None
     host = "?"
     why = ""
-    for tail in job_tails:  # 1. srun's report of a task that exited by error
+    for tail in job_tails:  # 1. the launcher's report of a rank that exited by error
         for raw in tail:
-            if (m := _SRUN_EXIT.search(raw)) and int(m.group(3)) != 0:
+            m = _SRUN_EXIT.search(raw) or _PALS_EXIT.match(raw)
+            if m and int(m.group(3)) != 0:
                 rank, host = int(m.group(2)), m.group(1).decode("utf-8", "replace")
-                why = f"srun: exited with exit code {int(m.group(3))}"
+                by = "srun" if m.re is _SRUN_EXIT else "mpiexec"
+                why = f"{by}: exited with exit code {int(m.group(3))}"
                 break
         if rank is not None:
             break

@@ -2,7 +2,7 @@
 2 nodes x 1 rank, rank 1 raises after printing numbered lines while rank 0 waits; srun
 (--kill-on-bad-exit) then ends rank 0. Both log layouts: per-rank files, and the
 rank-labelled merged job log. The status names rank 1, its node n2, and quotes its last
-lines; rank 0's lines are never quoted."""
+lines; rank 0's lines are never quoted. And the same on the real OpenPBS."""
 
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ from typing import Any
 import pytest
 
 from tests.test_e2e_schedulers import PY, hpc, submit, wait_status, write_spec
-
-pytestmark = pytest.mark.slurm
 
 PROBE = """\
 import sys, time
@@ -49,6 +47,7 @@ LAST = ["rank1-line-18", "rank1-line-19", "bad bytes: \ufffd[31m\ufffd\ufffd end
         "\ufffd\ufffd not utf-8", "[rank1]: Traceback (most recent call last):"]
 
 
+@pytest.mark.slurm
 @pytest.mark.parametrize("per_rank", [True, False], ids=["rank-files", "labelled-log"])
 def test_status_quotes_the_failing_ranks_last_lines(
     slurm_cluster: Any, tmp_path: Path, per_rank: bool,
@@ -64,3 +63,32 @@ def test_status_quotes_the_failing_ranks_last_lines(
     assert quoted[-1] == "[rank1]: RuntimeError: boom-on-rank-1", err
     assert len(quoted) == 8 and not any("rank0-" in q for q in quoted), err
     assert not any(c in err for c in "\x1b\x00\x07"), err
+
+
+@pytest.mark.pbs
+def test_pbs_status_quotes_the_failing_ranks_last_lines(
+        openpbs: Any, pbs_job_venv: Path, tmp_path: Path) -> None:
+    """The same probe on the real OpenPBS (generic profile: MPICH hydra, its merged log
+    labelled ``[RANK] ``): hydra names no rank of its own, so the rank's traceback does."""
+    from tests.support.parts import require_exe
+    from tests.test_e2e_pbs import Hpc
+
+    require_exe("mpiexec.hydra", "mpiexec.mpich")
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE.replace("time.sleep(120)", "time.sleep(5)"))  # hydra lets it end
+    client = Hpc(pbs_job_venv, tmp_path / "runs")
+    try:
+        _job_id, run_dir = client.submit("--cluster", "pbs", "--nodes", "2", "--walltime",
+                                         "00:05:00", "--", "python", str(probe))  # fmt: skip
+        assert client.wait(run_dir, timeout=180) == "FAILED"
+        got = client("status", str(run_dir), "--runs-dir", str(client.runs))
+    finally:
+        openpbs.delete_all(client.submitted)
+    lines = got.stderr.splitlines()
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("hpc: rank ")), None)
+    assert start is not None, got.stderr
+    head, quoted = lines[start], [ln.removeprefix("  | ") for ln in lines[start + 1:]]
+    assert head.startswith("hpc: rank 1 (") and "failed (the first error line of the job log)" \
+        in head, got.stderr
+    assert quoted[-1] == "[rank1]: RuntimeError: boom-on-rank-1", got.stderr
+    assert not any("rank0-" in q for q in quoted), got.stderr

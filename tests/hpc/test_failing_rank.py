@@ -79,6 +79,22 @@ def test_without_srun_report_the_rank_with_the_traceback(
     assert quoted[0].startswith('[rank1]:   File "') and quoted[1:] == TAIL[-2:]
 
 
+def test_pals_names_the_rank_that_exited_by_error_not_the_cascade(tmp_path: Path) -> None:
+    """PALS's own lines (as ALCF's ezpz captured them): the clean exits and the SIGTERM
+    cascade name nothing; ``HOST: rank 1 exited with code 1`` names rank 1 and its host."""
+    run_dir = _run(tmp_path, "labelled-log")
+    log = _job_log(run_dir)
+    _drop_lines(log, b"srun: ")
+    with log.open("ab") as fh:
+        fh.write(b"x4102c5s0b0n0.hostmgmt2000.cm.aurora.alcf.anl.gov: rank 0 died from signal 15\n"
+                 b"x4102c5s1b0n0.hostmgmt2000.cm.aurora.alcf.anl.gov: rank 2 exited with code 0\n"
+                 b"x4102c5s1b0n0.hostmgmt2000.cm.aurora.alcf.anl.gov: rank 1 exited with code 1\n")
+    lines = failure.failing_rank_lines(run_dir)
+    assert lines[0].startswith("hpc: rank 1 (x4102c5s1b0n0.hostmgmt2000.cm.aurora.alcf.anl.gov) "
+                               "failed (mpiexec: exited with exit code 1); its last 8 lines")
+    assert _quoted(lines)[-1] == "[rank1]: RuntimeError: boom-on-rank-1"
+
+
 def test_a_peers_later_traceback_does_not_win_in_the_merged_log(tmp_path: Path) -> None:
     """Rank 0's traceback about the closed connection comes after rank 1's: rank 1."""
     run_dir = _run(tmp_path, "labelled-log")
