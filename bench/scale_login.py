@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
 from hpc import core, runs, schedulers  # noqa: E402
-from hpc.schedulers import pbs  # noqa: E402
+from hpc.schedulers import _pbs_qstat, pbs  # noqa: E402
 
 SQUEUE = r"""#!/bin/bash
 echo "squeue $*" >> "$BENCH_LOG"
@@ -263,7 +263,7 @@ def _old_read(text: str) -> dict[str, Any]:
     jobs = pbs.loads_qstat_json(text).get("Jobs") or {}
     out = {}
     for pbs_id, attrs in jobs.items():
-        info = pbs._info(str(pbs_id), attrs)
+        info = _pbs_qstat._info(str(pbs_id), attrs)
         out[str(pbs_id)] = info
         out[pbs.submitit_id(str(pbs_id), attrs)] = info
     return out

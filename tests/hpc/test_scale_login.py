@@ -20,7 +20,7 @@ import pytest
 from hpc import core, logs, runs, schedulers
 from hpc.cli import main
 from hpc.errors import UserError
-from hpc.schedulers import JobState
+from hpc.schedulers import JobState, _pbs_json, _pbs_qstat
 from hpc.schedulers import pbs as pbs_mod
 from tests.hpc.conftest import REPO
 
@@ -389,7 +389,7 @@ def test_qstat_memory_is_flat_in_jobs_not_asked_for(tmp_path):
 def test_the_streamed_reader_reads_what_the_whole_reader_read(tmp_path, monkeypatch):
     """Chunks as small as 7 characters: every job, value and escape cut at a chunk
     boundary somewhere; old servers' unescaped backslashes read leniently per job."""
-    monkeypatch.setattr(pbs_mod, "_CHUNK", 7)
+    monkeypatch.setattr(_pbs_json, "_CHUNK", 7)
     jobs = {f"{i}.s": {"job_state": "R" if i % 2 else "Q", "Exit_status": i, "n": 1.5e3,
                        "ok": True, "none": None, "list": [1, {"a": "}{]["}],
                        "comment": 'say "hi" caf\u00e9 \u2603'} for i in range(40)}
@@ -436,7 +436,7 @@ def test_another_spelling_of_the_server_needs_no_scan(monkeypatch):
 
 def test_unknown_ids_in_qstats_errors_are_matched_without_a_scan():
     ids = [f"{i}.s" for i in range(10_000)]
-    gone = pbs_mod._gone("qstat: Unknown Job Id 4242.s.example\nqstat: 17.s Job has finished, "
+    gone = _pbs_qstat._gone("qstat: Unknown Job Id 4242.s.example\nqstat: 17.s Job has finished, "
                          "use -x or -H to obtain historical job information\n", ids)
     assert gone == {"4242.s", "17.s"}
 
@@ -454,7 +454,7 @@ esac""")
 
 def test_a_qstat_that_hangs_mid_answer_is_given_up(fake_bin, monkeypatch):
     """The bound is the point here: a client that never finishes its answer."""
-    monkeypatch.setattr(pbs_mod, "QSTAT_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(_pbs_qstat, "QSTAT_TIMEOUT_S", 0.5)
     fake_bin("qstat", """echo '{"Jobs": {"1.s": {"job_state": "R"},'; exec sleep 600""")
     assert pbs_mod.query(["1.s"]) == {}
     assert len(_calls(fake_bin)) == 1  # a hung client: no form after it is tried either
