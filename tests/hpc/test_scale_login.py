@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from hpc import core, logs, runs, schedulers
+from hpc import core, logs, runs, runs_index, schedulers
 from hpc.cli import main
 from hpc.errors import UserError
 from hpc.schedulers import JobState, _pbs_json, _pbs_qstat
@@ -250,7 +250,7 @@ def test_the_index_keeps_every_entry_of_concurrent_submits(tmp_path, fake_bin):
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err
         ids.append(out.strip())
-    index = runs._read_index(runs_dir)
+    index = runs_index._read_index(runs_dir)
     assert index is not None and all(j in index.runs for j in ids), (ids, index.runs)
     for job_id in ids:
         found = runs.find(job_id, runs_dir)
@@ -258,7 +258,7 @@ def test_the_index_keeps_every_entry_of_concurrent_submits(tmp_path, fake_bin):
 
 
 def _index_file(runs_dir: Path) -> Path:
-    return runs_dir / runs.INDEX_DIR / runs.INDEX
+    return runs_dir / runs_index.INDEX_DIR / runs_index.INDEX
 
 
 DAMAGE = ["deleted", "garbage", "binary", "outside", "gone", "fifo", "symlink", "dir-link"]
@@ -302,7 +302,7 @@ def test_a_deleted_or_damaged_index_is_rebuilt_and_never_followed_outside(damage
     assert index.parent.is_dir() and not index.parent.is_symlink()
     assert index.is_file() and not index.is_symlink()
     assert secret.read_text() == '"100007"\t"job-00007"\n'  # nothing written through a link
-    assert runs._read_index(runs_dir).runs["100007"] == ["job-00007"]
+    assert runs_index._read_index(runs_dir).runs["100007"] == ["job-00007"]
 
 
 def test_a_run_copied_into_runs_is_found_although_the_index_predates_it(tmp_path):
@@ -320,10 +320,10 @@ def test_a_read_only_runs_dir_is_still_searched(tmp_path, monkeypatch):
     """Where the index cannot be written it is built in memory for the lookup."""
     runs_dir = tmp_path / "runs"
     _many_runs(runs_dir, 5)
-    monkeypatch.setattr(runs, "_index_dir", lambda runs_dir: None)
+    monkeypatch.setattr(runs_index, "_index_dir", lambda runs_dir: None)
     found = runs.find("100004", runs_dir)
     assert found is not None and found[0].name == "job-00004"
-    assert not (runs_dir / runs.INDEX_DIR).exists()
+    assert not (runs_dir / runs_index.INDEX_DIR).exists()
 
 
 def test_submit_without_a_lookup_leaves_runs_holding_only_runs(tmp_path, fake_bin):
@@ -331,7 +331,7 @@ def test_submit_without_a_lookup_leaves_runs_holding_only_runs(tmp_path, fake_bi
     assert main(["submit", "--cluster", "slurm", "--runs-dir", str(tmp_path / "runs"),
                  "--", "true"]) == 0
     assert [p.name for p in (tmp_path / "runs").iterdir()] != []
-    assert not (tmp_path / "runs" / runs.INDEX_DIR).exists()
+    assert not (tmp_path / "runs" / runs_index.INDEX_DIR).exists()
 
 
 def test_an_index_that_exists_gets_each_new_record(tmp_path, fake_bin, monkeypatch):
