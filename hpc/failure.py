@@ -89,7 +89,7 @@ def _clean(raw: bytes) -> str:
 
 def _labelled(lines: list[bytes]) -> list[tuple[int, bytes]]:
     """``(rank, line without label)`` of the rank-labelled lines (hpc.logs' label rule)."""
-    from hpc.logs import _LABEL
+    from hpc.logs_ranks import _LABEL
 
     out = []
     for raw in lines:
@@ -120,13 +120,13 @@ def failing_rank_lines(run_dir: Path, record: dict[str, Any] | None = None,
                        job: str | None = None, lines: int = LINES) -> list[str]:
     """The summary lines quoting the failing rank (see the module docstring for the rule);
     empty when no rank can be named (no logs, or nothing in them points at a rank)."""
-    from hpc import logs
+    from hpc import logs_ranks
 
     merged: list[Path] = []
     with contextlib.suppress(UserError):
-        merged = logs._merged(run_dir, job)
+        merged = logs_ranks._merged(run_dir, job)
     job_tails = [_tail(p) for p in merged]
-    files = logs.rank_logs(run_dir)
+    files = logs_ranks.rank_logs(run_dir)
 
     rank: int | None = None
     host = "?"
@@ -163,7 +163,7 @@ def failing_rank_lines(run_dir: Path, record: dict[str, Any] | None = None,
     if rank in files:
         where = str(files[rank])
         got = _tail(files[rank])
-        if got and (m := logs._HEADER.match(got[0].decode("utf-8", "replace"))):
+        if got and (m := logs_ranks._HEADER.match(got[0].decode("utf-8", "replace"))):
             got = got[1:]  # the header line: the host, not output
             host = m.group(1) if host == "?" else host
         elif host == "?":
@@ -173,7 +173,7 @@ def failing_rank_lines(run_dir: Path, record: dict[str, Any] | None = None,
         where = ", ".join(str(p) for p in merged) or "no job log"
         quoted = [raw for r, raw in labelled if r == rank][-lines:]
         if host == "?":
-            hosts = logs._hosts(run_dir)
+            hosts = logs_ranks._hosts(run_dir)
             host = hosts[rank] if rank < len(hosts) else "?"
     head = f"hpc: rank {rank} ({host}) failed ({why}); "
     if not quoted:
@@ -186,7 +186,7 @@ def failing_rank_lines(run_dir: Path, record: dict[str, Any] | None = None,
 def _file_host(path: Path) -> str:
     """The host from a per-rank file's first line (``# rank N of W on HOST``), or ``?``."""
     from hpc._util import open_regular
-    from hpc.logs import _HEADER
+    from hpc.logs_ranks import _HEADER
 
     fh = open_regular(path, "status", missing_ok=True)
     if fh is None:

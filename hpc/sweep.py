@@ -8,211 +8,56 @@ so a sweep value means exactly what the same ``--set`` on the command line would
 
 The manifest is read inside a job from a shared file system, so it is treated as
 untrusted input: every field is checked and every problem is one line.
+
+This module is the manifest, the checkpoint-folder check and what an array task evals
+(``python -m hpc.sweep shell``); the grid (``--sweep`` parsed and expanded) is
+:mod:`hpc.sweep_grid`, the arrays (split, throttle, a task's index) :mod:`hpc.sweep_array`.
+Every name of the three is importable from here.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from hpc.errors import UserError
+from hpc.sweep_array import (
+    _offset,
+    array_index,
+    array_index_vars,
+    check_max_parallel,
+    split,
+    throttle,
+)
+from hpc.sweep_grid import (
+    _KEY,
+    _KEY_HELP,
+    MAX_DIRNAME,
+    MAX_TASKS,
+    MAX_VALUE,
+    SweepTask,
+    _check_value,
+    _safe_dirname,
+    dirname,
+    expand,
+    label,
+    parse,
+    tasks_from_flags,
+)
+
+__all__ = ["CHECKPOINT_KEY", "MANIFEST", "MAX_DIRNAME", "MAX_MANIFEST_BYTES", "MAX_TASKS",
+           "MAX_VALUE", "VERSION", "SweepTask", "array_index", "array_index_vars",
+           "check_checkpoint_dirs", "check_max_parallel", "command_setting", "dirname", "expand",
+           "label", "main", "parse", "read_manifest", "read_sweep", "set_args", "shell", "split",
+           "task_dir", "task_for", "tasks_from_flags", "throttle", "write_manifest"]
 
 MANIFEST = "sweep.json"
 VERSION = 1
-MAX_TASKS = 20_000
-"""Most tasks one sweep may expand to: past this a typo (an extra value list) is likelier
-than intent. It is no scheduler's array size: a sweep wider than the cluster's array
-limit (SLURM's ``MaxArraySize``, PBS's ``max_array_size``, read at submit) is split
-into several arrays (:func:`split`)."""
-MAX_DIRNAME = 64
-MAX_VALUE = 256
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024  # MAX_TASKS tasks of a few hundred bytes each
-def array_index_vars() -> tuple[str, ...]:
-    """Each scheduler's array-task variable (``Scheduler.array_index_var``), from the
-    schedulers themselves: a new scheduler module brings its own."""
-    from hpc import schedulers
-
-    found = (schedulers.get(name).array_index_var for name in schedulers.names())
-    return tuple(var for var in found if var)
-"""Where a task finds its array index: SLURM, then PBS Pro/OpenPBS (both 0-based here:
-the array is submitted as ``0-(N-1)``)."""
-
-# A trainer config key: dotted names, as ``--set optim.lr=...`` takes them.
-_KEY = r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*\Z"
-_KEY_HELP = "a dotted config key such as optim.lr"
-
-
-class SweepTask(NamedTuple):
-    """One point of the sweep; ``index`` is its array index (0-based)."""
-
-    index: int
-    overrides: dict[str, str]
-    label: str
-    """``KEY=VALUE KEY2=VALUE2``: names the task in logs and report legends."""
-    dirname: str
-    """The task's directory under the run directory (safe on any file system)."""
-
-
-def parse(items: Iterable[str]) -> list[tuple[str, list[str]]]:
-    """``["optim.lr=0.1,0.01", ...]`` -> ``[("optim.lr", ["0.1", "0.01"]), ...]``, in order.
-
-    Refuses what would silently make a different sweep than meant: an empty key or
-    value list, an empty item (``0.1,,0.2``: a stray comma), a key or value given twice,
-    and more than :data:`MAX_TASKS` tasks in all (checked before anything is expanded).
-    """
-    parsed: list[tuple[str, list[str]]] = []
-    seen: set[str] = set()
-    for item in items:
-        key, sep, rest = str(item).partition("=")
-        key = key.strip()
-        if not sep:
-            raise UserError(f"--sweep {item!r}: no '='; allowed: KEY=V1,V2,... e.g. optim.lr=0.1,0.01")
-        if not key:
-            raise UserError(f"--sweep {item!r}: empty key; allowed: {_KEY_HELP}")
-        if not re.match(_KEY, key):
-            raise UserError(f"--sweep {item!r}: key {key!r} is not a config key; allowed: {_KEY_HELP}")
-        if key in seen:
-            raise UserError(f"--sweep {item!r}: key {key!r} given twice; allowed: each key once "
-                            "(list all its values in one --sweep)")  # fmt: skip
-        seen.add(key)
-        if not rest.strip():
-            raise UserError(f"--sweep {item!r}: no values; allowed: KEY=V1,V2,...")
-        values = [v.strip() for v in rest.split(",")]
-        for pos, value in enumerate(values, 1):
-            _check_value(value, f"--sweep {item!r}: value {pos}")
-        dup = next((v for i, v in enumerate(values) if v in values[:i]), None)
-        if dup is not None:
-            raise UserError(f"--sweep {item!r}: value {dup!r} given twice; allowed: distinct values")
-        parsed.append((key, values))
-    if not parsed:
-        raise UserError("--sweep: nothing to sweep; allowed: --sweep KEY=V1,V2,... (repeatable)")
-    total = math.prod(len(vs) for _, vs in parsed)
-    if total > MAX_TASKS:
-        sizes = " x ".join(str(len(vs)) for _, vs in parsed)
-        raise UserError(f"--sweep: {sizes} = {total} tasks; allowed: at most {MAX_TASKS}")
-    return parsed
-
-
-def _check_value(value: str, where: str) -> None:
-    if not value:
-        raise UserError(f"{where} is empty (a stray comma?); allowed: non-empty values")
-    if len(value) > MAX_VALUE:
-        raise UserError(f"{where} has {len(value)} characters; allowed: at most {MAX_VALUE}")
-    if any(ord(c) < 32 or ord(c) == 127 for c in value):
-        raise UserError(f"{where} {value!r} holds a control character; allowed: printable text")
-
-
-def expand(parsed: list[tuple[str, list[str]]]) -> list[SweepTask]:
-    """The cartesian product, the last key varying fastest (as nested loops would)."""
-    import itertools
-
-    keys = [k for k, _ in parsed]
-    tasks = []
-    for index, combo in enumerate(itertools.product(*(vs for _, vs in parsed))):
-        overrides = dict(zip(keys, combo, strict=True))
-        tasks.append(SweepTask(index, overrides, label(overrides), dirname(index, overrides)))
-    return tasks
-
-
-def tasks_from_flags(items: Iterable[str]) -> list[SweepTask]:
-    """``parse`` then ``expand``: what ``hpc submit --sweep ...`` needs."""
-    return expand(parse(items))
-
-
-def label(overrides: Mapping[str, str]) -> str:
-    """``optim.lr=0.1 training.batch_size=32``."""
-    return " ".join(f"{k}={v}" for k, v in overrides.items())
-
-
-def dirname(index: int, overrides: Mapping[str, str]) -> str:
-    """``003-lr-0.1_batch_size-32``: the index keeps names unique and sorted, the rest
-    is a readable hint cut to :data:`MAX_DIRNAME` characters.
-
-    Only ``[A-Za-z0-9._-]`` survive, so no path separator, no leading dot (the index
-    comes first) and nothing a shell or a scheduler's ``%`` patterns would read.
-    """
-    hint = "_".join(f"{k.rsplit('.', 1)[-1]}-{v}" for k, v in overrides.items())
-    hint = re.sub(r"[^A-Za-z0-9._-]+", "_", hint).strip("._-")
-    name = f"{index:03d}-{hint}" if hint else f"{index:03d}"
-    return name[:MAX_DIRNAME].rstrip("._-")
-
-
-def _safe_dirname(name: str) -> bool:
-    return (
-        0 < len(name) <= MAX_DIRNAME
-        and re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]*", name) is not None
-    )
-
-
-def check_max_parallel(value: Any, n_tasks: int) -> int:
-    """How many tasks may run at once (SLURM ``--array=0-N%M``): 1 .. number of tasks."""
-    text = str(value).strip()
-    if isinstance(value, bool) or not re.fullmatch(r"[0-9]{1,6}", text):  # not \d: ١٢٣
-        raise UserError(f"--max-parallel: {str(value)!r} is not a number; "
-                        f"allowed: 1 to {n_tasks} (the number of tasks)")  # fmt: skip
-    number = int(text)
-    if not 1 <= number <= n_tasks:
-        raise UserError(f"--max-parallel: {number}; allowed: 1 to {n_tasks} (the number of tasks)")
-    return number
-
-
-def split(n_tasks: int, limit: int | None) -> list[tuple[int, int]]:
-    """``(offset, count)`` of each array a sweep of ``n_tasks`` is submitted as, where one
-    array may hold at most ``limit`` tasks (indices ``0 .. limit-1``).
-
-    Why offsets and not index ranges: SLURM's ``MaxArraySize`` caps the array *index*
-    ("the maximum job array task index value will be one less than MaxArraySize",
-    slurm.conf(5)), so ``--array=1001-2000`` is refused at the default 1001 just as
-    ``--array=0-1999`` is. Every part is therefore ``0 .. count-1``, and a task finds its
-    place in the sweep as ``offset + SLURM_ARRAY_TASK_ID`` (the offset is the part
-    script's first argument, or ``$HPC_SWEEP_OFFSET`` under PBS: the scheduler's
-    ``array_offset_word``, read by ``python -m hpc.sweep shell ... --offset``). PBS caps the
-    count instead (``max_array_size``, see ``hpc.schedulers.pbs``); the same parts fit.
-
-    No part of one task where the limit allows it: PBS refuses an array of one subjob
-    (``qsub -J 0-0``: "qsub: illegal -J value", seen on OpenPBS 23.06; its range parser
-    wants start < end, src/lib/Libutil/range.c ``parse_subjob_index``), so a lone last
-    task joins the part before it, which gives one up (``(0, 5), (5, 4), (9, 2)`` for 11
-    tasks at 5). SLURM takes either.
-    """
-    if limit is None or n_tasks <= limit:
-        return [(0, n_tasks)]
-    parts = [(start, min(limit, n_tasks - start)) for start in range(0, n_tasks, limit)]
-    if parts[-1][1] == 1 and limit >= 3:
-        (before, count), (last, _) = parts[-2], parts[-1]
-        parts[-2:] = [(before, count - 1), (last - 1, 2)]
-    return parts
-
-
-def throttle(n_tasks: int, max_parallel: int | None, limit: int | None, where: str
-             ) -> tuple[int | None, str | None]:
-    """``(max_parallel, note)`` for an array of ``n_tasks`` in a queue that lets at most
-    ``limit`` subjobs be queued or running at once (the profile's ``array_limit``).
-
-    Why: PBS accepts an array wider than Polaris' ``prod`` routing limit, and the
-    subjobs past it "sit forever without running" (ALCF, "Limits on job arrays"). With
-    no ``--max-parallel`` the array is throttled to the limit (``-J 0-14%10``) and the
-    note says so once. An explicit ``--max-parallel`` above it is refused in one line
-    rather than clamped: the user asked for a number, the site cannot honour it, and a
-    refusal before anything is written costs nothing, where a silent clamp would run a
-    different sweep than the one asked for (and a clamp with a message is still a
-    request overruled).
-    """
-    if limit is None or n_tasks <= limit:
-        return max_parallel, None
-    if max_parallel is None:
-        return limit, (f"hpc: {where} runs at most {limit} subjobs of an array at once; the "
-                       f"sweep's {n_tasks} tasks run {limit} at a time (%{limit})")
-    if max_parallel > limit:
-        raise UserError(f"--max-parallel: {max_parallel}; {where} runs at most {limit} subjobs "
-                        f"of an array at once (the others would wait forever); allowed: 1 to "
-                        f"{limit}")  # fmt: skip
-    return max_parallel, None
 
 
 def write_manifest(run_dir: Path, tasks: list[SweepTask], max_parallel: int | None = None) -> Path:
@@ -308,26 +153,6 @@ def _check_manifest(data: Any, path: Path) -> list[SweepTask]:
     return tasks
 
 
-def array_index(index: int | str | None = None, environ: Mapping[str, str] | None = None) -> int:
-    """The task's array index: ``index`` if given, else the scheduler's variable."""
-    env = os.environ if environ is None else environ
-    where = "--index"
-    if index is None:
-        names = array_index_vars()
-        for var in names:
-            if env.get(var, "").strip():
-                index, where = env[var], f"${var}"
-                break
-        else:
-            raise UserError("sweep: no array index; allowed: --index N, or run as an array task "
-                            f"({' or '.join('$' + v for v in names)} set)")  # fmt: skip
-    text = str(index).strip()
-    if isinstance(index, bool) or not re.fullmatch(r"[0-9]{1,6}", text):
-        raise UserError(f"sweep: {where} {str(index)!r} is not an array index; "
-                        "allowed: a whole number from 0 to 999999 in ASCII digits")  # fmt: skip
-    return int(text)
-
-
 def task_for(
     run_dir: Path, index: int | str | None = None, environ: Mapping[str, str] | None = None,
     offset: int | str | None = None,
@@ -340,18 +165,6 @@ def task_for(
         raise UserError(f"sweep: array index {i} is past the {len(tasks)} tasks of "
                         f"{str(run_dir / MANIFEST)!r}; allowed: 0 to {len(tasks) - 1}")  # fmt: skip
     return tasks[i]
-
-
-def _offset(offset: int | str | None) -> int:
-    """``--offset`` as the part's submit command gave it ("" or None: 0, the first or
-    only array); ASCII digits only, as :func:`array_index` takes an index."""
-    text = "" if offset is None else str(offset).strip()
-    if not text:
-        return 0
-    if isinstance(offset, bool) or not re.fullmatch(r"[0-9]{1,6}", text):
-        raise UserError(f"sweep: --offset {str(offset)!r} is not an array offset; "
-                        "allowed: a whole number from 0 to 999999 in ASCII digits")  # fmt: skip
-    return int(text)
 
 
 CHECKPOINT_KEY = "checkpoint.dir"
