@@ -115,8 +115,7 @@ class EpochLoop:
         """One (possibly partial) epoch; returns the rank-averaged mean train loss.
 
         The loop body is one micro-batch, then at each accumulation boundary the
-        optimizer step, the log point, the vote and the checkpoints: read in one place
-        (a few lines over ~60), split it would hide the order they run in."""
+        optimizer step, the log point, the vote and the checkpoints, in that order."""
         run = self._r
         cfg, dev = self.config, run.ctx.device
         accum, n = cfg.training.accum, loop.n_batches
