@@ -43,6 +43,7 @@ __all__ = ["PREEMPTED_EXIT_CODE", "Preempted", "Trainer"]
 
 log = logging.getLogger("ddp")
 
+
 def _default_step(model: torch.nn.Module, batch: Any) -> Any:
     return model(batch)
 
@@ -140,8 +141,7 @@ class Trainer(EpochLoop):
         ctx = ddp.get_context() or ddp.init(
             backend=cfg.ddp.backend, device=cfg.ddp.device, timeout=cfg.ddp.timeout_s
         )
-        run = self._run = Run(cfg, ctx, self.clock)
-        run.beat.beat(self.global_step, "start", force=True)
+        run = self._run = Run(cfg, ctx, self.clock, self.global_step)
         exit_code = 1  # W&B's run state on the way out (issue 27.6): failed unless set
         try:
             run.preemption.install()

@@ -50,10 +50,12 @@ class Run:
     So the Trainer holds one ``Run`` instead of half-built ``None`` collaborators.
     """
 
-    def __init__(self, config: TrainConfig, ctx: Context, clock: Callable[[], float]) -> None:
+    def __init__(self, config: TrainConfig, ctx: Context, clock: Callable[[], float],
+                 step: int) -> None:  # fmt: skip
         self.ctx = ctx
         self.checkpointer = Checkpointer(config, ctx)
         self.beat = Heartbeat(heartbeat_dir(), ctx.rank, node_rank=ctx.node_rank)
+        self.beat.beat(step, "start", force=True)  # before the loggers (W&B may take long)
         self.loggers = Loggers(config, ctx.is_main, ctx.world_size)
         every_s = config.checkpoint.every_s if config.checkpoint.dir else 0.0
         self.preemption = Preemption(config.preemption, ctx.rank, ctx.world_size, every_s,
