@@ -102,6 +102,7 @@ class EpochLoop:
         """Console, metrics.jsonl, TensorBoard and W&B (from ``fit()`` on)."""
         return self._r.loggers
 
+    # The Trainer's, beside its checkpoints: save, and act on an agreed preemption.
     def _preempt(self, loop: LoopState) -> None:
         raise NotImplementedError
 
