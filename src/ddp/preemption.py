@@ -3,8 +3,10 @@
 The pieces, in the order a preemption meets them (modelled on Lightning's
 SignalConnector; the checkpoint itself is the Checkpointer's):
 
-- :class:`SignalWatch`: a handler that only sets a flag, and a watchdog for a rank that
-  cannot act (below);
+- :class:`Preemption`: one run's preemption, the object the trainer asks; it owns the
+  flags below and the pieces that follow;
+- :class:`~ddp.signal_watch.SignalWatch`: a handler that only sets a flag, and a watchdog
+  for a rank that cannot act (:mod:`ddp.signal_watch`);
 - :class:`Vote`: every rank learns, at the same step, whether any rank got a signal,
   over a CPU side channel (a tree, :mod:`ddp.agree`) so the hot loop never waits for
   the device;
@@ -13,43 +15,29 @@ SignalConnector; the checkpoint itself is the Checkpointer's):
   ``sbatch --dependency=afterany`` (a PBS job's rerun belongs to the PBS job
   environment, not here);
 - :class:`Preempted`: the exit (75, ``EX_TEMPFAIL``) once the checkpoint is durable.
-
-Signals and the watchdog:
-
-The loop acts on a signal at a step boundary (one consistent checkpoint, exit 75). That
-needs the main thread to run Python: a Python signal handler only runs between bytecodes
-of the main thread. A rank stuck in native code (a collective waiting for a peer that
-hangs, a blocked read) never runs it, and the launcher's SIGTERM then only ends the rank
-after its own kill delay (torchrun: 30 s, SLURM's KillWait: 30 s) or, for a peer waiting
-in a collective, after the collective timeout.
-
-So for SIGTERM a watchdog thread also listens: CPython's C-level handler writes the
-signal number to the ``signal.set_wakeup_fd`` descriptor from whatever thread the kernel
-picked, even while the main thread is stuck. If the Python handler has not run within
-:data:`STUCK_S` seconds, the main thread is stuck; if the process still lives
-``grace_s`` seconds after the signal, the rank is not finishing. Either way the watchdog
-writes every thread's stack to stderr (so the hang can be diagnosed) and ends the rank
-with ``128 + SIGTERM`` = 143, the status a plain SIGTERM gives. A checkpoint being
-written at that moment is lost, never corrupted: saves are atomic (``ddp.checkpoint``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import logging
 import os
-import signal
 import subprocess
-import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from ddp.signal_watch import STUCK_S, SignalWatch
 
 if TYPE_CHECKING:
     from ddp.agree import Agreement, GroupAgreement, Round, WorkRound
+    from ddp.config_sections import PreemptionConfig
+
+__all__ = [
+    "GO", "PREEMPTED_EXIT_CODE", "SAVE", "STOP", "STUCK_S", "Preempted", "Preemption",
+    "SignalWatch", "Vote", "requeue", "slurm_job_id", "submit_next_segment",
+]  # fmt: skip
 
 log = logging.getLogger("ddp")
 
@@ -190,6 +178,93 @@ class Vote:
         verdict = job.result()
         self._save_due = verdict == SAVE and not self._stale
         return verdict == STOP
+
+
+class Preemption:
+    """One run's preemption, owning its flags: the signal handlers (installed for the
+    length of the run), the signal that arrived, the ranks' vote (which also carries
+    ``checkpoint.every_s``), whether an evaluation was cut short, and the exit with its
+    requeue.
+
+    Why one object: the trainer's loop only asks it questions at step boundaries
+    (:meth:`step`, :meth:`settle`, :meth:`take_save`) and tells it of checkpoints
+    (:meth:`saved`); no flag is read or written across the trainer's methods, so the
+    order "handler sets a flag, the vote agrees, the checkpoint, the requeue, exit 75"
+    is written in one place.
+    """
+
+    def __init__(
+        self, config: PreemptionConfig, rank: int, world_size: int, every_s: float = 0.0,
+        agreement: Agreement | GroupAgreement | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:  # fmt: skip
+        self.config = config
+        self.rank = rank
+        self.every_s = every_s  # checkpoint.every_s (0: off): rides on the vote
+        self.signal: int | None = None  # set by the handler; acted on at step boundaries
+        self.in_eval = False  # an evaluation stopped early on a signal (resume redoes it)
+        self.signals = SignalWatch(config.signals, self._on_signal, rank, config.grace_s)
+        # Until install() the vote never votes (every 0); install() sets its pace.
+        self.vote = Vote(0, world_size, agreement, config.check_interval_s,
+                         save_every_s=every_s, decides=rank == 0, clock=clock)  # fmt: skip
+
+    @property
+    def requested(self) -> bool:
+        """True once a configured signal arrived on this rank."""
+        return self.signal is not None
+
+    def install(self) -> None:
+        """The handlers for the run; the vote runs when they are installed or when
+        ``checkpoint.every_s`` needs it (it rides on the vote without signals too)."""
+        self.signals.install()
+        every = self.config.check_every_n_steps if self.signals.installed or self.every_s else 0
+        self.vote.every = self.vote.base = every
+
+    def restore(self) -> None:
+        """The run ended: the previous handlers back, the watchdog stood down."""
+        self.signals.restore()
+
+    def _on_signal(self, signum: int) -> None:
+        self.signal = signum  # only a flag: the loop acts at the step boundary
+
+    def step(self, step: int) -> bool:
+        """At an optimizer step boundary: True when the ranks agreed to stop now."""
+        return self.vote.step(step, self.requested)
+
+    def settle(self) -> bool:
+        """At max_steps or the epoch's end (the same step on every rank): finish the vote
+        in flight and take one more, so a signal is never left for a later epoch; True =
+        stop. A pending time-based save is dropped: the caller saves here anyway."""
+        stop = self.vote.final(self.requested)
+        self.vote.take_save()
+        return stop
+
+    def take_save(self) -> bool:
+        """True once after a step the ranks agreed to save at (``checkpoint.every_s``)."""
+        return self.vote.take_save()
+
+    def saved(self) -> None:
+        """A checkpoint was taken: ``checkpoint.every_s`` counts from it."""
+        self.vote.saved()
+
+    def pace(self, step_time_s: float) -> None:
+        """The agreed mean step time from a log point (see :meth:`Vote.pace`)."""
+        self.vote.pace(step_time_s)
+
+    def exit(self, wait: Callable[[], None], step: int) -> NoReturn:
+        """After the preemption checkpoint: wait for it (``wait``: the checkpointer's),
+        requeue (SLURM, rank 0), exit 75."""
+        import ddp
+
+        if self.in_eval:
+            log.warning("preemption signal during evaluation: saved at step %d, exiting %d",
+                        step, PREEMPTED_EXIT_CODE)  # fmt: skip
+        wait()
+        ddp.barrier()  # the checkpoint is durable everywhere before anyone exits
+        if self.rank == 0:
+            requeue(self.config.requeue)
+        ddp.shutdown()
+        raise Preempted()
 
 
 def slurm_job_id(environ: Mapping[str, str] | None = None) -> str | None:
@@ -349,122 +424,3 @@ def submit_next_segment(job: str, environ: Mapping[str, str] | None = None) -> s
     finally:
         with contextlib.suppress(OSError):
             os.unlink(script)  # sbatch keeps its own copy
-
-
-STUCK_S = 5.0
-"""Seconds the main thread has to run the Python handler before it counts as stuck."""
-
-
-class SignalWatch:
-    """Install preemption handlers for the length of a run; watch SIGTERM for hangs."""
-
-    def __init__(
-        self,
-        names: list[str],
-        on_signal: Callable[[int], None],
-        rank: int = 0,
-        grace_s: float | None = 20.0,
-    ) -> None:
-        self.names = list(names)
-        self.on_signal = on_signal
-        self.rank = rank
-        self.grace_s = grace_s
-        self.handled = threading.Event()  # the Python handler ran for SIGTERM
-        self._stopped = threading.Event()  # the run ended: the watchdog stands down
-        self._old: dict[int, Any] = {}
-        self._old_wakeup = -1
-        self._pipe: tuple[int, int] | None = None
-        self._thread: threading.Thread | None = None
-
-    @property
-    def installed(self) -> bool:
-        return bool(self._old)
-
-    def install(self) -> None:
-        for name in self.names:
-            signum = getattr(signal, name)
-            try:
-                self._old[signum] = signal.signal(signum, self._handler)
-            except ValueError:  # not the main thread: preemption is off
-                log.warning("cannot install %s handler outside the main thread", name)
-        if signal.SIGTERM in self._old and self.grace_s:  # None or 0: no watchdog
-            self._start_watchdog()
-
-    def restore(self) -> None:
-        for signum, old in self._old.items():
-            with contextlib.suppress(ValueError, TypeError):
-                signal.signal(signum, old)
-        self._old = {}
-        self._stopped.set()
-        if self._pipe is not None:
-            with contextlib.suppress(ValueError):
-                signal.set_wakeup_fd(self._old_wakeup)
-            r, w = self._pipe
-            with contextlib.suppress(OSError):
-                os.write(w, b"\0")  # tells the watchdog to stop
-            if self._thread is not None:
-                self._thread.join(timeout=2)
-            for fd in (r, w):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-            self._pipe = None
-
-    # ---- internals ------------------------------------------------------------------
-    def _handler(self, signum: int, frame: Any) -> None:
-        if signum == signal.SIGTERM:
-            self.handled.set()
-        self.on_signal(signum)
-
-    def _start_watchdog(self) -> None:
-        r, w = os.pipe()
-        os.set_blocking(w, False)  # set_wakeup_fd requires it
-        try:
-            old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-        except ValueError:  # not the main thread
-            os.close(r)
-            os.close(w)
-            return
-        if old != -1:  # the application's own event loop uses it: leave that alone
-            signal.set_wakeup_fd(old)
-            os.close(r)
-            os.close(w)
-            log.debug("signal wakeup fd in use; no watchdog for a stuck rank")
-            return
-        self._old_wakeup = old
-        self._pipe = (r, w)
-        self._thread = threading.Thread(
-            target=self._watch, args=(r,), name="ddp-sigterm-watchdog", daemon=True
-        )
-        self._thread.start()
-
-    def _watch(self, fd: int) -> None:
-        while True:
-            try:
-                data = os.read(fd, 64)
-            except OSError:
-                return
-            if not data or 0 in data:
-                return  # restore() closed the watch
-            if signal.SIGTERM in data:
-                break
-        t0 = time.monotonic()
-        grace = float(self.grace_s or 0.0)
-        stuck = min(STUCK_S, grace)
-        if not self.handled.wait(stuck) and not self._stopped.is_set():
-            self._bail(f"the main thread did not respond within {stuck:g} s "
-                       "(stuck in a collective or native code)")  # fmt: skip
-        if not self._stopped.wait(max(0.0, grace - (time.monotonic() - t0))):
-            self._bail(f"the rank did not finish within preemption.grace_s={grace:g} s")
-
-    def _bail(self, why: str) -> None:
-        code = 128 + signal.SIGTERM
-        try:
-            sys.stderr.write(
-                f"ddp: rank {self.rank}: SIGTERM and {why}; exiting {code} without a "
-                "checkpoint. Stacks of every thread follow.\n"
-            )
-            sys.stderr.flush()
-            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
