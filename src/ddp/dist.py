@@ -14,19 +14,40 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import socket
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ddp import backends, heartbeat
 from ddp._pipes import OutputHandler
-from ddp.config import MAX_SECONDS
-from ddp.env import DistEnv, detect, timeout_from_environ
+from ddp.env import DistEnv, detect
 from ddp.errors import ConfigError
+
+# Re-exported: callers, tests and docs name them ``ddp.dist.X``, and ``_init`` looks
+# ``resolve_master``/``rendezvous_store`` up here (tests and bench replace them here).
+from ddp.group_rules import (  # noqa: F401
+    BIND_DEVICE_ID,
+    XCCL_P2P_FIX,
+    _lazy_gloo,
+    _unbound_default_group,
+    bound_device,
+    xccl_p2p_env,
+)
+from ddp.rendezvous import (  # noqa: F401
+    DEFAULT_TIMEOUT_S,
+    PROBE_CAP_S,
+    PROBE_FIRST_S,
+    STORE_ANSWER_PER_RANK_S,
+    STORE_ANSWER_S,
+    _timeout,
+    _timeout_and_source,
+    check_resolves,
+    handshake_budget,
+    probe_delays,
+    rendezvous_store,
+    resolve_master,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -34,8 +55,6 @@ if TYPE_CHECKING:
     from ddp.agree import Agreement, GroupAgreement
 
 log = logging.getLogger("ddp")
-
-DEFAULT_TIMEOUT_S = 1800.0
 
 
 @dataclass(frozen=True)
@@ -84,79 +103,6 @@ def setup_logging(rank: int, level: int = logging.INFO) -> None:
     log.propagate = False
 
 
-def _timeout(value: float | timedelta | None) -> timedelta:
-    """The collective timeout: ``value`` if given, else ``$DDP_TIMEOUT``, else
-    ``$NCCL_TIMEOUT`` (the seeds' advice, seconds), else 1800 s."""
-    return _timeout_and_source(value)[0]
-
-
-def _timeout_and_source(value: float | timedelta | None) -> tuple[timedelta, str]:
-    """(the timeout, where it came from: for the log line that says which is in effect)."""
-    source = "ddp.timeout_s or ddp.init(timeout=...)"
-    if value is None:
-        found = timeout_from_environ()
-        source = "default"
-        value = DEFAULT_TIMEOUT_S
-        if found is not None:
-            source, raw = found
-            try:
-                value = float(raw)
-            except ValueError:
-                raise ConfigError(f"{source}={raw!r} is not a number of seconds") from None
-    seconds = value.total_seconds() if isinstance(value, timedelta) else value
-    # NaN fails both comparisons; past MAX_SECONDS, timedelta or torch's C++ milliseconds
-    # overflow (OverflowError, after the config was accepted).
-    if not (isinstance(seconds, int | float) and 0 < seconds <= MAX_SECONDS):
-        raise ConfigError(
-            f"timeout={value!r}; allowed: seconds > 0 and at most {MAX_SECONDS:.0f} (a year) "
-            "(ddp.init(timeout=...), ddp.timeout_s, DDP_TIMEOUT or NCCL_TIMEOUT)"
-        )
-    limit = value if isinstance(value, timedelta) else timedelta(seconds=float(value))
-    return limit, source
-
-
-#: pytorch#156782 (https://github.com/pytorch/pytorch/issues/156782): XCCL ``Send``/``Recv``
-#: (and gather, scatter, grouped collectives) "may get stuck" on torch 2.8; the workaround
-#: is "CCL_SEND=direct and CCL_RECV=direct", fixed in 2.9. Known only on the node (the
-#: torch the job imports), so the compute side sets it, before the process group exists.
-XCCL_P2P_FIX = {"CCL_SEND": "direct", "CCL_RECV": "direct"}
-
-
-def xccl_p2p_env(device_type: str, torch_version: str,
-                 environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
-    """The variables to set for pytorch#156782: on XPU with torch 2.8.x only, and never
-    over a value the user set (``CCL_SEND=...`` in the job wins)."""
-    release = torch_version.split("+", 1)[0].split(".")
-    if device_type != "xpu" or release[:2] != ["2", "8"]:
-        return {}
-    return {k: v for k, v in XCCL_P2P_FIX.items() if k not in environ}
-
-
-#: ezpz PR #149 (https://github.com/saforem2/ezpz/pull/149, Aurora job 8518207): FSDP2 on
-#: XPU deadlocked on its first ``all_gather_into_tensor`` until the default group was made
-#: with ``init_process_group(device_id=xpu:N)`` after ``torch.xpu.set_device(N)``: unbound,
-#: xccl routed some ranks' collectives to ``xpu:0`` and others to ``xpu:LOCAL_RANK``.
-#: Bound on every XPU job, not only FSDP2 ones: ``init`` runs before the strategy is known,
-#: and torch 2.13's Python side does little else with it on the paths this project takes
-#: (distributed_c10d.py: ``init_process_group`` stores it as ``pg.bound_device_id``,
-#: 2095-2096; eager connect only for a backend that ``supports_splitting``, 2333-2335;
-#: ``barrier`` takes it as its device, 5332-5334; DeviceMesh's ``split_group``, 564, is
-#: for a mesh dimension smaller than the world, device_mesh.py 523, and ddp.fsdp's mesh
-#: is 1-D over every rank). ``new_group`` inherits it: see :func:`_unbound_default_group`.
-#: Device type -> the backends whose default group is bound. Not on nccl: its binding
-#: also switches on eager communicators and ``ncclCommSplit`` (a change of its own, not
-#: this fix); never on gloo, which has no backend for the accelerator (backend_capability).
-BIND_DEVICE_ID: dict[str, tuple[str, ...]] = {"xpu": ("xccl",)}
-
-
-def bound_device(device: torch.device, backend: str) -> torch.device | None:
-    """The ``device_id`` to make the default group with (:data:`BIND_DEVICE_ID`): the
-    device this rank was just set to, or None where the rule does not apply."""
-    if device.index is None or backend not in BIND_DEVICE_ID.get(device.type, ()):
-        return None
-    return device
-
-
 def _set_device(device: torch.device) -> None:
     import torch
 
@@ -197,6 +143,9 @@ def init(
 def _init(
     backend: str, device: str, timeout: float | timedelta | None, env: DistEnv | None
 ) -> Context:
+    """:func:`init`'s work, one step after another in the order torch needs them (logs,
+    timeout, device, site fixes, store, group, agreement tree); left whole past 60 lines
+    because each step's comment says why it comes where it does."""
     global _CONTEXT
     import torch.distributed as tdist
 
@@ -259,187 +208,6 @@ def _init(
     log.debug("launcher=%s backend=%s master=%s:%d", info.launcher, choice.backend,
               info.master_addr, info.master_port)  # fmt: skip
     return _CONTEXT
-
-
-def _address(host: str, port: int) -> str | None:
-    """The first address ``host`` resolves to (one look-up), or None when it has none.
-
-    TCPStore tries the same first address when given the name; rank 0's store listens
-    on every interface and both families, so the numeric form reaches it the same way."""
-    try:
-        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError):  # UnicodeError: a label IDNA cannot encode
-        return None
-    return str(found[0][4][0]) if found else None
-
-
-def resolve_master(info: DistEnv) -> tuple[DistEnv, str]:
-    """``info`` (with the bare host when the site suffix does not resolve) and the master's
-    numeric address: the one name look-up of this rank.
-
-    Everything after it (the probes, TCPStore, rank 0's own client) is given the number,
-    so 127k ranks ask the name service once each, not once per probe. Fails in a second,
-    not after the store's timeout, when the master host has no address. A derived host
-    with ``DDP_MASTER_ADDR_SUFFIX`` that does not resolve falls back to the bare host
-    name (every rank takes the same decision from the same DNS; the only case with a
-    second look-up), so a site suffix in a cluster profile does not break a node without
-    that network.
-    """
-    address = _address(info.master_addr, info.master_port)
-    if address is not None:
-        return info, address
-    suffix = os.environ.get("DDP_MASTER_ADDR_SUFFIX", "")
-    if suffix and not os.environ.get("MASTER_ADDR") and info.master_addr.endswith(suffix):
-        bare = info.master_addr[: -len(suffix)]
-        address = _address(bare, info.master_port)
-        if address is not None:
-            log.warning("master %s does not resolve; using %s", info.master_addr, bare)
-            return replace(info, master_addr=bare), address
-    raise ConfigError(
-        f"master address {info.master_addr!r} ({info.launcher}) does not resolve; "
-        "set MASTER_ADDR, or DDP_MASTER_ADDR_SUFFIX to the site's host-name suffix"
-    )
-
-
-def check_resolves(info: DistEnv) -> DistEnv:
-    """:func:`resolve_master` without the address (``ddp.exec``: the script it starts
-    resolves again in its own ``ddp.init``)."""
-    return resolve_master(info)[0]
-
-
-STORE_ANSWER_S = 60.0
-"""How long a store that accepts connections may take to answer a client, at small scale.
-
-A TCPStore answers in milliseconds; past this the program on the port is not one. The
-budget grows with the world (:func:`handshake_budget`): every rank connects at once, and
-rank 0's one store thread answers them in turn."""
-
-STORE_ANSWER_PER_RANK_S = 1e-3
-"""Added to the budget per rank (127 s at 127,488 ranks): ~4x what one client's handshake
-and torch's init barrier (about 5 requests) cost rank 0's store at the slowest rate
-measured on a shared 2-core machine (18k requests/s, bench/scale_dist.py)."""
-
-PROBE_FIRST_S = 1.0
-"""The first probe for a listener, if the store has not answered by then."""
-
-PROBE_CAP_S = 10.0
-"""Probes back off (doubling, with jitter) up to this interval."""
-
-
-def handshake_budget(world_size: int, timeout_s: float) -> float:
-    """Seconds a listening store may take to answer: :data:`STORE_ANSWER_S` plus
-    :data:`STORE_ANSWER_PER_RANK_S` per rank, and never past the collective timeout."""
-    return min(timeout_s, STORE_ANSWER_S + world_size * STORE_ANSWER_PER_RANK_S)
-
-
-def _use_libuv() -> bool:
-    """torch's own choice for its TCPStore (libuv unless ``USE_LIBUV=0``): the libuv
-    server is the one built for tens of thousands of clients."""
-    return os.environ.get("USE_LIBUV", "1") == "1"
-
-
-def probe_delays() -> Iterator[float]:
-    """Seconds before each probe for the store's listener: :data:`PROBE_FIRST_S`, doubling up
-    to :data:`PROBE_CAP_S`, each drawn from the upper half of its interval (jitter: ranks
-    that started together do not probe in step)."""
-    import random
-
-    delay = PROBE_FIRST_S
-    while True:
-        yield delay * random.uniform(0.5, 1.0)
-        delay = min(delay * 2, PROBE_CAP_S)
-
-
-def _accepts(address: str, port: int) -> bool:
-    """One connection attempt: does something listen at ``address:port``?"""
-    try:
-        socket.create_connection((address, port), timeout=5).close()
-    except OSError:
-        return False
-    return True
-
-
-def rendezvous_store(info: DistEnv, timeout: timedelta, address: str | None = None) -> Any:
-    """The job's TCPStore (libuv), with a one-line error on every rank when the port is taken.
-
-    ``address``: the master's numeric address from :func:`resolve_master` (default: the
-    host name, looked up again). ``init_process_group(init_method="tcp://...")`` builds the
-    same store, but when another program holds MASTER_PORT rank 0 dies with a 30-line
-    traceback and the other ranks connect to that program and wait for an answer that
-    never comes, whatever the timeout (TCPStore's handshake has none). Here rank 0
-    reports the taken port in one line; every other rank starts its client at once and,
-    only if it has no answer yet, probes for a listener with backing-off, jittered
-    intervals (:data:`PROBE_FIRST_S` doubling to :data:`PROBE_CAP_S`: a rank whose store
-    answers at once opens no extra connection, and a late rank 0 is not met by 127k
-    ranks probing in step). From the first probe that finds a listener the store has
-    :func:`handshake_budget` seconds to answer; with none by ``timeout`` rank 0 never
-    started. Under torchrun the elastic agent already hosts the store
-    (``TORCHELASTIC_USE_AGENT_STORE=True``), so every rank is a client, as in torch's own
-    ``_create_c10d_store``.
-    """
-    import threading
-    import time
-
-    from torch.distributed import TCPStore
-
-    port = info.master_port
-    host = address or info.master_addr
-    where = f"MASTER_ADDR:MASTER_PORT {info.master_addr}:{port}"
-    if info.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        try:
-            return TCPStore(host, port, info.world_size, True, timeout, wait_for_workers=False,
-                            multi_tenant=True, use_libuv=_use_libuv())  # fmt: skip
-        except RuntimeError as exc:  # DistNetworkError
-            if "EADDRINUSE" in str(exc) or "address already in use" in str(exc):
-                raise ConfigError(
-                    f"port {port} is already in use on this host (rank 0 hosts the job's "
-                    "rendezvous store there); set MASTER_PORT to a free port"
-                ) from None
-            raise
-    box: list[Any] = []
-    answered = threading.Event()
-
-    limit_s = timeout.total_seconds()
-    # The client outlives the deadline below: when nothing listens, this rank stops with
-    # its one line before torch's client times out and logs its retries with C++ stacks.
-    patience = timeout + timedelta(seconds=PROBE_CAP_S + 30.0)
-
-    def connect() -> None:
-        try:
-            store = TCPStore(host, port, info.world_size, False, patience)
-            store.set_timeout(timeout)  # the job's own limit for every later request
-            box.append(store)
-        except BaseException as exc:  # handed to the caller below
-            box.append(exc)
-        answered.set()
-
-    threading.Thread(target=connect, name="ddp-store-connect", daemon=True).start()
-    budget = handshake_budget(info.world_size, limit_s)
-    deadline = time.monotonic() + limit_s
-    listening = False
-    for delay in probe_delays():
-        left = deadline - time.monotonic()
-        if left <= 0 or answered.wait(min(delay, left)):
-            break
-        if _accepts(host, port):
-            listening = True
-            if not answered.wait(budget):
-                raise ConfigError(
-                    f"{where} accepts connections but does not answer as the job's "
-                    f"rendezvous store within {budget:.0f} s: another program holds the "
-                    "port; set MASTER_PORT to a free port"
-                )
-            break
-    if box and not isinstance(box[0], BaseException):
-        return box[0]
-    if not listening and not _accepts(host, port):
-        raise ConfigError(
-            f"nothing accepted connections at {where} within {limit_s:.0f} s; "
-            "did rank 0 start?"
-        )
-    if box:
-        raise box[0]
-    raise ConfigError(f"{where}: no rendezvous store answered within {limit_s:.0f} s")
 
 
 def get_context() -> Context | None:
@@ -541,54 +309,6 @@ def checkpoint_group() -> Any:
         with _lazy_gloo(), _unbound_default_group():
             _CKPT_GROUP = tdist.new_group(backend="gloo", timeout=_timeout(limit))
     return _CKPT_GROUP
-
-
-@contextmanager
-def _unbound_default_group() -> Iterator[None]:
-    """The default group's ``bound_device_id`` (:data:`BIND_DEVICE_ID`) cleared while a
-    CPU (Gloo) group is made, then put back.
-
-    torch 2.13's ``new_group`` gives the new group the default group's bound device
-    (distributed_c10d.py 5963-5964, ``device_id = default_pg.bound_device_id``); an
-    explicit other one is refused ("Mismatched bound device", 5965-5969), and ``cpu`` is
-    refused anyway (2014-2017). The Gloo group would then be bound to ``xpu:N`` and
-    ``new_group`` fails at its eager-connect check, ``pg._get_backend(device_id)``
-    (2333): "No backend type associated with device type xpu" (Gloo serves cpu and cuda
-    only). Cleared, the Gloo group is unbound and its collectives (and ``barrier``, which
-    takes a bound device as its own, 5332-5334) stay on the CPU. Only the Python-side
-    record changes: each backend got its own copy when it was registered
-    (ProcessGroup.hpp ``setBackend``), so the default group's XCCL keeps its device.
-    ezpz clears it the same way around ``init_device_mesh`` (``init_device_mesh_safe``,
-    PR #149). Called on the main thread between steps (checkpoint saves), when no other
-    group is being made."""
-    import torch.distributed as tdist
-
-    default = tdist.group.WORLD
-    bound = getattr(default, "bound_device_id", None)
-    if bound is None:
-        yield
-        return
-    default.bound_device_id = None
-    try:
-        yield
-    finally:
-        default.bound_device_id = bound
-
-
-@contextmanager
-def _lazy_gloo() -> Iterator[None]:
-    """Gloo groups made inside connect their pairs on first use (torch reads
-    ``TORCH_GLOO_LAZY_INIT`` when it makes a group's device; ``new_group`` takes no Gloo
-    options). The caller's own setting is restored after."""
-    old = os.environ.get("TORCH_GLOO_LAZY_INIT")
-    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
-        else:
-            os.environ["TORCH_GLOO_LAZY_INIT"] = old
 
 
 def all_gather_object(obj: Any, group: Any = None) -> list[Any]:

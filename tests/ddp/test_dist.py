@@ -175,8 +175,8 @@ def store(host, *a, **k):
     return real_store(host, *a, **k)
 
 socket.getaddrinfo, tdist.TCPStore = gai, store
-import ddp, ddp.dist
-ddp.dist.PROBE_FIRST_S = 20.0  # "at once" on a loaded machine: no probe unless silent 10 s
+import ddp, ddp.rendezvous
+ddp.rendezvous.PROBE_FIRST_S = 20.0  # "at once" on a loaded machine: no probe unless silent 10 s
 ddp.init(timeout=60)
 print(json.dumps({"names": names, "store_hosts": hosts}))
 ddp.shutdown()

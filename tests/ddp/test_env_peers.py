@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-import ddp.env
+import ddp.env_layout
 from ddp.env import PORT_BASE, PORT_SPAN, detect, expand_nodelist
 from ddp.errors import ConfigError
 
@@ -167,7 +167,7 @@ def _run(case: Case, tmp_path, monkeypatch):
         path = tmp_path / var.lower()
         path.write_text(text)
         env[var] = str(path)
-    monkeypatch.setattr(ddp.env, "_hostname", lambda: case.hostname)
+    monkeypatch.setattr(ddp.env_layout, "_hostname", lambda: case.hostname)
     return detect(env, argv=list(case.argv))
 
 
@@ -295,7 +295,7 @@ def test_mpich_without_local_rank_on_a_host_that_breaks_block_placement_stops(
     chosen safely; one line instead of cuda:5 on a 4-GPU node."""
     nodefile = tmp_path / "nodes"
     nodefile.write_text("a1\nb2\n")
-    monkeypatch.setattr(ddp.env, "_hostname", lambda: "a1")
+    monkeypatch.setattr(ddp.env_layout, "_hostname", lambda: "a1")
     env = {"PMI_RANK": "5", "PMI_SIZE": "8", "PBS_NODEFILE": str(nodefile), "PBS_JOBID": "1"}
     with pytest.raises(ConfigError, match="local rank is not set"):
         detect(env, argv=[])

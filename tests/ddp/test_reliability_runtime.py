@@ -133,7 +133,7 @@ def test_taken_master_port_is_one_line_on_every_rank(tmp_path):
     mute = _Mute()
     try:
         # Shorten the handshake wait the same way for both ranks (default 60 s).
-        code = ("import runpy, sys, ddp.dist as d; d.STORE_ANSWER_S = 3; "
+        code = ("import runpy, sys, ddp.rendezvous as d; d.STORE_ANSWER_S = 3; "
                 f"sys.argv = [{TINY!r}, {str(tmp_path)!r}]; "
                 f"runpy.run_path({TINY!r}, run_name='__main__')")  # fmt: skip
         procs = []
