@@ -338,9 +338,14 @@ def test_a_hang_collects_the_nccl_flight_recorder_through_its_pipe(tmp_path: Pat
             "f = open(os.path.join(hb, 'stack-rank-0.txt'), 'w')\n"
             "faulthandler.register(signal.SIGUSR2, file=f, all_threads=True)\n"
             "os.mkfifo(stem + '0.pipe')\n"
+            # open for reading before "up", non-blocking, as DumpPipe does: a reader that
+            # opened later let the supervisor's write fail (ENXIO) on a loaded machine
+            "fd = os.open(stem + '0.pipe', os.O_RDONLY | os.O_NONBLOCK)\n"
+            "def poll():\n"
+            "    try: return os.read(fd, 1)\n"
+            "    except BlockingIOError: return b''\n"
             "def watchdog():\n"
-            "    fd = os.open(stem + '0.pipe', os.O_RDONLY)\n"
-            "    while not os.read(fd, 1): time.sleep(0.01)\n"
+            "    while not poll(): time.sleep(0.01)\n"
             "    with open(stem + '0', 'w') as out: out.write('entries: all_reduce seq 7')\n"
             "threading.Thread(target=watchdog, daemon=True).start()\n"
             "def stuck_here():\n    print('up', flush=True)\n"
