@@ -25,6 +25,7 @@ test-fast: install
 
 lint: install
 	ruff check .
+	ruff format --check .
 	PYTHONPATH=src:. lint-imports  # the layers (contracts in pyproject.toml)
 
 docs: install

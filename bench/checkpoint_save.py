@@ -63,14 +63,21 @@ def main() -> None:
             first, second = (bare, atomic) if r % 2 == 0 else (atomic, bare)
             t = {first.__name__: first(), second.__name__: second()}
             ratios.append(t["atomic"] / t["bare"])
-            print(f"round {r}: bare {t['bare']:.3f}s atomic (blocking) {t['atomic']:.3f}s "
-                  f"ratio {ratios[-1]:.3f}; until durable {durable[-1]:.3f}s", flush=True)  # fmt: skip
+            print(
+                f"round {r}: bare {t['bare']:.3f}s atomic (blocking) {t['atomic']:.3f}s "
+                f"ratio {ratios[-1]:.3f}; until durable {durable[-1]:.3f}s",
+                flush=True,
+            )
         size = os.path.getsize(bare_path) / 2**20
-    print(f"state {size:.0f} MB; atomic save / torch.save, median of {args.rounds} rounds: "
-          f"{statistics.median(ratios):.3f}x (goal <= 1.2x)")  # fmt: skip
-    print("(time the training loop blocks; fsync + rename + `latest` run in a background "
-          "thread, median until durable "
-          f"{statistics.median(durable[1:]):.3f}s)")  # fmt: skip
+    print(
+        f"state {size:.0f} MB; atomic save / torch.save, median of {args.rounds} rounds: "
+        f"{statistics.median(ratios):.3f}x (goal <= 1.2x)"
+    )
+    print(
+        "(time the training loop blocks; fsync + rename + `latest` run in a background "
+        "thread, median until durable "
+        f"{statistics.median(durable[1:]):.3f}s)"
+    )
 
 
 if __name__ == "__main__":

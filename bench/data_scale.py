@@ -84,12 +84,26 @@ def train(store: Path, steps: int, world: int = 2) -> list[dict]:
     port = free_port()
     procs = []
     for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT / 'src'}:{ROOT}")  # fmt: skip
-        procs.append(subprocess.Popen(
-            [sys.executable, "-c", WORKER, str(store), repr(time.time()), str(steps)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=f"{ROOT / 'src'}:{ROOT}",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", WORKER, str(store), repr(time.time()), str(steps)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     out = []
     for p in procs:
         o, e = p.communicate(timeout=900)
@@ -108,8 +122,9 @@ def loader_rate(store: Path, seconds: float = 3.0) -> float:
     from ddp.config import TrainConfig
     from ddp.recipes import uniref50
 
-    cfg = TrainConfig.from_dict({**uniref50.DEFAULTS, "recipe": {**uniref50.DEFAULTS["recipe"],
-                                                                 "data": str(store)}})  # fmt: skip
+    cfg = TrainConfig.from_dict(
+        {**uniref50.DEFAULTS, "recipe": {**uniref50.DEFAULTS["recipe"], "data": str(store)}}
+    )
     train, _ = uniref50.open_data(cfg)
     bs = cfg.training.batch_size
     sampler = parts.GlobalOrderSampler(len(train), 2, 0, bs, True, 0)
@@ -152,8 +167,14 @@ def prepare(fasta: Path) -> tuple[Path, dict, dict | None]:
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}:{ROOT}")
 
     def arm(name: str) -> dict:
-        r = subprocess.run([sys.executable, "-c", PREP, str(fasta), str(out), name], env=env,
-                           capture_output=True, text=True, check=True, timeout=1800)  # fmt: skip
+        r = subprocess.run(
+            [sys.executable, "-c", PREP, str(fasta), str(out), name],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=1800,
+        )
         return json.loads(r.stdout.splitlines()[-1])
 
     ours = arm("ddp")
@@ -184,42 +205,56 @@ def main() -> None:
         if not f.is_file():
             t0 = time.perf_counter()
             big_fasta(f, size)
-            print(f"generated {f} ({f.stat().st_size / 1e6:,.0f} MB) in {time.perf_counter() - t0:.0f}s")
+            print(
+                f"generated {f} ({f.stat().st_size / 1e6:,.0f} MB) in {time.perf_counter() - t0:.0f}s"
+            )
         files[name] = f
     stores, rates = {}, {}
     for name, f in files.items():
         stores[name], ours, faidx = prepare(f)
         rates[name] = (ours["mb_s"], faidx["mb_s"] if faidx else None)
         fx = f"{faidx['mb_s']:,.0f} MB/s, peak RSS {faidx['rss_mb']:,.0f} MB" if faidx else "n/a"
-        print(f"prepare {name} ({f.stat().st_size / 1e6:,.0f} MB): {ours['mb_s']:,.0f} MB/s, "
-              f"peak RSS {ours['rss_mb']:,.0f} MB; pyfaidx index: {fx}")  # fmt: skip
+        print(
+            f"prepare {name} ({f.stat().st_size / 1e6:,.0f} MB): {ours['mb_s']:,.0f} MB/s, "
+            f"peak RSS {ours['rss_mb']:,.0f} MB; pyfaidx index: {fx}"
+        )
     rss_r, t1_r, consume = [], [], []
     for rnd in range(args.rounds):  # paired rounds, alternating order
         runs = {}
         for name in ("small", "large") if rnd % 2 == 0 else ("large", "small"):
             runs[name] = res = train(stores[name], args.steps)
-            print(f"round {rnd} train {name}: n_train={res[0]['n_train']:,} " + ", ".join(
-                f"rank {r['rank']}: peak RSS {r['rss_mb']:.0f} MB, first step "
-                f"{r['first_step_s']:.2f}s (build {r['build_s']:.2f}s)" for r in res))  # fmt: skip
-        rss_r.append(max(r["rss_mb"] for r in runs["large"]) /
-                     max(r["rss_mb"] for r in runs["small"]))  # fmt: skip
-        t1_r.append(max(r["first_step_s"] for r in runs["large"]) /
-                    max(r["first_step_s"] for r in runs["small"]))  # fmt: skip
+            print(
+                f"round {rnd} train {name}: n_train={res[0]['n_train']:,} "
+                + ", ".join(
+                    f"rank {r['rank']}: peak RSS {r['rss_mb']:.0f} MB, first step "
+                    f"{r['first_step_s']:.2f}s (build {r['build_s']:.2f}s)"
+                    for r in res
+                )
+            )
+        rss_r.append(
+            max(r["rss_mb"] for r in runs["large"]) / max(r["rss_mb"] for r in runs["small"])
+        )
+        t1_r.append(
+            max(r["first_step_s"] for r in runs["large"])
+            / max(r["first_step_s"] for r in runs["small"])
+        )
         consume.append(min(r["samples_per_s"] for r in runs["large"]) / 2)  # per rank
     rss, t1 = statistics.median(rss_r), statistics.median(t1_r)
     consume_ = max(consume)
     load = loader_rate(stores["large"])
     ours, faidx = rates["large"]
     print()
-    print(f"| figure | value | goal |\n|---|---|---|\n"
-          f"| peak RSS per rank, large / small store (median of {args.rounds}) | {rss:.2f}x "
-          f"[{min(rss_r):.2f}-{max(rss_r):.2f}] | <= 1.2 |\n"
-          f"| start to first step, large / small (median) | {t1:.2f}x "
-          f"[{min(t1_r):.2f}-{max(t1_r):.2f}] | <= 1.5 |\n"
-          f"| prepare-fasta on the large file | {ours:,.0f} MB/s (pyfaidx index: "
-          f"{f'{faidx:,.0f} MB/s' if faidx else 'n/a'}) | >= 200 MB/s |\n"
-          f"| loader / model samples/s per rank | {load:,.0f} / {consume_:,.0f} = "
-          f"{load / consume_:.0f}x | >= 20 |")  # fmt: skip
+    print(
+        f"| figure | value | goal |\n|---|---|---|\n"
+        f"| peak RSS per rank, large / small store (median of {args.rounds}) | {rss:.2f}x "
+        f"[{min(rss_r):.2f}-{max(rss_r):.2f}] | <= 1.2 |\n"
+        f"| start to first step, large / small (median) | {t1:.2f}x "
+        f"[{min(t1_r):.2f}-{max(t1_r):.2f}] | <= 1.5 |\n"
+        f"| prepare-fasta on the large file | {ours:,.0f} MB/s (pyfaidx index: "
+        f"{f'{faidx:,.0f} MB/s' if faidx else 'n/a'}) | >= 200 MB/s |\n"
+        f"| loader / model samples/s per rank | {load:,.0f} / {consume_:,.0f} = "
+        f"{load / consume_:.0f}x | >= 20 |"
+    )
 
 
 if __name__ == "__main__":

@@ -50,16 +50,41 @@ def make_models(root: Path, args: argparse.Namespace) -> dict[str, Path]:
 
 def run_arm(arm: str, m: dict[str, Path], out: Path, args: argparse.Namespace) -> dict[str, float]:
     shutil.rmtree(out, ignore_errors=True)
-    argv = [sys.executable, "-m", "ddp", "distill", "--config", "configs/distill.yaml",
-            "--teacher_model", str(m["teacher"]), "--student_model", str(m["student"]),
-            "--train_data", str(m["train"]), "--output_dir", str(out), "--skip_phase1",
-            "--phase2_epochs", str(args.epochs), "--batch_size", str(args.batch),
-            "--teacher_cache", "true" if arm == "cache" else "false",
-            "--set", "logging.progress=plain", f"logging.every_n_steps={args.every}",
-            f"ddp.device={args.device}", "checkpoint.save_final=false",
-            "checkpoint.every_n_steps=0"]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}:{ROOT}", HF_HUB_OFFLINE="1",
-               OMP_NUM_THREADS=str(args.threads))  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "ddp",
+        "distill",
+        "--config",
+        "configs/distill.yaml",
+        "--teacher_model",
+        str(m["teacher"]),
+        "--student_model",
+        str(m["student"]),
+        "--train_data",
+        str(m["train"]),
+        "--output_dir",
+        str(out),
+        "--skip_phase1",
+        "--phase2_epochs",
+        str(args.epochs),
+        "--batch_size",
+        str(args.batch),
+        "--teacher_cache",
+        "true" if arm == "cache" else "false",
+        "--set",
+        "logging.progress=plain",
+        f"logging.every_n_steps={args.every}",
+        f"ddp.device={args.device}",
+        "checkpoint.save_final=false",
+        "checkpoint.every_n_steps=0",
+    ]
+    env = dict(
+        os.environ,
+        PYTHONPATH=f"{ROOT / 'src'}:{ROOT}",
+        HF_HUB_OFFLINE="1",
+        OMP_NUM_THREADS=str(args.threads),
+    )
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     t0 = time.perf_counter()
@@ -96,22 +121,28 @@ def main() -> None:
         m = make_models(root, args)
         res: dict[str, list[dict[str, float]]] = {"cache": [], "online": []}
         for r in range(args.rounds):
-            for arm in (("cache", "online") if r % 2 == 0 else ("online", "cache")):
+            for arm in ("cache", "online") if r % 2 == 0 else ("online", "cache"):
                 res[arm].append(run_arm(arm, m, root / f"run_{arm}", args))
     t_c = statistics.median(x["step_s"] for x in res["cache"])
     t_o = statistics.median(x["step_s"] for x in res["online"])
     built = statistics.median(x["built_s"] for x in res["cache"])
-    ratios = sorted(o["step_s"] / c["step_s"] for c, o in zip(res["cache"], res["online"], strict=True))
+    ratios = sorted(
+        o["step_s"] / c["step_s"] for c, o in zip(res["cache"], res["online"], strict=True)
+    )
     per_epoch = res["cache"][0]["steps"] / args.epochs
     even = built / (per_epoch * (t_o - t_c)) if t_o > t_c else float("inf")
-    print(f"teacher {args.teacher_width}x{args.teacher_layers}, student {args.student_width}x2, "
-          f"{args.texts} texts, batch {args.batch}, {per_epoch:.0f} steps/epoch, device "
-          f"{args.device}, {args.rounds} rounds")  # fmt: skip
+    print(
+        f"teacher {args.teacher_width}x{args.teacher_layers}, student {args.student_width}x2, "
+        f"{args.texts} texts, batch {args.batch}, {per_epoch:.0f} steps/epoch, device "
+        f"{args.device}, {args.rounds} rounds"
+    )
     print(f"phase 2 with cache:    {1 / t_c:8.2f} steps/s ({t_c * 1e3:.1f} ms/step)")
     print(f"phase 2, teacher/step: {1 / t_o:8.2f} steps/s ({t_o * 1e3:.1f} ms/step)")
-    print(f"speedup {t_o / t_c:.2f}x [{ratios[0]:.2f}-{ratios[-1]:.2f}]; cache built once in "
-          f"{built:.2f} s (encode + write, the teacher's load apart); pays for itself after "
-          f"{even:.2f} epochs")  # fmt: skip
+    print(
+        f"speedup {t_o / t_c:.2f}x [{ratios[0]:.2f}-{ratios[-1]:.2f}]; cache built once in "
+        f"{built:.2f} s (encode + write, the teacher's load apart); pays for itself after "
+        f"{even:.2f} epochs"
+    )
 
 
 if __name__ == "__main__":

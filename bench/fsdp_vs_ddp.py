@@ -105,8 +105,9 @@ def save_full(net, opt, path: Path) -> None:
     from ddp import fsdp
 
     full = fsdp.full_state_dict(net)
-    osd = get_optimizer_state_dict(net, opt, options=StateDictOptions(full_state_dict=True,
-                                                                      cpu_offload=True))  # fmt: skip
+    osd = get_optimizer_state_dict(
+        net, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     if dist.get_rank() == 0:
         torch.save({"model": full, "optimizer": osd}, path)
     dist.barrier()
@@ -167,8 +168,9 @@ def blocked_by_saves(dim: int, rounds: int, steps: int, batch: int = 32) -> dict
     box = [tempfile.mkdtemp(prefix="bench-fsdp-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box)
     d = Path(box[0])
-    cfg = TrainConfig.from_dict({"ddp": {"strategy": "fsdp"},
-                                 "checkpoint": {"dir": str(d / "ck"), "keep_last": 1}})  # fmt: skip
+    cfg = TrainConfig.from_dict(
+        {"ddp": {"strategy": "fsdp"}, "checkpoint": {"dir": str(d / "ck"), "keep_last": 1}}
+    )
     ctx = ddp.get_context()
     cps = {"async": Checkpointer(cfg, ctx), "sync": Checkpointer(cfg, ctx, background=False)}
     loop = LoopState(0, 0, 0, 10**6, 0, opt, sched, None)
@@ -188,7 +190,7 @@ def blocked_by_saves(dim: int, rounds: int, steps: int, batch: int = 32) -> dict
     blocked: dict[str, list[float]] = {a: [] for a in arms[1:]}
     total: dict[str, list[float]] = {a: [] for a in arms}
     for r in range(rounds):
-        for arm in arms[r % len(arms):] + arms[: r % len(arms)]:
+        for arm in arms[r % len(arms) :] + arms[: r % len(arms)]:
             dist.barrier()
             t0 = time.perf_counter()
             if arm != "none":
@@ -228,8 +230,10 @@ def worker(dim: int, rounds: int, steps: int, saves_only: bool = False) -> None:
     if saves_only:
         saves = blocked_by_saves(dim, rounds, steps)
         if ctx.is_main:
-            print(json.dumps({"world": ctx.world_size, "dim": dim, "steps": steps, **saves}),
-                  flush=True)  # fmt: skip
+            print(
+                json.dumps({"world": ctx.world_size, "dim": dim, "steps": steps, **saves}),
+                flush=True,
+            )
         dist.barrier()
         ddp.shutdown()
         return
@@ -248,16 +252,23 @@ def worker(dim: int, rounds: int, steps: int, saves_only: bool = False) -> None:
     if ctx.is_main:
         w = ctx.world_size
         worst = max(f for _, f in mems)
-        print(json.dumps({
-            "world": w, "params": sum(p.numel() for p in model(dim).parameters()),
-            "ddp_bytes_per_rank": mems[0][0], "fsdp_bytes_per_rank_max": worst,
-            "fsdp_over_ddp_per_w": round(worst / (mems[0][0] / w), 3),
-            "fsdp_samples_per_s_vs_ddp": round(statistics.median(ratios), 3),
-            "speed_spread": [round(min(ratios), 3), round(max(ratios), 3)],
-            "sharded_save_s": round(statistics.median(s for s, _ in saves), 3),
-            "full_torch_save_s": round(statistics.median(f for _, f in saves), 3),
-            **blocked,
-        }), flush=True)
+        print(
+            json.dumps(
+                {
+                    "world": w,
+                    "params": sum(p.numel() for p in model(dim).parameters()),
+                    "ddp_bytes_per_rank": mems[0][0],
+                    "fsdp_bytes_per_rank_max": worst,
+                    "fsdp_over_ddp_per_w": round(worst / (mems[0][0] / w), 3),
+                    "fsdp_samples_per_s_vs_ddp": round(statistics.median(ratios), 3),
+                    "speed_spread": [round(min(ratios), 3), round(max(ratios), 3)],
+                    "sharded_save_s": round(statistics.median(s for s, _ in saves), 3),
+                    "full_torch_save_s": round(statistics.median(f for _, f in saves), 3),
+                    **blocked,
+                }
+            ),
+            flush=True,
+        )
     dist.barrier()
     ddp.shutdown()
 
@@ -268,8 +279,11 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--saves-only", action="store_true",
-                    help="only how long each kind of save blocks the training loop")  # fmt: skip
+    ap.add_argument(
+        "--saves-only",
+        action="store_true",
+        help="only how long each kind of save blocks the training loop",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -281,12 +295,31 @@ def main() -> None:
             port = s.getsockname()[1]
         procs = []
         for rank in range(world):
-            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
-                   "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-                   "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-            cmd = [sys.executable, __file__, "--worker", "--dim", str(args.dim),
-                   "--rounds", str(args.rounds), "--steps", str(args.steps)]  # fmt: skip
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "GROUP_RANK": "0",
+                "WORLD_SIZE": str(world),
+                "LOCAL_WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": os.pathsep.join(
+                    [str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]
+                ),
+            }
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                "--dim",
+                str(args.dim),
+                "--rounds",
+                str(args.rounds),
+                "--steps",
+                str(args.steps),
+            ]
             cmd += ["--saves-only"] if args.saves_only else []
             procs.append(subprocess.Popen(cmd, env=env))
         rc = max(p.wait() for p in procs)

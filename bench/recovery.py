@@ -105,8 +105,12 @@ def worker(spec: dict[str, Any]) -> None:
         if first[0]:
             first[0] = False
             mark("first_step", step=trainer.global_step + 1)
-        if (spec.get("fault") and rank == 1 and trainer.global_step == HOLD_STEP
-                and not (hold / "ready").exists()):  # the first attempt only
+        if (
+            spec.get("fault")
+            and rank == 1
+            and trainer.global_step == HOLD_STEP
+            and not (hold / "ready").exists()
+        ):  # the first attempt only
             (hold / "ready.tmp").write_text(str(os.getpid()))
             os.replace(hold / "ready.tmp", hold / "ready")
             deadline = time.monotonic() + 300  # only against a bench that never acts
@@ -120,13 +124,18 @@ def worker(spec: dict[str, Any]) -> None:
     data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
-    cfg = TrainConfig.from_dict({
-        "training": {"batch_size": BATCH, "epochs": 1, "shuffle": True, "seed": 3},
-        "optim": {"name": "sgd", "lr": 0.01},
-        "checkpoint": {"dir": str(Path(spec["dir"]) / "ckpt"), "every_n_steps": 2,
-                       "save_final": False},
-        "logging": {"every_n_steps": 4, "progress": "off"},
-    })  # fmt: skip
+    cfg = TrainConfig.from_dict(
+        {
+            "training": {"batch_size": BATCH, "epochs": 1, "shuffle": True, "seed": 3},
+            "optim": {"name": "sgd", "lr": 0.01},
+            "checkpoint": {
+                "dir": str(Path(spec["dir"]) / "ckpt"),
+                "every_n_steps": 2,
+                "save_final": False,
+            },
+            "logging": {"every_n_steps": 4, "progress": "off"},
+        }
+    )
     trainer = Trainer(model, data, cfg, step)
     trainer.fit()
     mark("end", step=trainer.global_step)
@@ -134,19 +143,32 @@ def worker(spec: dict[str, Any]) -> None:
 
 
 # ---- the bench: one case on the cluster ---------------------------------------------------
-def _script(case_dir: Path, spec: dict[str, Any], supervised: bool, hang_timeout_s: float,
-            port: int) -> Path:  # fmt: skip
+def _script(
+    case_dir: Path, spec: dict[str, Any], supervised: bool, hang_timeout_s: float, port: int
+) -> Path:
     run = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
     srun = f"srun --kill-on-bad-exit=1 {shlex.join(run)}"
-    line = (f"{sys.executable} -m ddp.supervise --run-dir {case_dir / 'run'} "
-            f"--hang-timeout-s {hang_timeout_s:g} --max-restarts 2 --min-nodes 1 -- {srun}"
-            if supervised else srun)  # fmt: skip
+    line = (
+        f"{sys.executable} -m ddp.supervise --run-dir {case_dir / 'run'} "
+        f"--hang-timeout-s {hang_timeout_s:g} --max-restarts 2 --min-nodes 1 -- {srun}"
+        if supervised
+        else srun
+    )
     path = case_dir / "job.sh"
-    path.write_text("\n".join([
-        "#!/bin/bash", "#SBATCH -N 2", "#SBATCH --ntasks-per-node=1",
-        *(["#SBATCH --no-kill"] if supervised else []), "set -eu",
-        f"export PYTHONPATH={ROOT / 'src'}:{ROOT} OMP_NUM_THREADS=1 MASTER_PORT={port}",
-        line]) + "\n")  # fmt: skip
+    path.write_text(
+        "\n".join(
+            [
+                "#!/bin/bash",
+                "#SBATCH -N 2",
+                "#SBATCH --ntasks-per-node=1",
+                *(["#SBATCH --no-kill"] if supervised else []),
+                "set -eu",
+                f"export PYTHONPATH={ROOT / 'src'}:{ROOT} OMP_NUM_THREADS=1 MASTER_PORT={port}",
+                line,
+            ]
+        )
+        + "\n"
+    )
     return path
 
 
@@ -157,7 +179,9 @@ def _wait(what: str, check: Any, timeout: float, cluster: Any, job: str) -> Any:
         if got:
             return got
         if time.monotonic() > deadline:
-            raise SystemExit(f"bench: {what} not after {timeout:g} s\n{cluster.job_log(job)[-3000:]}")
+            raise SystemExit(
+                f"bench: {what} not after {timeout:g} s\n{cluster.job_log(job)[-3000:]}"
+            )
         time.sleep(0.02)
 
 
@@ -176,8 +200,9 @@ def _timelines(case_dir: Path) -> list[list[dict[str, Any]]]:
     return sorted(out, key=lambda evs: evs[0]["t"])
 
 
-def run_case(cluster: Any, base: Path, name: str, fault: str | None, supervised: bool,
-             hang_timeout_s: float) -> dict[str, Any]:  # fmt: skip
+def run_case(
+    cluster: Any, base: Path, name: str, fault: str | None, supervised: bool, hang_timeout_s: float
+) -> dict[str, Any]:
     from tests.ddp.launch_utils import free_port
 
     case_dir = base / name
@@ -190,8 +215,13 @@ def run_case(cluster: Any, base: Path, name: str, fault: str | None, supervised:
     jobs, t_fault, t_dead = [job], None, None
     if fault:
         ready = case_dir / "hold" / "ready"
-        _wait("n2's rank at the fault step", lambda: ready.exists() or _ended(cluster, job),
-              300, cluster, job)  # fmt: skip
+        _wait(
+            "n2's rank at the fault step",
+            lambda: ready.exists() or _ended(cluster, job),
+            300,
+            cluster,
+            job,
+        )
         pid = int(ready.read_text())
         t_fault = time.time()
         os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
@@ -204,15 +234,21 @@ def run_case(cluster: Any, base: Path, name: str, fault: str | None, supervised:
     final = _wait("the job's end", lambda: _ended(cluster, jobs[-1]), 600, cluster, jobs[-1])
     t_end = time.time()
     if final != "COMPLETED":
-        raise SystemExit(f"bench: {name}: job {jobs[-1]} ended {final}\n"
-                         f"{cluster.job_log(jobs[-1])[-3000:]}")  # fmt: skip
-    res: dict[str, Any] = {"case": name, "jobs": jobs, "state": final,
-                           "wall_s": round(t_end - t_submit, 2)}  # fmt: skip
+        raise SystemExit(
+            f"bench: {name}: job {jobs[-1]} ended {final}\n{cluster.job_log(jobs[-1])[-3000:]}"
+        )
+    res: dict[str, Any] = {
+        "case": name,
+        "jobs": jobs,
+        "state": final,
+        "wall_s": round(t_end - t_submit, 2),
+    }
     events = []
     if supervised:
         events = json.loads((case_dir / "run" / "run.json").read_text())["supervisor"]["events"]
-        res["events"] = [{k: e[k] for k in ("event", "t", "seen_t", "nodes", "kind") if k in e}
-                         for e in events]  # fmt: skip
+        res["events"] = [
+            {k: e[k] for k in ("event", "t", "seen_t", "nodes", "kind") if k in e} for e in events
+        ]
     if not fault:
         return res
     procs = _timelines(case_dir)
@@ -226,16 +262,18 @@ def run_case(cluster: Any, base: Path, name: str, fault: str | None, supervised:
     load_end = max(e["t"] for p in resumed for e in p if e["event"] == "load_end")
     first = min(e["t"] for p in resumed for e in p if e["event"] == "first_step")
     steps = {e.get("step") for p in resumed for e in p if e["event"] == "load_end"}
-    res.update({
-        "detection_s": round(t_detect - t_fault, 2),
-        "relaunch_s": round(load_start - t_detect, 2),
-        "load_s": round(load_end - load_start, 2),
-        "to_first_step_s": round(first - load_end, 2),
-        "total_s": round(first - t_fault, 2),
-        "resumed_from_step": sorted(s for s in steps if s is not None),
-        "world_after": len(resumed),
-        "nodes_after": sorted({p[0].get("node", "") for p in resumed}),
-    })  # fmt: skip
+    res.update(
+        {
+            "detection_s": round(t_detect - t_fault, 2),
+            "relaunch_s": round(load_start - t_detect, 2),
+            "load_s": round(load_end - load_start, 2),
+            "to_first_step_s": round(first - load_end, 2),
+            "total_s": round(first - t_fault, 2),
+            "resumed_from_step": sorted(s for s in steps if s is not None),
+            "world_after": len(resumed),
+            "nodes_after": sorted({p[0].get("node", "") for p in resumed}),
+        }
+    )
     if supervised:
         restart = next(e["t"] for e in events if e["event"] == "restart")
         res["failure_to_restart_event_s"] = round(restart - t_detect, 2)
@@ -245,8 +283,12 @@ def run_case(cluster: Any, base: Path, name: str, fault: str | None, supervised:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--hang-timeout-s", type=float, default=10.0,
-                   help="the supervisor's hang timeout (default 10: above a step here)")
+    p.add_argument(
+        "--hang-timeout-s",
+        type=float,
+        default=10.0,
+        help="the supervisor's hang timeout (default 10: above a step here)",
+    )
     p.add_argument("--out", default=str(ROOT / "bench/results/recovery.json"))
     p.add_argument("--rounds", type=int, default=3, help="each case this often (median shown)")
     p.add_argument("--cases", default="baseline,kill_supervised,kill_resubmit,hang_supervised")
@@ -262,8 +304,12 @@ def main(argv: list[str] | None = None) -> int:
     if missing_exes():
         print(f"bench: SLURM programs missing: {missing_exes()}", file=sys.stderr)
         return 2
-    plan = {"baseline": (None, True), "kill_supervised": ("kill", True),
-            "kill_resubmit": ("kill", False), "hang_supervised": ("stop", True)}  # fmt: skip
+    plan = {
+        "baseline": (None, True),
+        "kill_supervised": ("kill", True),
+        "kill_resubmit": ("kill", False),
+        "hang_supervised": ("stop", True),
+    }
     cases = [c for c in args.cases.split(",") if c]
     bad = [c for c in cases if c not in plan]
     if bad:
@@ -277,21 +323,39 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.rounds):  # cases interleaved, so a load spike hits every case
             for name in cases:
                 fault, supervised = plan[name]
-                res = run_case(cluster, Path(tmp) / str(i), name, fault, supervised,
-                               args.hang_timeout_s)  # fmt: skip
+                res = run_case(
+                    cluster, Path(tmp) / str(i), name, fault, supervised, args.hang_timeout_s
+                )
                 res["round"] = i
                 print(json.dumps(res), file=sys.stderr)
                 runs.append(res)
-    cols = ("seen_s", "stacks_kill_s", "detection_s", "relaunch_s", "load_s",
-            "to_first_step_s", "total_s", "wall_s", "wall_lost_s")  # fmt: skip
+    cols = (
+        "seen_s",
+        "stacks_kill_s",
+        "detection_s",
+        "relaunch_s",
+        "load_s",
+        "to_first_step_s",
+        "total_s",
+        "wall_s",
+        "wall_lost_s",
+    )
     for r in runs:  # against the same round's baseline
-        base = next((b["wall_s"] for b in runs
-                     if b["case"] == "baseline" and b["round"] == r["round"]), None)  # fmt: skip
+        base = next(
+            (b["wall_s"] for b in runs if b["case"] == "baseline" and b["round"] == r["round"]),
+            None,
+        )
         if base is not None:
             r["wall_lost_s"] = round(r["wall_s"] - base, 2)
     results = []
-    print("median [min-max] of " + str(args.rounds) + " round(s), seconds\n| case | "
-          + " | ".join(c[:-2] for c in cols) + " |\n|---|" + "---|" * len(cols))  # fmt: skip
+    print(
+        "median [min-max] of "
+        + str(args.rounds)
+        + " round(s), seconds\n| case | "
+        + " | ".join(c[:-2] for c in cols)
+        + " |\n|---|"
+        + "---|" * len(cols)
+    )
     for name in cases:
         mine = [r for r in runs if r["case"] == name]
         row = {"case": name}
@@ -300,15 +364,25 @@ def main(argv: list[str] | None = None) -> int:
             if vals:
                 row[c] = {"median": statistics.median(vals), "min": vals[0], "max": vals[-1]}
         results.append(row)
-        print(f"| {name} | " + " | ".join(
-            f"{row[c]['median']:.2f} [{row[c]['min']:.2f}-{row[c]['max']:.2f}]" if c in row
-            else "" for c in cols) + " |")  # fmt: skip
+        print(
+            f"| {name} | "
+            + " | ".join(
+                f"{row[c]['median']:.2f} [{row[c]['min']:.2f}-{row[c]['max']:.2f}]"
+                if c in row
+                else ""
+                for c in cols
+            )
+            + " |"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "command": "python bench/recovery.py " + " ".join(argv or sys.argv[1:]),
-            "hang_timeout_s": args.hang_timeout_s, "cpus": os.cpu_count(),
-            "load_avg": os.getloadavg()}  # fmt: skip
+    meta = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": "python bench/recovery.py " + " ".join(argv or sys.argv[1:]),
+        "hang_timeout_s": args.hang_timeout_s,
+        "cpus": os.cpu_count(),
+        "load_avg": os.getloadavg(),
+    }
     out.write_text(json.dumps({"meta": meta, "summary": results, "runs": runs}, indent=1) + "\n")
     print(f"wrote {out}", file=sys.stderr)
     return 0

@@ -65,22 +65,49 @@ def commands(teardown: bool = False) -> tuple[dict[str, list[str]], list[str]]:
     py = sys.executable
     cmds = {
         "floor": [py, "-c", "pass"],
-        "hpc": [py, "-m", "hpc", "render", "--cluster", "perlmutter", "--nodes", "2",
-                "--", "python", "train.py"],
+        "hpc": [
+            py,
+            "-m",
+            "hpc",
+            "render",
+            "--cluster",
+            "perlmutter",
+            "--nodes",
+            "2",
+            "--",
+            "python",
+            "train.py",
+        ],
     }
     if teardown:
         cmds["hpc-x"] = [py, "-c", HPC_NO_TEARDOWN, *cmds["hpc"][3:]]
     notes = []
     torchx = shutil.which("torchx")
     if torchx:
-        cmds["torchx"] = [torchx, "run", "--dryrun", "-s", "slurm", "dist.ddp", "-j", "2x4",
-                          "--gpu", "4", "--script", "train.py"]
+        cmds["torchx"] = [
+            torchx,
+            "run",
+            "--dryrun",
+            "-s",
+            "slurm",
+            "dist.ddp",
+            "-j",
+            "2x4",
+            "--gpu",
+            "4",
+            "--script",
+            "train.py",
+        ]
     else:
         notes.append("torchx: not installed (pip install --no-deps torchx plus its light deps)")
     if importlib.util.find_spec("submitit") and shutil.which("srun"):
         cmds["submitit"] = [py, "-c", SUBMITIT]
         if teardown:
-            cmds["submitit-x"] = [py, "-c", SUBMITIT + "import os, sys\nsys.stdout.flush()\nos._exit(0)\n"]
+            cmds["submitit-x"] = [
+                py,
+                "-c",
+                SUBMITIT + "import os, sys\nsys.stdout.flush()\nos._exit(0)\n",
+            ]
     else:
         notes.append("submitit: not installed, or no srun on PATH (its constructor needs one)")
     return cmds, notes
@@ -102,9 +129,16 @@ def file_syscalls(argv: list[str], cwd: str, env: dict[str, str]) -> int | None:
     if strace is None:
         return None
     with tempfile.NamedTemporaryFile("r", suffix=".strace") as out:
-        subprocess.run([strace, "-f", "-c", "-o", out.name, "-e", "trace=%file,read,getdents64",
-                        *argv], cwd=cwd, env=env, capture_output=True, check=True)
-        total = out.read().strip().splitlines()[-1].split()  # "100.00 secs usecs calls errors total"
+        subprocess.run(
+            [strace, "-f", "-c", "-o", out.name, "-e", "trace=%file,read,getdents64", *argv],
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            check=True,
+        )
+        total = (
+            out.read().strip().splitlines()[-1].split()
+        )  # "100.00 secs usecs calls errors total"
     return int(total[3])
 
 
@@ -112,10 +146,16 @@ def main() -> int:
     """Time the commands in interleaved rounds and print medians and ratios."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=21)
-    parser.add_argument("--teardown", action="store_true",
-                        help="add hpc-x and submitit-x: the same, ending in os._exit")
-    parser.add_argument("--syscalls", action="store_true",
-                        help="count each command's file-system calls once (strace -c)")
+    parser.add_argument(
+        "--teardown",
+        action="store_true",
+        help="add hpc-x and submitit-x: the same, ending in os._exit",
+    )
+    parser.add_argument(
+        "--syscalls",
+        action="store_true",
+        help="count each command's file-system calls once (strace -c)",
+    )
     args = parser.parse_args()
     cmds, notes = commands(args.teardown)
     env = dict(os.environ, SBATCH_ACCOUNT="m0000_g")
@@ -134,7 +174,11 @@ def main() -> int:
                 order.reverse()
             for name, argv in order:
                 times[name].append(run_once(argv, cwd, env))
-        calls = {name: file_syscalls(argv, cwd, env) for name, argv in cmds.items()} if args.syscalls else {}
+        calls = (
+            {name: file_syscalls(argv, cwd, env) for name, argv in cmds.items()}
+            if args.syscalls
+            else {}
+        )
     med = {name: statistics.median(t) for name, t in times.items()}
     print(f"medians of {args.rounds} interleaved rounds (wall, whole process):")
     for name, value in med.items():

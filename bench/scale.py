@@ -31,8 +31,11 @@ HERE = Path(__file__).resolve().parent
 PARTS = (
     ("scale_dist.py", ["--worlds", "2,4,8,16,32,64"], ["--worlds", "2,4,8", "--votes", "5"]),
     ("scale_ckpt.py", ["--worlds", "2,4,8,16,32"], ["--worlds", "2,4"]),
-    ("scale_login.py", ["--sizes", "1,10,100,1000,10000"],
-     ["--sizes", "1,10,100", "--jobs", "1000", "--old-max", "100"]),
+    (
+        "scale_login.py",
+        ["--sizes", "1,10,100,1000,10000"],
+        ["--sizes", "1,10,100", "--jobs", "1000", "--old-max", "100"],
+    ),
 )
 
 
@@ -45,17 +48,25 @@ COSTS = {
         ("background-save group: sockets per rank", lambda d: _rows(d, "ckpt_sockets_max"), 0.1),
     ],
     "scale_ckpt": [
-        ("checkpoint bytes received per rank per save",
-         lambda d: _rows(d, "received_max"), 0.0),
+        ("checkpoint bytes received per rank per save", lambda d: _rows(d, "received_max"), 0.0),
     ],
     "scale_login": [
-        ("hpc status of an N-task sweep: SLURM calls",
-         lambda d: (d["sizes"], d["status"]["slurm"]["now"]), 0.0),
-        ("hpc status of an N-task sweep: PBS calls",
-         lambda d: (d["sizes"], d["status"]["pbs"]["now"]), 0.0),
+        (
+            "hpc status of an N-task sweep: SLURM calls",
+            lambda d: (d["sizes"], d["status"]["slurm"]["now"]),
+            0.0,
+        ),
+        (
+            "hpc status of an N-task sweep: PBS calls",
+            lambda d: (d["sizes"], d["status"]["pbs"]["now"]),
+            0.0,
+        ),
         ("job-id lookup: records read on a hit", lambda d: (d["sizes"], d["lookup"]["hit"]), 0.0),
-        ("qstat reader peak MB, 1 job asked for",
-         lambda d: (d["jobs"], d["qstat"]["stream_mb"]), 0.1),
+        (
+            "qstat reader peak MB, 1 job asked for",
+            lambda d: (d["jobs"], d["qstat"]["stream_mb"]),
+            0.1,
+        ),
     ],
 }
 
@@ -70,8 +81,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes: a check, not figures")
     ap.add_argument("--out", help="keep each benchmark's JSON here (default: a temp dir)")
-    ap.add_argument("--summary", action="store_true",
-                    help="run nothing: print the table of the JSON already in --out")
+    ap.add_argument(
+        "--summary",
+        action="store_true",
+        help="run nothing: print the table of the JSON already in --out",
+    )
     args = ap.parse_args()
     if args.summary and not args.out:
         ap.error("--summary reads the JSON of an earlier run: name its --out")
@@ -80,8 +94,13 @@ def main() -> int:
     failed = []
     for script, full, quick in () if args.summary else PARTS:
         target = out / (Path(script).stem + ".json")
-        cmd = [sys.executable, str(HERE / script), *(quick if args.quick else full),
-               "--json", str(target)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            str(HERE / script),
+            *(quick if args.quick else full),
+            "--json",
+            str(target),
+        ]
         print(f"== {' '.join(cmd[1:])}", flush=True)
         if subprocess.run(cmd).returncode != 0:
             failed.append(script)
@@ -99,8 +118,10 @@ def main() -> int:
                 continue
             exp = fit_power(sizes, values)[1] if len(sizes) > 1 and min(values) > 0 else 0.0
             ok = "ok" if exp <= limit + 1e-9 else "OVER"
-            print(f"| {name} | {sizes[0]:g}..{sizes[-1]:g} | {values[0]:g}..{values[-1]:g} "
-                  f"| {exp:.3f} | <= {limit:g} {ok} |")
+            print(
+                f"| {name} | {sizes[0]:g}..{sizes[-1]:g} | {values[0]:g}..{values[-1]:g} "
+                f"| {exp:.3f} | <= {limit:g} {ok} |"
+            )
     print(f"JSON in {out}")
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)

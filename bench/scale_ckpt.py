@@ -42,9 +42,20 @@ class Counter:
     """Wraps torch.distributed's collectives (both the package's names and
     distributed_c10d's, which its object collectives call) while in a ``with`` block."""
 
-    NAMES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "gather",
-             "scatter", "reduce", "reduce_scatter_tensor", "all_to_all_single", "send",
-             "recv", "barrier")  # fmt: skip
+    NAMES = (
+        "all_reduce",
+        "broadcast",
+        "all_gather",
+        "all_gather_into_tensor",
+        "gather",
+        "scatter",
+        "reduce",
+        "reduce_scatter_tensor",
+        "all_to_all_single",
+        "send",
+        "recv",
+        "barrier",
+    )
 
     def __init__(self) -> None:
         self.received = 0
@@ -139,15 +150,19 @@ def worker(spec: dict[str, Any]) -> None:
     strategy = spec["strategy"]
 
     def config(resume: str) -> TrainConfig:
-        return TrainConfig.from_dict({
-            "ddp": {"strategy": strategy}, "training": {"seed": 1},
-            "checkpoint": {"dir": spec["dir"], "keep_last": 2, "resume": resume},
-        })  # fmt: skip
+        return TrainConfig.from_dict(
+            {
+                "ddp": {"strategy": strategy},
+                "training": {"seed": 1},
+                "checkpoint": {"dir": spec["dir"], "keep_last": 2, "resume": resume},
+            }
+        )
 
     def build() -> tuple[nn.Module, Any]:
         torch.manual_seed(0)
-        model = ddp.wrap(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1)),
-                         strategy=strategy)  # fmt: skip
+        model = ddp.wrap(
+            nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1)), strategy=strategy
+        )
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
         model(torch.randn(4, 16)).sum().backward()
         opt.step()
@@ -182,12 +197,18 @@ def worker(spec: dict[str, Any]) -> None:
         resume_cpu = time.process_time() - cpu0
     cp2.close()
     result = {
-        "rank": ctx.rank, "received": save.received, "received_dcp": save.by_dcp,
+        "rank": ctx.rank,
+        "received": save.received,
+        "received_dcp": save.by_dcp,
         "calls": save.calls,
-        "save_s": save_wall, "resume_cpu_s": resume_cpu, "resume_received": resume.received,
-        "largest": largest.stat().st_size, "largest_name": str(largest.relative_to(spec["dir"])),
-        "files": len(files), "dcp_metadata": max(index, default=0),
-    }  # fmt: skip
+        "save_s": save_wall,
+        "resume_cpu_s": resume_cpu,
+        "resume_received": resume.received,
+        "largest": largest.stat().st_size,
+        "largest_name": str(largest.relative_to(spec["dir"])),
+        "files": len(files),
+        "dcp_metadata": max(index, default=0),
+    }
     (Path(spec["out"]) / f"{ctx.rank}.json").write_text(json.dumps(result))
     ddp.shutdown()
 
@@ -208,14 +229,28 @@ def run_world(world: int, strategy: str, src: Path, timeout: float = 600) -> dic
         port = _free_port()
         procs = []
         for rank in range(world):
-            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank),
-                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                       PYTHONPATH=os.pathsep.join([str(src), str(ROOT)]))  # fmt: skip
+            env = dict(
+                os.environ,
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(world),
+                LOCAL_WORLD_SIZE=str(world),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                OMP_NUM_THREADS="1",
+                PYTHONPATH=os.pathsep.join([str(src), str(ROOT)]),
+            )
             env.pop("SLURM_JOB_ID", None)
-            procs.append(subprocess.Popen(
-                [sys.executable, __file__, "--worker", spec], env=env, cwd=ROOT,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, "--worker", spec],
+                    env=env,
+                    cwd=ROOT,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
         deadline = time.monotonic() + timeout
         logs = []
         for p in procs:
@@ -284,36 +319,51 @@ def main() -> None:
         t0 = time.monotonic()
         rows.append(run_world(w, args.strategy, Path(args.src)))
         r = rows[-1]
-        print(f"W={w:3d}: received/rank/save {r['received_max']} B (rank 0 {r['received_rank0']}"
-              f" B; DCP's planning {r['received_dcp_max']} B), largest file {r['largest']} B ({r['largest_name']}), {r['files']} files, "
-              f"resume CPU/rank max {r['resume_cpu_max'] * 1e3:.1f} ms median "
-              f"{r['resume_cpu_median'] * 1e3:.1f} ms  [{time.monotonic() - t0:.0f} s]",
-              flush=True)  # fmt: skip
-    print(f"\nstrategy {args.strategy}, src {args.src}, collectives per save "
-          f"(last rank): {rows[-1]['calls']}")
-    print(f"\n| cost per rank | W={' | W='.join(map(str, worlds))} | exponent | "
-          f"{' | '.join(TARGETS)} |")
+        print(
+            f"W={w:3d}: received/rank/save {r['received_max']} B (rank 0 {r['received_rank0']}"
+            f" B; DCP's planning {r['received_dcp_max']} B), largest file {r['largest']} B ({r['largest_name']}), {r['files']} files, "
+            f"resume CPU/rank max {r['resume_cpu_max'] * 1e3:.1f} ms median "
+            f"{r['resume_cpu_median'] * 1e3:.1f} ms  [{time.monotonic() - t0:.0f} s]",
+            flush=True,
+        )
+    print(
+        f"\nstrategy {args.strategy}, src {args.src}, collectives per save "
+        f"(last rank): {rows[-1]['calls']}"
+    )
+    print(
+        f"\n| cost per rank | W={' | W='.join(map(str, worlds))} | exponent | "
+        f"{' | '.join(TARGETS)} |"
+    )
     print("|---" * (len(worlds) + 2 + len(TARGETS)) + "|")
     fits: dict[str, Any] = {}
-    for key, label, unit in (("received_max", "bytes received per save", "B"),
-                             ("received_own_max", "of which not DCP's", "B"),
-                             ("largest", "largest file of a save", "B"),
-                             ("dcp_metadata", "DCP's .metadata (FSDP)", "B"),
-                             ("resume_cpu_max", "resume CPU (slowest rank)", "s"),
-                             ("resume_cpu_median", "resume CPU (median rank)", "s")):  # fmt: skip
+    for key, label, unit in (
+        ("received_max", "bytes received per save", "B"),
+        ("received_own_max", "of which not DCP's", "B"),
+        ("largest", "largest file of a save", "B"),
+        ("dcp_metadata", "DCP's .metadata (FSDP)", "B"),
+        ("resume_cpu_max", "resume CPU (slowest rank)", "s"),
+        ("resume_cpu_median", "resume CPU (median rank)", "s"),
+    ):
         values = [r[key] for r in rows]
         b, a = fit(worlds, values)
         # A cost that does not grow (b <= 0, noise) is projected flat: its largest value.
         proj = {name: a * n**b if b > 0 else max(values) for name, n in TARGETS.items()}
         fits[key] = {"exponent": b, "coefficient": a, "projection": proj}
         cells = " | ".join(_human(v, unit) for v in values)
-        print(f"| {label} | {cells} | {b:.2f} | "
-              f"{' | '.join(_human(v, unit) for v in proj.values())} |")
-    print("\nprojection = a * W**b, (a, b) by least squares on log W, log value; an exponent "
-          "<= 0 (a cost that does not grow with W) is projected as its largest measured value")
+        print(
+            f"| {label} | {cells} | {b:.2f} | "
+            f"{' | '.join(_human(v, unit) for v in proj.values())} |"
+        )
+    print(
+        "\nprojection = a * W**b, (a, b) by least squares on log W, log value; an exponent "
+        "<= 0 (a cost that does not grow with W) is projected as its largest measured value"
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps({"strategy": args.strategy, "src": args.src,
-                                               "rows": rows, "fits": fits}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {"strategy": args.strategy, "src": args.src, "rows": rows, "fits": fits}, indent=1
+            )
+        )
 
 
 if __name__ == "__main__":

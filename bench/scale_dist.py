@@ -132,8 +132,11 @@ def worker(out: Path, votes: int, arms: list[str]) -> None:
     import ddp.dist
 
     boxes: list[Any] = []
-    real_store, real_init, real_build = (ddp.dist.rendezvous_store, tdist.init_process_group,
-                                         ddp.agree.build)  # fmt: skip
+    real_store, real_init, real_build = (
+        ddp.dist.rendezvous_store,
+        tdist.init_process_group,
+        ddp.agree.build,
+    )
     marks: dict[str, float] = {}
 
     def counted_store(*args: Any, **kwargs: Any) -> Any:
@@ -151,7 +154,10 @@ def worker(out: Path, votes: int, arms: list[str]) -> None:
         return made
 
     ddp.dist.rendezvous_store, tdist.init_process_group, ddp.agree.build = (
-        counted_store, init_pg, build)  # fmt: skip
+        counted_store,
+        init_pg,
+        build,
+    )
     ctx = ddp.init(timeout=300)
     store = boxes[0]
     agreement = ddp.dist.agreement()
@@ -188,8 +194,9 @@ def worker(out: Path, votes: int, arms: list[str]) -> None:
             tdist.all_reduce(flag, op=tdist.ReduceOp.MAX, group=mesh)
             times.append(time.perf_counter() - t0)
         rec["mesh_vote_s"] = statistics.median(times)
-        rec["mesh_busy_s"] = _busy_rounds(lambda: tdist.all_reduce(
-            flag, op=tdist.ReduceOp.MAX, group=mesh, async_op=True), votes)  # fmt: skip
+        rec["mesh_busy_s"] = _busy_rounds(
+            lambda: tdist.all_reduce(flag, op=tdist.ReduceOp.MAX, group=mesh, async_op=True), votes
+        )
         rec["mesh_hops"] = 2 * (ctx.world_size - 1)  # Gloo's ring all-reduce
     ddp.barrier()
     s0, r0 = sockets(), store.total()
@@ -225,24 +232,46 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_world(world: int, per_node: int, votes: int, arms: list[str],
-              timeout: float) -> list[dict[str, Any]]:  # fmt: skip
+def run_world(
+    world: int, per_node: int, votes: int, arms: list[str], timeout: float
+) -> list[dict[str, Any]]:
     """Start ``world`` ranks of :func:`worker`; every rank's record, in rank order."""
     local = min(per_node, world)
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
         for rank in range(world):
-            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank % local),
-                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(local),
-                       GROUP_RANK=str(rank // local), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                       PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))  # fmt: skip
+            env = dict(
+                os.environ,
+                RANK=str(rank),
+                LOCAL_RANK=str(rank % local),
+                WORLD_SIZE=str(world),
+                LOCAL_WORLD_SIZE=str(local),
+                GROUP_RANK=str(rank // local),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                OMP_NUM_THREADS="1",
+                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
+            )
             env.pop("SLURM_JOB_ID", None)
-            procs.append(subprocess.Popen(
-                [sys.executable, __file__, "--worker", tmp, "--votes", str(votes),
-                 "--arms", ",".join(arms)],
-                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--worker",
+                        tmp,
+                        "--votes",
+                        str(votes),
+                        "--arms",
+                        ",".join(arms),
+                    ],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
         deadline = time.monotonic() + timeout
         errors = []
         for rank, p in enumerate(procs):
@@ -285,13 +314,25 @@ def store_rate(clients: int, requests: int) -> float:
     from torch.distributed import TCPStore
 
     port = _free_port()
-    server = TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=120),
-                      wait_for_workers=False, multi_tenant=True, use_libuv=True)  # fmt: skip
+    server = TCPStore(
+        "127.0.0.1",
+        port,
+        1,
+        True,
+        timedelta(seconds=120),
+        wait_for_workers=False,
+        multi_tenant=True,
+        use_libuv=True,
+    )
     server.set("key", "x" * 64)
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-            f"import scale_dist; scale_dist._store_client({port}, {requests}, {clients})")
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-             for _ in range(clients)]  # fmt: skip
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+        f"import scale_dist; scale_dist._store_client({port}, {requests}, {clients})"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        for _ in range(clients)
+    ]
     server.wait(["ready"])  # the key exists once the first client arrived
     while server.add("ready", 0) < clients:
         time.sleep(0.05)
@@ -305,7 +346,8 @@ def fit_power(xs: list[float], ys: list[float]) -> tuple[float, float]:
     lx, ly = [math.log(x) for x in xs], [math.log(max(y, 1e-12)) for y in ys]
     mx, my = statistics.fmean(lx), statistics.fmean(ly)
     b = sum((x - mx) * (y - my) for x, y in zip(lx, ly, strict=True)) / sum(
-        (x - mx) ** 2 for x in lx)
+        (x - mx) ** 2 for x in lx
+    )
     return math.exp(my - b * mx), b
 
 
@@ -314,7 +356,8 @@ def fit_log(xs: list[float], ys: list[float]) -> tuple[float, float]:
     lx = [math.log2(x) for x in xs]
     mx, my = statistics.fmean(lx), statistics.fmean(ys)
     b = sum((x - mx) * (y - my) for x, y in zip(lx, ys, strict=True)) / sum(
-        (x - mx) ** 2 for x in lx)
+        (x - mx) ** 2 for x in lx
+    )
     return my - b * mx, b
 
 
@@ -358,59 +401,89 @@ def report(rows: list[dict[str, Any]], rate: float, per_node: int) -> list[str]:
     """The table, the fits and the projections, as printed lines."""
     from ddp.agree import Layout
 
-    lines = [f"ranks per simulated node: {per_node}; store rate: {rate:,.0f} requests/s "
-             "(one libuv TCPStore, this machine)", ""]  # fmt: skip
-    head = ("W", "tree sockets mean/max (predicted)", "tree req/rank (predicted)",
-            "tree hops seen/layout", "tree vote ms idle/busy", "mesh sockets",
-            "mesh req/rank", "mesh hops", "mesh vote ms idle/busy", "ckpt sockets max",
-            "ckpt req/rank")
+    lines = [
+        f"ranks per simulated node: {per_node}; store rate: {rate:,.0f} requests/s "
+        "(one libuv TCPStore, this machine)",
+        "",
+    ]
+    head = (
+        "W",
+        "tree sockets mean/max (predicted)",
+        "tree req/rank (predicted)",
+        "tree hops seen/layout",
+        "tree vote ms idle/busy",
+        "mesh sockets",
+        "mesh req/rank",
+        "mesh hops",
+        "mesh vote ms idle/busy",
+        "ckpt sockets max",
+        "ckpt req/rank",
+    )
     lines.append(" | ".join(head))
     nan = float("nan")
     for r in rows:
         mean, most, req = predicted(r["W"], min(per_node, r["W"]))
-        lines.append(" | ".join([
-            str(r["W"]),
-            f"{r['tree_sockets_mean']:.2f}/{r['tree_sockets_max']} ({mean:.2f}/{most})",
-            f"{r['tree_requests_per_rank']:.2f} ({req:.2f})",
-            f"{r['tree_hops_seen']}/{r['tree_hops']}",
-            f"{r['tree_vote_s'] * 1e3:.2f}/{r['tree_busy_s'] * 1e3:.1f}",
-            f"{r.get('mesh_sockets_mean', float('nan')):.1f}",
-            f"{r.get('mesh_requests_per_rank', float('nan')):.1f}",
-            str(r.get("mesh_hops", "-")),
-            f"{r.get('mesh_vote_s', nan) * 1e3:.2f}/{r.get('mesh_busy_s', nan) * 1e3:.1f}",
-            str(r["ckpt_sockets_max"]), f"{r['ckpt_requests_per_rank']:.2f}",
-        ]))  # fmt: skip
+        lines.append(
+            " | ".join(
+                [
+                    str(r["W"]),
+                    f"{r['tree_sockets_mean']:.2f}/{r['tree_sockets_max']} ({mean:.2f}/{most})",
+                    f"{r['tree_requests_per_rank']:.2f} ({req:.2f})",
+                    f"{r['tree_hops_seen']}/{r['tree_hops']}",
+                    f"{r['tree_vote_s'] * 1e3:.2f}/{r['tree_busy_s'] * 1e3:.1f}",
+                    f"{r.get('mesh_sockets_mean', float('nan')):.1f}",
+                    f"{r.get('mesh_requests_per_rank', float('nan')):.1f}",
+                    str(r.get("mesh_hops", "-")),
+                    f"{r.get('mesh_vote_s', nan) * 1e3:.2f}/{r.get('mesh_busy_s', nan) * 1e3:.1f}",
+                    str(r["ckpt_sockets_max"]),
+                    f"{r['ckpt_requests_per_rank']:.2f}",
+                ]
+            )
+        )
     ws = [r["W"] for r in rows]
     big = [r for r in rows if r["W"] >= 4]
     big = big if len(big) >= 2 else rows
     bw = [r["W"] for r in big]
-    lines += ["", f"fitted exponents (log-log least squares; W = {ws[0]}..{ws[-1]} and "
-              f"{bw[0]}..{bw[-1]}; done-when: <= 0.1 for the tree's):"]  # fmt: skip
-    for key in ("tree_sockets_mean", "tree_sockets_max", "tree_requests_per_rank",
-                "ckpt_sockets_max", "ckpt_requests_per_rank", "mesh_sockets_mean",
-                "mesh_requests_per_rank"):  # fmt: skip
+    lines += [
+        "",
+        f"fitted exponents (log-log least squares; W = {ws[0]}..{ws[-1]} and "
+        f"{bw[0]}..{bw[-1]}; done-when: <= 0.1 for the tree's):",
+    ]
+    for key in (
+        "tree_sockets_mean",
+        "tree_sockets_max",
+        "tree_requests_per_rank",
+        "ckpt_sockets_max",
+        "ckpt_requests_per_rank",
+        "mesh_sockets_mean",
+        "mesh_requests_per_rank",
+    ):
         if key in rows[0]:
             every = fit_power(ws, [r[key] for r in rows])[1]
             late = fit_power(bw, [r[key] for r in big])[1]
             lines.append(f"  {key}: {every:.3f} ({late:.3f} from W = {bw[0]})")
     a, b = fit_log(bw, [r["tree_hops_seen"] for r in big])
-    lines.append(f"  tree vote hops = {a:.2f} + {b:.2f} x log2 W (W = {bw[0]}..{bw[-1]}; "
-                 "a power law's exponent "
-                 f"{fit_power(bw, [r['tree_hops_seen'] for r in big])[1]:.3f})")
+    lines.append(
+        f"  tree vote hops = {a:.2f} + {b:.2f} x log2 W (W = {bw[0]}..{bw[-1]}; "
+        "a power law's exponent "
+        f"{fit_power(bw, [r['tree_hops_seen'] for r in big])[1]:.3f})"
+    )
     ta, tb = fit_log(bw, [r["tree_vote_s"] for r in big])
-    lines.append(f"  tree vote time: exponent {fit_power(bw, [r['tree_vote_s'] for r in big])[1]:.3f}"
-                 f"; {ta * 1e3:.2f} ms + {tb * 1e3:.3f} ms x log2 W (time here is W processes "
-                 "taking turns on the cores: every round must run each of them once)")
+    lines.append(
+        f"  tree vote time: exponent {fit_power(bw, [r['tree_vote_s'] for r in big])[1]:.3f}"
+        f"; {ta * 1e3:.2f} ms + {tb * 1e3:.3f} ms x log2 W (time here is W processes "
+        "taking turns on the cores: every round must run each of them once)"
+    )
     if "mesh_vote_s" in big[0]:
-        lines.append("  mesh vote time: exponent "
-                     f"{fit_power(bw, [r['mesh_vote_s'] for r in big])[1]:.3f}")
+        lines.append(
+            f"  mesh vote time: exponent {fit_power(bw, [r['mesh_vote_s'] for r in big])[1]:.3f}"
+        )
     worst = max(big, key=lambda r: r["tree_vote_s"] / r["tree_hops_seen"])
     per_hop = worst["tree_vote_s"] / worst["tree_hops_seen"]
     best = min(rows, key=lambda r: r["tree_vote_s"] / r["tree_hops_seen"])
     calm = best["tree_vote_s"] / best["tree_hops_seen"]
     build0 = min(r["tree_build_s"] for r in rows)
-    lines += ["", "projection (exact counts by the layout, validated above; times measured "
-              "here):"]  # fmt: skip
+    lines += ["", "projection (exact counts by the layout, validated above; times measured here):"]
     for name, world, ppn in TARGETS:
         lay = Layout(0, world, ppn)
         mean, most, req = predicted(world, ppn)
@@ -419,21 +492,26 @@ def report(rows: list[dict[str, Any]], rate: float, per_node: int) -> list[str]:
         init_s = store_s + build0 + vote_s
         lines.append(
             f"  {name} W={world:,} ({ppn}/node): sockets per rank mean {mean:.2f}, max "
-            f"{most}; store requests {req:.2f} per rank")
+            f"{most}; store requests {req:.2f} per rank"
+        )
         lines.append(
             f"    vote = {lay.hops} hops x {per_hop * 1e3:.2f} ms/hop (worst here, W="
             f"{worst['W']}) = {vote_s:.3f} s; x {calm * 1e3:.3f} ms/hop (best here, W="
-            f"{best['W']}) = {lay.hops * calm:.4f} s (limit {VOTE_LIMIT_S} s)")
+            f"{best['W']}) = {lay.hops * calm:.4f} s (limit {VOTE_LIMIT_S} s)"
+        )
         lines.append(
             f"    ddp.init added = {req:.2f} x {world:,} / {rate:,.0f} req/s = {store_s:.1f} s "
             f"at rank 0's store + {build0:.3f} s local + one round {vote_s:.3f} s = "
-            f"{init_s:.1f} s (limit {INIT_LIMIT_S:.0f} s)")
+            f"{init_s:.1f} s (limit {INIT_LIMIT_S:.0f} s)"
+        )
         if "mesh_requests_per_rank" in rows[-1]:
             mreq = fit_power(ws, [r["mesh_requests_per_rank"] for r in rows])
             mesh_s = mreq[0] * world ** mreq[1] * world / rate
-            lines.append(f"    the replaced mesh: {world:,} sockets per rank, "
-                         f"{mesh_s:,.0f} s at rank 0's store, a vote of {2 * (world - 1):,} "
-                         "hops")
+            lines.append(
+                f"    the replaced mesh: {world:,} sockets per rank, "
+                f"{mesh_s:,.0f} s at rank 0's store, a vote of {2 * (world - 1):,} "
+                "hops"
+            )
     return lines
 
 
@@ -462,15 +540,16 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for world in (int(w) for w in args.worlds.split(",")):
         t0 = time.monotonic()
-        rows.append(summarize(world, run_world(world, args.per_node, args.votes, arms,
-                                               args.timeout)))  # fmt: skip
-        print(f"W={world}: {json.dumps(rows[-1])} ({time.monotonic() - t0:.0f} s)",
-              flush=True)
+        rows.append(
+            summarize(world, run_world(world, args.per_node, args.votes, arms, args.timeout))
+        )
+        print(f"W={world}: {json.dumps(rows[-1])} ({time.monotonic() - t0:.0f} s)", flush=True)
     rate = store_rate(args.store_clients, args.store_requests)
     print("\n".join(report(rows, rate, args.per_node)))
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "store_rate": rate,
-                                                "per_node": args.per_node}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"rows": rows, "store_rate": rate, "per_node": args.per_node}, indent=1)
+        )
     return 0
 
 

@@ -113,9 +113,16 @@ def calls(log: Path) -> int:
 def sweep_run(runs_dir: Path, scheduler: str, job_id: str, n: int) -> Path:
     run = runs_dir / f"sweep-{scheduler}-{n}"
     run.mkdir(parents=True)
-    runs.write_record(run, {"name": "sweep", "scheduler": scheduler, "cluster": scheduler,
-                            "job_id": job_id, "sweep": [
-                                {"index": i, "label": f"x={i}", "dir": f"t{i}"} for i in range(n)]})
+    runs.write_record(
+        run,
+        {
+            "name": "sweep",
+            "scheduler": scheduler,
+            "cluster": scheduler,
+            "job_id": job_id,
+            "sweep": [{"index": i, "label": f"x={i}", "dir": f"t{i}"} for i in range(n)],
+        },
+    )
     return run
 
 
@@ -150,8 +157,12 @@ def many_runs(runs_dir: Path, n: int) -> None:
     for i in range(n):
         run = runs_dir / f"job-{i:06d}"
         run.mkdir()
-        rec = {"name": "job", "scheduler": "pbs", "cluster": "aurora",
-               "job_id": f"{1_000_000 + i}.aurora-pbs-0001.hostmgmt.cm.aurora.alcf.anl.gov"}
+        rec = {
+            "name": "job",
+            "scheduler": "pbs",
+            "cluster": "aurora",
+            "job_id": f"{1_000_000 + i}.aurora-pbs-0001.hostmgmt.cm.aurora.alcf.anl.gov",
+        }
         (run / "run.json").write_text(json.dumps(rec))
 
 
@@ -178,8 +189,9 @@ def bench_lookup(sizes: list[int], tmp: Path) -> dict[str, Any]:
         return real(path, *a, **k)
 
     runs.read_regular = counting  # type: ignore[assignment]
-    out: dict[str, list[float]] = {k: [] for k in ("build", "hit", "other_server", "miss",
-                                                   "hit_s", "scan", "scan_s")}
+    out: dict[str, list[float]] = {
+        k: [] for k in ("build", "hit", "other_server", "miss", "hit_s", "scan", "scan_s")
+    }
     try:
         for n in sizes:
             runs_dir = tmp / f"lookup-{n}"
@@ -188,10 +200,11 @@ def bench_lookup(sizes: list[int], tmp: Path) -> dict[str, Any]:
             assert runs.find(str(1_000_000 + n // 2), runs_dir) is not None
             out["build"].append(len(opened))
             samples = []
-            for key, ident in (("hit", f"{1_000_000 + n - 1}.aurora-pbs-0001.hostmgmt.cm."
-                                       "aurora.alcf.anl.gov"),
-                               ("other_server", f"{1_000_000 + n // 3}.aurora-pbs-0001"),
-                               ("miss", "999")):
+            for key, ident in (
+                ("hit", f"{1_000_000 + n - 1}.aurora-pbs-0001.hostmgmt.cm.aurora.alcf.anl.gov"),
+                ("other_server", f"{1_000_000 + n // 3}.aurora-pbs-0001"),
+                ("miss", "999"),
+            ):
                 del opened[:]
                 start = time.perf_counter()
                 found = runs.find(ident, runs_dir)
@@ -213,13 +226,22 @@ def qstat_file(path: Path, jobs: int) -> Path:
     """A ``qstat -x -f -F json`` answer of ``jobs`` finished jobs, ~2 KB each."""
     variables = {f"PBS_O_VAR{i}": "/lus/flare/projects/x/" + "y" * 40 for i in range(20)}
     with path.open("w") as fh:
-        fh.write('{\n    "timestamp":1795475428,\n    "pbs_version":"23.06.06",\n'
-                 '    "pbs_server":"aurora-pbs-0001",\n    "Jobs":{\n')
+        fh.write(
+            '{\n    "timestamp":1795475428,\n    "pbs_version":"23.06.06",\n'
+            '    "pbs_server":"aurora-pbs-0001",\n    "Jobs":{\n'
+        )
         for i in range(jobs):
-            attrs = {"Job_Name": f"job{i}", "Job_Owner": "user@aurora-uan-0009",
-                     "job_state": "F", "queue": "prod", "substate": 92, "Exit_status": 0,
-                     "Resource_List": {"select": "256:system=aurora", "walltime": "01:00:00"},
-                     "Variable_List": variables, "comment": "Job run at ... and finished"}
+            attrs = {
+                "Job_Name": f"job{i}",
+                "Job_Owner": "user@aurora-uan-0009",
+                "job_state": "F",
+                "queue": "prod",
+                "substate": 92,
+                "Exit_status": 0,
+                "Resource_List": {"select": "256:system=aurora", "walltime": "01:00:00"},
+                "Variable_List": variables,
+                "comment": "Job run at ... and finished",
+            }
             sep = "," if i < jobs - 1 else ""
             fh.write(f'        "{i}.aurora-pbs-0001":{json.dumps(attrs, indent=4)}{sep}\n')
         fh.write("    }\n}\n")
@@ -272,6 +294,7 @@ def _old_read(text: str) -> dict[str, Any]:
 def _old_lookup(info: dict[str, Any], job_id: str, examined: list[int]) -> Any:
     """The lookup before issue 28 (kept here as the baseline): exact, else a scan of
     every entry comparing sequence number and array index."""
+
     def seq(j: str) -> str:
         m = re.match(r"^[0-9]+", j)
         return m.group(0) if m else j
@@ -323,8 +346,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="1,10,100,1000,10000")
     parser.add_argument("--jobs", default="1000,10000,50000")
-    parser.add_argument("--old-max", type=int, default=1000,
-                        help="largest size the designs before issue 28 are run at")
+    parser.add_argument(
+        "--old-max",
+        type=int,
+        default=1000,
+        help="largest size the designs before issue 28 are run at",
+    )
     parser.add_argument("--json", help="write the numbers here too")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -339,34 +366,55 @@ def main() -> int:
     head = "| cost | " + " | ".join(f"N={s:,}" for s in sizes) + " | exponent | goal |"
     rule = "|" + "---|" * (len(sizes) + 3)
     st, lk, sp = results["status"], results["lookup"], results["spelling"]
-    lines = [head, rule,
-             row("hpc status of an N-task sweep: SLURM calls", st["slurm"]["now"], sizes,
-                 goal="<= 2, flat"),
-             row("  same, one call per id (before)", st["slurm"]["per_id"], sizes),
-             row("hpc status of an N-task sweep: PBS calls", st["pbs"]["now"], sizes,
-                 goal="<= 2, flat"),
-             row("  same, one call per id (before)", st["pbs"]["per_id"], sizes),
-             row("job-id lookup among N runs: records read, first (builds the index)", lk["build"],
-                 sizes),
-             row("  records read, hit", lk["hit"], sizes, goal="O(1)"),
-             row("  records read, hit in another server spelling", lk["other_server"], sizes,
-                 goal="O(1)"),
-             row("  records read, miss", lk["miss"], sizes, goal="O(1)"),
-             row("  seconds, hit", lk["hit_s"], sizes, fmt="{:.4f}"),
-             row("  records read, a hit mid-way by the scan (before)", lk["scan"], sizes),
-             row("  seconds, same (before)", lk["scan_s"], sizes, fmt="{:.4f}"),
-             row("N subjobs looked up, other server spelling: seconds by key", sp["key_s"],
-                 sizes, fmt="{:.4f}", goal="exponent <= 1"),
-             row("  entries examined by the scan (before)", sp["scan_examined"], sizes),
-             row("  seconds by the scan (before)", sp["scan_s"], sizes, fmt="{:.3f}")]
+    lines = [
+        head,
+        rule,
+        row(
+            "hpc status of an N-task sweep: SLURM calls",
+            st["slurm"]["now"],
+            sizes,
+            goal="<= 2, flat",
+        ),
+        row("  same, one call per id (before)", st["slurm"]["per_id"], sizes),
+        row("hpc status of an N-task sweep: PBS calls", st["pbs"]["now"], sizes, goal="<= 2, flat"),
+        row("  same, one call per id (before)", st["pbs"]["per_id"], sizes),
+        row(
+            "job-id lookup among N runs: records read, first (builds the index)", lk["build"], sizes
+        ),
+        row("  records read, hit", lk["hit"], sizes, goal="O(1)"),
+        row(
+            "  records read, hit in another server spelling", lk["other_server"], sizes, goal="O(1)"
+        ),
+        row("  records read, miss", lk["miss"], sizes, goal="O(1)"),
+        row("  seconds, hit", lk["hit_s"], sizes, fmt="{:.4f}"),
+        row("  records read, a hit mid-way by the scan (before)", lk["scan"], sizes),
+        row("  seconds, same (before)", lk["scan_s"], sizes, fmt="{:.4f}"),
+        row(
+            "N subjobs looked up, other server spelling: seconds by key",
+            sp["key_s"],
+            sizes,
+            fmt="{:.4f}",
+            goal="exponent <= 1",
+        ),
+        row("  entries examined by the scan (before)", sp["scan_examined"], sizes),
+        row("  seconds by the scan (before)", sp["scan_s"], sizes, fmt="{:.3f}"),
+    ]
     q = results["qstat"]
     qhead = "| qstat reader, 1 job asked for | " + " | ".join(f"J={j:,}" for j in job_counts)
-    lines += ["", qhead + " | exponent | goal |", "|" + "---|" * (len(job_counts) + 3),
-              row("answer size, MB", q["file_mb"], job_counts, fmt="{:.1f}"),
-              row("peak MB, streamed (now)", q["stream_mb"], job_counts, fmt="{:.2f}",
-                  goal="flat (exponent ~0)"),
-              row("peak MB, whole answer parsed (before)", q["whole_mb"], job_counts,
-                  fmt="{:.1f}")]
+    lines += [
+        "",
+        qhead + " | exponent | goal |",
+        "|" + "---|" * (len(job_counts) + 3),
+        row("answer size, MB", q["file_mb"], job_counts, fmt="{:.1f}"),
+        row(
+            "peak MB, streamed (now)",
+            q["stream_mb"],
+            job_counts,
+            fmt="{:.2f}",
+            goal="flat (exponent ~0)",
+        ),
+        row("peak MB, whole answer parsed (before)", q["whole_mb"], job_counts, fmt="{:.1f}"),
+    ]
     print("\n".join(lines))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")

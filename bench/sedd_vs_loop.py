@@ -35,15 +35,30 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _sets(args: argparse.Namespace) -> list[str]:
-    out = [f"training.max_steps={args.steps}", "training.epochs=1000", "checkpoint.dir=null",
-           "logging.progress=off", "logging.metrics_file=null", "recipe.eval_fraction=0",
-           "monitoring.sample_frequency=0", f"precision={args.precision}",
-           f"ddp.device={args.device}", "memory.max_memory_fraction=null",
-           "data.num_workers=0", "training.accum=1"]  # fmt: skip
+    out = [
+        f"training.max_steps={args.steps}",
+        "training.epochs=1000",
+        "checkpoint.dir=null",
+        "logging.progress=off",
+        "logging.metrics_file=null",
+        "recipe.eval_fraction=0",
+        "monitoring.sample_frequency=0",
+        f"precision={args.precision}",
+        f"ddp.device={args.device}",
+        "memory.max_memory_fraction=null",
+        "data.num_workers=0",
+        "training.accum=1",
+    ]
     if args.model == "small":  # SEDD small at the recipe's defaults, one micro-batch a step
-        out += ["model.d_model=768", "model.n_layers=12", "model.n_heads=12",
-                "model.cond_dim=128", "model.max_len=512", "model.dropout=0.1",
-                "training.batch_size=16"]  # fmt: skip
+        out += [
+            "model.d_model=768",
+            "model.n_layers=12",
+            "model.n_heads=12",
+            "model.cond_dim=128",
+            "model.max_len=512",
+            "model.dropout=0.1",
+            "training.batch_size=16",
+        ]
     return out
 
 
@@ -70,10 +85,12 @@ def worker(args: argparse.Namespace) -> None:
         torch.manual_seed(cfg.training.seed + ctx.rank)
         model = built.model.to(dev)
         wrapped = ddp.wrap(model)
-        sampler = torch.utils.data.DistributedSampler(built.train_data, ctx.world_size, ctx.rank,
-                                                      seed=cfg.training.seed)  # fmt: skip
-        loader = torch.utils.data.DataLoader(built.train_data, batch_size=cfg.training.batch_size,
-                                             sampler=sampler)  # fmt: skip
+        sampler = torch.utils.data.DistributedSampler(
+            built.train_data, ctx.world_size, ctx.rank, seed=cfg.training.seed
+        )
+        loader = torch.utils.data.DataLoader(
+            built.train_data, batch_size=cfg.training.batch_size, sampler=sampler
+        )
         opt = torch.optim.AdamW(wrapped.parameters(), lr=cfg.optim.lr, weight_decay=0.0)
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
         steps, epoch = 0, 0
@@ -99,8 +116,18 @@ def worker(args: argparse.Namespace) -> None:
     if ctx.is_main:
         mem = torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else 0.0
         tokens = steps * cfg.training.batch_size * ctx.world_size * cfg.model["max_len"]
-        print(json.dumps({"arm": args.worker, "s": elapsed, "steps": steps,
-                          "tokens_per_s": tokens / elapsed, "peak_mib": mem}), flush=True)  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "arm": args.worker,
+                    "s": elapsed,
+                    "steps": steps,
+                    "tokens_per_s": tokens / elapsed,
+                    "peak_mib": mem,
+                }
+            ),
+            flush=True,
+        )
     ddp.shutdown()
 
 
@@ -114,14 +141,35 @@ def run_arm(arm: str, args: argparse.Namespace) -> dict:
     world = 1 if args.device == "cuda" else args.world
     port, procs = _port(), []
     for rank in range(world):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank),
-               "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT),
-                                              os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-        cmd = [sys.executable, __file__, "--worker", arm, "--steps", str(args.steps),
-               "--device", args.device, "--model", args.model, "--precision", args.precision,
-               "--config", str(args.config)]  # fmt: skip
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "PYTHONPATH": os.pathsep.join(
+                [str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]
+            ),
+        }
+        cmd = [
+            sys.executable,
+            __file__,
+            "--worker",
+            arm,
+            "--steps",
+            str(args.steps),
+            "--device",
+            args.device,
+            "--model",
+            args.model,
+            "--precision",
+            args.precision,
+            "--config",
+            str(args.config),
+        ]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
     outs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
@@ -151,19 +199,26 @@ def main() -> None:
         for arm in got:
             rows[arm].append(got[arm])
         ratios.append(got["loop"]["s"] / got["recipe"]["s"])
-        print(f"round {r + 1}: recipe {got['recipe']['s']:.2f} s, loop {got['loop']['s']:.2f} s, "
-              f"ratio {ratios[-1]:.3f}", flush=True)  # fmt: skip
+        print(
+            f"round {r + 1}: recipe {got['recipe']['s']:.2f} s, loop {got['loop']['s']:.2f} s, "
+            f"ratio {ratios[-1]:.3f}",
+            flush=True,
+        )
     world = 1 if args.device == "cuda" else args.world
-    print(f"\nuniref50 SEDD, {args.model} model, {args.precision}, {args.device}, world {world}, "
-          f"{args.steps} steps, {args.rounds} rounds")
+    print(
+        f"\nuniref50 SEDD, {args.model} model, {args.precision}, {args.device}, world {world}, "
+        f"{args.steps} steps, {args.rounds} rounds"
+    )
     for arm in ("recipe", "loop"):
         med = statistics.median(x["tokens_per_s"] for x in rows[arm])
         sps = statistics.median(x["steps"] / x["s"] for x in rows[arm])
         mem = max(x["peak_mib"] for x in rows[arm])
         extra = f", peak {mem:.0f} MiB" if args.device == "cuda" else ""
         print(f"{arm:7s}: {sps:.2f} steps/s, {med:,.0f} tokens/s{extra}")
-    print(f"recipe / loop steps/s: {statistics.median(ratios):.3f}x "
-          f"[{min(ratios):.3f}-{max(ratios):.3f}] (goal >= 0.97x)")
+    print(
+        f"recipe / loop steps/s: {statistics.median(ratios):.3f}x "
+        f"[{min(ratios):.3f}-{max(ratios):.3f}] (goal >= 0.97x)"
+    )
 
 
 if __name__ == "__main__":

@@ -57,14 +57,22 @@ ddp.shutdown()
 def make_venv(where: Path) -> Path:
     """A venv with torch inside it (not reached through the system's site folders)."""
     if (where / "bin" / "python").exists() and subprocess.run(
-            [str(where / "bin" / "python"), "-c", "import torch"], capture_output=True).returncode == 0:
+        [str(where / "bin" / "python"), "-c", "import torch"], capture_output=True
+    ).returncode == 0:
         return where
     subprocess.run([sys.executable, "-m", "venv", str(where)], check=True)
     pip = [str(where / "bin" / "python"), "-m", "pip", "install", "-q"]
     subprocess.run([*pip, "torch==2.13.0", "numpy", "pyyaml"], check=True)
-    purelib = subprocess.run([str(where / "bin" / "python"), "-c",
-                              "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                             capture_output=True, text=True, check=True).stdout.strip()
+    purelib = subprocess.run(
+        [
+            str(where / "bin" / "python"),
+            "-c",
+            "import sysconfig; print(sysconfig.get_path('purelib'))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     Path(purelib, "hpc-ddp-checkout.pth").write_text(f"{ROOT / 'src'}\n")
     return where
 
@@ -72,9 +80,15 @@ def make_venv(where: Path) -> Path:
 def profile(dir_: Path) -> Path:
     """The slurm profile plus a first line that stamps the script's start."""
     (dir_ / "clusters").mkdir(parents=True, exist_ok=True)
-    (dir_ / "clusters" / "benchslurm.yaml").write_text(yaml.safe_dump({
-        "extends": "slurm", "description": "bench/stage.py",
-        "setup": ['date +%s.%N > "/tmp/hpc-ddp-bench-t0-$SLURM_JOB_ID"']}))
+    (dir_ / "clusters" / "benchslurm.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "extends": "slurm",
+                "description": "bench/stage.py",
+                "setup": ['date +%s.%N > "/tmp/hpc-ddp-bench-t0-$SLURM_JOB_ID"'],
+            }
+        )
+    )
     return dir_ / "clusters"
 
 
@@ -83,26 +97,48 @@ def run_job(tmp: Path, venv: Path, stage: str, strace: bool, env: dict[str, str]
     rank.write_text(RANK)
     command = ["python", str(rank)]
     if strace:
-        command = ["bash", "-c", 'exec strace -f -qq -e trace=%file -o '
-                   f'{shlex.quote(str(tmp))}/trace-"$SLURM_PROCID".txt python '
-                   f'{shlex.quote(str(rank))}']
+        command = [
+            "bash",
+            "-c",
+            "exec strace -f -qq -e trace=%file -o "
+            f'{shlex.quote(str(tmp))}/trace-"$SLURM_PROCID".txt python '
+            f"{shlex.quote(str(rank))}",
+        ]
     spec = tmp / f"stage-{stage}.yaml"
-    spec.write_text(yaml.safe_dump({
-        "name": f"bench-{stage}", "cluster": "benchslurm", "queue": "debug", "nodes": 2,
-        "ppn": 1, "walltime": "00:10:00", "wrap": "never",
-        "python": {"venv": str(venv), "stage": stage},
-        "env": {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}, "command": command}))
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "name": f"bench-{stage}",
+                "cluster": "benchslurm",
+                "queue": "debug",
+                "nodes": 2,
+                "ppn": 1,
+                "walltime": "00:10:00",
+                "wrap": "never",
+                "python": {"venv": str(venv), "stage": stage},
+                "env": {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"},
+                "command": command,
+            }
+        )
+    )
     runs = tmp / "runs"
     before = set(runs.iterdir()) if runs.exists() else set()
-    proc = subprocess.run([sys.executable, "-m", "hpc", "submit", str(spec),
-                           "--runs-dir", str(runs)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, check=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpc", "submit", str(spec), "--runs-dir", str(runs)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
     job_id = proc.stdout.strip()
     (run_dir,) = set(runs.iterdir()) - before
     deadline = time.monotonic() + 600
     while True:
-        state = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True,
-                               text=True, env=env).stdout
+        state = subprocess.run(
+            ["scontrol", "show", "job", job_id], capture_output=True, text=True, env=env
+        ).stdout
         match = re.search(r"JobState=(\S+)", state)
         if match and match.group(1) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
             break
@@ -115,9 +151,12 @@ def run_job(tmp: Path, venv: Path, stage: str, strace: bool, env: dict[str, str]
     t0 = float(Path(f"/tmp/hpc-ddp-bench-t0-{job_id}").read_text())
     first = float(re.search(r"FIRST_STEP (\S+)", log).group(1))
     packed = re.search(r"in ([0-9.]+) s;", proc.stderr)
-    out = {"job": job_id, "start_to_first_step_s": round(first - t0, 3),
-           "pack_at_submit_s": float(packed.group(1)) if packed else None,
-           "prefix": re.search(r"prefix=(\S+)", log).group(1)}
+    out = {
+        "job": job_id,
+        "start_to_first_step_s": round(first - t0, 3),
+        "pack_at_submit_s": float(packed.group(1)) if packed else None,
+        "prefix": re.search(r"prefix=(\S+)", log).group(1),
+    }
     if strace:
         shared = str(venv)
         calls = []
@@ -140,10 +179,16 @@ def main() -> None:
     venv = make_venv(args.venv)
     tmp = Path(f"/tmp/hpc-ddp-bench-stage-{os.getpid()}")
     tmp.mkdir()
-    tar_mb = sum(f.stat().st_size for f in venv.rglob("*") if f.is_file() and not f.is_symlink()) / 1e6
+    tar_mb = (
+        sum(f.stat().st_size for f in venv.rglob("*") if f.is_file() and not f.is_symlink()) / 1e6
+    )
     with slurm.start_cluster() as cluster:
-        env = dict(os.environ, SLURM_CONF=str(cluster.conf), HPC_DDP_CLUSTERS=str(profile(tmp)),
-                   PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'src'}")
+        env = dict(
+            os.environ,
+            SLURM_CONF=str(cluster.conf),
+            HPC_DDP_CLUSTERS=str(profile(tmp)),
+            PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'src'}",
+        )
         env.pop("VIRTUAL_ENV", None)
         results: dict[str, dict] = {}
         for stage in ("never", "always"):
@@ -162,8 +207,9 @@ def main() -> None:
         "venv_mb": round(tar_mb, 1),
         "load_average": os.getloadavg()[0],
         "arms": results,
-        "time_ratio_staged_over_shared": round(results["always"]["median_s"]
-                                               / results["never"]["median_s"], 2),
+        "time_ratio_staged_over_shared": round(
+            results["always"]["median_s"] / results["never"]["median_s"], 2
+        ),
         "projection_1000_nodes_x_12_ranks": {
             "shared_metadata_calls_unstaged": int(per_rank * 12 * 1000),
             "shared_metadata_calls_staged": int(staged * 12 * 1000) + 1,

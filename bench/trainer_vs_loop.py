@@ -88,8 +88,11 @@ def hand_loop(data, epochs: int, ckpt_dir: str | None = None) -> float:
             opt.step()
         if ckpt_dir is not None:
             if dist.get_rank() == 0:
-                state = {"model": model.module.state_dict(), "optimizer": opt.state_dict(),
-                         "epoch": epoch}  # fmt: skip
+                state = {
+                    "model": model.module.state_dict(),
+                    "optimizer": opt.state_dict(),
+                    "epoch": epoch,
+                }
                 torch.save(state, os.path.join(ckpt_dir, f"epoch_{epoch}.pt"))
             dist.barrier()
     dist.barrier()
@@ -104,12 +107,14 @@ def trainer_run(data, epochs: int, signals: list[str], ckpt_dir: str | None) -> 
     from ddp.trainer import Trainer
 
     base = TrainConfig()  # the defaults, with only the model's own settings changed
-    cfg = TrainConfig.from_dict({
-        "training": {"batch_size": 64, "epochs": epochs},
-        "optim": {"name": "sgd", "lr": 0.01},
-        "checkpoint": {"dir": ckpt_dir},
-        "preemption": {"signals": signals},
-    })  # fmt: skip
+    cfg = TrainConfig.from_dict(
+        {
+            "training": {"batch_size": 64, "epochs": epochs},
+            "optim": {"name": "sgd", "lr": 0.01},
+            "checkpoint": {"dir": ckpt_dir},
+            "preemption": {"signals": signals},
+        }
+    )
     assert cfg.logging.every_n_steps == base.logging.every_n_steps
 
     def step(model, batch):
@@ -141,9 +146,13 @@ def fabric_run(data, epochs: int) -> float:
     dist.barrier()
     t0 = time.perf_counter()
     fabric = Fabric(
-        accelerator="cpu", strategy="ddp", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
-        num_nodes=1, precision="32-true", plugins=[TorchElasticEnvironment()],
-    )  # fmt: skip
+        accelerator="cpu",
+        strategy="ddp",
+        devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+        num_nodes=1,
+        precision="32-true",
+        plugins=[TorchElasticEnvironment()],
+    )
     fabric.launch()
     assert fabric.world_size == dist.get_world_size() == 2, fabric.world_size
     assert fabric.global_rank == dist.get_rank()
@@ -268,14 +277,18 @@ def worker(rounds: int, steps: int, epochs: int, arms: list[str]) -> None:
             times = " ".join(f"{arm} {t[arm]:.3f}s" for arm in order)
             print(f"round {r}: {times}", flush=True)
     if ctx.is_main:
-        print(f"{baselines[0]}: {statistics.median(sps):.0f} samples/s (world {ctx.world_size}, "
-              f"{epochs} epochs of {len(data) // (64 * ctx.world_size)} steps)")  # fmt: skip
+        print(
+            f"{baselines[0]}: {statistics.median(sps):.0f} samples/s (world {ctx.world_size}, "
+            f"{epochs} epochs of {len(data) // (64 * ctx.world_size)} steps)"
+        )
         for arm in arms:
             med = statistics.median(ratios[arm])
             spread = f"[{min(ratios[arm]):.3f}-{max(ratios[arm]):.3f}]"
             goal = {"trainer": " (goal >= 1.0x)", "trainer_defaults": " (goal >= 0.97x)"}
-            print(f"{LABELS[arm]} / {BASELINE.get(arm, 'loop')} samples/s, median of {rounds} "
-                  f"paired rounds: {med:.3f}x {spread}{goal.get(arm, '')}")  # fmt: skip
+            print(
+                f"{LABELS[arm]} / {BASELINE.get(arm, 'loop')} samples/s, median of {rounds} "
+                f"paired rounds: {med:.3f}x {spread}{goal.get(arm, '')}"
+            )
     ddp.shutdown()
 
 
@@ -305,8 +318,9 @@ class TinyLM:  # namespace only; the module class is built lazily (torch imports
                 d = LM["dim"]
                 self.emb = nn.Embedding(LM["vocab"], d)
                 self.pos = nn.Parameter(torch.zeros(LM["seq"], d))
-                layer = nn.TransformerEncoderLayer(d, LM["heads"], 4 * d, dropout=0.0,
-                                                   batch_first=True, norm_first=True)  # fmt: skip
+                layer = nn.TransformerEncoderLayer(
+                    d, LM["heads"], 4 * d, dropout=0.0, batch_first=True, norm_first=True
+                )
                 self.blocks = nn.TransformerEncoder(layer, LM["layers"], enable_nested_tensor=False)
                 self.head = nn.Linear(d, LM["vocab"])
 
@@ -401,13 +415,15 @@ def single_trainer(data, kind: str, batch: int, amp: bool, clock: Clock, signals
     from ddp.config import TrainConfig
     from ddp.trainer import Trainer
 
-    cfg = TrainConfig.from_dict({
-        "training": {"batch_size": batch, "epochs": 1},
-        "optim": {"name": "sgd", "lr": 0.01},
-        "checkpoint": {"dir": None},
-        "preemption": {"signals": ["SIGUSR1", "SIGTERM"] if signals else []},
-        "precision": "bf16" if amp else "fp32",
-    })  # fmt: skip
+    cfg = TrainConfig.from_dict(
+        {
+            "training": {"batch_size": batch, "epochs": 1},
+            "optim": {"name": "sgd", "lr": 0.01},
+            "checkpoint": {"dir": None},
+            "preemption": {"signals": ["SIGUSR1", "SIGTERM"] if signals else []},
+            "precision": "bf16" if amp else "fp32",
+        }
+    )
 
     def step(model, b):
         clock.tick()
@@ -423,8 +439,11 @@ def single_fabric(data, kind: str, batch: int, amp: bool, clock: Clock, dev) -> 
     from lightning_fabric import Fabric
     from torch.utils.data import DataLoader
 
-    fabric = Fabric(accelerator="cuda" if dev.type == "cuda" else "cpu", devices=1,
-                    precision="bf16-mixed" if amp else "32-true")  # fmt: skip
+    fabric = Fabric(
+        accelerator="cuda" if dev.type == "cuda" else "cpu",
+        devices=1,
+        precision="bf16-mixed" if amp else "32-true",
+    )
     fabric.launch()
     assert fabric.world_size == 1, fabric.world_size
     model = make_model(kind)
@@ -501,8 +520,10 @@ def profile_steps(arm: str, data, kind: str, batch: int, dev, steps: int = 20) -
     class Window(Clock):
         def __init__(self) -> None:
             super().__init__(dev, 10, steps)
-            self.prof = profile(activities=[ProfilerActivity.CPU]
-                                + ([ProfilerActivity.CUDA] if dev.type == "cuda" else []))
+            self.prof = profile(
+                activities=[ProfilerActivity.CPU]
+                + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+            )
 
         def tick(self) -> None:
             if self.n == self.warmup:
@@ -514,11 +535,20 @@ def profile_steps(arm: str, data, kind: str, batch: int, dev, steps: int = 20) -
     clock = Window()
     single_arm(arm, data, kind, batch, clock, dev)
     events = clock.prof.key_averages()
-    watch = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync",
-             "aten::_local_scalar_dense", "aten::item", "aten::copy_", "aten::to")  # fmt: skip
+    watch = (
+        "cudaStreamSynchronize",
+        "cudaDeviceSynchronize",
+        "cudaMemcpyAsync",
+        "aten::_local_scalar_dense",
+        "aten::item",
+        "aten::copy_",
+        "aten::to",
+    )
     counts = {e.key: e.count for e in events if e.key in watch}
-    lines = [f"profile {arm} ({kind}, {steps} steps): per step " + ", ".join(
-        f"{k} {counts.get(k, 0) / steps:g}" for k in watch)]  # fmt: skip
+    lines = [
+        f"profile {arm} ({kind}, {steps} steps): per step "
+        + ", ".join(f"{k} {counts.get(k, 0) / steps:g}" for k in watch)
+    ]
     lines.append(events.table(sort_by="self_cpu_time_total", row_limit=10))
     return "\n".join(lines)
 
@@ -559,9 +589,12 @@ def single_device(args: argparse.Namespace) -> None:
     amp = dev.type == "cuda"  # bf16 autocast variants: on the GPU (CPU autocast is another story)
     arms = ["loop", *names] + (["loop_bf16", *(f"{a}_bf16" for a in names)] if amp else [])
     data = single_data(args.model, batch * (warmup + steps + 2))
-    print(f"device {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}, "
-          f"torch {torch.__version__}, model {args.model}, batch {batch}, {warmup} warm-up + "
-          f"{steps} timed steps, {args.rounds} rounds", flush=True)  # fmt: skip
+    print(
+        f"device {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}, "
+        f"torch {torch.__version__}, model {args.model}, batch {batch}, {warmup} warm-up + "
+        f"{steps} timed steps, {args.rounds} rounds",
+        flush=True,
+    )
     small = single_data(args.model, batch * 8)
     for arm in arms:  # warm every path once (imports, kernels, autotuning)
         single_arm(arm, small, args.model, batch, Clock(dev, 0, 1), dev)
@@ -583,26 +616,30 @@ def single_device(args: argparse.Namespace) -> None:
             if dev.type == "cuda":
                 mem[arm].append((torch.cuda.max_memory_allocated(dev) - base) / 2**20)
         print(f"round {r}: " + " ".join(f"{a} {t[a][-1] * 1e3:.3f}ms" for a in order), flush=True)
+
     def paired(a: dict[str, list[float]], arm: str, ref: str) -> list[float]:
         return [x / y for x, y in zip(a[ref], a[arm], strict=True)]
 
     def span(v: list[float], f: str = ".3f") -> str:
         return f"{st.median(v):{f}} [{min(v):{f}} to {max(v):{f}}]"
 
-    print("\n| arm | ms/step | loop's time / arm's | host median ms/step | loop's / arm's "
-          "(host medians) | peak MiB |\n|---|---|---|---|---|---|")  # fmt: skip
+    print(
+        "\n| arm | ms/step | loop's time / arm's | host median ms/step | loop's / arm's "
+        "(host medians) | peak MiB |\n|---|---|---|---|---|---|"
+    )
     for arm in arms:
         ref = "loop_bf16" if arm.endswith("_bf16") else "loop"
         peak = f"{st.median(mem[arm]):.0f}" if mem[arm] else "-"
-        print(f"| {arm} | {st.median(t[arm]) * 1e3:.3f} | {span(paired(t, arm, ref))} | "
-              f"{st.median(host[arm]) * 1e3:.3f} | {span(paired(host, arm, ref))} | {peak} |")
+        print(
+            f"| {arm} | {st.median(t[arm]) * 1e3:.3f} | {span(paired(t, arm, ref))} | "
+            f"{st.median(host[arm]) * 1e3:.3f} | {span(paired(host, arm, ref))} | {peak} |"
+        )
     print("(medians over rounds [min to max]; ratios are per-round pairs)")
     for arm in [a for a in arms if a.startswith("trainer")]:
         ref = "loop_bf16" if arm.endswith("_bf16") else "loop"
         diff = [(a - b) * 1e6 for a, b in zip(t[arm], t[ref], strict=True)]
         hdiff = [(a - b) * 1e6 for a, b in zip(host[arm], host[ref], strict=True)]
-        print(f"{arm} - {ref}, us/step: {span(diff, '+.1f')}; host medians "
-              f"{span(hdiff, '+.1f')}")  # fmt: skip
+        print(f"{arm} - {ref}, us/step: {span(diff, '+.1f')}; host medians {span(hdiff, '+.1f')}")
     if args.profile:
         for arm in ("loop", "trainer"):
             print(profile_steps(arm, data, args.model, batch, dev), flush=True)
@@ -615,19 +652,35 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=150, help="steps per rank in all")
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                    help="cuda: one GPU, world 1 (the single-device comparison)")
-    ap.add_argument("--model", choices=("mlp", "lm"), default="mlp",
-                    help="single device only: mlp (overhead-bound) or lm (compute-bound)")
-    ap.add_argument("--warmup", type=int, default=None,
-                    help="single device only: untimed steps before the timed ones")
-    ap.add_argument("--profile", action="store_true",
-                    help="single device only: afterwards, profile the loop and the Trainer")
     ap.add_argument(
-        "--arms", default=None,
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: one GPU, world 1 (the single-device comparison)",
+    )
+    ap.add_argument(
+        "--model",
+        choices=("mlp", "lm"),
+        default="mlp",
+        help="single device only: mlp (overhead-bound) or lm (compute-bound)",
+    )
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="single device only: untimed steps before the timed ones",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="single device only: afterwards, profile the loop and the Trainer",
+    )
+    ap.add_argument(
+        "--arms",
+        default=None,
         help=f"comma-separated arms compared with the hand loop (default: all available: "
         f"{','.join(ALL_ARMS)})",
-    )  # fmt: skip
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.device == "cuda" or args.world == 1:
@@ -648,13 +701,31 @@ def main() -> None:
         port = s.getsockname()[1]
     procs = []
     for rank in range(args.world):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
-               "WORLD_SIZE": str(args.world), "LOCAL_WORLD_SIZE": str(args.world),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-        cmd = [sys.executable, __file__, "--worker", "--rounds", str(args.rounds),
-               "--steps", str(args.steps), "--epochs", str(args.epochs),
-               "--arms", ",".join(arms)]  # fmt: skip
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "GROUP_RANK": "0",
+            "WORLD_SIZE": str(args.world),
+            "LOCAL_WORLD_SIZE": str(args.world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+        }
+        cmd = [
+            sys.executable,
+            __file__,
+            "--worker",
+            "--rounds",
+            str(args.rounds),
+            "--steps",
+            str(args.steps),
+            "--epochs",
+            str(args.epochs),
+            "--arms",
+            ",".join(arms),
+        ]
         procs.append(subprocess.Popen(cmd, env=env))
     sys.exit(max(p.wait() for p in procs))
 

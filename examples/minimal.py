@@ -18,8 +18,9 @@ def main() -> None:
     data = TensorDataset(x, y)
     sampler = DistributedSampler(data, num_replicas=ctx.world_size, rank=ctx.rank, seed=0)
     loader = DataLoader(data, batch_size=64, sampler=sampler)
-    model = ddp.wrap(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
-                                         torch.nn.Linear(64, 1)))
+    model = ddp.wrap(
+        torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for epoch in range(5):
         sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
@@ -32,8 +33,10 @@ def main() -> None:
             opt.step()
             total += torch.stack([loss.detach() * len(xb), torch.tensor(float(len(xb)))])
         total = ddp.reduce_sum(total)  # exact mean over every rank's samples
-        ddp.print0(f"epoch {epoch + 1}: loss {total[0].item() / total[1].item():.4f} "
-                   f"(world {ctx.world_size}, {ctx.launcher})")
+        ddp.print0(
+            f"epoch {epoch + 1}: loss {total[0].item() / total[1].item():.4f} "
+            f"(world {ctx.world_size}, {ctx.launcher})"
+        )
     ddp.shutdown()
 
 

@@ -77,8 +77,10 @@ def _strict_loader() -> type:
                 key = self.construct_object(key_node)
                 line = key_node.start_mark.line + 1
                 if key in first:
-                    raise UserError(f"line {line}: duplicate key {key!r} (first at line "
-                                    f"{first[key]}); allowed: each key once")  # fmt: skip
+                    raise UserError(
+                        f"line {line}: duplicate key {key!r} (first at line "
+                        f"{first[key]}); allowed: each key once"
+                    )
                 first[key] = line
             return super().construct_mapping(node, deep=deep)
 
@@ -87,8 +89,10 @@ def _strict_loader() -> type:
             if node is None:
                 return None
             if _expanded_size(node) > MAX_YAML_NODES:
-                raise UserError(f"more than {MAX_YAML_NODES:,} values once aliases are "
-                                "expanded; allowed: a plain spec")  # fmt: skip
+                raise UserError(
+                    f"more than {MAX_YAML_NODES:,} values once aliases are "
+                    "expanded; allowed: a plain spec"
+                )
             return self.construct_document(node)
 
     Strict.add_constructor("tag:yaml.org,2002:map", Strict.construct_mapping)
@@ -133,8 +137,9 @@ def load_yaml(path: Path, what: str) -> dict[str, Any]:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise UserError(f"{what}: {str(path)!r} is not UTF-8 text (byte {exc.start}); "
-                        "allowed: a YAML file") from None  # fmt: skip
+        raise UserError(
+            f"{what}: {str(path)!r} is not UTF-8 text (byte {exc.start}); allowed: a YAML file"
+        ) from None
     try:
         data = yaml.load(text, Loader=_strict_loader())
     except UserError as exc:
@@ -186,8 +191,11 @@ def open_regular(path: Path, what: str, *, missing_ok: bool = False) -> BinaryIO
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            kind = "a directory" if stat.S_ISDIR(info.st_mode) else (
-                "a named pipe" if stat.S_ISFIFO(info.st_mode) else "not a regular file")
+            kind = (
+                "a directory"
+                if stat.S_ISDIR(info.st_mode)
+                else ("a named pipe" if stat.S_ISFIFO(info.st_mode) else "not a regular file")
+            )
             raise UserError(f"{what}: {str(path)!r} is {kind}; allowed: a regular file")
         return os.fdopen(fd, "rb")
     except BaseException:
@@ -202,15 +210,16 @@ def read_regular(path: Path, what: str, limit: int = MAX_RUN_FILE) -> bytes:
     with fh:
         size = os.fstat(fh.fileno()).st_size
         if size > limit:
-            raise UserError(f"{what}: {str(path)!r} is {size:,} bytes; allowed: at "
-                            f"most {limit:,}")  # fmt: skip
+            raise UserError(f"{what}: {str(path)!r} is {size:,} bytes; allowed: at most {limit:,}")
         try:
             data = fh.read(limit + 1)
         except OSError as exc:
             raise UserError(f"{what}: cannot read {str(path)!r}: {exc.strerror}") from None
         if len(data) > limit:
-            raise UserError(f"{what}: {str(path)!r} grew past {limit:,} bytes while "
-                            "being read; allowed: a finished file")  # fmt: skip
+            raise UserError(
+                f"{what}: {str(path)!r} grew past {limit:,} bytes while "
+                "being read; allowed: a finished file"
+            )
         return data
 
 
@@ -233,11 +242,14 @@ def write_atomic(path: Path, text: str | bytes, what: str = "--output") -> None:
     except OSError:  # nothing there yet (or a dangling link, replaced like a file)
         mode = None
     if mode is not None and not stat.S_ISREG(mode):
-        raise UserError(f"{what}: {str(path)!r} exists and is not a regular file (a device, "
-                        "FIFO or socket); allowed: a new or regular file path")  # fmt: skip
+        raise UserError(
+            f"{what}: {str(path)!r} exists and is not a regular file (a device, "
+            "FIFO or socket); allowed: a new or regular file path"
+        )
     if not path.parent.is_dir():
-        raise UserError(f"{what}: folder {str(path.parent)!r} does not exist; "
-                        "allowed: an existing folder")  # fmt: skip
+        raise UserError(
+            f"{what}: folder {str(path.parent)!r} does not exist; allowed: an existing folder"
+        )
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as exc:
@@ -325,8 +337,10 @@ def variable_name(value: Any, field: str) -> str:
     """Check an environment variable's name (it is written unquoted: ``export NAME=...``)."""
     text = str(value)
     if not re.match(_VARIABLE, text):
-        raise UserError(f"{field}: {text!r} is not a variable name; allowed: letters, digits "
-                        "and _, not starting with a digit")
+        raise UserError(
+            f"{field}: {text!r} is not a variable name; allowed: letters, digits "
+            "and _, not starting with a digit"
+        )
     return text
 
 

@@ -49,9 +49,11 @@ def parse_after(text: str, owns_id: Callable[[str], bool]) -> After:
     job_id, sep, kind = text.strip().rpartition(":") if ":" in text else (text.strip(), "", "")
     kind = kind if sep else "ok"
     if kind not in KINDS or not job_id or not owns_id(job_id):
-        raise UserError(f"--after: {text!r} is not allowed; allowed: JOBID[:ok|any|notok] with "
-                        "JOBID a job id of this cluster's scheduler (e.g. 123, 123_4, "
-                        "123.server, 123[].server)")
+        raise UserError(
+            f"--after: {text!r} is not allowed; allowed: JOBID[:ok|any|notok] with "
+            "JOBID a job id of this cluster's scheduler (e.g. 123, 123_4, "
+            "123.server, 123[].server)"
+        )
     return After(job_id, kind)
 
 

@@ -25,8 +25,12 @@ def factor(value: Any, where: str) -> float | None:
     """
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or value < 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
         raise UserError(f"{where}: {value!r} is not allowed; allowed: a finite number >= 0")
     return float(value)
 
@@ -44,8 +48,10 @@ def max_charge_line(cluster: Any, nodes: int, walltime_s: int, queue: str | None
     source = charge.get("source", "")
     base = f"{nodes} nodes x {walltime_s / 3600.0:g} h = {hours:g} node-hours"
     if qfactor is None or (charge.get("machine_factor_required") and mfactor is None):
-        return (f"hpc: maximum charge: {base}; charge factor unverified "
-                f"(queue {queue or 'default'}; see {source})")
+        return (
+            f"hpc: maximum charge: {base}; charge factor unverified "
+            f"(queue {queue or 'default'}; see {source})"
+        )
     total = hours * qfactor * (mfactor if mfactor is not None else 1.0)
     named = f"queue {queue} factor {qfactor:g}"
     if mfactor is not None:
@@ -69,8 +75,9 @@ def _slurm_used(job_id: str) -> tuple[float, int] | str:
     # keeps its finished jobs only in the jobcomp file, which `sacct -c` reads
     for extra in ([], ["-c"]):
         try:
-            out = subprocess.run([*_SACCT, *extra, "-j", job_id], capture_output=True, text=True,
-                                 timeout=60)
+            out = subprocess.run(
+                [*_SACCT, *extra, "-j", job_id], capture_output=True, text=True, timeout=60
+            )
         except (OSError, subprocess.TimeoutExpired) as exc:
             return f"sacct failed: {exc}"
         lines = [ln for ln in out.stdout.splitlines() if ln.strip()]
@@ -102,8 +109,9 @@ def _pbs_used(job_id: str) -> tuple[float, int] | str:
             fields[key] = value.strip()
     try:
         fmt = "%a %b %d %H:%M:%S %Y"
-        secs = (datetime.strptime(fields["obittime"], fmt)
-                - datetime.strptime(fields["stime"], fmt)).total_seconds()
+        secs = (
+            datetime.strptime(fields["obittime"], fmt) - datetime.strptime(fields["stime"], fmt)
+        ).total_seconds()
         return max(secs, 0.0), int(fields.get("Resource_List.nodect", "1"))
     except (KeyError, ValueError):
         return "qstat has no start and end time for it"
@@ -155,8 +163,9 @@ def used_lines(run_dir: Path) -> list[str]:
         if summary.steps:
             steps = max(steps or 0, summary.steps)
     if steps:
-        lines.append(f"per 1,000 completed steps: {total * 1000 / steps:.6g} node-hours "
-                     f"({steps} steps)")
+        lines.append(
+            f"per 1,000 completed steps: {total * 1000 / steps:.6g} node-hours ({steps} steps)"
+        )
     return lines
 
 
@@ -184,8 +193,9 @@ def sbank_balance(project: str, resource: str) -> float | None:
     if shutil.which(SBANK) is None:
         return None
     try:
-        out = subprocess.run([SBANK, "-p", project, "-r", resource], capture_output=True,
-                             text=True, timeout=60)
+        out = subprocess.run(
+            [SBANK, "-p", project, "-r", resource], capture_output=True, text=True, timeout=60
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     if out.returncode != 0:
@@ -240,8 +250,9 @@ def showusage_balance(project: str) -> float | None:
     return None
 
 
-def balance_warning(cluster: Any, account: str | None, nodes: int, walltime_s: int,
-                    queue: str | None) -> str | None:
+def balance_warning(
+    cluster: Any, account: str | None, nodes: int, walltime_s: int, queue: str | None
+) -> str | None:
     """A line when the request's maximum node-hours exceed the project's remaining balance.
 
     Only where the profile names its site's balance command and that command is on PATH;
@@ -252,16 +263,17 @@ def balance_warning(cluster: Any, account: str | None, nodes: int, walltime_s: i
     if kind not in BALANCE_COMMANDS or not account:
         return None
     resource = getattr(cluster, "system", None) or cluster.name
-    balance = (sbank_balance(account, resource) if kind == "sbank"
-               else showusage_balance(account))
+    balance = sbank_balance(account, resource) if kind == "sbank" else showusage_balance(account)
     if balance is None:
         return None
     q = cluster.queues.get(queue) if queue else None
-    factor = (q.charge_factor if q is not None and q.charge_factor is not None else 1.0)
+    factor = q.charge_factor if q is not None and q.charge_factor is not None else 1.0
     factor *= charge.get("factor") or 1.0
     need = nodes * walltime_s / 3600.0 * factor
     if need <= balance:
         return None
-    return (f"hpc: warning: this request may charge up to {need:g} node-hours, more than "
-            f"project {account}'s remaining {balance:g} on {resource} "
-            f"({BALANCE_COMMANDS[kind]})")
+    return (
+        f"hpc: warning: this request may charge up to {need:g} node-hours, more than "
+        f"project {account}'s remaining {balance:g} on {resource} "
+        f"({BALANCE_COMMANDS[kind]})"
+    )

@@ -33,7 +33,9 @@ class Queue:
     bins: tuple[tuple[int, int, int], ...] = ()  # (min nodes, max nodes, walltime) by job size
     min_walltime: int | None = None  # seconds; the site refuses shorter jobs
     by_request: bool = False  # never picked for a job that names no queue
-    directive: str | None = None  # how this queue is selected when not the profile's queue_directive
+    directive: str | None = (
+        None  # how this queue is selected when not the profile's queue_directive
+    )
     directives: tuple[str, ...] = ()  # extra scheduler directives when this queue is used
     notes: tuple[str, ...] = ()  # comment lines for the script when this queue is used
     no_dependencies: str | None = None  # the site forbids job dependencies here (why, cited)
@@ -124,8 +126,9 @@ class Rule:
             return False
         if self.nodes is not None and not self.nodes[0] <= nodes <= self.nodes[1]:
             return False
-        return all(key in env and (want is None or env[key] == want)
-                   for key, want in self.when_env.items())
+        return all(
+            key in env and (want is None or env[key] == want) for key, want in self.when_env.items()
+        )
 
 
 @dataclass(frozen=True)
@@ -239,19 +242,33 @@ class Cluster:
         if t is not None and ppn <= devices // t.per_gpu:
             gpus = devices // t.per_gpu
             idle = gpus - ppn
-            note = (f"ppn {ppn}: one rank per GPU (both tiles), {idle} GPU{'s' * (idle != 1)} "
+            note = (
+                (
+                    f"ppn {ppn}: one rank per GPU (both tiles), {idle} GPU{'s' * (idle != 1)} "
                     f"idle of {gpus} per node on {self.name}; allowed without idle devices: "
-                    f"ppn {gpus} (one rank per GPU) or {devices} (one per tile)") if idle else None
-            return Layout(dict(t.composite_env), t.composite_cpu_bind or self.launcher.cpu_bind,
-                          note)  # fmt: skip
+                    f"ppn {gpus} (one rank per GPU) or {devices} (one per tile)"
+                )
+                if idle
+                else None
+            )
+            return Layout(
+                dict(t.composite_env), t.composite_cpu_bind or self.launcher.cpu_bind, note
+            )
         idle = devices - ppn
         what = "GPU tile" if t is not None else f"{self.device} device"
-        note = (f"ppn {ppn}: {idle} {what}{'s' * (idle != 1)} idle of {devices} per node on "
-                f"{self.name}; allowed without idle devices: ppn {devices}") if idle > 0 else None
+        note = (
+            (
+                f"ppn {ppn}: {idle} {what}{'s' * (idle != 1)} idle of {devices} per node on "
+                f"{self.name}; allowed without idle devices: ppn {devices}"
+            )
+            if idle > 0
+            else None
+        )
         return Layout(cpu_bind=self.launcher.cpu_bind, note=note)
 
-    def apply_rules(self, nodes: int, env: dict[str, str],
-                    own: frozenset[str] = frozenset()) -> Applied:
+    def apply_rules(
+        self, nodes: int, env: dict[str, str], own: frozenset[str] = frozenset()
+    ) -> Applied:
         """Apply :attr:`rules` to a job of ``nodes`` nodes whose environment is ``env``
         (``own``: the names the spec sets itself, which a rule's default never replaces).
 
@@ -286,8 +303,9 @@ class Cluster:
             return {}
         return {DEVICE_ORDER_VARS[self.device]: ",".join(str(i) for i in self.device_order)}
 
-    def check_job(self, queue: str | None, walltime: int, launcher: str,
-                  launchers: tuple[str, ...]) -> None:
+    def check_job(
+        self, queue: str | None, walltime: int, launcher: str, launchers: tuple[str, ...]
+    ) -> None:
         """Refuse what the site's rules refuse beyond node and walltime maxima.
 
         A launcher that the profile's ``launcher.refuse`` names, and a walltime below

@@ -33,14 +33,32 @@ from hpc.status import (
 )
 from hpc.submit import Plan, Submitted, plan_submit, submit
 
-__all__ = ["Plan", "Submitted", "build_job", "cancel", "combined_state", "exit_code", "locate",
-           "plan_submit", "render_all", "render_job", "run_status", "status", "submit",
-           "task_states", "watch"]
+__all__ = [
+    "Plan",
+    "Submitted",
+    "build_job",
+    "cancel",
+    "combined_state",
+    "exit_code",
+    "locate",
+    "plan_submit",
+    "render_all",
+    "render_job",
+    "run_status",
+    "status",
+    "submit",
+    "task_states",
+    "watch",
+]
 
 
 def build_job(
-    spec_path: str | None, overrides: dict[str, Any], environ: Mapping[str, str] | None = None,
-    defer_account: bool = False, cwd: Path | None = None, run_here: bool = False,
+    spec_path: str | None,
+    overrides: dict[str, Any],
+    environ: Mapping[str, str] | None = None,
+    defer_account: bool = False,
+    cwd: Path | None = None,
+    run_here: bool = False,
 ) -> Job:
     """Spec file + overrides -> a resolved Job (all checks done, nothing written).
 
@@ -54,9 +72,17 @@ def build_job(
     spec = load_spec(spec_path, overrides)
     if run_here and spec.cluster != "local":
         ppn = str(overrides.get("ppn") or "").strip()
-        spec = replace(spec, cluster="local", nodes=int(overrides.get("nodes") or 1),
-                       ppn=int(ppn) if re.fullmatch("[0-9]+", ppn) else None, queue=None,
-                       account=None, gpus_per_node=None, filesystems=None, launcher="auto")
+        spec = replace(
+            spec,
+            cluster="local",
+            nodes=int(overrides.get("nodes") or 1),
+            ppn=int(ppn) if re.fullmatch("[0-9]+", ppn) else None,
+            queue=None,
+            account=None,
+            gpus_per_node=None,
+            filesystems=None,
+            launcher="auto",
+        )
     if spec.cluster is None:
         raise UserError(
             "cluster: missing; allowed: --cluster NAME or cluster: in the spec, one of "
@@ -66,8 +92,9 @@ def build_job(
     return resolve(spec, profile, dict(environ), defer_account)
 
 
-def render_job(job: Job, regenerate: str | None = None, templates: str | None = None,
-               script: str | None = None) -> str:
+def render_job(
+    job: Job, regenerate: str | None = None, templates: str | None = None, script: str | None = None
+) -> str:
     """The job script (see :func:`hpc.render.render`)."""
     from hpc.render import render
 
@@ -88,6 +115,7 @@ def render_all(jobs_dir: Path, templates: str | None = None) -> dict[Path, str]:
     for path in specs:
         job = build_job(str(path), {}, environ={}, defer_account=True)
         target = path.with_suffix(job.cluster.script_suffix)
-        out[target] = render_job(job, regenerate="hpc render --all-jobs", templates=templates,
-                                 script=str(target))
+        out[target] = render_job(
+            job, regenerate="hpc render --all-jobs", templates=templates, script=str(target)
+        )
     return out

@@ -14,8 +14,12 @@ import sys
 
 EXECUTABLES = ("qsub", "sbatch", "srun", "mpiexec", "torchrun")
 OPTIONAL = (
-    "intel_extension_for_pytorch", "oneccl_bindings_for_pytorch", "mpi4py", "wandb",
-    "tensorboard", "submitit",
+    "intel_extension_for_pytorch",
+    "oneccl_bindings_for_pytorch",
+    "mpi4py",
+    "wandb",
+    "tensorboard",
+    "submitit",
 )
 _TORCH_PROBE = r"""
 import json
@@ -71,7 +75,9 @@ def rows(probe_torch: bool = True) -> list[tuple[str, str, bool, str]]:
         else:
             out.append(("torch", "torch", True, str(info["version"])))
             devices = info.get("devices") or {}
-            out.append(("torch", "devices", True, ", ".join(f"{k}:{v}" for k, v in devices.items())))  # type: ignore[union-attr]
+            out.append(
+                ("torch", "devices", True, ", ".join(f"{k}:{v}" for k, v in devices.items()))
+            )  # type: ignore[union-attr]
             for name, ok in (info.get("backends") or {}).items():  # type: ignore[union-attr]
                 out.append(("backend", name, bool(ok), "available" if ok else "not built in"))
     for exe in EXECUTABLES:

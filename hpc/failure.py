@@ -46,15 +46,19 @@ LINES = 8
 MAX_CHARS = 300
 
 # "srun: error: n2: task 1: Exited with exit code 1"; "srun: error: n2: tasks 2-3: ..."
-_SRUN_EXIT = re.compile(rb"srun: error: (\S+): tasks? ([0-9]+)(?:-[0-9]+)?: "
-                        rb"Exited with exit code ([0-9]+)")
+_SRUN_EXIT = re.compile(
+    rb"srun: error: (\S+): tasks? ([0-9]+)(?:-[0-9]+)?: "
+    rb"Exited with exit code ([0-9]+)"
+)
 # PALS (Aurora, Polaris): "HOST: rank N exited with code K", one line per rank, K 0 for
 # the clean ones; the ranks PALS then ends are "rank N died from signal 15" (a cascade).
 # As captured on Sunspot by ALCF's ezpz (https://github.com/saforem2/ezpz, src/ezpz/
 # launch auto-retry, job 12471663); HPE's mpiexec(1) is behind its portal: unverified.
 _PALS_EXIT = re.compile(rb"^(?:[0-9]+: )?(\S+): rank ([0-9]+) exited with code ([0-9]+)")
-_ERROR_LINE = re.compile(rb"Traceback \(most recent call last\):|(?:^|\] )(?:ddp: error: )?"
-                         rb"rank [0-9]+ failed: ")
+_ERROR_LINE = re.compile(
+    rb"Traceback \(most recent call last\):|(?:^|\] )(?:ddp: error: )?"
+    rb"rank [0-9]+ failed: "
+)
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
@@ -84,7 +88,7 @@ def _tail(path: Path) -> list[bytes]:
 def _clean(raw: bytes) -> str:
     """One quotable line: decoded with replacement, control characters replaced, cut."""
     text = _CONTROL.sub("\ufffd", raw.decode("utf-8", "replace").rstrip("\r"))
-    return text if len(text) <= MAX_CHARS else text[:MAX_CHARS - 1] + "\u2026"
+    return text if len(text) <= MAX_CHARS else text[: MAX_CHARS - 1] + "\u2026"
 
 
 def _labelled(lines: list[bytes]) -> list[tuple[int, bytes]]:
@@ -95,7 +99,7 @@ def _labelled(lines: list[bytes]) -> list[tuple[int, bytes]]:
     for raw in lines:
         match = _LABEL.match(raw)
         if match:
-            out.append((int(match.group(1) or match.group(2)), raw[match.end():]))
+            out.append((int(match.group(1) or match.group(2)), raw[match.end() :]))
     return out
 
 
@@ -109,15 +113,17 @@ def _supervisor_rank(record: dict[str, Any]) -> int | None:
         if isinstance(ev, dict) and ev.get("event") == "failure":
             ranks = ev.get("ranks")
             if isinstance(ranks, list):
-                good = [r for r in ranks if isinstance(r, int) and not isinstance(r, bool)
-                        and r >= 0]
+                good = [
+                    r for r in ranks if isinstance(r, int) and not isinstance(r, bool) and r >= 0
+                ]
                 return min(good) if good else None
             return None
     return None
 
 
-def failing_rank_lines(run_dir: Path, record: dict[str, Any] | None = None,
-                       job: str | None = None, lines: int = LINES) -> list[str]:
+def failing_rank_lines(
+    run_dir: Path, record: dict[str, Any] | None = None, job: str | None = None, lines: int = LINES
+) -> list[str]:
     """The summary lines quoting the failing rank (see the module docstring for the rule);
     empty when no rank can be named (no logs, or nothing in them points at a rank)."""
     from hpc import logs_ranks

@@ -65,9 +65,11 @@ def _compare(old: dict[str, str], new: dict[str, str], what: str) -> list[str]:
 def _git(rec: dict[str, Any]) -> dict[str, str]:
     git = rec.get("git") if isinstance(rec.get("git"), dict) else {}
     diff = str(git.get("diff") or "")
-    return {"commit": str(git.get("commit") or ""),
-            "uncommitted diff": hashlib.sha256(diff.encode()).hexdigest()[:12] if diff else "none",
-            "untracked": ", ".join(map(str, git.get("untracked") or []))}  # fmt: skip
+    return {
+        "commit": str(git.get("commit") or ""),
+        "uncommitted diff": hashlib.sha256(diff.encode()).hexdigest()[:12] if diff else "none",
+        "untracked": ", ".join(map(str, git.get("untracked") or [])),
+    }
 
 
 def _env(rec: dict[str, Any]) -> dict[str, str]:
@@ -80,8 +82,11 @@ def diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """One line per difference of ``new`` from ``old`` (empty: the same software)."""
     sw_old, sw_new = dict(old["software"]), dict(new["software"])
     pk_old, pk_new = sw_old.pop("packages", {}), sw_new.pop("packages", {})
-    lines = _compare(_flat("", pk_old if isinstance(pk_old, dict) else {}),
-                     _flat("", pk_new if isinstance(pk_new, dict) else {}), "package")  # fmt: skip
+    lines = _compare(
+        _flat("", pk_old if isinstance(pk_old, dict) else {}),
+        _flat("", pk_new if isinstance(pk_new, dict) else {}),
+        "package",
+    )
     lines += _compare(_flat("", sw_old), _flat("", sw_new), "software")
     lines += _compare(_git(old), _git(new), "git")
     lines += _compare(_env(old), _env(new), "variable")
@@ -94,12 +99,15 @@ def describe(run_dir: Path) -> list[str]:
     if not recs:
         return []
     last = recs[-1]
-    lines = [f"environment: {len(recs)} fingerprint(s) in {run_dir}; latest: job "
-             f"{last.get('job_id')}, {len(last.get('nodes') or {})} node(s)"]  # fmt: skip
+    lines = [
+        f"environment: {len(recs)} fingerprint(s) in {run_dir}; latest: job "
+        f"{last.get('job_id')}, {len(last.get('nodes') or {})} node(s)"
+    ]
     differ = last.get("nodes_differ") or []
     if isinstance(differ, list) and differ:
-        lines.append("environment: node(s) with other software than the rest: "
-                     + ", ".join(map(str, differ)))  # fmt: skip
+        lines.append(
+            "environment: node(s) with other software than the rest: " + ", ".join(map(str, differ))
+        )
     if len(recs) >= 2:
         changes = diff(recs[-2], last)
         head = f"environment: job {recs[-2].get('job_id')} -> job {last.get('job_id')}"

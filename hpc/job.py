@@ -22,6 +22,7 @@ from hpc.spec import PYTHON, JobSpec
 
 DEFAULT_WALLTIME = 3600
 
+
 @dataclass(frozen=True)
 class Job:
     """A spec fitted to a cluster: every value final, ready to render.
@@ -73,14 +74,27 @@ class Job:
         """The resolved spec as written to a run directory (loadable as a spec again)."""
         s = self.spec
         out: dict[str, Any] = {
-            "name": self.name, "cluster": self.cluster.name, "nodes": self.nodes,
-            "ppn": self.ppn, "walltime": format_walltime(self.walltime), "queue": self.queue,
-            "account": self.account, "command": list(s.command), "env": dict(s.env),
-            "modules": list(s.modules), "setup": list(s.setup), "python": s.python,
-            "output_dir": s.output_dir, "signal": s.signal, "requeue": s.requeue,
-            "directives": list(s.directives), "launcher": self.launcher,
-            "gpus_per_node": self.gpus_per_node, "cpus_per_task": self.cpus_per_task,
-            "wrap": "always" if self.wrapped else "never", "filesystems": self.filesystems,
+            "name": self.name,
+            "cluster": self.cluster.name,
+            "nodes": self.nodes,
+            "ppn": self.ppn,
+            "walltime": format_walltime(self.walltime),
+            "queue": self.queue,
+            "account": self.account,
+            "command": list(s.command),
+            "env": dict(s.env),
+            "modules": list(s.modules),
+            "setup": list(s.setup),
+            "python": s.python,
+            "output_dir": s.output_dir,
+            "signal": s.signal,
+            "requeue": s.requeue,
+            "directives": list(s.directives),
+            "launcher": self.launcher,
+            "gpus_per_node": self.gpus_per_node,
+            "cpus_per_task": self.cpus_per_task,
+            "wrap": "always" if self.wrapped else "never",
+            "filesystems": self.filesystems,
             "expand_vars": s.expand_vars or None,  # absent when off: older run records alike
             "split_logs": s.split_logs or None,
             "per_rank_logs": s.per_rank_logs or None,
@@ -152,8 +166,7 @@ def _pick_queue(spec: JobSpec, cluster: Cluster, nodes: int) -> tuple[str | None
             return q.name, walltime
     raise UserError(
         f"nodes/walltime: no queue of {cluster.name} takes {nodes} nodes for "
-        f"{format_walltime(walltime)}; allowed: "
-        + "; ".join(q.describe() for q in queues.values())
+        f"{format_walltime(walltime)}; allowed: " + "; ".join(q.describe() for q in queues.values())
     )
 
 
@@ -232,8 +245,9 @@ def resolve(
     )
 
 
-def _account(spec: JobSpec, cluster: Cluster, environ: dict[str, str],
-             defer: bool) -> tuple[str | None, bool]:
+def _account(
+    spec: JobSpec, cluster: Cluster, environ: dict[str, str], defer: bool
+) -> tuple[str | None, bool]:
     """(account, deferred): the spec's, else the first of the profile's variables set;
     a site that requires one refuses none unless it is deferred to submit time."""
     account = spec.account

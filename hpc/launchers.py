@@ -45,7 +45,7 @@ def var_pieces(word: str) -> list[tuple[str, bool]]:
     at = 0
     for m in re.finditer(VAR, word):
         if m.start() > at:
-            pieces.append((word[at:m.start()], False))
+            pieces.append((word[at : m.start()], False))
         pieces.append((m.group(1) or m.group(2), True))
         at = m.end()
     if at < len(word):
@@ -104,15 +104,22 @@ def supervised(job: Job, launch: list[Any]) -> list[Any]:
     r = job.spec.resilience or {}
     sched = job.scheduler
     if not sched.supervises(job):
-        raise UserError(f"resilience: not available for {sched.name} with launcher "
-                        f"{job.launcher}; allowed: {sched.name} with "
-                        f"{' or '.join(sched.supervised_launchers) or 'no launcher'}")  # fmt: skip
+        raise UserError(
+            f"resilience: not available for {sched.name} with launcher "
+            f"{job.launcher}; allowed: {sched.name} with "
+            f"{' or '.join(sched.supervised_launchers) or 'no launcher'}"
+        )
     if int(r["min_nodes"]) > job.nodes:
-        raise UserError(f"resilience.min_nodes: {r['min_nodes']} is more than the job's "
-                        f"{job.nodes} node(s); allowed: 1 to {job.nodes}")  # fmt: skip
-    flags = [f"--hang-timeout-s={float(r['hang_timeout_s']):g}",
-             f"--max-restarts={int(r['max_restarts'])}", f"--min-nodes={int(r['min_nodes'])}",
-             f"--spares={int(r['spares'])}"]  # fmt: skip
+        raise UserError(
+            f"resilience.min_nodes: {r['min_nodes']} is more than the job's "
+            f"{job.nodes} node(s); allowed: 1 to {job.nodes}"
+        )
+    flags = [
+        f"--hang-timeout-s={float(r['hang_timeout_s']):g}",
+        f"--max-restarts={int(r['max_restarts'])}",
+        f"--min-nodes={int(r['min_nodes'])}",
+        f"--spares={int(r['spares'])}",
+    ]
     if job.stage is not None and job.stage.tolerant:  # nodes that failed to unpack: left out
         flags.append(Raw('--staged="$HPC_STAGE_OK"'))
     concurrent = job.cluster.launcher.concurrent_args
@@ -213,14 +220,22 @@ def torchrun_per_node(job: Job) -> tuple[list[str], list[str]]:
         words.append(f"--cpus-per-task={job.cpus_per_task * job.ppn}")
     # Per-task GPU binding (--gpus-per-task, --gpu-bind) would give the one torchrun task
     # a single GPU for all of its ranks; torchrun's children pick theirs by local rank.
-    site_args = [a for a in job.cluster.launcher.args
-                 if not a.startswith(("--gpus-per-task", "--gpu-bind"))]
+    site_args = [
+        a for a in job.cluster.launcher.args if not a.startswith(("--gpus-per-task", "--gpu-bind"))
+    ]
     words += [
         *site_args,
-        "torchrun", "--nnodes", str(job.nodes), "--nproc_per_node", str(job.ppn),
-        "--rdzv_backend", "c10d",
-        "--rdzv_endpoint", Raw('"${head_addr}:${MASTER_PORT:-29500}"'),
-        "--rdzv_id", Raw('"$SLURM_JOB_ID"'),
+        "torchrun",
+        "--nnodes",
+        str(job.nodes),
+        "--nproc_per_node",
+        str(job.ppn),
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        Raw('"${head_addr}:${MASTER_PORT:-29500}"'),
+        "--rdzv_id",
+        Raw('"$SLURM_JOB_ID"'),
         *torchrun_args(wrapped(job)),
     ]
     return preamble, words
@@ -231,6 +246,11 @@ def local(job: Job) -> list[str]:
     if job.ranks == 1:
         return wrapped(job)
     return [
-        "torchrun", "--standalone", "--nnodes", "1", "--nproc_per_node", str(job.ppn),
+        "torchrun",
+        "--standalone",
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        str(job.ppn),
         *torchrun_args(wrapped(job)),
     ]

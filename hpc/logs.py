@@ -34,9 +34,25 @@ from hpc.logs_ranks import (
 
 #: ``_HEADER``, ``_LABEL``, ``_hosts`` and ``_merged`` stay reachable as ``hpc.logs.X``
 #: (hpc.failure read them here before the split).
-__all__ = ["RANKS_DIR", "_HEADER", "_LABEL", "Backoff", "_hosts", "_merged", "err_log",
-           "find_log", "follow", "grep", "job_key", "labelled_lines", "locate", "print_log",
-           "print_rank", "rank_log", "rank_logs"]
+__all__ = [
+    "RANKS_DIR",
+    "_HEADER",
+    "_LABEL",
+    "Backoff",
+    "_hosts",
+    "_merged",
+    "err_log",
+    "find_log",
+    "follow",
+    "grep",
+    "job_key",
+    "labelled_lines",
+    "locate",
+    "print_log",
+    "print_rank",
+    "rank_log",
+    "rank_logs",
+]
 
 
 class Backoff:
@@ -49,8 +65,12 @@ class Backoff:
     of a job shows at most ``most_s`` late. ``clock``: for tests.
     """
 
-    def __init__(self, first_s: float = 1.0, most_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        first_s: float = 1.0,
+        most_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.most_s = most_s
         self.interval = min(first_s, most_s)
         self.clock = clock
@@ -115,8 +135,14 @@ def follow(
             fh.close()
 
 
-def _settle(path: Path, fh: Any, decoder: codecs.IncrementalDecoder, out: TextIO,
-            poll_s: float, settle_s: float) -> Any:  # fmt: skip
+def _settle(
+    path: Path,
+    fh: Any,
+    decoder: codecs.IncrementalDecoder,
+    out: TextIO,
+    poll_s: float,
+    settle_s: float,
+) -> Any:
     """Read on until ``path`` has not grown for ``settle_s`` seconds; the handle read last."""
     quiet_since = time.monotonic()
     while time.monotonic() - quiet_since < settle_s:
@@ -176,8 +202,10 @@ def print_log(path: Path, out: TextIO) -> None:
     for that)."""
     fh = _open_log(path)
     if fh is None:
-        raise UserError(f"logs: {str(path)!r} does not exist yet (the job has not started?); "
-                        "allowed: hpc logs -f to wait for it")  # fmt: skip
+        raise UserError(
+            f"logs: {str(path)!r} does not exist yet (the job has not started?); "
+            "allowed: hpc logs -f to wait for it"
+        )
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     with fh:
         left = os.fstat(fh.fileno()).st_size

@@ -130,7 +130,9 @@ def find_log(run_dir: Path, job: str | None = None) -> Path:
 
     def same(sub: dict[str, Any]) -> bool:
         recorded = str(sub.get("job_id") or "")
-        return recorded == wanted or (key is not None and (job_key(recorded, known) or ("",))[0] == key[0])
+        return recorded == wanted or (
+            key is not None and (job_key(recorded, known) or ("",))[0] == key[0]
+        )
 
     sub = next((s for s in reversed(subs) if same(s)), None)
     if sub is None:
@@ -138,8 +140,9 @@ def find_log(run_dir: Path, job: str | None = None) -> Path:
             examples = ", ".join(s.id_examples for s in known if s.id_examples)
             raise UserError(f"logs: {wanted!r} is not a job id; allowed: e.g. {examples}")
         if subs:
-            raise UserError(f"logs: job {wanted!r} is not a job of {str(run_dir)!r}; "
-                            f"its jobs: {_ids(subs)}")  # fmt: skip
+            raise UserError(
+                f"logs: job {wanted!r} is not a job of {str(run_dir)!r}; its jobs: {_ids(subs)}"
+            )
         raise UserError(f"logs: no log of job {wanted!r} in {str(run_dir)!r}")
     return run_dir / _expected_name(sub, subs, key, is_array=(run_dir / "sweep.json").is_file())
 
@@ -157,12 +160,18 @@ def err_log(run_dir: Path, out: Path) -> Path:
         if name is not None and (split or (out.parent / name).is_file()):
             return out.parent / name
         break
-    raise UserError(f"logs: {out.name!r} holds the job's stdout and stderr together; allowed: "
-                    "--err for a job submitted with split_logs: true (SLURM or PBS)")
+    raise UserError(
+        f"logs: {out.name!r} holds the job's stdout and stderr together; allowed: "
+        "--err for a job submitted with split_logs: true (SLURM or PBS)"
+    )
 
 
-def _expected_name(sub: dict[str, Any], subs: list[dict[str, Any]],
-                   key: tuple[str, str | None] | None, is_array: bool) -> str:
+def _expected_name(
+    sub: dict[str, Any],
+    subs: list[dict[str, Any]],
+    key: tuple[str, str | None] | None,
+    is_array: bool,
+) -> str:
     """The log name a submitted job's scheduler will write (it has not started yet)."""
     from hpc import schedulers
 
@@ -174,13 +183,19 @@ def _expected_name(sub: dict[str, Any], subs: list[dict[str, Any]],
         scheduler = None
     task = key[1] if key is not None and key[1] is not None else ("0" if is_array else None)
     seq = 1 + [s for s in subs if s.get("scheduler") == name].index(sub)
-    log = scheduler.log_name(str(sub.get("name") or "job"), job_id, task, seq) if scheduler else None
+    log = (
+        scheduler.log_name(str(sub.get("name") or "job"), job_id, task, seq) if scheduler else None
+    )
     if log is None:
-        raise UserError(f"logs: job {job_id!r} ran on {name!r}, whose logs hpc cannot name; "
-                        f"allowed: runs of {', '.join(schedulers.names())}")  # fmt: skip
+        raise UserError(
+            f"logs: job {job_id!r} ran on {name!r}, whose logs hpc cannot name; "
+            f"allowed: runs of {', '.join(schedulers.names())}"
+        )
     if os.path.basename(log) != log or log in (".", ".."):  # the name came from run.json
-        raise UserError(f"logs: the record's job name makes the log name {log!r}, which is not "
-                        "a file in the run directory; allowed: a name without '/'")  # fmt: skip
+        raise UserError(
+            f"logs: the record's job name makes the log name {log!r}, which is not "
+            "a file in the run directory; allowed: a name without '/'"
+        )
     return log
 
 
@@ -206,5 +221,6 @@ def locate(ident: str, runs_dir: Path) -> tuple[Path, str | None]:
                 found = runs.find(candidate, runs_dir, history=True) if candidate else None
                 if found is not None:
                     return found[0], ident.strip()
-    raise UserError(f"logs: {ident!r} is neither a run directory nor a job id of a run under "
-                    f"{str(runs_dir)!r}")  # fmt: skip
+    raise UserError(
+        f"logs: {ident!r} is neither a run directory nor a job id of a run under {str(runs_dir)!r}"
+    )

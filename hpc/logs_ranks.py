@@ -36,11 +36,14 @@ def rank_log(run_dir: Path, rank: int) -> Path:
     if rank in logs:
         return logs[rank]
     if not logs:
-        raise UserError(f"logs: {str(run_dir)!r} has no per-rank logs; allowed: --rank for a "
-                        "job submitted with per_rank_logs: true (or --per-rank-logs)")  # fmt: skip
+        raise UserError(
+            f"logs: {str(run_dir)!r} has no per-rank logs; allowed: --rank for a "
+            "job submitted with per_rank_logs: true (or --per-rank-logs)"
+        )
     span = f"{min(logs)}-{max(logs)}" if len(logs) > 1 else str(min(logs))
-    raise UserError(f"logs: no log of rank {rank} in {str(run_dir / RANKS_DIR)!r}; allowed: "
-                    f"ranks {span}")  # fmt: skip
+    raise UserError(
+        f"logs: no log of rank {rank} in {str(run_dir / RANKS_DIR)!r}; allowed: ranks {span}"
+    )
 
 
 #: A launcher's rank label at a line's start, where per-rank files are off
@@ -64,7 +67,7 @@ def labelled_lines(path: Path) -> Any:
         for raw in iter(lambda: fh.readline(_MAX_LINE), b""):
             match = _LABEL.match(raw)
             if match:
-                yield int(match.group(1) or match.group(2)), raw[match.end():]
+                yield int(match.group(1) or match.group(2)), raw[match.end() :]
 
 
 def _merged(run_dir: Path, job: str | None) -> list[Path]:
@@ -82,9 +85,11 @@ def print_rank(run_dir: Path, rank: int, out: TextIO, job: str | None = None) ->
     try:
         merged = _merged(run_dir, job)
     except UserError:  # neither per-rank files nor a job log: say the first
-        raise UserError(f"logs: {str(run_dir)!r} has no per-rank logs and no job log; "
-                        "allowed: --rank for a job submitted with per_rank_logs: true, or "
-                        "one whose log has rank labels") from None
+        raise UserError(
+            f"logs: {str(run_dir)!r} has no per-rank logs and no job log; "
+            "allowed: --rank for a job submitted with per_rank_logs: true, or "
+            "one whose log has rank labels"
+        ) from None
     for path in merged:
         for r, line in labelled_lines(path):
             seen.add(r)
@@ -94,13 +99,16 @@ def print_rank(run_dir: Path, rank: int, out: TextIO, job: str | None = None) ->
     if rank in seen:
         return
     if not seen:
-        raise UserError(f"logs: {str(run_dir)!r} has no per-rank logs and its job log has no "
-                        "rank labels; allowed: --rank for a job submitted with per_rank_logs: "
-                        "true, or one launched with rank labels (srun --label, mpiexec --label "
-                        "or -prepend-rank)")  # fmt: skip
+        raise UserError(
+            f"logs: {str(run_dir)!r} has no per-rank logs and its job log has no "
+            "rank labels; allowed: --rank for a job submitted with per_rank_logs: "
+            "true, or one launched with rank labels (srun --label, mpiexec --label "
+            "or -prepend-rank)"
+        )
     span = f"{min(seen)}-{max(seen)}" if len(seen) > 1 else str(min(seen))
-    raise UserError(f"logs: no line of rank {rank} in the job log of {str(run_dir)!r}; "
-                    f"allowed: ranks {span}")  # fmt: skip
+    raise UserError(
+        f"logs: no line of rank {rank} in the job log of {str(run_dir)!r}; allowed: ranks {span}"
+    )
 
 
 def _hosts(run_dir: Path) -> list[str]:

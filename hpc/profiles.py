@@ -53,9 +53,24 @@ from hpc.profiles_check import (
     _walltime,
 )
 
-__all__ = ["BUILTIN_DIR", "CLUSTER_KEYS", "DEVICES", "GPU_DIRECTIVES", "LAUNCHER_KEYS",
-           "LAUNCHER_KINDS", "MPIEXEC_FLAVORS", "POLL_S_RANGE", "QUEUE_KEYS", "RULE_KEYS",
-           "TILES_KEYS", "WHEN_KEYS", "load", "load_all", "names", "profile_dirs"]
+__all__ = [
+    "BUILTIN_DIR",
+    "CLUSTER_KEYS",
+    "DEVICES",
+    "GPU_DIRECTIVES",
+    "LAUNCHER_KEYS",
+    "LAUNCHER_KINDS",
+    "MPIEXEC_FLAVORS",
+    "POLL_S_RANGE",
+    "QUEUE_KEYS",
+    "RULE_KEYS",
+    "TILES_KEYS",
+    "WHEN_KEYS",
+    "load",
+    "load_all",
+    "names",
+    "profile_dirs",
+]
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "clusters"
 _LOG = logging.getLogger(__name__)
@@ -63,12 +78,39 @@ _ANNOUNCED: set[str] = set()  # profiles from the working directory named on std
 LAUNCHER_KINDS = tuple(schedulers.LAUNCHERS)
 MPIEXEC_FLAVORS = ("pals", "hydra")
 CLUSTER_KEYS = (
-    "description", "scheduler", "device", "devices_per_node", "ppn",
-    "account_required", "account_env", "queue_directive", "queues", "max_nodes",
-    "system", "place", "filesystems", "constraint", "gpu_directive", "gpus_per_node",
-    "cpus_per_task", "launcher", "module_use", "modules", "setup", "env", "extends",
-    "shell", "directives", "min_walltime", "device_order", "env_prepend", "poll_s",
-    "charge", "python_stage", "tiles", "rules",
+    "description",
+    "scheduler",
+    "device",
+    "devices_per_node",
+    "ppn",
+    "account_required",
+    "account_env",
+    "queue_directive",
+    "queues",
+    "max_nodes",
+    "system",
+    "place",
+    "filesystems",
+    "constraint",
+    "gpu_directive",
+    "gpus_per_node",
+    "cpus_per_task",
+    "launcher",
+    "module_use",
+    "modules",
+    "setup",
+    "env",
+    "extends",
+    "shell",
+    "directives",
+    "min_walltime",
+    "device_order",
+    "env_prepend",
+    "poll_s",
+    "charge",
+    "python_stage",
+    "tiles",
+    "rules",
 )
 LAUNCHER_KEYS = ("kind", "flavor", "cpu_bind", "depth", "args", "refuse", "concurrent_args")
 
@@ -144,15 +186,16 @@ def _raw(
 def _launcher(data: Any, default: str, where: str) -> Launcher:
     data = data or {}
     if not isinstance(data, dict):
-        raise UserError(f"{where}: launcher: allowed: a mapping with "
-                        f"{', '.join(LAUNCHER_KEYS)}")
+        raise UserError(f"{where}: launcher: allowed: a mapping with {', '.join(LAUNCHER_KEYS)}")
     lwhere = f"{where}: launcher"
     check_keys(data, LAUNCHER_KEYS, lwhere)
     cpu_bind = data.get("cpu_bind")
     refuse = data.get("refuse") or {}
     if not isinstance(refuse, dict) or any(k not in LAUNCHER_KINDS for k in refuse):
-        raise UserError(f"{lwhere}: refuse: {refuse!r} is not allowed; allowed: a mapping of "
-                        f"launcher ({', '.join(LAUNCHER_KINDS)}) to the reason, one line")
+        raise UserError(
+            f"{lwhere}: refuse: {refuse!r} is not allowed; allowed: a mapping of "
+            f"launcher ({', '.join(LAUNCHER_KINDS)}) to the reason, one line"
+        )
     # null lifts a refusal inherited from a built-in profile (mappings merge per key)
     reasons = {str(k): " ".join(str(v).split()) for k, v in refuse.items() if v is not None}
     if any(not r for r in reasons.values()):
@@ -193,8 +236,9 @@ def load(name: str, environ: dict[str, str] | None = None, cwd: Path | None = No
         devices_per_node=devices_per_node,
         ppn=_int(data, "ppn", where) or 1,
         account_required=bool(data.get("account_required", False)),
-        account_env=tuple(variable_name(v, f"{where}: account_env")
-                          for v in _strings(data, "account_env", where)),
+        account_env=tuple(
+            variable_name(v, f"{where}: account_env") for v in _strings(data, "account_env", where)
+        ),
         queue_directive=_choice(
             data, "queue_directive", sched.queue_directives, sched.queue_directives[0], where
         ),

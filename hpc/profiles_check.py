@@ -29,10 +29,20 @@ RULE_KEYS = ("when", "enabled", "env", "unset", "warn", "refuse", "source")
 WHEN_KEYS = ("nodes", "env")
 TILES_KEYS = ("per_gpu", "composite_env", "composite_cpu_bind", "source")
 QUEUE_KEYS = (
-    "nodes", "walltime", "bins", "description", "min_walltime", "by_request", "directive",
-    "no_dependencies", "max_queued",
+    "nodes",
+    "walltime",
+    "bins",
+    "description",
+    "min_walltime",
+    "by_request",
+    "directive",
+    "no_dependencies",
+    "max_queued",
     "array_limit",  # issue 32 arrays: most subjobs of an array queued/running at once
-    "directives", "notes", "charge_factor", "charge_source",
+    "directives",
+    "notes",
+    "charge_factor",
+    "charge_source",
 )
 
 
@@ -41,11 +51,15 @@ def _int(data: dict[str, Any], key: str, where: str, minimum: int = 1) -> int | 
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise UserError(f"{where}: {key}: {value!r} is not allowed; allowed: a whole number >= {minimum}")
+        raise UserError(
+            f"{where}: {key}: {value!r} is not allowed; allowed: a whole number >= {minimum}"
+        )
     return value
 
 
-def _choice(data: dict[str, Any], key: str, allowed: tuple[str, ...], default: str, where: str) -> str:
+def _choice(
+    data: dict[str, Any], key: str, allowed: tuple[str, ...], default: str, where: str
+) -> str:
     value = str(data.get(key, default))
     if value not in allowed:
         raise UserError(
@@ -99,17 +113,26 @@ def _queues(data: Any, where: str, directives: tuple[str, ...]) -> dict[str, Que
             bins.append((blo, bhi, parse_walltime(b.get("walltime"), f"{bwhere}.walltime")))
         by_request = spec.get("by_request", False)
         if not isinstance(by_request, bool):
-            raise UserError(f"{qwhere}.by_request: {by_request!r} is not allowed; allowed: true or false")
+            raise UserError(
+                f"{qwhere}.by_request: {by_request!r} is not allowed; allowed: true or false"
+            )
         directive = None
         if spec.get("directive") is not None:
             directive = _choice(spec, "directive", directives, directives[0], qwhere)
         # the name reaches `#SBATCH --partition=NAME` / `#PBS -q NAME`
         queues[str(qname)] = Queue(
-            name=directive_value(qname, f"{where}: queues"), min_nodes=lo, max_nodes=hi, max_walltime=limit, bins=tuple(bins),
-            min_walltime=_walltime(spec, "min_walltime", qwhere), by_request=by_request,
-            directive=directive, directives=_directives(spec, "directives", qwhere),
+            name=directive_value(qname, f"{where}: queues"),
+            min_nodes=lo,
+            max_nodes=hi,
+            max_walltime=limit,
+            bins=tuple(bins),
+            min_walltime=_walltime(spec, "min_walltime", qwhere),
+            by_request=by_request,
+            directive=directive,
+            directives=_directives(spec, "directives", qwhere),
             notes=_directives(spec, "notes", qwhere),
-            no_dependencies=_site_rule(spec, qwhere), max_queued=_max_queued(spec, qwhere),
+            no_dependencies=_site_rule(spec, qwhere),
+            max_queued=_max_queued(spec, qwhere),
             array_limit=_max_queued(spec, qwhere, "array_limit"),
             charge_factor=charges.factor(spec.get("charge_factor"), f"{qwhere}.charge_factor"),
             charge_source=str(spec.get("charge_source") or ""),
@@ -121,8 +144,9 @@ def _site_rule(spec: dict[str, Any], where: str) -> str | None:
     """``no_dependencies: "why, with its citation"``: the site forbids chains here."""
     value = spec.get("no_dependencies")
     if value is not None and (not isinstance(value, str) or not value.strip()):
-        raise UserError(f"{where}.no_dependencies: {value!r} is not allowed; allowed: the "
-                        "site's rule in words")
+        raise UserError(
+            f"{where}.no_dependencies: {value!r} is not allowed; allowed: the site's rule in words"
+        )
     return value
 
 
@@ -131,8 +155,7 @@ def _max_queued(spec: dict[str, Any], where: str, key: str = "max_queued") -> in
     ``array_limit: N``, the most subjobs of one array it lets be queued or running)."""
     value = spec.get(key)
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise UserError(f"{where}.{key}: {value!r} is not allowed; allowed: a whole "
-                        "number >= 1")
+        raise UserError(f"{where}.{key}: {value!r} is not allowed; allowed: a whole number >= 1")
     return value
 
 
@@ -143,8 +166,10 @@ def _rules(data: Any, where: str) -> tuple[Rule, ...]:
     if data is None:
         return ()
     if not isinstance(data, dict):
-        raise UserError(f"{where}: rules: allowed: a mapping of NAME: {{when, env, unset, "
-                        "warn, refuse, source}")
+        raise UserError(
+            f"{where}: rules: allowed: a mapping of NAME: {{when, env, unset, "
+            "warn, refuse, source}"
+        )
     out = []
     for name, rule in data.items():
         if rule is None:
@@ -155,8 +180,10 @@ def _rules(data: Any, where: str) -> tuple[Rule, ...]:
         check_keys(rule, RULE_KEYS, rwhere)
         source = str(rule.get("source") or "")
         if not source.startswith(("https://", "http://")):
-            raise UserError(f"{rwhere}: source: {source!r} is not allowed; allowed: the URL of "
-                            "the page that states the issue")
+            raise UserError(
+                f"{rwhere}: source: {source!r} is not allowed; allowed: the URL of "
+                "the page that states the issue"
+            )
         when = rule.get("when") or {}
         if not isinstance(when, dict):
             raise UserError(f"{rwhere}: when: allowed: a mapping with {', '.join(WHEN_KEYS)}")
@@ -169,20 +196,28 @@ def _rules(data: Any, where: str) -> tuple[Rule, ...]:
         enabled = rule.get("enabled", True)
         if not isinstance(enabled, bool):
             raise UserError(f"{rwhere}: enabled: {enabled!r} is not allowed; allowed: true, false")
-        out.append(Rule(
-            name=str(name),
-            source=source,
-            nodes=None if when.get("nodes") is None else parse_range(when["nodes"],
-                                                                     f"{rwhere}: when: nodes"),
-            when_env={variable_name(str(k), f"{rwhere}: when: env"):
-                      (None if v is None else _env_str(v)) for k, v in when_env.items()},
-            enabled=enabled,
-            env={variable_name(str(k), f"{rwhere}: env"): _env_str(v) for k, v in env.items()},
-            unset=tuple(variable_name(v, f"{rwhere}: unset") for v in _strings(rule, "unset",
-                                                                                rwhere)),
-            warn=texts.get("warn"),
-            refuse=texts.get("refuse"),
-        ))  # fmt: skip
+        out.append(
+            Rule(
+                name=str(name),
+                source=source,
+                nodes=None
+                if when.get("nodes") is None
+                else parse_range(when["nodes"], f"{rwhere}: when: nodes"),
+                when_env={
+                    variable_name(str(k), f"{rwhere}: when: env"): (
+                        None if v is None else _env_str(v)
+                    )
+                    for k, v in when_env.items()
+                },
+                enabled=enabled,
+                env={variable_name(str(k), f"{rwhere}: env"): _env_str(v) for k, v in env.items()},
+                unset=tuple(
+                    variable_name(v, f"{rwhere}: unset") for v in _strings(rule, "unset", rwhere)
+                ),
+                warn=texts.get("warn"),
+                refuse=texts.get("refuse"),
+            )
+        )
     return tuple(out)
 
 
@@ -197,16 +232,19 @@ def _tiles(data: Any, devices: int | None, where: str) -> Tiles | None:
     check_keys(data, TILES_KEYS, twhere)
     per_gpu = _int(data, "per_gpu", twhere)
     if not per_gpu or not devices or devices % per_gpu:
-        raise UserError(f"{twhere}: per_gpu: {data.get('per_gpu')!r} is not allowed; allowed: "
-                        f"a whole number >= 1 that divides devices_per_node ({devices})")
+        raise UserError(
+            f"{twhere}: per_gpu: {data.get('per_gpu')!r} is not allowed; allowed: "
+            f"a whole number >= 1 that divides devices_per_node ({devices})"
+        )
     env = data.get("composite_env") or {}
     if not isinstance(env, dict):
         raise UserError(f"{twhere}: composite_env: allowed: a mapping of NAME: value")
     bind = data.get("composite_cpu_bind")
     return Tiles(
         per_gpu=per_gpu,
-        composite_env={variable_name(str(k), f"{twhere}: composite_env"): _env_str(v)
-                       for k, v in env.items()},
+        composite_env={
+            variable_name(str(k), f"{twhere}: composite_env"): _env_str(v) for k, v in env.items()
+        },
         composite_cpu_bind=None if bind is None else str(bind),
         source=str(data.get("source", "")),
     )
@@ -224,10 +262,13 @@ def _poll_s(data: dict[str, Any], where: str) -> float:
     if value is None:
         return Cluster.poll_s
     lo, hi = POLL_S_RANGE
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not lo <= value <= hi):  # NaN fails both comparisons
-        raise UserError(f"{where}: poll_s: {value!r} is not allowed; allowed: seconds, a "
-                        f"number from {lo:g} to {hi:g}")
+    if (
+        isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi
+    ):  # NaN fails both comparisons
+        raise UserError(
+            f"{where}: poll_s: {value!r} is not allowed; allowed: seconds, a "
+            f"number from {lo:g} to {hi:g}"
+        )
     return float(value)
 
 
@@ -235,24 +276,35 @@ def _shell(data: dict[str, Any], where: str) -> str:
     """The script's ``#!`` interpreter: a path and at most one option (``/bin/bash -l``)."""
     shell = str(data.get("shell") or "/bin/bash")
     if not re.match(_SHELL, shell):
-        raise UserError(f"{where}: shell: {shell!r} is not allowed; allowed: an absolute path "
-                        "and at most one option, e.g. /bin/bash -l")
+        raise UserError(
+            f"{where}: shell: {shell!r} is not allowed; allowed: an absolute path "
+            "and at most one option, e.g. /bin/bash -l"
+        )
     return shell
 
 
-def _device_order(data: dict[str, Any], device: str, devices: int | None, where: str) -> tuple[int, ...]:
+def _device_order(
+    data: dict[str, Any], device: str, devices: int | None, where: str
+) -> tuple[int, ...]:
     """``device_order``: a permutation of the node's device indices, by local rank."""
     order = data.get("device_order")
     if order is None:
         return ()
     if device not in DEVICE_ORDER_VARS:
-        raise UserError(f"{where}: device_order: not available for device {device!r}; "
-                        f"allowed: with device {', '.join(DEVICE_ORDER_VARS)}")
-    if (not isinstance(order, list) or devices is None
-            or not all(isinstance(i, int) and not isinstance(i, bool) for i in order)
-            or sorted(order) != list(range(devices))):
-        raise UserError(f"{where}: device_order: {order!r} is not allowed; allowed: each of the "
-                        f"devices_per_node indices 0-{(devices or 1) - 1} once, e.g. [3, 2, 1, 0]")
+        raise UserError(
+            f"{where}: device_order: not available for device {device!r}; "
+            f"allowed: with device {', '.join(DEVICE_ORDER_VARS)}"
+        )
+    if (
+        not isinstance(order, list)
+        or devices is None
+        or not all(isinstance(i, int) and not isinstance(i, bool) for i in order)
+        or sorted(order) != list(range(devices))
+    ):
+        raise UserError(
+            f"{where}: device_order: {order!r} is not allowed; allowed: each of the "
+            f"devices_per_node indices 0-{(devices or 1) - 1} once, e.g. [3, 2, 1, 0]"
+        )
     return tuple(order)
 
 
@@ -266,8 +318,10 @@ def _env_prepend(data: dict[str, Any], where: str) -> dict[str, tuple[str, ...]]
         variable_name(key, f"{where}: env_prepend")
         paths = _strings(value, key, f"{where}: env_prepend")
         if any(not p or ":" in p or "\n" in p or "\0" in p for p in paths):
-            raise UserError(f"{where}: env_prepend.{key}: {list(paths)!r} is not allowed; "
-                            "allowed: directories without ':' or line breaks")
+            raise UserError(
+                f"{where}: env_prepend.{key}: {list(paths)!r} is not allowed; "
+                "allowed: directories without ':' or line breaks"
+            )
         out[str(key)] = paths
     return out
 
@@ -286,15 +340,23 @@ def _charge(data: dict[str, Any], where: str) -> dict[str, Any]:
         return {}
     if not isinstance(value, dict):
         raise UserError(f"{where}: charge: allowed: a mapping with unit, source, factor")
-    check_keys(value, ("unit", "source", "factor", "machine_factor_required", "balance"),
-               f"{where}: charge")
-    out = {"unit": str(value.get("unit", "node-hours")), "source": str(value.get("source", "")),
-           "factor": charges.factor(value.get("factor"), f"{where}: charge.factor"),
-           "machine_factor_required": bool(value.get("machine_factor_required", False))}
+    check_keys(
+        value,
+        ("unit", "source", "factor", "machine_factor_required", "balance"),
+        f"{where}: charge",
+    )
+    out = {
+        "unit": str(value.get("unit", "node-hours")),
+        "source": str(value.get("source", "")),
+        "factor": charges.factor(value.get("factor"), f"{where}: charge.factor"),
+        "machine_factor_required": bool(value.get("machine_factor_required", False)),
+    }
     balance = value.get("balance")
     if balance is not None:
         if balance not in charges.BALANCE_COMMANDS:
-            raise UserError(f"{where}: charge.balance: {balance!r} is not allowed; allowed: "
-                            + ", ".join(sorted(charges.BALANCE_COMMANDS)))
+            raise UserError(
+                f"{where}: charge.balance: {balance!r} is not allowed; allowed: "
+                + ", ".join(sorted(charges.BALANCE_COMMANDS))
+            )
         out["balance"] = balance
     return out

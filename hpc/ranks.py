@@ -82,10 +82,15 @@ def notes(times: RankTimes, label: str) -> list[str]:
     lines = []
     for s in times.stragglers:
         sps, med = s.get("seconds_per_step"), s.get("median")
-        figures = (f": {sps:.4g} s/step against a median of {med:.4g}"
-                   if isinstance(sps, int | float) and isinstance(med, int | float) else "")  # fmt: skip
-        lines.append(f"{label}straggler: rank {s.get('rank')} on {s.get('host')} slow in "
-                     f"{s.get('phase')} from step {s.get('step')}{figures}")  # fmt: skip
+        figures = (
+            f": {sps:.4g} s/step against a median of {med:.4g}"
+            if isinstance(sps, int | float) and isinstance(med, int | float)
+            else ""
+        )
+        lines.append(
+            f"{label}straggler: rank {s.get('rank')} on {s.get('host')} slow in "
+            f"{s.get('phase')} from step {s.get('step')}{figures}"
+        )
     if times.skipped:
         lines.append(f"{label}{times.path}: {times.skipped} line(s) skipped (not a record)")
     return lines
@@ -99,16 +104,26 @@ def heatmap(times: RankTimes, png: Path) -> bool:
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        raise UserError("report: needs matplotlib; allowed: pip install 'hpc-ddp[report]' "
-                        "(or pip install matplotlib)") from None  # fmt: skip
+        raise UserError(
+            "report: needs matplotlib; allowed: pip install 'hpc-ddp[report]' "
+            "(or pip install matplotlib)"
+        ) from None
     ranks = len(times.hosts)
-    matrix = [[row[r] if math.isfinite(row[r]) else float("nan") for row in times.grid]
-              for r in range(ranks)]  # fmt: skip
-    fig = Figure(figsize=(9, max(3.0, min(12.0, 1.5 + 0.25 * ranks))), dpi=100,
-                 layout="constrained")  # fmt: skip
+    matrix = [
+        [row[r] if math.isfinite(row[r]) else float("nan") for row in times.grid]
+        for r in range(ranks)
+    ]
+    fig = Figure(
+        figsize=(9, max(3.0, min(12.0, 1.5 + 0.25 * ranks))), dpi=100, layout="constrained"
+    )
     ax = fig.subplots()
-    image = ax.imshow(matrix, aspect="auto", interpolation="nearest", cmap="viridis",
-                      extent=(times.steps[0] - 0.5, times.steps[-1] + 0.5, ranks - 0.5, -0.5))  # fmt: skip
+    image = ax.imshow(
+        matrix,
+        aspect="auto",
+        interpolation="nearest",
+        cmap="viridis",
+        extent=(times.steps[0] - 0.5, times.steps[-1] + 0.5, ranks - 0.5, -0.5),
+    )
     fig.colorbar(image, ax=ax, label="data + forward, s/step")
     ax.set_xlabel("step (log points)")
     ax.set_ylabel("rank")
@@ -117,8 +132,11 @@ def heatmap(times: RankTimes, png: Path) -> bool:
     for s in times.stragglers:
         if isinstance(s.get("rank"), int) and 0 <= s["rank"] < ranks:
             ax.axhline(s["rank"], color="red", lw=0.8, alpha=0.6)
-    ax.set_title("per-rank time before the gradient collective (red: reported stragglers)",
-                 loc="left", fontsize=10)  # fmt: skip
+    ax.set_title(
+        "per-rank time before the gradient collective (red: reported stragglers)",
+        loc="left",
+        fontsize=10,
+    )
     import io
 
     from hpc._util import write_atomic

@@ -49,9 +49,21 @@ from hpc.render_values import check_values, context
 if TYPE_CHECKING:
     from hpc.job import Job
 
-__all__ = ["BUILTIN_PREFIX", "MAX_SCRIPT", "MAX_TEMPLATE", "USER_CPU_S", "USER_MEMORY",
-           "builtin_template_dir", "check_values", "comment", "context", "quote", "render",
-           "render_template", "search_path"]
+__all__ = [
+    "BUILTIN_PREFIX",
+    "MAX_SCRIPT",
+    "MAX_TEMPLATE",
+    "USER_CPU_S",
+    "USER_MEMORY",
+    "builtin_template_dir",
+    "check_values",
+    "comment",
+    "context",
+    "quote",
+    "render",
+    "render_template",
+    "search_path",
+]
 
 _PKG = Path(__file__).resolve().parent
 _LOG = logging.getLogger(__name__)
@@ -82,7 +94,9 @@ def builtin_template_dir() -> Path:
 
         return Path(str(files("hpc.templates")))
     except (ImportError, TypeError):  # pragma: no cover - broken install
-        raise UserError("templates: the built-in templates are missing; reinstall hpc-ddp") from None
+        raise UserError(
+            "templates: the built-in templates are missing; reinstall hpc-ddp"
+        ) from None
 
 
 def _folders(templates: str | Path | None, cwd: Path | None) -> tuple[list[str], str | None, str]:
@@ -155,7 +169,7 @@ def _jinja() -> Any:
         def get_source(self, environment: Any, template: str) -> tuple[str, str, None]:
             dirs, name = self.dirs, template
             if template.startswith(BUILTIN_PREFIX):
-                dirs, name = [self.builtin], template[len(BUILTIN_PREFIX):]
+                dirs, name = [self.builtin], template[len(BUILTIN_PREFIX) :]
             pieces = split_template_path(name)  # TemplateNotFound for '..'
             for folder in dirs:
                 path = os.path.join(folder, *pieces)
@@ -166,8 +180,10 @@ def _jinja() -> Any:
                     text = data.decode("utf-8")
                 except UnicodeDecodeError as exc:
                     line = data.count(b"\n", 0, exc.start) + 1
-                    raise UserError(f"templates: {path} line {line}: not UTF-8 text (byte "
-                                    f"{exc.start}); allowed: a UTF-8 Jinja template") from None
+                    raise UserError(
+                        f"templates: {path} line {line}: not UTF-8 text (byte "
+                        f"{exc.start}); allowed: a UTF-8 Jinja template"
+                    ) from None
                 self.files[path] = folder
                 return text, path, None
             raise jinja2.TemplateNotFound(template)
@@ -198,7 +214,8 @@ def _jinja() -> Any:
             if template == parent:  # ./templates/X extending X finds itself, forever
                 raise jinja2.TemplateRuntimeError(
                     f"{parent!r} names itself; allowed: '{BUILTIN_PREFIX}{parent}' for the "
-                    "built-in template of that name")
+                    "built-in template of that name"
+                )
             return template
 
     return types.SimpleNamespace(jinja2=jinja2, Loader=Loader, Sandbox=Sandbox)
@@ -226,15 +243,19 @@ def _environment(dirs: list[str], builtin: str) -> Any:
 
 
 def render(
-    job: Job, regenerate: str | None = None, templates: str | Path | None = None,
-    cwd: Path | None = None, script: str | None = None,
+    job: Job,
+    regenerate: str | None = None,
+    templates: str | Path | None = None,
+    cwd: Path | None = None,
+    script: str | None = None,
 ) -> str:
     """The job script for ``job``, from the template its scheduler names."""
     return render_template(job.scheduler.template, context(job, regenerate, script), templates, cwd)
 
 
-def render_template(name: str, values: dict[str, Any], templates: str | Path | None = None,
-                    cwd: Path | None = None) -> str:
+def render_template(
+    name: str, values: dict[str, Any], templates: str | Path | None = None, cwd: Path | None = None
+) -> str:
     """Template ``name`` rendered with ``values``: the one way this project renders.
 
     The built-in templates alone render here; with a user's folder on the search path
@@ -251,8 +272,9 @@ def render_template(name: str, values: dict[str, Any], templates: str | Path | N
     return text
 
 
-def _render_here(dirs: list[str], builtin: str, name: str,
-                 values: dict[str, Any]) -> tuple[str, list[str]]:
+def _render_here(
+    dirs: list[str], builtin: str, name: str, values: dict[str, Any]
+) -> tuple[str, list[str]]:
     """(the text, the user template files it used), the output bounded by MAX_SCRIPT."""
     env = _environment(dirs, builtin)
     try:
@@ -263,9 +285,12 @@ def _render_here(dirs: list[str], builtin: str, name: str,
             out.append(piece)
             size += len(piece)
             if size > MAX_SCRIPT:  # raised at the template's yield: its line is known
-                pieces.throw(_TemplateFailure(
-                    f"renders more than {MAX_SCRIPT >> 20} MiB (an endless loop?); allowed: a "
-                    "job script (SLURM's default max_script_size is 4 MB)"))
+                pieces.throw(
+                    _TemplateFailure(
+                        f"renders more than {MAX_SCRIPT >> 20} MiB (an endless loop?); allowed: a "
+                        "job script (SLURM's default max_script_size is 4 MB)"
+                    )
+                )
     except Exception as exc:
         message = _one_line(exc, name, env.loader)
         if message is None:
@@ -286,23 +311,32 @@ def _one_line(exc: BaseException, name: str, loader: Any) -> str | None:
     user = bool(frames) and loader.files[frames[-1].filename] != loader.builtin
     if isinstance(exc, jinja2.TemplateNotFound):
         what = f"{exc.name!r} not found" if frames else "not found"
-        return _flat(f"templates: {where}: {what} in {', '.join(loader.dirs)}; allowed: a "
-                     f"template in those folders, or {BUILTIN_PREFIX}NAME for a built-in one")
+        return _flat(
+            f"templates: {where}: {what} in {', '.join(loader.dirs)}; allowed: a "
+            f"template in those folders, or {BUILTIN_PREFIX}NAME for a built-in one"
+        )
     if isinstance(exc, jinja2.UndefinedError):
-        return _flat(f"templates: {where}: {exc.message}; allowed: the variables of "
-                     "hpc.render.context")
+        return _flat(
+            f"templates: {where}: {exc.message}; allowed: the variables of hpc.render.context"
+        )
     if isinstance(exc, jinja2.exceptions.SecurityError):
-        return _flat(f"templates: {where}: {str(exc).rstrip('.')}; allowed in a template: "
-                     "the context's values, Jinja's own helpers and macros, methods of text "
-                     "and numbers")
+        return _flat(
+            f"templates: {where}: {str(exc).rstrip('.')}; allowed in a template: "
+            "the context's values, Jinja's own helpers and macros, methods of text "
+            "and numbers"
+        )
     if isinstance(exc, (jinja2.TemplateRuntimeError, _TemplateFailure)):
         return _flat(f"templates: {where}: {exc}")
     if isinstance(exc, RecursionError):
-        return _flat(f"templates: {where}: nested too deeply (templates that include or extend "
-                     "each other?); allowed: a chain of templates that ends")
+        return _flat(
+            f"templates: {where}: nested too deeply (templates that include or extend "
+            "each other?); allowed: a chain of templates that ends"
+        )
     if isinstance(exc, MemoryError):
-        return _flat(f"templates: {where}: needs more than {USER_MEMORY >> 20} MiB of memory; "
-                     "allowed: a template that renders a job script")
+        return _flat(
+            f"templates: {where}: needs more than {USER_MEMORY >> 20} MiB of memory; "
+            "allowed: a template that renders a job script"
+        )
     if user:
         return _flat(f"templates: {where}: {type(exc).__name__}: {exc}")
     return None
@@ -313,8 +347,9 @@ def _flat(text: str) -> str:
     return " ".join(text.split())
 
 
-def _render_child(dirs: list[str], builtin: str, name: str,
-                  values: dict[str, Any]) -> tuple[str, list[str]]:
+def _render_child(
+    dirs: list[str], builtin: str, name: str, values: dict[str, Any]
+) -> tuple[str, list[str]]:
     """:func:`_render_here` in a forked child with RLIMIT_CPU and RLIMIT_AS set.
 
     Why a process: the sandbox stops Python escapes, but not ``{{ 'x' * 10**10 }}`` or
@@ -338,7 +373,7 @@ def _render_child(dirs: list[str], builtin: str, name: str,
                 reply = {"bug": traceback.format_exc()}
             view = memoryview(json.dumps(reply).encode("utf-8"))
             while view:
-                view = view[os.write(write_fd, view):]
+                view = view[os.write(write_fd, view) :]
         except BaseException:
             code = 70
         finally:
@@ -359,11 +394,16 @@ def _render_child(dirs: list[str], builtin: str, name: str,
     try:
         reply = json.loads(b"".join(chunks))
     except ValueError:
-        why = (f"was ended by signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
-               else f"exited {os.WEXITSTATUS(status)}")
-        raise UserError(f"templates: rendering {name} {why} (past its bounds: {USER_CPU_S} s of "
-                        f"CPU, {USER_MEMORY >> 20} MiB of memory, {MAX_SCRIPT >> 20} MiB of "
-                        "output); allowed: a template that renders a job script") from None
+        why = (
+            f"was ended by signal {os.WTERMSIG(status)}"
+            if os.WIFSIGNALED(status)
+            else f"exited {os.WEXITSTATUS(status)}"
+        )
+        raise UserError(
+            f"templates: rendering {name} {why} (past its bounds: {USER_CPU_S} s of "
+            f"CPU, {USER_MEMORY >> 20} MiB of memory, {MAX_SCRIPT >> 20} MiB of "
+            "output); allowed: a template that renders a job script"
+        ) from None
     if "error" in reply:
         raise UserError(reply["error"])
     if "bug" in reply:
@@ -378,8 +418,10 @@ def _limit_child() -> None:  # pragma: no cover - runs in the child
     import signal
 
     def out_of_cpu(signum: int, frame: Any) -> None:
-        raise _TemplateFailure(f"still running after {USER_CPU_S} s of CPU (an endless loop?); "
-                               "allowed: a template that renders a job script")
+        raise _TemplateFailure(
+            f"still running after {USER_CPU_S} s of CPU (an endless loop?); "
+            "allowed: a template that renders a job script"
+        )
 
     signal.signal(signal.SIGXCPU, out_of_cpu)
     resource.setrlimit(resource.RLIMIT_CPU, (USER_CPU_S, USER_CPU_S + 2))
@@ -404,5 +446,8 @@ def _announce(used: list[str], here: str | None) -> None:
     for path in used:
         if path.startswith(here + os.sep) and path not in _ANNOUNCED:
             _ANNOUNCED.add(path)
-            _LOG.warning("templates: using %s from the working directory's templates/ "
-                         "(rendered in the sandbox)", path)
+            _LOG.warning(
+                "templates: using %s from the working directory's templates/ "
+                "(rendered in the sandbox)",
+                path,
+            )

@@ -36,9 +36,13 @@ def context(job: Job, regenerate: str | None = None, script: str | None = None) 
     sweep = None
     if job.array_size:  # each array task appends its own --set overrides (hpc.sweep)
         launch = [*launch, Raw('"${HPC_SWEEP_ARGS[@]}"')]
-        sweep = {"python": python_of(spec.command), "index_var": scheduler.array_index_var,
-                 "last": job.array_size - 1, "offset_arg": scheduler.array_parts,
-                 "offset_word": scheduler.array_offset_word}
+        sweep = {
+            "python": python_of(spec.command),
+            "index_var": scheduler.array_index_var,
+            "last": job.array_size - 1,
+            "offset_arg": scheduler.array_parts,
+            "offset_word": scheduler.array_offset_word,
+        }
     applied = _job_env(job)
     env = applied.env
     check_values(job, env)
@@ -112,14 +116,28 @@ def check_values(job: Job, env: dict[str, str]) -> None:
     unchecked. Quoting cannot help in a directive: the scheduler reads the line itself.
     """
     spec, cluster = job.spec, job.cluster
-    words = {"name": job.name, "queue": job.queue, "account": job.account,
-             "filesystems": job.filesystems, "signal": spec.signal, "system": cluster.system,
-             "place": cluster.place, "constraint": cluster.constraint}
+    words = {
+        "name": job.name,
+        "queue": job.queue,
+        "account": job.account,
+        "filesystems": job.filesystems,
+        "signal": spec.signal,
+        "system": cluster.system,
+        "place": cluster.place,
+        "constraint": cluster.constraint,
+    }
     for field, value in words.items():
         if value is not None:
             directive_value(value, field)
-    for field in ("nodes", "ppn", "walltime", "gpus_per_node", "cpus_per_task", "array_size",
-                  "max_parallel"):  # written unquoted: numbers, as resolve() makes them
+    for field in (
+        "nodes",
+        "ppn",
+        "walltime",
+        "gpus_per_node",
+        "cpus_per_task",
+        "array_size",
+        "max_parallel",
+    ):  # written unquoted: numbers, as resolve() makes them
         value = getattr(job, field)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise UserError(f"{field}: {value!r} is not allowed; allowed: a whole number")

@@ -147,32 +147,42 @@ def read_metrics(path: Path, label: str) -> Series:
         bad: tuple[int, str] | None = None  # a bad line is fatal only if another follows
         for number, raw in lines:
             if b"\0" in raw:
-                raise UserError(f"{where} line {number}: holds NUL bytes (a binary file?); "
-                                "allowed: a metrics.jsonl the trainer wrote")  # fmt: skip
+                raise UserError(
+                    f"{where} line {number}: holds NUL bytes (a binary file?); "
+                    "allowed: a metrics.jsonl the trainer wrote"
+                )
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise UserError(f"{where} line {number}: not UTF-8 text (byte {exc.start}); "
-                                "allowed: a metrics.jsonl the trainer wrote") from None  # fmt: skip
+                raise UserError(
+                    f"{where} line {number}: not UTF-8 text (byte {exc.start}); "
+                    "allowed: a metrics.jsonl the trainer wrote"
+                ) from None
             if not text.strip():
                 continue
             if bad is not None:
-                raise UserError(f"{where} line {bad[0]}: {bad[1]}; allowed: a metrics.jsonl "
-                                "the trainer wrote (one JSON object a line)")  # fmt: skip
+                raise UserError(
+                    f"{where} line {bad[0]}: {bad[1]}; allowed: a metrics.jsonl "
+                    "the trainer wrote (one JSON object a line)"
+                )
             try:
                 rec = json.loads(text)
             except (ValueError, RecursionError):
                 bad = (number, "not JSON")
                 continue
             if not isinstance(rec, dict):
-                raise UserError(f"{where} line {number}: a JSON {type(rec).__name__}, not an "
-                                "object; allowed: a metrics.jsonl the trainer wrote")  # fmt: skip
+                raise UserError(
+                    f"{where} line {number}: a JSON {type(rec).__name__}, not an "
+                    "object; allowed: a metrics.jsonl the trainer wrote"
+                )
             _add(rec, train, evals, times)
     return Series(
-        label=label, path=path,
+        label=label,
+        path=path,
         train={k: sorted(v.items()) for k, v in train.items()},
-        eval_loss=sorted(evals.items()), times=times,
-    )  # fmt: skip
+        eval_loss=sorted(evals.items()),
+        times=times,
+    )
 
 
 def _lines(fh: Any, where: str) -> Any:
@@ -183,13 +193,19 @@ def _lines(fh: Any, where: str) -> Any:
             return
         number += 1
         if len(raw) > MAX_LINE:
-            raise UserError(f"{where} line {number}: longer than {MAX_LINE} bytes; "
-                            "allowed: a metrics.jsonl the trainer wrote")  # fmt: skip
+            raise UserError(
+                f"{where} line {number}: longer than {MAX_LINE} bytes; "
+                "allowed: a metrics.jsonl the trainer wrote"
+            )
         yield number, raw
 
 
-def _add(rec: dict[str, Any], train: dict[str, dict[int, float]], evals: dict[int, float],
-         times: list[float]) -> None:  # fmt: skip
+def _add(
+    rec: dict[str, Any],
+    train: dict[str, dict[int, float]],
+    evals: dict[int, float],
+    times: list[float],
+) -> None:
     step = rec.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**53:
         return  # no usable step: nothing to place on the x axis
@@ -228,14 +244,15 @@ def summarize(series: Series) -> RunSummary:
     speeds = _finite(series.values("samples_per_s"))
     span = max(series.times) - min(series.times) if len(series.times) > 1 else None
     return RunSummary(
-        label=series.label, path=series.path,
+        label=series.label,
+        path=series.path,
         steps=max(steps) if steps else None,
         last_loss=losses[-1] if losses else None,
         best_eval_loss=min(evals) if evals else None,
         last_lr=lrs[-1] if lrs else None,
         mean_samples_per_s=sum(speeds) / len(speeds) if speeds else None,
         wall_time_s=span if span is not None and math.isfinite(span) else None,  # 1e308 - -1e308
-    )  # fmt: skip
+    )
 
 
 def summary_table(rows: list[RunSummary]) -> Any:
@@ -249,13 +266,26 @@ def summary_table(rows: list[RunSummary]) -> Any:
     from rich.text import Text
 
     table = Table(title="runs")
-    for name in ("run", "steps", "last loss", "best eval loss", "last lr", "samples/s", "wall time"):
+    for name in (
+        "run",
+        "steps",
+        "last loss",
+        "best eval loss",
+        "last lr",
+        "samples/s",
+        "wall time",
+    ):
         table.add_column(name, justify="left" if name == "run" else "right")
     for r in rows:
         cells = (
-            r.label, _fmt(r.steps, "d"), _fmt(r.last_loss, ".4g"), _fmt(r.best_eval_loss, ".4g"),
-            _fmt(r.last_lr, ".3g"), _fmt(r.mean_samples_per_s, ".1f"), _duration(r.wall_time_s),
-        )  # fmt: skip
+            r.label,
+            _fmt(r.steps, "d"),
+            _fmt(r.last_loss, ".4g"),
+            _fmt(r.best_eval_loss, ".4g"),
+            _fmt(r.last_lr, ".3g"),
+            _fmt(r.mean_samples_per_s, ".1f"),
+            _duration(r.wall_time_s),
+        )
         table.add_row(*(Text(c) for c in cells))
     return table
 
@@ -307,10 +337,20 @@ def _left_out(series: list[Series]) -> list[str]:
         for name, points in [*metrics, ("eval loss", s.eval_loss)]:
             bad = [v for _, v in points if not _drawable(v)]
             if bad:
-                kinds = sorted({"NaN" if math.isnan(v) else "inf" if math.isinf(v) else
-                                f"beyond ±{PLOT_LIMIT:g}" for v in bad})  # fmt: skip
-                notes.append(f"{s.label}: {len(bad)} of {len(points)} {name} points not drawn "
-                             f"({', '.join(kinds)})")  # fmt: skip
+                kinds = sorted(
+                    {
+                        "NaN"
+                        if math.isnan(v)
+                        else "inf"
+                        if math.isinf(v)
+                        else f"beyond ±{PLOT_LIMIT:g}"
+                        for v in bad
+                    }
+                )
+                notes.append(
+                    f"{s.label}: {len(bad)} of {len(points)} {name} points not drawn "
+                    f"({', '.join(kinds)})"
+                )
     return notes
 
 
@@ -320,8 +360,10 @@ def plot(series: list[Series], png: Path) -> None:
     try:
         from matplotlib.figure import Figure  # no pyplot: no display, no global state (Agg)
     except ImportError:
-        raise UserError("report: needs matplotlib; allowed: pip install 'hpc-ddp[report]' "
-                        "(or pip install matplotlib)") from None  # fmt: skip
+        raise UserError(
+            "report: needs matplotlib; allowed: pip install 'hpc-ddp[report]' "
+            "(or pip install matplotlib)"
+        ) from None
 
     fig = Figure(figsize=(9, 10), dpi=100, layout="constrained")
     loss_ax, lr_ax, speed_ax = fig.subplots(3, 1, sharex=True)
@@ -330,14 +372,24 @@ def plot(series: list[Series], png: Path) -> None:
         if s.train.get("loss"):
             loss_ax.plot(*_xy(s.train["loss"]), color=color, lw=1.5, label=s.label)
         if s.eval_loss:
-            loss_ax.plot(*_xy(s.eval_loss), color=color, lw=1.5, ls="--", marker="o", ms=3,
-                         label=f"{s.label} (eval)")  # fmt: skip
+            loss_ax.plot(
+                *_xy(s.eval_loss),
+                color=color,
+                lw=1.5,
+                ls="--",
+                marker="o",
+                ms=3,
+                label=f"{s.label} (eval)",
+            )
         if s.train.get("lr"):
             lr_ax.plot(*_xy(s.train["lr"]), color=color, lw=1.5, label=s.label)
         if s.train.get("samples_per_s"):
             speed_ax.plot(*_xy(s.train["samples_per_s"]), color=color, lw=1.5, label=s.label)
-    for ax, title in ((loss_ax, "loss (solid: train, dashed: eval)"),
-                      (lr_ax, "learning rate"), (speed_ax, "samples/s")):  # fmt: skip
+    for ax, title in (
+        (loss_ax, "loss (solid: train, dashed: eval)"),
+        (lr_ax, "learning rate"),
+        (speed_ax, "samples/s"),
+    ):
         ax.set_title(title, loc="left", fontsize=10)
         ax.grid(True, alpha=0.3)
     speed_ax.set_xlabel("step")
@@ -368,15 +420,21 @@ def report(run_dirs: list[Path], out: Path | None = None, console: Any = None) -
         found = _find_all(run_dirs)
         png = _png_path(Path(run_dirs[0]), out)
     except OSError as exc:  # a path too long for the file system, a folder not searchable
-        raise UserError(f"report: {str(exc.filename)!r}: {exc.strerror}; allowed: run "
-                        "directories and a PNG path that exist") from None  # fmt: skip
+        raise UserError(
+            f"report: {str(exc.filename)!r}: {exc.strerror}; allowed: run "
+            "directories and a PNG path that exist"
+        ) from None
     if not found:
         names = ", ".join(repr(str(d)) for d in run_dirs)
-        raise UserError(f"report: no {METRICS} in {names} (nor in its task or checkpoint "
-                        "folders); allowed: a run that has logged at least once")  # fmt: skip
+        raise UserError(
+            f"report: no {METRICS} in {names} (nor in its task or checkpoint "
+            "folders); allowed: a run that has logged at least once"
+        )
     series = [read_metrics(path, label) for label, path in _unique(found)]
     if not any(s.train or s.eval_loss for s in series):
-        raise UserError(f"report: no metrics logged yet in {', '.join(str(s.path) for s in series)}")
+        raise UserError(
+            f"report: no metrics logged yet in {', '.join(str(s.path) for s in series)}"
+        )
     try:
         plot(series, png)
     except OSError as exc:
@@ -418,7 +476,9 @@ def _per_rank(found: list[tuple[str, Path]]) -> list[str]:
 def _find_all(run_dirs: list[Path]) -> list[tuple[str, Path]]:
     found: list[tuple[str, Path]] = []
     for run_dir in run_dirs:
-        prefix = f"{Path(run_dir).resolve().name} " if len(run_dirs) > 1 and run_dir.is_dir() else ""
+        prefix = (
+            f"{Path(run_dir).resolve().name} " if len(run_dirs) > 1 and run_dir.is_dir() else ""
+        )
         found += find_metrics(Path(run_dir), prefix)
     return found
 
@@ -443,6 +503,8 @@ def _png_path(first: Path, out: Path | None) -> Path:
     if out.is_dir():
         return out / PNG
     if not out.parent.is_dir():
-        raise UserError(f"report: folder {str(out.parent)!r} does not exist; "
-                        "allowed: a PNG path in an existing folder")  # fmt: skip
+        raise UserError(
+            f"report: folder {str(out.parent)!r} does not exist; "
+            "allowed: a PNG path in an existing folder"
+        )
     return out

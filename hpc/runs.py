@@ -47,8 +47,10 @@ def check_runs_dir(runs_dir: Path) -> Path:
     try:
         resolved = runs_dir.resolve()
     except (OSError, RuntimeError):
-        raise UserError(f"--runs-dir: {str(runs_dir)!r} is a symlink loop (or a link "
-                        "chain too long to follow); allowed: a folder") from None  # fmt: skip
+        raise UserError(
+            f"--runs-dir: {str(runs_dir)!r} is a symlink loop (or a link "
+            "chain too long to follow); allowed: a folder"
+        ) from None
     if resolved.exists() and not resolved.is_dir():
         raise UserError(f"--runs-dir: {str(runs_dir)!r} is not a folder; allowed: a folder")
     return resolved
@@ -110,7 +112,9 @@ def create_free(run_dir: Path, stem: str, suffix: str, text: str = "") -> Path:
         except FileExistsError:
             continue
         except OSError as exc:
-            raise UserError(f"run directory {str(run_dir)!r}: cannot write: {exc.strerror}") from None
+            raise UserError(
+                f"run directory {str(run_dir)!r}: cannot write: {exc.strerror}"
+            ) from None
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
         return path
@@ -124,13 +128,23 @@ def git_info(cwd: Path | None = None) -> dict[str, Any]:
     their raw bytes, and one in Latin-1 must not stop ``hpc submit`` with a traceback.
     """
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True,
-                              timeout=10, encoding="utf-8", errors="replace")
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=cwd,
+            capture_output=True,
+            timeout=10,
+            encoding="utf-8",
+            errors="replace",
+        )
         if head.returncode != 0:
             return {"git_commit": None, "git_dirty": None}
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=cwd, capture_output=True, timeout=10, encoding="utf-8", errors="replace",
+            cwd=cwd,
+            capture_output=True,
+            timeout=10,
+            encoding="utf-8",
+            errors="replace",
         )
         return {"git_commit": head.stdout.strip(), "git_dirty": bool(dirty.stdout.strip())}
     except (OSError, subprocess.TimeoutExpired):
@@ -151,12 +165,16 @@ def locked(run_dir: Path) -> Iterator[None]:
         fd = os.open(path, flags, 0o644)
     except OSError as exc:
         kind = "a symbolic link" if path.is_symlink() else exc.strerror
-        raise UserError(f"run: cannot lock {str(path)!r}: {kind}; allowed: a regular file "
-                        "(as hpc submit makes it)") from None  # fmt: skip
+        raise UserError(
+            f"run: cannot lock {str(path)!r}: {kind}; allowed: a regular file "
+            "(as hpc submit makes it)"
+        ) from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise UserError(f"run: {str(path)!r} is not a regular file; allowed: a regular "
-                            "file (as hpc submit makes it)")  # fmt: skip
+            raise UserError(
+                f"run: {str(path)!r} is not a regular file; allowed: a regular "
+                "file (as hpc submit makes it)"
+            )
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield
@@ -197,9 +215,13 @@ def new_record(job: Any, git: dict[str, Any], **fields: Any) -> dict[str, Any]:
     :func:`git_info`'s answer, asked by the caller before it takes the run's lock.
     """
     record: dict[str, Any] = {
-        "name": job.name, "cluster": job.cluster.name, "scheduler": job.scheduler.name,
-        "spec": job.spec.source, "cwd": os.getcwd(),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "job_id": None,
+        "name": job.name,
+        "cluster": job.cluster.name,
+        "scheduler": job.scheduler.name,
+        "spec": job.spec.source,
+        "cwd": os.getcwd(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "job_id": None,
     }
     return {**record, **fields, **git}
 
@@ -252,8 +274,10 @@ def _load(path: Path) -> dict[str, Any]:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise UserError(f"run: {str(path)!r} is not readable JSON ({reason})") from None
     if not isinstance(data, dict):
-        raise UserError(f"run: {str(path)!r} is not a run record (a JSON object with "
-                        "scheduler and job_id); it was damaged or written by hand")  # fmt: skip
+        raise UserError(
+            f"run: {str(path)!r} is not a run record (a JSON object with "
+            "scheduler and job_id); it was damaged or written by hand"
+        )
     _check_record(data, path)
     return data
 
@@ -266,8 +290,10 @@ def _check_record(record: dict[str, Any], path: Path) -> None:
     where = f"run: {str(path)!r}"
     for key in ("submissions", "sweep", "chain"):
         if not isinstance(record.get(key, []), list):
-            raise UserError(f"{where}: {key} is a {type(record[key]).__name__}; allowed: a list "
-                            "(a record written by hpc submit)")  # fmt: skip
+            raise UserError(
+                f"{where}: {key} is a {type(record[key]).__name__}; allowed: a list "
+                "(a record written by hpc submit)"
+            )
     for pos, entry in enumerate([*record.get("submissions", []), record]):
         at = f"{where}: submission {pos}" if entry is not record else where
         if not isinstance(entry, dict):
@@ -278,15 +304,19 @@ def _check_record(record: dict[str, Any], path: Path) -> None:
         if job_id is not None and (
             not isinstance(job_id, str) or not job_id or not job_id.isprintable() or " " in job_id
         ):
-            raise UserError(f"{at}: job_id {job_id!r}; allowed: null or the job id its "
-                            "scheduler gave (printable text, no spaces)")  # fmt: skip
+            raise UserError(
+                f"{at}: job_id {job_id!r}; allowed: null or the job id its "
+                "scheduler gave (printable text, no spaces)"
+            )
         if state is not None and state not in STATES:
             raise UserError(f"{at}: state {state!r}; allowed: null or one of {', '.join(STATES)}")
     for task in record.get("sweep", []):  # hpc status prints each task's label
         label = task.get("label") if isinstance(task, dict) else None
         if not isinstance(label, str) or not label.isprintable():
-            raise UserError(f"{where}: sweep entry {task!r} has no printable label; allowed: a "
-                            "record written by hpc submit --sweep")  # fmt: skip
+            raise UserError(
+                f"{where}: sweep entry {task!r} has no printable label; allowed: a "
+                "record written by hpc submit --sweep"
+            )
 
 
 def _record_or_none(path: Path) -> Any:
@@ -330,8 +360,11 @@ def find(ident: str, runs_dir: Path, history: bool = False) -> tuple[Path, dict[
             if any(_has_id(e, ident) for e in (entries if history else entries[-1:])):
                 _check_record(rec, runs_dir / name / RECORD)  # the one asked for: checked
                 return runs_dir / name, rec
-        if attempt == 0 and not index.rebuilt and (
-                stale or index.damaged or index.older_than(runs_dir)):
+        if (
+            attempt == 0
+            and not index.rebuilt
+            and (stale or index.damaged or index.older_than(runs_dir))
+        ):
             index = None
             continue
         return None
@@ -364,5 +397,9 @@ def _is_id(job_id: str, ident: str) -> bool:
         return True
     number, _, server = job_id.partition(".")
     asked_number, _, asked = ident.partition(".")
-    return (number == asked_number and bool(server) and bool(asked)
-            and (server.startswith(asked + ".") or asked.startswith(server + ".")))
+    return (
+        number == asked_number
+        and bool(server)
+        and bool(asked)
+        and (server.startswith(asked + ".") or asked.startswith(server + "."))
+    )

@@ -39,8 +39,9 @@ def index_key(job_id: str) -> str:
 class _Index:
     """What an index says: run names per key, and the mtime of ``runs/`` it knew."""
 
-    def __init__(self, runs: dict[str, list[str]], stamp: int, rebuilt: bool = False,
-                 damaged: bool = False) -> None:
+    def __init__(
+        self, runs: dict[str, list[str]], stamp: int, rebuilt: bool = False, damaged: bool = False
+    ) -> None:
         self.runs = runs
         self.stamp = stamp
         self.rebuilt = rebuilt
@@ -60,8 +61,9 @@ def _entries(record: Any) -> list[dict[str, Any]]:
     if not isinstance(record, dict):
         return []
     earlier = record.get("submissions")
-    return [e for e in [*(earlier if isinstance(earlier, list) else []), record]
-            if isinstance(e, dict)]
+    return [
+        e for e in [*(earlier if isinstance(earlier, list) else []), record] if isinstance(e, dict)
+    ]
 
 
 def _index_lines(name: str, record: Any) -> list[str]:
@@ -114,8 +116,12 @@ def _read_index(runs_dir: Path, key: str | None = None) -> _Index | None:
 
 def _plain_name(name: Any) -> bool:
     """A run's folder name as the index may hold it: one path component under runs/."""
-    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
-            and "\0" not in name)
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and "/" not in name
+        and "\0" not in name
+    )
 
 
 def _rebuild_index(runs_dir: Path) -> _Index:
@@ -214,8 +220,9 @@ def _index_locked(runs_dir: Path) -> Iterator[bool]:
         os.close(fd)
 
 
-def _index_append(runs_dir: Path, lines: list[str], stamp: bool = False,
-                  locked: bool = False) -> None:
+def _index_append(
+    runs_dir: Path, lines: list[str], stamp: bool = False, locked: bool = False
+) -> None:
     """Append ``lines`` (and with ``stamp`` the mtime of ``runs/`` now) to an index that
     exists; one that cannot be appended to is removed, to be rebuilt when next needed
     (an index that silently missed a record would hide that run)."""

@@ -58,8 +58,15 @@ def gpu_counts(gpus: int) -> list[int]:
 
 
 def table(
-    gpus: int, rule: str, base_lr: float, base_warmup: int, batch_size: int, accum: int,
-    base_gpus: int = 1, by: str = "world", base_batch: int = 0,
+    gpus: int,
+    rule: str,
+    base_lr: float,
+    base_warmup: int,
+    batch_size: int,
+    accum: int,
+    base_gpus: int = 1,
+    by: str = "world",
+    base_batch: int = 0,
 ) -> list[Row]:
     """The scaled lr, warmup and effective batch for 1..gpus GPUs, doubling.
 
@@ -73,14 +80,22 @@ def table(
     if by not in scaling.BY:
         raise UserError(f"by: {by!r} is not allowed; allowed: {', '.join(scaling.BY)}")
     if by == "world" and base_batch:
-        raise UserError(f"base-batch: {base_batch} is used only with --by batch; allowed: add "
-                        "--by batch, or leave --base-batch out")  # fmt: skip
+        raise UserError(
+            f"base-batch: {base_batch} is used only with --by batch; allowed: add "
+            "--by batch, or leave --base-batch out"
+        )
     if by == "batch" and base_batch < 1:
-        raise UserError(f"base-batch: {base_batch} is not allowed; allowed: a whole number >= 1 "
-                        "(the effective batch base-lr was tuned for) with --by batch")  # fmt: skip
+        raise UserError(
+            f"base-batch: {base_batch} is not allowed; allowed: a whole number >= 1 "
+            "(the effective batch base-lr was tuned for) with --by batch"
+        )
 
-    for name, value in (("base-warmup", base_warmup), ("batch-size", batch_size),
-                        ("accum", accum), ("base-gpus", base_gpus)):  # fmt: skip
+    for name, value in (
+        ("base-warmup", base_warmup),
+        ("batch-size", batch_size),
+        ("accum", accum),
+        ("base-gpus", base_gpus),
+    ):
         if value < (0 if name == "base-warmup" else 1):
             low = 0 if name == "base-warmup" else 1
             raise UserError(f"{name}: {value} is not allowed; allowed: a whole number >= {low}")
@@ -91,6 +106,7 @@ def table(
     for n in gpu_counts(gpus):
         eff = scaling.effective_batch(batch_size, accum, n)
         f = parsed.factor(n, base_gpus) if by == "world" else parsed.of_ratio(eff / base_batch)
-        rows.append(Row(n, eff, f,
-                        scaling.scaled_lr(base_lr, f), scaling.scaled_warmup(base_warmup, f)))  # fmt: skip
+        rows.append(
+            Row(n, eff, f, scaling.scaled_lr(base_lr, f), scaling.scaled_warmup(base_warmup, f))
+        )
     return rows

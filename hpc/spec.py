@@ -36,10 +36,33 @@ from hpc._util import (
 from hpc.errors import UserError
 
 SPEC_KEYS = (
-    "name", "description", "cluster", "nodes", "ppn", "walltime", "queue", "partition",
-    "account", "command", "env", "modules", "setup", "python", "output_dir", "signal",
-    "requeue", "directives", "launcher", "gpus_per_node", "cpus_per_task", "wrap",
-    "filesystems", "expand_vars", "split_logs", "per_rank_logs", "resilience",
+    "name",
+    "description",
+    "cluster",
+    "nodes",
+    "ppn",
+    "walltime",
+    "queue",
+    "partition",
+    "account",
+    "command",
+    "env",
+    "modules",
+    "setup",
+    "python",
+    "output_dir",
+    "signal",
+    "requeue",
+    "directives",
+    "launcher",
+    "gpus_per_node",
+    "cpus_per_task",
+    "wrap",
+    "filesystems",
+    "expand_vars",
+    "split_logs",
+    "per_rank_logs",
+    "resilience",
 )
 #: ``resilience:`` keys (python -m ddp.supervise's flags) and their defaults.
 RESILIENCE = {"hang_timeout_s": 600.0, "max_restarts": 3, "min_nodes": 1, "spares": 0}
@@ -184,22 +207,28 @@ def _resilience(value: Any) -> dict[str, float | int] | None:
     if value is True:
         return dict(RESILIENCE)
     if not isinstance(value, dict):
-        raise UserError(f"resilience: {value!r} is not allowed; allowed: true, false or a "
-                        f"mapping of {', '.join(RESILIENCE)}")  # fmt: skip
+        raise UserError(
+            f"resilience: {value!r} is not allowed; allowed: true, false or a "
+            f"mapping of {', '.join(RESILIENCE)}"
+        )
     check_keys(value, tuple(RESILIENCE), "resilience")
     out: dict[str, float | int] = dict(RESILIENCE)
     for key, given in value.items():
         number = given if isinstance(given, int | float) and not isinstance(given, bool) else None
         if key == "hang_timeout_s":
             if number is None or not 1 <= number <= 7 * 86400:  # NaN fails both tests
-                raise UserError(f"resilience.hang_timeout_s: {given!r} is not allowed; "
-                                "allowed: seconds from 1 to 604800")  # fmt: skip
+                raise UserError(
+                    f"resilience.hang_timeout_s: {given!r} is not allowed; "
+                    "allowed: seconds from 1 to 604800"
+                )
             out[key] = float(number)
         else:
             low = 1 if key == "min_nodes" else 0
             if not isinstance(number, int) or not low <= number <= 100_000:
-                raise UserError(f"resilience.{key}: {given!r} is not allowed; allowed: a "
-                                f"whole number from {low} to 100000")  # fmt: skip
+                raise UserError(
+                    f"resilience.{key}: {given!r} is not allowed; allowed: a "
+                    f"whole number from {low} to 100000"
+                )
             out[key] = number
     return out
 
@@ -267,8 +296,10 @@ def _command(value: Any) -> list[str]:
         try:
             return shlex.split(value)
         except ValueError as exc:
-            raise UserError(f"command: {value!r} cannot be split into words ({exc}); "
-                            "allowed: a list of arguments or a shell-like string") from None
+            raise UserError(
+                f"command: {value!r} cannot be split into words ({exc}); "
+                "allowed: a list of arguments or a shell-like string"
+            ) from None
     if isinstance(value, list) and not any(isinstance(v, (dict, list)) or v is None for v in value):
         words = [str(v) for v in value]
         if any("\0" in w for w in words):
@@ -314,11 +345,18 @@ def _python(value: Any) -> dict[str, str] | str | None:
             f"python: {value!r} is not allowed; allowed: {{venv: PATH}}, {{conda: NAME}} or site"
         )
     kind = kinds[0]
-    extra = sorted(set(value) - {kind, "stage", "pack"}) if kind == "venv" else \
-        sorted(set(value) - {kind})
+    extra = (
+        sorted(set(value) - {kind, "stage", "pack"})
+        if kind == "venv"
+        else sorted(set(value) - {kind})
+    )
     if extra:
-        allowed = "venv with stage and pack" if kind == "venv" else "conda alone (a conda " \
+        allowed = (
+            "venv with stage and pack"
+            if kind == "venv"
+            else "conda alone (a conda "
             "environment cannot be moved by copying its folder, so it is never staged)"
+        )
         raise UserError(f"python.{extra[0]}: not allowed here; allowed: {allowed}")
     where = value[kind]
     if not isinstance(where, str) or not where or "\0" in where:
@@ -333,7 +371,9 @@ def _python(value: Any) -> dict[str, str] | str | None:
 
 
 def submitting_python(
-    environ: Mapping[str, str], prefix: str | None = None, base_prefix: str | None = None,
+    environ: Mapping[str, str],
+    prefix: str | None = None,
+    base_prefix: str | None = None,
 ) -> dict[str, str] | None:
     """The Python environment ``hpc submit`` runs from, for the job to activate.
 
@@ -379,14 +419,17 @@ def conda_executable(env: str) -> str | None:
         return None
     candidates = [root / "bin" / "conda", root / "condabin" / "conda"]
     if root.parent.name == "envs":
-        candidates += [root.parent.parent / "bin" / "conda", root.parent.parent / "condabin" / "conda"]
+        candidates += [
+            root.parent.parent / "bin" / "conda",
+            root.parent.parent / "condabin" / "conda",
+        ]
     try:
         history = read_regular(root / "conda-meta" / "history", "conda history", 1 << 24)
     except UserError:  # none, or not a plain file: no hint there
         history = b""
     for line in history.decode("utf-8", "replace").splitlines():
         if line.startswith("# cmd: "):
-            program = Path((line[len("# cmd: "):].split() or [""])[0])
+            program = Path((line[len("# cmd: ") :].split() or [""])[0])
             if program.is_absolute():
                 candidates.append(program.parent / "conda")
             break

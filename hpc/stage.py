@@ -101,34 +101,45 @@ class Stage:
 
     def dest(self, job_id_var: str) -> str:
         """The copy's folder on each node, as shell text (the job id from ``job_id_var``)."""
-        return f"{shlex.quote(self.local_dir + '/hpc-ddp-env-')}\"${{{job_id_var}}}\""
+        return f'{shlex.quote(self.local_dir + "/hpc-ddp-env-")}"${{{job_id_var}}}"'
 
-    def lines(self, job_id_var: str, spread: list[str], unpack: list[str],
-              cleanup: list[str]) -> list[str]:
+    def lines(
+        self, job_id_var: str, spread: list[str], unpack: list[str], cleanup: list[str]
+    ) -> list[str]:
         """The batch script's lines: pack (``pack: job``), spread, unpack, activate.
 
         ``spread``/``unpack``/``cleanup`` are the scheduler's own lines around the
         constant unpack script (``$HPC_STAGE_UNPACK``), with ``$HPC_STAGE_TAR`` the pack
         on shared storage and ``$HPC_STAGE_DEST`` the node-local copy."""
-        out = [f"# python.stage: {self.why}",
-               f'HPC_STAGE_TAR="$HPC_RUN_DIR"/{TAR_NAME}',
-               f"HPC_STAGE_DEST={self.dest(job_id_var)}",
-               f"HPC_STAGE_UNPACK={shlex.quote(UNPACK)}"]
+        out = [
+            f"# python.stage: {self.why}",
+            f'HPC_STAGE_TAR="$HPC_RUN_DIR"/{TAR_NAME}',
+            f"HPC_STAGE_DEST={self.dest(job_id_var)}",
+            f"HPC_STAGE_UNPACK={shlex.quote(UNPACK)}",
+        ]
         if self.pack_at == "job":
-            out.append(f'tar -cf "$HPC_STAGE_TAR.$$" -C {shlex.quote(self.venv)} . '
-                       '&& mv -f "$HPC_STAGE_TAR.$$" "$HPC_STAGE_TAR"')
+            out.append(
+                f'tar -cf "$HPC_STAGE_TAR.$$" -C {shlex.quote(self.venv)} . '
+                '&& mv -f "$HPC_STAGE_TAR.$$" "$HPC_STAGE_TAR"'
+            )
         if self.tolerant:  # resilience: a node that fails is left out by ddp.supervise
-            said = ("python.stage: an unpack failed; ddp.supervise leaves out the nodes "
-                    "with no mark in")
-            out += [f'HPC_STAGE_OK="$HPC_RUN_DIR"/stage-ok-"${{{job_id_var}}}"',
-                    'mkdir -p "$HPC_STAGE_OK"', *spread,
-                    *(f'{line} || echo {shlex.quote(said)} "$HPC_STAGE_OK"' for line in unpack),
-                    *cleanup]
+            said = (
+                "python.stage: an unpack failed; ddp.supervise leaves out the nodes with no mark in"
+            )
+            out += [
+                f'HPC_STAGE_OK="$HPC_RUN_DIR"/stage-ok-"${{{job_id_var}}}"',
+                'mkdir -p "$HPC_STAGE_OK"',
+                *spread,
+                *(f'{line} || echo {shlex.quote(said)} "$HPC_STAGE_OK"' for line in unpack),
+                *cleanup,
+            ]
         else:
             out += [*spread, *unpack, *cleanup]
-        out += ['export VIRTUAL_ENV="$HPC_STAGE_DEST"',
-                'export PATH="$HPC_STAGE_DEST/bin${PATH:+:$PATH}"',
-                "unset PYTHONHOME"]
+        out += [
+            'export VIRTUAL_ENV="$HPC_STAGE_DEST"',
+            'export PATH="$HPC_STAGE_DEST/bin${PATH:+:$PATH}"',
+            "unset PYTHONHOME",
+        ]
         return out
 
 
@@ -150,20 +161,29 @@ def profile_rule(data: dict[str, Any], where: str) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, dict) or set(value) - set(PROFILE_KEYS):
-        raise UserError(f"{where}: python_stage: {value!r} is not allowed; allowed: a mapping "
-                        f"with {', '.join(PROFILE_KEYS)}")
+        raise UserError(
+            f"{where}: python_stage: {value!r} is not allowed; allowed: a mapping "
+            f"with {', '.join(PROFILE_KEYS)}"
+        )
     out: dict[str, Any] = {"source": str(value.get("source") or "")}
     nodes = value.get("min_nodes")
     if nodes is not None:
         if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
-            raise UserError(f"{where}: python_stage.min_nodes: {nodes!r} is not allowed; "
-                            "allowed: a whole number >= 1")
+            raise UserError(
+                f"{where}: python_stage.min_nodes: {nodes!r} is not allowed; "
+                "allowed: a whole number >= 1"
+            )
         out["min_nodes"] = nodes
     local = value.get("local_dir", DEFAULT_LOCAL_DIR)
-    if not isinstance(local, str) or not local.startswith("/") or any(c.isspace() or c == "\0"
-                                                                        for c in local):
-        raise UserError(f"{where}: python_stage.local_dir: {local!r} is not allowed; allowed: "
-                        "an absolute path without blanks (the copy's #! lines name it)")
+    if (
+        not isinstance(local, str)
+        or not local.startswith("/")
+        or any(c.isspace() or c == "\0" for c in local)
+    ):
+        raise UserError(
+            f"{where}: python_stage.local_dir: {local!r} is not allowed; allowed: "
+            "an absolute path without blanks (the copy's #! lines name it)"
+        )
     out["local_dir"] = local.rstrip("/") or "/"
     return out
 
@@ -179,28 +199,41 @@ def decide(job: Job) -> Stage | None:
         return None
     if "venv" not in python:
         if "stage" in python:
-            raise UserError("python.stage: a conda environment cannot be moved by copying its "
-                            "folder; allowed: stage with {venv: PATH}, or leave stage out")
+            raise UserError(
+                "python.stage: a conda environment cannot be moved by copying its "
+                "folder; allowed: stage with {venv: PATH}, or leave stage out"
+            )
         return None
     rule = job.cluster.python_stage
     if stage == "auto":
         threshold = rule.get("min_nodes")
         if threshold is None or job.nodes < threshold:
             return None
-        why = (f"{job.nodes} nodes >= {threshold}, the {job.cluster.name} profile's "
-               f"python_stage.min_nodes ({rule.get('source') or 'unverified'})")
+        why = (
+            f"{job.nodes} nodes >= {threshold}, the {job.cluster.name} profile's "
+            f"python_stage.min_nodes ({rule.get('source') or 'unverified'})"
+        )
     else:
         why = "stage: always"
     if not (Path(python["venv"]) / "pyvenv.cfg").is_file():
-        raise UserError(f"python.venv: {python['venv']!r} is not a virtual environment (no "
-                        "pyvenv.cfg), so it cannot be staged; allowed: the folder python -m "
-                        "venv made, or stage: never")
+        raise UserError(
+            f"python.venv: {python['venv']!r} is not a virtual environment (no "
+            "pyvenv.cfg), so it cannot be staged; allowed: the folder python -m "
+            "venv made, or stage: never"
+        )
     if job.scheduler.runs_here:
-        raise UserError(f"python.stage: {stage}: the {job.cluster.name} profile runs the job on "
-                        "this machine, which has no nodes to stage to; allowed: never here")
-    return Stage(venv=str(python["venv"]), local_dir=rule.get("local_dir", DEFAULT_LOCAL_DIR),
-                 pack_at=str(python.get("pack", "submit")), why=why, asked=stage == "always",
-                 tolerant=bool(job.spec.resilience))
+        raise UserError(
+            f"python.stage: {stage}: the {job.cluster.name} profile runs the job on "
+            "this machine, which has no nodes to stage to; allowed: never here"
+        )
+    return Stage(
+        venv=str(python["venv"]),
+        local_dir=rule.get("local_dir", DEFAULT_LOCAL_DIR),
+        pack_at=str(python.get("pack", "submit")),
+        why=why,
+        asked=stage == "always",
+        tolerant=bool(job.spec.resilience),
+    )
 
 
 def pack(stage: Stage, run_dir: Path) -> str:
@@ -210,8 +243,10 @@ def pack(stage: Stage, run_dir: Path) -> str:
     files' times, so the copied ``__pycache__`` entries stay valid for their sources."""
     venv, tar = Path(stage.venv), run_dir / TAR_NAME
     if not (venv / "pyvenv.cfg").is_file():
-        raise UserError(f"python.venv: {stage.venv!r} is not a virtual environment (no "
-                        "pyvenv.cfg); allowed: the folder python -m venv made")
+        raise UserError(
+            f"python.venv: {stage.venv!r} is not a virtual environment (no "
+            "pyvenv.cfg); allowed: the folder python -m venv made"
+        )
     start, files, size = time.monotonic(), 0, 0
     tmp = tar.with_name(f".{tar.name}.{os.getpid()}.tmp")
     try:
@@ -232,13 +267,16 @@ def pack(stage: Stage, run_dir: Path) -> str:
         os.replace(tmp, tar)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        raise UserError(f"python.stage: cannot pack {stage.venv!r} into {str(tar)!r}: "
-                        f"{exc.strerror or exc}") from None
+        raise UserError(
+            f"python.stage: cannot pack {stage.venv!r} into {str(tar)!r}: {exc.strerror or exc}"
+        ) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return (f"python.stage: packed {stage.venv} ({files} files, {size / 1e6:.1f} MB) into "
-            f"{tar.name} in {time.monotonic() - start:.1f} s; {stage.why}")
+    return (
+        f"python.stage: packed {stage.venv} ({files} files, {size / 1e6:.1f} MB) into "
+        f"{tar.name} in {time.monotonic() - start:.1f} s; {stage.why}"
+    )
 
 
 def note(stage: Stage) -> None:

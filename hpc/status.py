@@ -16,8 +16,9 @@ if TYPE_CHECKING:
     from hpc.schedulers import JobState, Scheduler
 
 
-def locate(ident: str, runs_dir: Path, cluster: str | None = None
-           ) -> tuple[str, Scheduler, dict[str, Any] | None]:
+def locate(
+    ident: str, runs_dir: Path, cluster: str | None = None
+) -> tuple[str, Scheduler, dict[str, Any] | None]:
     """(job id, its scheduler, the run record if ``ident`` names a run) for status/cancel."""
     from hpc import runs, schedulers
 
@@ -28,14 +29,18 @@ def locate(ident: str, runs_dir: Path, cluster: str | None = None
         run_dir = found[0]
         rec = runs.job_entry(found[1], ident)  # an earlier job of a resumed run: that one
         if not rec.get("job_id"):
-            raise UserError(f"id: {ident!r} names a run that has no job id (submit failed: "
-                            f"{rec.get('error', 'unknown')})")
+            raise UserError(
+                f"id: {ident!r} names a run that has no job id (submit failed: "
+                f"{rec.get('error', 'unknown')})"
+            )
         scheduler = schedulers.get(str(rec["scheduler"]))
         job_id = str(rec["job_id"])
         if not scheduler.owns_id(job_id):  # a record is untrusted: checked like a typed id
-            raise UserError(f"run: {str(run_dir / runs.RECORD)!r}: job_id {job_id!r} is not a "
-                            f"{scheduler.name} job id; allowed: {scheduler.id_examples} (a "
-                            "record written by hpc submit)")  # fmt: skip
+            raise UserError(
+                f"run: {str(run_dir / runs.RECORD)!r}: job_id {job_id!r} is not a "
+                f"{scheduler.name} job id; allowed: {scheduler.id_examples} (a "
+                "record written by hpc submit)"
+            )
         return job_id, scheduler, rec
     if cluster:
         from hpc import profiles as clusters
@@ -44,16 +49,20 @@ def locate(ident: str, runs_dir: Path, cluster: str | None = None
     else:
         name = schedulers.detect()
         if name is None:
-            raise UserError(f"id: {ident!r} is no run directory and no scheduler client is on "
-                            "PATH; allowed: a run directory, or --cluster NAME")  # fmt: skip
+            raise UserError(
+                f"id: {ident!r} is no run directory and no scheduler client is on "
+                "PATH; allowed: a run directory, or --cluster NAME"
+            )
         scheduler = schedulers.get(name)
     # The one gate before a typed id reaches a client (scancel, qdel, squeue): a typo, or
     # an id in other digits (١٢٣, １２３: str.isdigit and int() take them, no scheduler
     # gives them), is refused as not a job id instead of being sent on.
     if not scheduler.owns_id(ident):
-        raise UserError(f"id: {ident!r} is neither a run under {str(runs_dir)!r} nor a "
-                        f"{scheduler.name} job id; allowed: a run directory, its name, or a "
-                        f"job id such as {scheduler.id_examples}")  # fmt: skip
+        raise UserError(
+            f"id: {ident!r} is neither a run under {str(runs_dir)!r} nor a "
+            f"{scheduler.name} job id; allowed: a run directory, its name, or a "
+            f"job id such as {scheduler.id_examples}"
+        )
     return ident, scheduler, None
 
 
@@ -63,8 +72,9 @@ def status(ident: str, runs_dir: Path, cluster: str | None = None) -> tuple[str,
     return job_id, state
 
 
-def run_status(ident: str, runs_dir: Path, cluster: str | None = None, tasks: bool = True
-               ) -> tuple[str, JobState, list[tuple[str, str, JobState]]]:
+def run_status(
+    ident: str, runs_dir: Path, cluster: str | None = None, tasks: bool = True
+) -> tuple[str, JobState, list[tuple[str, str, JobState]]]:
     """(job id, its state, (task id, label, state) of each sweep task) in one batched
     scheduler query: ``hpc status`` of a 1,000-task sweep asks once, not 1,001 times
     (:meth:`~hpc.schedulers.Scheduler.statuses`). Tasks that run here one after
@@ -100,19 +110,27 @@ def run_status(ident: str, runs_dir: Path, cluster: str | None = None, tasks: bo
     return job_id, states[job_id], [(tid, label, states[tid]) for tid, label in ids.items()]
 
 
-def _parts_of(ident: str, rec: dict[str, Any], scheduler: Scheduler
-              ) -> list[tuple[str, int, int]]:
+def _parts_of(ident: str, rec: dict[str, Any], scheduler: Scheduler) -> list[tuple[str, int, int]]:
     """(job id, offset, count) of each array of a split sweep (``array_parts`` of the
     record, checked: the record is untrusted); [] for a sweep that is one array."""
     out = []
     for part in rec.get("array_parts") or []:
         job_id = str(part.get("job_id")) if isinstance(part, dict) else ""
-        offset, count = (part.get("offset"), part.get("count")) if isinstance(part, dict) else (0, 0)
-        if (not scheduler.owns_id(job_id) or type(offset) is not int or type(count) is not int
-                or offset < 0 or count < 1):
-            raise UserError(f"run: {ident!r}: run.json's array_parts entry {part!r} is not "
-                            f"a {scheduler.name} job id with offset and count; allowed: a record "
-                            "written by hpc submit --sweep")  # fmt: skip
+        offset, count = (
+            (part.get("offset"), part.get("count")) if isinstance(part, dict) else (0, 0)
+        )
+        if (
+            not scheduler.owns_id(job_id)
+            or type(offset) is not int
+            or type(count) is not int
+            or offset < 0
+            or count < 1
+        ):
+            raise UserError(
+                f"run: {ident!r}: run.json's array_parts entry {part!r} is not "
+                f"a {scheduler.name} job id with offset and count; allowed: a record "
+                "written by hpc submit --sweep"
+            )
         out.append((job_id, offset, count))
     return out
 
@@ -136,8 +154,7 @@ def combined_state(states: list[JobState]) -> JobState:
     return next((s for s in states if s != JobState.COMPLETED), JobState.COMPLETED)
 
 
-def _chain_entries(ident: str, rec: dict[str, Any], scheduler: Scheduler
-                   ) -> list[tuple[str, str]]:
+def _chain_entries(ident: str, rec: dict[str, Any], scheduler: Scheduler) -> list[tuple[str, str]]:
     """(job id, "segment K/N") of each segment a chain's record lists (checked like a
     typed id: the record is untrusted)."""
     chain = rec.get("chain") or []
@@ -145,9 +162,11 @@ def _chain_entries(ident: str, rec: dict[str, Any], scheduler: Scheduler
     for k, seg in enumerate(chain, 1):
         job_id = str(seg.get("job_id")) if isinstance(seg, dict) else ""
         if not scheduler.owns_id(job_id):
-            raise UserError(f"run: {ident!r}: run.json's chain entry {seg!r} has no "
-                            f"{scheduler.name} job id; allowed: a record written by hpc submit "
-                            "--chain")  # fmt: skip
+            raise UserError(
+                f"run: {ident!r}: run.json's chain entry {seg!r} has no "
+                f"{scheduler.name} job id; allowed: a record written by hpc submit "
+                "--chain"
+            )
         out.append((job_id, f"segment {k}/{len(chain)}"))
     return out
 
@@ -159,14 +178,17 @@ def _sweep_entries(ident: str, rec: dict[str, Any]) -> list[tuple[int, str]]:
     for task in rec.get("sweep") or []:
         index = task.get("index") if isinstance(task, dict) else None
         if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-            raise UserError(f"run: {ident!r}: run.json's sweep entry {task!r} has no index; "
-                            "allowed: a record written by hpc submit --sweep")
+            raise UserError(
+                f"run: {ident!r}: run.json's sweep entry {task!r} has no index; "
+                "allowed: a record written by hpc submit --sweep"
+            )
         out.append((index, str(task.get("label"))))
     return out
 
 
-def watch(ident: str, runs_dir: Path, run_dir: Path | None = None
-          ) -> tuple[Callable[[], JobState], float]:
+def watch(
+    ident: str, runs_dir: Path, run_dir: Path | None = None
+) -> tuple[Callable[[], JobState], float]:
     """(the job's state now, the longest interval to ask it at) for ``hpc logs -f``.
 
     The run is found once (not once a poll), and the scheduler is asked for this one

@@ -70,10 +70,17 @@ class Submitted:
 
 
 def plan_submit(
-    job: Job, runs_dir: Path, resume: str | None = None, regenerate: str | None = None,
-    templates: str | None = None, environ: Mapping[str, str] | None = None,
-    now: float | None = None, sweep: list[SweepTask] | None = None,
-    max_parallel: int | None = None, chain: int = 1, after: After | None = None,
+    job: Job,
+    runs_dir: Path,
+    resume: str | None = None,
+    regenerate: str | None = None,
+    templates: str | None = None,
+    environ: Mapping[str, str] | None = None,
+    now: float | None = None,
+    sweep: list[SweepTask] | None = None,
+    max_parallel: int | None = None,
+    chain: int = 1,
+    after: After | None = None,
 ) -> Plan:
     """Decide the run directory and render the script that :func:`submit` will write.
 
@@ -100,8 +107,10 @@ def plan_submit(
     if resume:
         found = runs.find(resume, runs_dir)
         if found is None:
-            raise UserError(f"resume: {resume!r} is not a run directory (no run.json); "
-                            "allowed: a directory made by hpc submit, or its name under --runs-dir")
+            raise UserError(
+                f"resume: {resume!r} is not a run directory (no run.json); "
+                "allowed: a directory made by hpc submit, or its name under --runs-dir"
+            )
         run_dir, record = found
     else:
         run_dir = runs.free_run_dir(runs_dir, job.name, now)
@@ -120,19 +129,32 @@ def plan_submit(
     if not scheduler.runs_here:  # the scheduler writes the log where the script says
         job = job.with_spec(output_dir=run_abs)
     script = runs.free_name(run_dir, "job", job.cluster.script_suffix)
-    return Plan(job=job, run_dir=run_dir, resume=bool(resume), script=script,
-                text=render_job(job, regenerate, templates),
-                argv=tuple(_submit_command(scheduler, str(script), after)),
-                regenerate=regenerate, templates=templates, now=now, sweep=tuple(tasks),
-                chain=chain, after=after, notes=tuple(notes),
-                parts=tuple(parts) if len(parts) > 1 else ())
+    return Plan(
+        job=job,
+        run_dir=run_dir,
+        resume=bool(resume),
+        script=script,
+        text=render_job(job, regenerate, templates),
+        argv=tuple(_submit_command(scheduler, str(script), after)),
+        regenerate=regenerate,
+        templates=templates,
+        now=now,
+        sweep=tuple(tasks),
+        chain=chain,
+        after=after,
+        notes=tuple(notes),
+        parts=tuple(parts) if len(parts) > 1 else (),
+    )
 
 
 def _submit_command(scheduler: Scheduler, script: str, after: After | None) -> list[str]:
     """The submit command; ``after`` only when given, so a user's scheduler written before
     ``--after`` existed (``submit_command(self, script)``) still works."""
-    return scheduler.submit_command(script, after) if after is not None else \
-        scheduler.submit_command(script)
+    return (
+        scheduler.submit_command(script, after)
+        if after is not None
+        else scheduler.submit_command(script)
+    )
 
 
 def submit(plan: Plan, on_start: Callable[[str], None] | None = None) -> Submitted:
@@ -193,8 +215,12 @@ def _write_run(plan: Plan, job: Job, run_dir: Path, text: str) -> Path:
     with runs.locked(run_dir):  # concurrent --resume calls: names and history stay whole
         previous = runs.read_record(run_dir) if plan.resume else None
         script = runs.create_free(run_dir, "job", job.cluster.script_suffix, text)
-        runs.create_free(run_dir, "spec", ".yaml",
-                         yaml.safe_dump(job.to_dict(), sort_keys=False, allow_unicode=True))
+        runs.create_free(
+            run_dir,
+            "spec",
+            ".yaml",
+            yaml.safe_dump(job.to_dict(), sort_keys=False, allow_unicode=True),
+        )
         if plan.sweep and not plan.resume:
             from hpc.sweep import write_manifest
 
@@ -204,8 +230,9 @@ def _write_run(plan: Plan, job: Job, run_dir: Path, text: str) -> Path:
         if job.spec.split_logs:  # hpc logs --err: the job's stderr has its own file
             record["split_logs"] = True
         if plan.sweep:  # a line per task: its index, overrides and folder
-            record["sweep"] = [{"index": t.index, "label": t.label, "dir": t.dirname}
-                               for t in plan.sweep]
+            record["sweep"] = [
+                {"index": t.index, "label": t.label, "dir": t.dirname} for t in plan.sweep
+            ]
         if previous is not None:  # earlier submissions of this run, oldest first
             earlier = previous.pop("submissions", [])
             record["submissions"] = [*earlier, previous]

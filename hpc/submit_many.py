@@ -27,26 +27,36 @@ def _check_chain(job: Job, chain: int, after: After | None) -> int:
 
     check_chain(chain)
     if chain > 1 and job.array_size:
-        raise UserError("--chain: a sweep's tasks share one run directory, so one task's end "
-                        "would end every task's chain; allowed: --chain or --sweep, not both")
+        raise UserError(
+            "--chain: a sweep's tasks share one run directory, so one task's end "
+            "would end every task's chain; allowed: --chain or --sweep, not both"
+        )
     if chain > 1 or after is not None:
         job.scheduler.dependency(after or After("0", "any"))  # no dependencies: one line
         # the queue the job lands in, named or picked (Perlmutter's default QOS is debug)
         queue = job.cluster.queues.get(job.queue or "") if job.queue else None
         if queue is not None and queue.no_dependencies:
-            raise UserError(f"--chain/--after: the {job.cluster.name} queue {queue.name!r} takes "
-                            f"no job dependencies ({queue.no_dependencies}); allowed: another "
-                            "queue, or one job")
+            raise UserError(
+                f"--chain/--after: the {job.cluster.name} queue {queue.name!r} takes "
+                f"no job dependencies ({queue.no_dependencies}); allowed: another "
+                "queue, or one job"
+            )
         limit = queue.max_queued if queue is not None else None
         if limit is not None and chain > limit:
-            raise UserError(f"--chain: {chain} segments; the {job.cluster.name} queue "
-                            f"{queue.name!r} takes at most {limit} queued jobs per user; "
-                            f"allowed: --chain 1 to {limit}")  # fmt: skip
+            raise UserError(
+                f"--chain: {chain} segments; the {job.cluster.name} queue "
+                f"{queue.name!r} takes at most {limit} queued jobs per user; "
+                f"allowed: --chain 1 to {limit}"
+            )
     return chain
 
 
-def _sweep_tasks(run_dir: Path, resumed: dict[str, Any] | None, sweep: list[SweepTask] | None,
-                 max_parallel: int | None) -> tuple[list[SweepTask], int | None]:
+def _sweep_tasks(
+    run_dir: Path,
+    resumed: dict[str, Any] | None,
+    sweep: list[SweepTask] | None,
+    max_parallel: int | None,
+) -> tuple[list[SweepTask], int | None]:
     """The tasks and their --max-parallel: a new sweep's, or the resumed sweep run's.
 
     ``resumed`` is the record of the run a ``--resume`` names. A run is a sweep when its
@@ -61,26 +71,35 @@ def _sweep_tasks(run_dir: Path, resumed: dict[str, Any] | None, sweep: list[Swee
     manifest = run_dir / sweeps.MANIFEST
     if resumed is not None and (resumed.get("sweep") or os.path.lexists(manifest)):
         if sweep:
-            raise UserError("--sweep: the run directory holds a sweep already; allowed: "
-                            "--resume alone (the same tasks again) or a new run")
+            raise UserError(
+                "--sweep: the run directory holds a sweep already; allowed: "
+                "--resume alone (the same tasks again) or a new run"
+            )
         if max_parallel is not None:
-            raise UserError("--max-parallel: the resumed sweep keeps its own; allowed: "
-                            "--resume alone")
+            raise UserError(
+                "--max-parallel: the resumed sweep keeps its own; allowed: --resume alone"
+            )
         return sweeps.read_sweep(run_dir)
     if resumed is not None and sweep:
-        raise UserError(f"--sweep: {str(run_dir)!r} was not a sweep (no {sweeps.MANIFEST}), so "
-                        "its tasks would have no overrides to read; allowed: --resume alone "
-                        "(the same job again), or --sweep in a new run")  # fmt: skip
+        raise UserError(
+            f"--sweep: {str(run_dir)!r} was not a sweep (no {sweeps.MANIFEST}), so "
+            "its tasks would have no overrides to read; allowed: --resume alone "
+            "(the same job again), or --sweep in a new run"
+        )
     tasks = list(sweep or [])
     shape = sorted({k for t in tasks for k in t.overrides if k in SPEC_KEYS})
     if shape:
-        raise UserError(f"--sweep: {', '.join(shape)} is the job's own (every task of an array "
-                        "gets the same allocation); allowed: trainer keys such as optim.lr, and "
-                        "one hpc submit per size for a scaling table (the trainer scales lr by "
-                        "its scaling.rule)")
+        raise UserError(
+            f"--sweep: {', '.join(shape)} is the job's own (every task of an array "
+            "gets the same allocation); allowed: trainer keys such as optim.lr, and "
+            "one hpc submit per size for a scaling table (the trainer scales lr by "
+            "its scaling.rule)"
+        )
     if sweep is not None and len(tasks) == 1:
-        raise UserError("--sweep: one task; allowed: two or more values (a single value "
-                        "is --set KEY=VALUE on the command)")
+        raise UserError(
+            "--sweep: one task; allowed: two or more values (a single value "
+            "is --set KEY=VALUE on the command)"
+        )
     if max_parallel is not None:
         if not tasks:
             raise UserError("--max-parallel: only with --sweep")
@@ -88,9 +107,13 @@ def _sweep_tasks(run_dir: Path, resumed: dict[str, Any] | None, sweep: list[Swee
     return tasks, max_parallel
 
 
-def _plan_sweep(job: Job, run_dir: Path, record: dict[str, Any] | None,
-                sweep: list[SweepTask] | None, max_parallel: int | None
-                ) -> tuple[Job, list[SweepTask], list[str], list[tuple[int, int]]]:
+def _plan_sweep(
+    job: Job,
+    run_dir: Path,
+    record: dict[str, Any] | None,
+    sweep: list[SweepTask] | None,
+    max_parallel: int | None,
+) -> tuple[Job, list[SweepTask], list[str], list[tuple[int, int]]]:
     """(the job as the first array of a sweep, its tasks, notes for stderr, the arrays it
     is split into) for :func:`plan_submit`; the job unchanged and no tasks for one job."""
     tasks, max_parallel = _sweep_tasks(run_dir, record, sweep, max_parallel)
@@ -99,8 +122,12 @@ def _plan_sweep(job: Job, run_dir: Path, record: dict[str, Any] | None,
         from hpc.sweep import throttle
 
         q = job.cluster.queues.get(job.queue or "") if job.queue else None
-        max_parallel, note = throttle(len(tasks), max_parallel, q.array_limit if q else None,
-                                      f"the {job.cluster.name} queue {job.queue!r}")
+        max_parallel, note = throttle(
+            len(tasks),
+            max_parallel,
+            q.array_limit if q else None,
+            f"the {job.cluster.name} queue {job.queue!r}",
+        )
         notes += [note] if note else []
     parts = _array_parts(job, len(tasks), notes) if tasks else []
     if tasks:
@@ -121,21 +148,29 @@ def _array_parts(job: Job, n_tasks: int, notes: list[str]) -> list[tuple[int, in
     limit = scheduler.array_size_limit() if scheduler.array_parts else None
     parts = split(n_tasks, limit)
     if min(count for _, count in parts) < scheduler.array_min_size:  # only at a limit of 2
-        raise UserError(f"--sweep: {n_tasks} tasks in arrays of at most {limit} "
-                        f"({scheduler.array_size_setting}) leave one array of "
-                        f"{min(c for _, c in parts)} task, and {scheduler.name} takes no array "
-                        f"of fewer than {scheduler.array_min_size}; allowed: a multiple of "
-                        f"{limit} tasks")
+        raise UserError(
+            f"--sweep: {n_tasks} tasks in arrays of at most {limit} "
+            f"({scheduler.array_size_setting}) leave one array of "
+            f"{min(c for _, c in parts)} task, and {scheduler.name} takes no array "
+            f"of fewer than {scheduler.array_min_size}; allowed: a multiple of "
+            f"{limit} tasks"
+        )
     if len(parts) > 1:
-        paced = (f", each after the one before (--max-parallel {job.max_parallel} holds for the "
-                 "sweep)") if job.max_parallel else ""
-        notes.append(f"hpc: {n_tasks} tasks exceed the cluster's array size ({limit}, "
-                     f"{scheduler.array_size_setting}): one sweep of {len(parts)} arrays{paced}")
+        paced = (
+            (f", each after the one before (--max-parallel {job.max_parallel} holds for the sweep)")
+            if job.max_parallel
+            else ""
+        )
+        notes.append(
+            f"hpc: {n_tasks} tasks exceed the cluster's array size ({limit}, "
+            f"{scheduler.array_size_setting}): one sweep of {len(parts)} arrays{paced}"
+        )
     return parts
 
 
-def _submit_parts(plan: Plan, scheduler: Scheduler, script: str, run_dir: Path,
-                  first: str) -> list[dict[str, Any]]:
+def _submit_parts(
+    plan: Plan, scheduler: Scheduler, script: str, run_dir: Path, first: str
+) -> list[dict[str, Any]]:
     """Queue arrays 2..N of a split sweep. Each holds its own ``--after``; with a
     ``--max-parallel`` each waits for the one before (``afterany``), so no more than
     that many tasks of the sweep run at once. No half sweep: when a part is refused, the
@@ -159,17 +194,21 @@ def _submit_parts(plan: Plan, scheduler: Scheduler, script: str, run_dir: Path,
                     undone.append(str(part["job_id"]))
             ids = ", ".join(str(p["job_id"]) for p in done)
             note = f"; could not cancel {', '.join(undone)}" if undone else ""
-            message = (f"--sweep: array {k} of {len(plan.parts)} was refused ({exc}); cancelled "
-                       f"the {len(done)} array(s) already queued ({ids}){note}")
-            runs.update_submission(run_dir, script, error=message, state="CANCELLED",
-                                   array_parts=done)
+            message = (
+                f"--sweep: array {k} of {len(plan.parts)} was refused ({exc}); cancelled "
+                f"the {len(done)} array(s) already queued ({ids}){note}"
+            )
+            runs.update_submission(
+                run_dir, script, error=message, state="CANCELLED", array_parts=done
+            )
             raise SchedulerError(message) from exc
         done.append({"job_id": sub.job_id, "offset": offset, "count": count})
     return done
 
 
-def _submit_chain(scheduler: Scheduler, count: int, script: str, run_dir: Path,
-                  first: str) -> list[dict[str, Any]]:
+def _submit_chain(
+    scheduler: Scheduler, count: int, script: str, run_dir: Path, first: str
+) -> list[dict[str, Any]]:
     """Queue segments 2..count of a chain, each ``afterany`` the one before (the walltime
     kill of a segment must still start the next; ``hpc.chain``). No half chain: when a
     segment is refused, the ones queued are cancelled and the one line says so."""
@@ -189,9 +228,16 @@ def _submit_chain(scheduler: Scheduler, count: int, script: str, run_dir: Path,
                 except Exception:
                     undone.append(job_id)
             note = f"; could not cancel {', '.join(undone)}" if undone else ""
-            message = (f"--chain: segment {k} of {count} was refused ({exc}); cancelled the "
-                       f"{len(ids)} segment(s) already queued ({', '.join(ids)}){note}")
-            runs.update_submission(run_dir, script, error=message, state="CANCELLED",
-                                   chain=[{"segment": i + 1, "job_id": j} for i, j in enumerate(ids)])
+            message = (
+                f"--chain: segment {k} of {count} was refused ({exc}); cancelled the "
+                f"{len(ids)} segment(s) already queued ({', '.join(ids)}){note}"
+            )
+            runs.update_submission(
+                run_dir,
+                script,
+                error=message,
+                state="CANCELLED",
+                chain=[{"segment": i + 1, "job_id": j} for i, j in enumerate(ids)],
+            )
             raise SchedulerError(message) from exc
     return [{"segment": i + 1, "job_id": j} for i, j in enumerate(ids)]

@@ -49,11 +49,36 @@ from hpc.sweep_grid import (
     tasks_from_flags,
 )
 
-__all__ = ["CHECKPOINT_KEY", "MANIFEST", "MAX_DIRNAME", "MAX_MANIFEST_BYTES", "MAX_TASKS",
-           "MAX_VALUE", "VERSION", "SweepTask", "array_index", "array_index_vars",
-           "check_checkpoint_dirs", "check_max_parallel", "command_setting", "dirname", "expand",
-           "label", "main", "parse", "read_manifest", "read_sweep", "set_args", "shell", "split",
-           "task_dir", "task_for", "tasks_from_flags", "throttle", "write_manifest"]
+__all__ = [
+    "CHECKPOINT_KEY",
+    "MANIFEST",
+    "MAX_DIRNAME",
+    "MAX_MANIFEST_BYTES",
+    "MAX_TASKS",
+    "MAX_VALUE",
+    "VERSION",
+    "SweepTask",
+    "array_index",
+    "array_index_vars",
+    "check_checkpoint_dirs",
+    "check_max_parallel",
+    "command_setting",
+    "dirname",
+    "expand",
+    "label",
+    "main",
+    "parse",
+    "read_manifest",
+    "read_sweep",
+    "set_args",
+    "shell",
+    "split",
+    "task_dir",
+    "task_for",
+    "tasks_from_flags",
+    "throttle",
+    "write_manifest",
+]
 
 MANIFEST = "sweep.json"
 VERSION = 1
@@ -88,8 +113,10 @@ def read_sweep(run_dir: Path) -> tuple[list[SweepTask], int | None]:
 
     path = run_dir / MANIFEST
     if not os.path.lexists(path):
-        raise UserError(f"sweep: {str(path)!r} does not exist; allowed: a run directory "
-                        "made by hpc submit --sweep")  # fmt: skip
+        raise UserError(
+            f"sweep: {str(path)!r} does not exist; allowed: a run directory "
+            "made by hpc submit --sweep"
+        )
     # Regular files only, opened non-blocking and read with a bound: a FIFO there would
     # hang every array task (and `hpc report`) in open(), /dev/zero would never end.
     raw = read_regular(path, "sweep", MAX_MANIFEST_BYTES)
@@ -115,8 +142,9 @@ def _check_manifest(data: Any, path: Path) -> list[SweepTask]:
     if max_parallel is not None and (
         type(max_parallel) is not int or not 1 <= max_parallel <= len(raw_tasks)
     ):
-        raise UserError(f"{where}: max_parallel {max_parallel!r}; allowed: null or 1 "
-                        f"to {len(raw_tasks)}")  # fmt: skip
+        raise UserError(
+            f"{where}: max_parallel {max_parallel!r}; allowed: null or 1 to {len(raw_tasks)}"
+        )
     tasks: list[SweepTask] = []
     names: set[str] = set()
     fields = set(SweepTask._fields)
@@ -140,12 +168,15 @@ def _check_manifest(data: Any, path: Path) -> list[SweepTask]:
         # Exported as HPC_SWEEP_LABEL through bash's eval: a NUL is dropped there, and
         # newlines or escapes would reach every terminal that prints the label.
         if any(ord(c) < 32 or ord(c) == 127 for c in raw["label"]):
-            raise UserError(f"{at}: label {raw['label']!r} holds a control character; "
-                            "allowed: printable text")  # fmt: skip
+            raise UserError(
+                f"{at}: label {raw['label']!r} holds a control character; allowed: printable text"
+            )
         name = raw["dirname"]
         if not isinstance(name, str) or not _safe_dirname(name):
-            raise UserError(f"{at}: dirname {name!r}; allowed: 1 to {MAX_DIRNAME} of "
-                            "[A-Za-z0-9._-], not starting with a dot")  # fmt: skip
+            raise UserError(
+                f"{at}: dirname {name!r}; allowed: 1 to {MAX_DIRNAME} of "
+                "[A-Za-z0-9._-], not starting with a dot"
+            )
         if name in names:
             raise UserError(f"{at}: dirname {name!r} is used twice; allowed: one per task")
         names.add(name)
@@ -154,7 +185,9 @@ def _check_manifest(data: Any, path: Path) -> list[SweepTask]:
 
 
 def task_for(
-    run_dir: Path, index: int | str | None = None, environ: Mapping[str, str] | None = None,
+    run_dir: Path,
+    index: int | str | None = None,
+    environ: Mapping[str, str] | None = None,
     offset: int | str | None = None,
 ) -> SweepTask:
     """This array task's entry of ``run_dir/sweep.json`` (see :func:`array_index`): the
@@ -162,8 +195,10 @@ def task_for(
     tasks = read_manifest(run_dir)
     i = array_index(index, environ) + _offset(offset)
     if i >= len(tasks):
-        raise UserError(f"sweep: array index {i} is past the {len(tasks)} tasks of "
-                        f"{str(run_dir / MANIFEST)!r}; allowed: 0 to {len(tasks) - 1}")  # fmt: skip
+        raise UserError(
+            f"sweep: array index {i} is past the {len(tasks)} tasks of "
+            f"{str(run_dir / MANIFEST)!r}; allowed: 0 to {len(tasks) - 1}"
+        )
     return tasks[i]
 
 
@@ -196,7 +231,9 @@ def _folder_value(raw: str) -> str | None:
     return None if value in _NO_FOLDER else str(value)
 
 
-def check_checkpoint_dirs(command: Iterable[str], tasks: Iterable[SweepTask], run_dir: Path) -> None:
+def check_checkpoint_dirs(
+    command: Iterable[str], tasks: Iterable[SweepTask], run_dir: Path
+) -> None:
     """Each sweep task checkpoints in a folder of its own, or the sweep is refused.
 
     The trainer takes a relative ``checkpoint.dir`` (its default ``checkpoints``) from
@@ -218,8 +255,7 @@ def check_checkpoint_dirs(command: Iterable[str], tasks: Iterable[SweepTask], ru
         folder = os.path.normpath(os.path.join(base, value))  # an absolute value wins
         first = owners.setdefault(folder, task)
         if first is not task:
-            source = ("its --sweep values" if CHECKPOINT_KEY in task.overrides
-                      else "the command")  # fmt: skip
+            source = "its --sweep values" if CHECKPOINT_KEY in task.overrides else "the command"
             raise UserError(
                 f"--sweep: {CHECKPOINT_KEY}={raw} ({source}) gives tasks {first.index} and "
                 f"{task.index} the same checkpoint folder {folder!r}: task {task.index} would "
@@ -287,8 +323,11 @@ def _main(argv: list[str] | None = None) -> int:
     parser.add_argument("action", choices=["shell"])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--index", default=None, help="array index (default: the scheduler's)")
-    parser.add_argument("--offset", default=None,
-                        help="this array's first task in the sweep (a sweep split into arrays)")
+    parser.add_argument(
+        "--offset",
+        default=None,
+        help="this array's first task in the sweep (a sweep split into arrays)",
+    )
     try:
         args = parser.parse_args(argv)
         task = task_for(args.run_dir, args.index, offset=args.offset)

@@ -20,6 +20,8 @@ def array_index_vars() -> tuple[str, ...]:
 
     found = (schedulers.get(name).array_index_var for name in schedulers.names())
     return tuple(var for var in found if var)
+
+
 """Where a task finds its array index: SLURM, then PBS Pro/OpenPBS (both 0-based here:
 the array is submitted as ``0-(N-1)``)."""
 
@@ -28,8 +30,10 @@ def check_max_parallel(value: Any, n_tasks: int) -> int:
     """How many tasks may run at once (SLURM ``--array=0-N%M``): 1 .. number of tasks."""
     text = str(value).strip()
     if isinstance(value, bool) or not re.fullmatch(r"[0-9]{1,6}", text):  # not \d: ١٢٣
-        raise UserError(f"--max-parallel: {str(value)!r} is not a number; "
-                        f"allowed: 1 to {n_tasks} (the number of tasks)")  # fmt: skip
+        raise UserError(
+            f"--max-parallel: {str(value)!r} is not a number; "
+            f"allowed: 1 to {n_tasks} (the number of tasks)"
+        )
     number = int(text)
     if not 1 <= number <= n_tasks:
         raise UserError(f"--max-parallel: {number}; allowed: 1 to {n_tasks} (the number of tasks)")
@@ -64,8 +68,9 @@ def split(n_tasks: int, limit: int | None) -> list[tuple[int, int]]:
     return parts
 
 
-def throttle(n_tasks: int, max_parallel: int | None, limit: int | None, where: str
-             ) -> tuple[int | None, str | None]:
+def throttle(
+    n_tasks: int, max_parallel: int | None, limit: int | None, where: str
+) -> tuple[int | None, str | None]:
     """``(max_parallel, note)`` for an array of ``n_tasks`` in a queue that lets at most
     ``limit`` subjobs be queued or running at once (the profile's ``array_limit``).
 
@@ -81,12 +86,16 @@ def throttle(n_tasks: int, max_parallel: int | None, limit: int | None, where: s
     if limit is None or n_tasks <= limit:
         return max_parallel, None
     if max_parallel is None:
-        return limit, (f"hpc: {where} runs at most {limit} subjobs of an array at once; the "
-                       f"sweep's {n_tasks} tasks run {limit} at a time (%{limit})")
+        return limit, (
+            f"hpc: {where} runs at most {limit} subjobs of an array at once; the "
+            f"sweep's {n_tasks} tasks run {limit} at a time (%{limit})"
+        )
     if max_parallel > limit:
-        raise UserError(f"--max-parallel: {max_parallel}; {where} runs at most {limit} subjobs "
-                        f"of an array at once (the others would wait forever); allowed: 1 to "
-                        f"{limit}")  # fmt: skip
+        raise UserError(
+            f"--max-parallel: {max_parallel}; {where} runs at most {limit} subjobs "
+            f"of an array at once (the others would wait forever); allowed: 1 to "
+            f"{limit}"
+        )
     return max_parallel, None
 
 
@@ -101,12 +110,16 @@ def array_index(index: int | str | None = None, environ: Mapping[str, str] | Non
                 index, where = env[var], f"${var}"
                 break
         else:
-            raise UserError("sweep: no array index; allowed: --index N, or run as an array task "
-                            f"({' or '.join('$' + v for v in names)} set)")  # fmt: skip
+            raise UserError(
+                "sweep: no array index; allowed: --index N, or run as an array task "
+                f"({' or '.join('$' + v for v in names)} set)"
+            )
     text = str(index).strip()
     if isinstance(index, bool) or not re.fullmatch(r"[0-9]{1,6}", text):
-        raise UserError(f"sweep: {where} {str(index)!r} is not an array index; "
-                        "allowed: a whole number from 0 to 999999 in ASCII digits")  # fmt: skip
+        raise UserError(
+            f"sweep: {where} {str(index)!r} is not an array index; "
+            "allowed: a whole number from 0 to 999999 in ASCII digits"
+        )
     return int(text)
 
 
@@ -117,6 +130,8 @@ def _offset(offset: int | str | None) -> int:
     if not text:
         return 0
     if isinstance(offset, bool) or not re.fullmatch(r"[0-9]{1,6}", text):
-        raise UserError(f"sweep: --offset {str(offset)!r} is not an array offset; "
-                        "allowed: a whole number from 0 to 999999 in ASCII digits")  # fmt: skip
+        raise UserError(
+            f"sweep: --offset {str(offset)!r} is not an array offset; "
+            "allowed: a whole number from 0 to 999999 in ASCII digits"
+        )
     return int(text)

@@ -48,14 +48,20 @@ def parse(items: Iterable[str]) -> list[tuple[str, list[str]]]:
         key, sep, rest = str(item).partition("=")
         key = key.strip()
         if not sep:
-            raise UserError(f"--sweep {item!r}: no '='; allowed: KEY=V1,V2,... e.g. optim.lr=0.1,0.01")
+            raise UserError(
+                f"--sweep {item!r}: no '='; allowed: KEY=V1,V2,... e.g. optim.lr=0.1,0.01"
+            )
         if not key:
             raise UserError(f"--sweep {item!r}: empty key; allowed: {_KEY_HELP}")
         if not re.match(_KEY, key):
-            raise UserError(f"--sweep {item!r}: key {key!r} is not a config key; allowed: {_KEY_HELP}")
+            raise UserError(
+                f"--sweep {item!r}: key {key!r} is not a config key; allowed: {_KEY_HELP}"
+            )
         if key in seen:
-            raise UserError(f"--sweep {item!r}: key {key!r} given twice; allowed: each key once "
-                            "(list all its values in one --sweep)")  # fmt: skip
+            raise UserError(
+                f"--sweep {item!r}: key {key!r} given twice; allowed: each key once "
+                "(list all its values in one --sweep)"
+            )
         seen.add(key)
         if not rest.strip():
             raise UserError(f"--sweep {item!r}: no values; allowed: KEY=V1,V2,...")
@@ -64,7 +70,9 @@ def parse(items: Iterable[str]) -> list[tuple[str, list[str]]]:
             _check_value(value, f"--sweep {item!r}: value {pos}")
         dup = next((v for i, v in enumerate(values) if v in values[:i]), None)
         if dup is not None:
-            raise UserError(f"--sweep {item!r}: value {dup!r} given twice; allowed: distinct values")
+            raise UserError(
+                f"--sweep {item!r}: value {dup!r} given twice; allowed: distinct values"
+            )
         parsed.append((key, values))
     if not parsed:
         raise UserError("--sweep: nothing to sweep; allowed: --sweep KEY=V1,V2,... (repeatable)")

@@ -70,16 +70,16 @@ class View:
         """(key, text) pairs: the key says which line a change replaces (pipes print
         only the lines whose text changed)."""
         out = [("job", f"job {self.job_id} {self.state}")]
-        out += [(f"task {tid} {label}", f"  {tid} {state} {label}")
-                for tid, label, state in self.tasks]  # fmt: skip
+        out += [
+            (f"task {tid} {label}", f"  {tid} {state} {label}") for tid, label, state in self.tasks
+        ]
         if self.metrics is not None:
             out.append(("metrics", metrics_line(self.metrics)))
             slow = self.metrics.get("slowest_rank")
             if _num(slow) is not None:
                 out.append(("slowest", f"slowest rank {int(slow)}"))
         if self.restarts or self.excluded or self.stopped:
-            out.append(("supervisor", supervisor_line(self.restarts, self.excluded,
-                                                      self.stopped)))  # fmt: skip
+            out.append(("supervisor", supervisor_line(self.restarts, self.excluded, self.stopped)))
         return out
 
 
@@ -169,8 +169,9 @@ def metrics_path(run_dir: Path) -> Path | None:
     return found[0] if len(found) == 1 else None
 
 
-def local_parts(run_dir: Path | None) -> tuple[dict[str, Any] | None, tuple[int, list[str],
-                                                                           str | None]]:
+def local_parts(
+    run_dir: Path | None,
+) -> tuple[dict[str, Any] | None, tuple[int, list[str], str | None]]:
     """(last metrics record, supervisor events) from the run's files (no scheduler)."""
     if run_dir is None:
         return None, (0, [], None)
@@ -188,8 +189,9 @@ def local_parts(run_dir: Path | None) -> tuple[dict[str, Any] | None, tuple[int,
 class Watcher:
     """Looks at a run: the scheduler on a :class:`~hpc.logs.Backoff`, files each time."""
 
-    def __init__(self, ident: str, runs_dir: Path, cluster: str | None = None,
-                 ask: Any = None) -> None:  # fmt: skip
+    def __init__(
+        self, ident: str, runs_dir: Path, cluster: str | None = None, ask: Any = None
+    ) -> None:
         from hpc import core, runs
         from hpc.logs import Backoff
 
@@ -218,9 +220,16 @@ class Watcher:
         return self.look()
 
 
-def run(ident: str, runs_dir: Path, cluster: str | None, out: TextIO, err: TextIO,
-        tty: bool, sleep: Callable[[float], None] | None = None,
-        watcher: Watcher | None = None) -> int:
+def run(
+    ident: str,
+    runs_dir: Path,
+    cluster: str | None,
+    out: TextIO,
+    err: TextIO,
+    tty: bool,
+    sleep: Callable[[float], None] | None = None,
+    watcher: Watcher | None = None,
+) -> int:
     """Watch until the job ends; the job's exit status (130 on Ctrl-C, job untouched).
     ``sleep`` and ``watcher``: for tests (no wall-clock waits there)."""
     w = watcher or Watcher(ident, runs_dir, cluster)

@@ -77,8 +77,11 @@ def big_fasta(path: Path, size: int, seed: int = 0, batch: int = 20000) -> tuple
             seq[:, 0] = rng.integers(0, 20, batch)
             for j in range(1, width):  # vectorised over the batch: one step of every chain
                 follow = rng.random(batch) < 0.7
-                seq[:, j] = np.where(follow, fav[seq[:, j - 1], rng.integers(0, 4, batch)],
-                                     rng.integers(0, 20, batch))  # fmt: skip
+                seq[:, j] = np.where(
+                    follow,
+                    fav[seq[:, j - 1], rng.integers(0, 4, batch)],
+                    rng.integers(0, 20, batch),
+                )
             for k, m in enumerate(motifs):  # plant each motif in some sequences
                 rows = np.flatnonzero(rng.random(batch) < 0.3)
                 at = rng.integers(0, 40 - len(m), len(rows)) + 8 * k % 30
@@ -89,8 +92,11 @@ def big_fasta(path: Path, size: int, seed: int = 0, batch: int = 20000) -> tuple
             for i in range(batch):
                 s = letters[i, : lengths[i]].tobytes()
                 body = b"\n".join(s[j : j + 60] for j in range(0, len(s), 60))
-                parts.append(b">UniRef50_SYN%09d Synthetic protein n=1 Tax=Synthetic TaxID=0\n"
-                             % (n + i) + body + b"\n")  # fmt: skip
+                parts.append(
+                    b">UniRef50_SYN%09d Synthetic protein n=1 Tax=Synthetic TaxID=0\n" % (n + i)
+                    + body
+                    + b"\n"
+                )
             blob = b"".join(parts)
             fh.write(blob)
             written += len(blob)

@@ -16,7 +16,8 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 #: extension or "/" (bare words such as the metric ``ddp/world_size`` are not files).
 REFERENCE = re.compile(
     r"`((?:hpc|src|ddp|tests|bench|jobs|configs|templates|examples|scripts|docs|\.ci)"
-    r"/[^`\s:*{}<>]*(?:\.[A-Za-z0-9]+|/))[`:]")
+    r"/[^`\s:*{}<>]*(?:\.[A-Za-z0-9]+|/))[`:]"
+)
 #: A path segment in capitals is a placeholder (``templates/NAME.sh.j2``).
 PLACEHOLDER = re.compile(r"(^|/)[A-Z_]+(\.|/|$)")
 

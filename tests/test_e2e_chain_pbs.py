@@ -32,11 +32,20 @@ def test_chain_crosses_the_walltime(hpc: Hpc, tmp_path: Path) -> None:  # noqa: 
     # (wait_timeout is far past the walltime). Segment 2 resumes past step 3 and runs on.
     spec = _worker_spec(tmp_path, wait_signal_step=3, ready_dir=str(ready), wait_timeout=600)
     job_file = tmp_path / "chain.yaml"
-    job_file.write_text(yaml.safe_dump({
-        "name": "chain", "cluster": "pbs", "nodes": 1, "ppn": 2, "walltime": "00:00:40",
-        "wrap": "never", "env": {"OMP_NUM_THREADS": "1"},
-        "command": ["python", WORKER, json.dumps(spec)],
-    }))
+    job_file.write_text(
+        yaml.safe_dump(
+            {
+                "name": "chain",
+                "cluster": "pbs",
+                "nodes": 1,
+                "ppn": 2,
+                "walltime": "00:00:40",
+                "wrap": "never",
+                "env": {"OMP_NUM_THREADS": "1"},
+                "command": ["python", WORKER, json.dumps(spec)],
+            }
+        )
+    )
     first, run_dir = hpc.submit(str(job_file), "--chain", "3")
     record = json.loads((run_dir / "run.json").read_text())
     ids = [s["job_id"] for s in record["chain"]]
@@ -47,8 +56,9 @@ def test_chain_crosses_the_walltime(hpc: Hpc, tmp_path: Path) -> None:  # noqa: 
 
     def all_final() -> bool:
         lines = hpc("status", str(run_dir)).stdout.splitlines()[1:]
-        return len(lines) == 3 and all(x.split()[1] in ("COMPLETED", "FAILED", "TIMEOUT",
-                                                         "CANCELLED") for x in lines)
+        return len(lines) == 3 and all(
+            x.split()[1] in ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED") for x in lines
+        )
 
     from tests.support.polling import wait_until
 
@@ -67,17 +77,31 @@ def test_chain_crosses_the_walltime(hpc: Hpc, tmp_path: Path) -> None:  # noqa: 
     assert (tmp_path / "final.pt").is_file()
 
 
-def test_after_an_array_is_accepted_by_the_real_server(hpc: Hpc, openpbs, tmp_path: Path  # noqa: F811
-                                                       ) -> None:
+def test_after_an_array_is_accepted_by_the_real_server(
+    hpc: Hpc,  # noqa: F811
+    openpbs,
+    tmp_path: Path,
+) -> None:
     """``--after 12[].server:any``: the real qsub takes the plain ``afterany`` on an
     array's id (Torque's ``afteranyarray`` it refuses), and the job waits on it."""
     script = tmp_path / "t.sh"
     script.write_text("#!/bin/bash\ntrue\n")
-    array = openpbs.run("qsub", "-h", "-J", "0-1", "-l", "walltime=00:01:00",
-                        str(script)).stdout.strip()
+    array = openpbs.run(
+        "qsub", "-h", "-J", "0-1", "-l", "walltime=00:01:00", str(script)
+    ).stdout.strip()
     hpc.submitted.append(array)
-    job_id, _ = hpc.submit("--cluster", "pbs", "--walltime", "00:01:00", "--wrap", "never",
-                           "--after", f"{array}:any", "--", "true")
+    job_id, _ = hpc.submit(
+        "--cluster",
+        "pbs",
+        "--walltime",
+        "00:01:00",
+        "--wrap",
+        "never",
+        "--after",
+        f"{array}:any",
+        "--",
+        "true",
+    )
     attrs = openpbs.attrs(job_id)
     assert str(attrs["depend"]).startswith(f"afterany:{array}"), attrs
     assert attrs["job_state"] == "H", attrs  # held on the array, not run

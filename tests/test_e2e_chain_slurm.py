@@ -32,8 +32,9 @@ def test_chain_of_two_crosses_the_time_limit(slurm_cluster, tmp_path: Path) -> N
     # segment 1 idles inside step 3 until the time limit's SIGTERM (wait_timeout is past it)
     spec = worker_spec(tmp_path, wait_signal_step=3, ready_dir=str(ready), wait_timeout=300)
     spec["config"]["preemption"]["requeue"] = False  # the chain is what goes on, not a requeue
-    job_file = write_spec(tmp_path / "chain.yaml", [PY, WORKER, json.dumps(spec)],
-                          walltime="00:01:00")
+    job_file = write_spec(
+        tmp_path / "chain.yaml", [PY, WORKER, json.dumps(spec)], walltime="00:01:00"
+    )
     runs = tmp_path / "runs"
     first, run_dir = submit(str(job_file), "--chain", "2", runs=runs)
     ids = [s["job_id"] for s in json.loads((run_dir / "run.json").read_text())["chain"]]
@@ -42,8 +43,12 @@ def test_chain_of_two_crosses_the_time_limit(slurm_cluster, tmp_path: Path) -> N
     def lines() -> list[str]:
         return hpc("status", str(run_dir), "--runs-dir", str(runs)).stdout.splitlines()[1:]
 
-    wait_until(lambda: all(x.split()[1] in FINAL for x in lines()), 300, "both segments ended",
-               log=lambda: log_of(run_dir))
+    wait_until(
+        lambda: all(x.split()[1] in FINAL for x in lines()),
+        300,
+        "both segments ended",
+        log=lambda: log_of(run_dir),
+    )
     got = lines()
     assert [x.split()[0] for x in got] == ids
     assert got[1].split()[1] == "COMPLETED" and got[0].split()[1] in ("TIMEOUT", "FAILED"), got

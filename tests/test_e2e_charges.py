@@ -20,8 +20,12 @@ pytestmark = pytest.mark.slurm
 def _sacct_node_hours(job_id: str) -> float:
     """The expected figure, from sacct itself (End - Start) x NNodes."""
     # -c: the test cluster has no accounting database, only its jobcomp file
-    out = subprocess.run(["sacct", "-c", "-j", job_id, "-X", "-n", "-P", "-o",
-                          "Start,End,NNodes"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["sacct", "-c", "-j", job_id, "-X", "-n", "-P", "-o", "Start,End,NNodes"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     start, end, nodes = out.splitlines()[0].split("|")
     secs = (datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds()
     return secs * int(nodes) / 3600.0
@@ -38,8 +42,9 @@ def test_report_totals_node_hours_of_a_resumed_run(slurm_cluster: Any, tmp_path:
 
     job1, run_dir = submit(str(spec_with(3)), runs=runs)
     assert wait_status(job1, runs) == "COMPLETED"
-    job2 = hpc("submit", "--runs-dir", str(runs), "--resume", str(run_dir),
-               str(spec_with(6))).stdout.strip()
+    job2 = hpc(
+        "submit", "--runs-dir", str(runs), "--resume", str(run_dir), str(spec_with(6))
+    ).stdout.strip()
     assert re.fullmatch(r"\d+", job2), job2  # stdout: the job id alone
     assert wait_status(job2, runs) == "COMPLETED"
     out = hpc("report", str(run_dir), "-o", str(tmp_path / "r.png")).stdout

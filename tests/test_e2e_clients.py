@@ -34,7 +34,10 @@ def _error(capsys: pytest.CaptureFixture[str]) -> str:
 @pytest.mark.slurm
 @pytest.mark.parametrize("job_id", [UNKNOWN, f"{UNKNOWN}_3"])
 def test_slurm_cancel_of_an_unknown_job_is_one_line_and_fails(
-    job_id: str, slurm_cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    job_id: str,
+    slurm_cluster,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """scancel exits 0 and prints nothing for an unknown id; "cancel requested", exit 0,
     was a lie."""
@@ -44,7 +47,9 @@ def test_slurm_cancel_of_an_unknown_job_is_one_line_and_fails(
 
 @pytest.mark.slurm
 def test_slurm_cancel_of_an_ended_job_says_so(
-    slurm_cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    slurm_cluster,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     script = tmp_path / "true.sh"
     script.write_text("#!/bin/bash\ntrue\n")
@@ -61,8 +66,9 @@ def test_slurm_submit_refusal_that_is_not_utf8_is_one_line(slurm_cluster, tmp_pa
     caf\\xe9`` on its first line): a UnicodeDecodeError before."""
     script = tmp_path / "job.slurm"
     script.write_bytes(b"#!/bin/bash\n#SBATCH --partition=caf\xe9\ntrue\n")
-    proc = subprocess.run(["sbatch", str(script)], env=slurm_cluster.env, capture_output=True,
-                          check=False, timeout=60)  # bytes: no decoding here
+    proc = subprocess.run(
+        ["sbatch", str(script)], env=slurm_cluster.env, capture_output=True, check=False, timeout=60
+    )  # bytes: no decoding here
     assert b"caf\xe9" in proc.stderr  # the real sbatch answers with the raw byte
     with pytest.raises(SchedulerError) as info:
         get("slurm").submit(str(script), str(tmp_path))
@@ -75,7 +81,9 @@ def test_slurm_submit_refusal_that_is_not_utf8_is_one_line(slurm_cluster, tmp_pa
 
 @pytest.mark.pbs
 def test_pbs_cancel_of_an_unknown_job_is_one_line_and_fails(
-    openpbs: OpenPBS, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    openpbs: OpenPBS,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert main(["cancel", UNKNOWN, "--cluster", "pbs", "--runs-dir", str(tmp_path)]) == 3
     assert "Unknown Job Id" in _error(capsys)
@@ -83,18 +91,26 @@ def test_pbs_cancel_of_an_unknown_job_is_one_line_and_fails(
 
 @pytest.mark.pbs
 def test_pbs_status_of_a_job_whose_attributes_are_not_utf8(
-    openpbs: OpenPBS, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    openpbs: OpenPBS,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """A job variable in Latin-1 comes back raw in ``qstat -f -F json``: hpc status gave
     a UnicodeDecodeError traceback."""
     script = tmp_path / "held.pbs"
     script.write_text("#!/bin/bash\ntrue\n")
-    def client(*argv: str | bytes) -> subprocess.CompletedProcess[bytes]:
-        return subprocess.run([str(openpbs.bin / str(argv[0])), *argv[1:]], capture_output=True,
-                              check=False, timeout=60)  # bytes: the fixture's helpers decode
 
-    proc = client("qsub", "-h", "-l", "walltime=00:01:00", "-v", b"HPC_TEST_VAR=caf\xe9",
-                  str(script))  # fmt: skip
+    def client(*argv: str | bytes) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(
+            [str(openpbs.bin / str(argv[0])), *argv[1:]],
+            capture_output=True,
+            check=False,
+            timeout=60,
+        )  # bytes: the fixture's helpers decode
+
+    proc = client(
+        "qsub", "-h", "-l", "walltime=00:01:00", "-v", b"HPC_TEST_VAR=caf\xe9", str(script)
+    )
     assert proc.returncode == 0, proc.stderr
     job_id = proc.stdout.decode().strip()
     try:

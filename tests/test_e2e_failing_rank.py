@@ -43,22 +43,30 @@ def _failed_status(tmp_path: Path, per_rank: bool) -> tuple[str, Path, str]:
 
 #: rank 1's last 8 lines as the probe writes them: the quoted form of the escape and
 #: NUL/BEL bytes and of the invalid UTF-8 is U+FFFD, never the raw bytes.
-LAST = ["rank1-line-18", "rank1-line-19", "bad bytes: \ufffd[31m\ufffd\ufffd end",
-        "\ufffd\ufffd not utf-8", "[rank1]: Traceback (most recent call last):"]
+LAST = [
+    "rank1-line-18",
+    "rank1-line-19",
+    "bad bytes: \ufffd[31m\ufffd\ufffd end",
+    "\ufffd\ufffd not utf-8",
+    "[rank1]: Traceback (most recent call last):",
+]
 
 
 @pytest.mark.slurm
 @pytest.mark.parametrize("per_rank", [True, False], ids=["rank-files", "labelled-log"])
 def test_status_quotes_the_failing_ranks_last_lines(
-    slurm_cluster: Any, tmp_path: Path, per_rank: bool,
+    slurm_cluster: Any,
+    tmp_path: Path,
+    per_rank: bool,
 ) -> None:
     job_id, run_dir, err = _failed_status(tmp_path, per_rank)
     lines = err.splitlines()
     start = next(i for i, ln in enumerate(lines) if ln.startswith("hpc: rank "))
-    head, quoted = lines[start], [ln.removeprefix("  | ") for ln in lines[start + 1:]]
+    head, quoted = lines[start], [ln.removeprefix("  | ") for ln in lines[start + 1 :]]
     where = (run_dir / "ranks" / "rank-00001.log") if per_rank else run_dir / f"e2e-{job_id}.out"
-    assert head == (f"hpc: rank 1 (n2) failed (srun: exited with exit code 1); its last 8 "
-                    f"lines ({where}):"), err
+    assert head == (
+        f"hpc: rank 1 (n2) failed (srun: exited with exit code 1); its last 8 lines ({where}):"
+    ), err
     assert quoted[:5] == LAST, err
     assert quoted[-1] == "[rank1]: RuntimeError: boom-on-rank-1", err
     assert len(quoted) == 8 and not any("rank0-" in q for q in quoted), err
@@ -67,7 +75,8 @@ def test_status_quotes_the_failing_ranks_last_lines(
 
 @pytest.mark.pbs
 def test_pbs_status_quotes_the_failing_ranks_last_lines(
-        openpbs: Any, pbs_job_venv: Path, tmp_path: Path) -> None:
+    openpbs: Any, pbs_job_venv: Path, tmp_path: Path
+) -> None:
     """The same probe on the real OpenPBS (generic profile: MPICH hydra, its merged log
     labelled ``[RANK] ``): hydra names no rank of its own, so the rank's traceback does."""
     from tests.support.parts import require_exe
@@ -78,8 +87,9 @@ def test_pbs_status_quotes_the_failing_ranks_last_lines(
     probe.write_text(PROBE.replace("time.sleep(120)", "time.sleep(5)"))  # hydra lets it end
     client = Hpc(pbs_job_venv, tmp_path / "runs")
     try:
-        _job_id, run_dir = client.submit("--cluster", "pbs", "--nodes", "2", "--walltime",
-                                         "00:05:00", "--", "python", str(probe))  # fmt: skip
+        _job_id, run_dir = client.submit(
+            "--cluster", "pbs", "--nodes", "2", "--walltime", "00:05:00", "--", "python", str(probe)
+        )
         assert client.wait(run_dir, timeout=180) == "FAILED"
         got = client("status", str(run_dir), "--runs-dir", str(client.runs))
     finally:
@@ -87,8 +97,9 @@ def test_pbs_status_quotes_the_failing_ranks_last_lines(
     lines = got.stderr.splitlines()
     start = next((i for i, ln in enumerate(lines) if ln.startswith("hpc: rank ")), None)
     assert start is not None, got.stderr
-    head, quoted = lines[start], [ln.removeprefix("  | ") for ln in lines[start + 1:]]
-    assert head.startswith("hpc: rank 1 (") and "failed (the first error line of the job log)" \
-        in head, got.stderr
+    head, quoted = lines[start], [ln.removeprefix("  | ") for ln in lines[start + 1 :]]
+    assert (
+        head.startswith("hpc: rank 1 (") and "failed (the first error line of the job log)" in head
+    ), got.stderr
     assert quoted[-1] == "[rank1]: RuntimeError: boom-on-rank-1", got.stderr
     assert not any("rank0-" in q for q in quoted), got.stderr

@@ -27,7 +27,9 @@ def _package(site: Path, version: str) -> None:
         old.rmdir()
     info = site / f"fp_probe_pkg-{version}.dist-info"
     info.mkdir(parents=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: fp-probe-pkg\nVersion: {version}\n")
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: fp-probe-pkg\nVersion: {version}\n"
+    )
 
 
 def test_two_nodes_fingerprint_and_a_changed_package_between_submissions(
@@ -37,10 +39,15 @@ def test_two_nodes_fingerprint_and_a_changed_package_between_submissions(
     _package(site, "0.1")
     spec = worker_spec(tmp_path)
     spec["config"]["checkpoint"]["dir"] = "ck"
-    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}:{site}",
-           "NCCL_DEBUG": "WARN", "NCCL_IB_TOKEN": "do-not-record"}  # fmt: skip
-    path = _write_spec(tmp_path / "fp.yaml", [PY, WORKER, json.dumps(spec)], nodes=2, ppn=1,
-                       env=env)  # fmt: skip
+    env = {
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}:{site}",
+        "NCCL_DEBUG": "WARN",
+        "NCCL_IB_TOKEN": "do-not-record",
+    }
+    path = _write_spec(
+        tmp_path / "fp.yaml", [PY, WORKER, json.dumps(spec)], nodes=2, ppn=1, env=env
+    )
     job1, run_dir = submit(str(path), runs=runs)
     assert wait_status(job1, runs) == "COMPLETED"
     first = json.loads((run_dir / f"env-{job1}.json").read_text())
@@ -50,7 +57,9 @@ def test_two_nodes_fingerprint_and_a_changed_package_between_submissions(
     assert "do-not-record" not in (run_dir / f"env-{job1}.json").read_text()
 
     _package(site, "0.2")
-    job2 = hpc("submit", "--runs-dir", str(runs), "--resume", str(run_dir), str(path)).stdout.strip()
+    job2 = hpc(
+        "submit", "--runs-dir", str(runs), "--resume", str(run_dir), str(path)
+    ).stdout.strip()
     assert wait_status(job2, runs) == "COMPLETED"
     assert (run_dir / f"env-{job2}.json").is_file()
     out = hpc("report", str(run_dir)).stdout

@@ -64,10 +64,19 @@ class Hpc:
         self.submitted: list[str] = []
 
     def __call__(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run([self.python, "-m", "hpc", *args], cwd=ROOT, env=self.env,
-                              capture_output=True, text=True, timeout=120, check=False)
+        proc = subprocess.run(
+            [self.python, "-m", "hpc", *args],
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         if check:
-            assert proc.returncode == 0, f"hpc {args}: {proc.returncode}\n{proc.stdout}{proc.stderr}"
+            assert proc.returncode == 0, (
+                f"hpc {args}: {proc.returncode}\n{proc.stdout}{proc.stderr}"
+            )
         return proc
 
     def submit(self, *args: str) -> tuple[str, Path]:
@@ -80,7 +89,11 @@ class Hpc:
 
     def status(self, run_dir: Path) -> str:
         # the job's line (a sweep adds a line per task after it)
-        return self("status", str(run_dir), "--runs-dir", str(self.runs)).stdout.split("\n")[0].split()[-1]
+        return (
+            self("status", str(run_dir), "--runs-dir", str(self.runs))
+            .stdout.split("\n")[0]
+            .split()[-1]
+        )
 
     def ended(self, run_dir: Path) -> str | None:
         """The job's final state once it has one, else None."""
@@ -89,13 +102,18 @@ class Hpc:
 
     def wait(self, run_dir: Path, timeout: float = 120) -> str:
         """Until the job's state is final; a timeout quotes its log."""
-        return wait_final(lambda: self.status(run_dir), timeout, f"job of {run_dir.name}",
-                          log=lambda: log_of(run_dir))
+        return wait_final(
+            lambda: self.status(run_dir),
+            timeout,
+            f"job of {run_dir.name}",
+            log=lambda: log_of(run_dir),
+        )
 
     def wait_for(self, run_dir: Path, check: Any, what: str, timeout: float = 120) -> None:
         """Until ``check()``; ends at once when the job ends first, quoting its log."""
-        wait_until(check, timeout, what, ended=lambda: self.ended(run_dir),
-                   log=lambda: log_of(run_dir))
+        wait_until(
+            check, timeout, what, ended=lambda: self.ended(run_dir), log=lambda: log_of(run_dir)
+        )
 
 
 @pytest.fixture
@@ -127,21 +145,46 @@ setup: []
 """
 
 
-@pytest.mark.parametrize(("cluster", "nodes", "ppn"), [
-    ("aurora", 1, 2), ("aurora", 2, 1), ("polaris", 1, 2), ("polaris", 2, 1),
-])
+@pytest.mark.parametrize(
+    ("cluster", "nodes", "ppn"),
+    [
+        ("aurora", 1, 2),
+        ("aurora", 2, 1),
+        ("polaris", 1, 2),
+        ("polaris", 2, 1),
+    ],
+)
 def test_hpc_submit_alcf_profile_runs_to_completed(
-    hpc: Hpc, lmod_frameworks: Path, probe: Path, tmp_path: Path,
-    cluster: str, nodes: int, ppn: int,
+    hpc: Hpc,
+    lmod_frameworks: Path,
+    probe: Path,
+    tmp_path: Path,
+    cluster: str,
+    nodes: int,
+    ppn: int,
 ) -> None:
     if cluster == "polaris":
         override = tmp_path / "profiles"
         override.mkdir()
         (override / "polaris.yaml").write_text(POLARIS_OVERRIDE)
         hpc.env["HPC_DDP_CLUSTERS"] = str(override)
-    job_id, run_dir = hpc.submit("--cluster", cluster, "--nodes", str(nodes), "--ppn", str(ppn),
-                                 "--queue", "debug", "--account", "testproj", "--walltime",
-                                 "00:05:00", "--", "python", str(probe))
+    job_id, run_dir = hpc.submit(
+        "--cluster",
+        cluster,
+        "--nodes",
+        str(nodes),
+        "--ppn",
+        str(ppn),
+        "--queue",
+        "debug",
+        "--account",
+        "testproj",
+        "--walltime",
+        "00:05:00",
+        "--",
+        "python",
+        str(probe),
+    )
     assert job_id.split(".")[0].isdigit(), job_id
     script = next(run_dir.glob("job*.pbs")).read_text()
     assert f"#PBS -l select={nodes}:system={cluster}" in script
@@ -158,12 +201,15 @@ def test_hpc_submit_alcf_profile_runs_to_completed(
 def test_generic_pbs_job_runs_with_the_submitting_venv(hpc: Hpc, probe: Path) -> None:
     """The issue's failure: on PBS a Python job got the login shell's `python`."""
     require_exe("mpiexec.hydra", "mpiexec.mpich")
-    job_id, run_dir = hpc.submit("--cluster", "pbs", "--nodes", "2", "--walltime", "00:05:00",
-                                 "--", "python", str(probe))
+    job_id, run_dir = hpc.submit(
+        "--cluster", "pbs", "--nodes", "2", "--walltime", "00:05:00", "--", "python", str(probe)
+    )
     venv = Path(hpc.python).parent.parent
     script = next(run_dir.glob("job*.pbs")).read_text()
     assert f"source {venv}/bin/activate" in script
-    assert yaml.safe_load(next(run_dir.glob("spec*.yaml")).read_text())["python"] == {"venv": str(venv)}
+    assert yaml.safe_load(next(run_dir.glob("spec*.yaml")).read_text())["python"] == {
+        "venv": str(venv)
+    }
     assert hpc.wait(run_dir) == "COMPLETED", log_of(run_dir)
     seen = ranks(run_dir)
     assert len(seen) == 2, log_of(run_dir)
@@ -178,11 +224,18 @@ def test_a_conda_environment_activates_in_a_pbs_job(hpc: Hpc, tmp_path: Path) ->
     require_exe("mpiexec.hydra", "mpiexec.mpich")
     env = make_env(make_conda(tmp_path / "miniconda3"))
     spec = tmp_path / "conda.yaml"
-    spec.write_text(yaml.safe_dump({
-        "name": "conda", "cluster": "pbs", "wrap": "never", "walltime": "00:05:00",
-        "python": {"conda": str(env)},
-        "command": ["bash", "-c", 'echo "prefix=$CONDA_PREFIX"; hpc-probe'],
-    }))
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "name": "conda",
+                "cluster": "pbs",
+                "wrap": "never",
+                "walltime": "00:05:00",
+                "python": {"conda": str(env)},
+                "command": ["bash", "-c", 'echo "prefix=$CONDA_PREFIX"; hpc-probe'],
+            }
+        )
+    )
     _, run_dir = hpc.submit(str(spec))
     assert hpc.wait(run_dir) == "COMPLETED", log_of(run_dir)
     log = log_of(run_dir)
@@ -207,11 +260,22 @@ def test_cancel_of_a_running_job(hpc: Hpc, openpbs: OpenPBS, tmp_path: Path, tra
     """qdel of a running job: substate 91 with Exit_status 271, or 0 when the job's shell
     exits by itself on TERM; both read CANCELLED (they read COMPLETED/FAILED before)."""
     started = tmp_path / "started"
-    body = f"touch {started}; " + ("trap 'exit 0' TERM; sleep 300 & wait" if trap else "exec sleep 300")
+    body = f"touch {started}; " + (
+        "trap 'exit 0' TERM; sleep 300 & wait" if trap else "exec sleep 300"
+    )
     spec = tmp_path / "sleep.yaml"
-    spec.write_text(yaml.safe_dump({"name": "sleeper", "cluster": "pbs", "wrap": "never",
-                                    "launcher": "mpiexec", "walltime": "00:05:00",
-                                    "command": ["bash", "-c", body]}))
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "name": "sleeper",
+                "cluster": "pbs",
+                "wrap": "never",
+                "launcher": "mpiexec",
+                "walltime": "00:05:00",
+                "command": ["bash", "-c", body],
+            }
+        )
+    )
     require_exe("mpiexec.hydra", "mpiexec.mpich")
     job_id, run_dir = hpc.submit(str(spec))
     hpc.wait_for(run_dir, started.exists, "job started", 60)
@@ -224,8 +288,9 @@ def test_cancel_of_a_running_job(hpc: Hpc, openpbs: OpenPBS, tmp_path: Path, tra
 
 def test_walltime_kill_reads_timeout(hpc: Hpc, openpbs: OpenPBS) -> None:
     require_exe("mpiexec.hydra", "mpiexec.mpich")
-    job_id, run_dir = hpc.submit("--cluster", "pbs", "--walltime", "00:00:08", "--wrap", "never",
-                                 "--", "sleep", "300")
+    job_id, run_dir = hpc.submit(
+        "--cluster", "pbs", "--walltime", "00:00:08", "--wrap", "never", "--", "sleep", "300"
+    )
     assert hpc.wait(run_dir, 120) == "TIMEOUT", log_of(run_dir)
     attrs = openpbs.attrs(job_id)
     assert (str(attrs["substate"]), int(attrs["Exit_status"])) == ("93", -29)
@@ -235,13 +300,24 @@ def test_walltime_kill_reads_timeout(hpc: Hpc, openpbs: OpenPBS) -> None:
 def test_job_array(hpc: Hpc, openpbs: OpenPBS, probe: Path, tmp_path: Path) -> None:
     require_exe("mpiexec.hydra", "mpiexec.mpich")
     spec = tmp_path / "array.yaml"
-    spec.write_text(yaml.safe_dump({"name": "arr", "cluster": "pbs", "walltime": "00:05:00",
-                                    "directives": ["-J 0-2"], "command": ["python", str(probe)]}))
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "name": "arr",
+                "cluster": "pbs",
+                "walltime": "00:05:00",
+                "directives": ["-J 0-2"],
+                "command": ["python", str(probe)],
+            }
+        )
+    )
     job_id, run_dir = hpc.submit(str(spec))
     assert job_id.split(".")[0].endswith("[]"), job_id
     assert hpc.wait(run_dir) == "COMPLETED", log_of(run_dir)
     assert sorted(r["PBS_ARRAY_INDEX"] for r in ranks(run_dir)) == ["0", "1", "2"]
-    subjobs = json.loads(openpbs.run("qstat", "-x", "-t", "-f", "-F", "json", job_id).stdout)["Jobs"]
+    subjobs = json.loads(openpbs.run("qstat", "-x", "-t", "-f", "-F", "json", job_id).stdout)[
+        "Jobs"
+    ]
     assert sorted(j["substate"] for j in subjobs.values()) == [92] * 4  # parent + 3 subjobs
 
 
@@ -255,16 +331,30 @@ print("task", os.environ.get("HPC_SWEEP_LABEL"))
 
 
 def test_sweep_is_one_pbs_array_with_a_folder_and_a_status_line_per_task(
-    hpc: Hpc, openpbs: OpenPBS, tmp_path: Path,
+    hpc: Hpc,
+    openpbs: OpenPBS,
+    tmp_path: Path,
 ) -> None:
     """``--sweep`` on the real server: ``-J 0-1%1`` (max_run_subjobs), each subjob reads its
     overrides from sweep.json by PBS_ARRAY_INDEX, and ``hpc status``/``hpc logs`` see each task."""
     require_exe("mpiexec.hydra", "mpiexec.mpich")
     probe = tmp_path / "sweep_probe.py"
     probe.write_text(SWEEP_PROBE)
-    job_id, run_dir = hpc.submit("--cluster", "pbs", "--walltime", "00:05:00", "--name", "sw",
-                                 "--sweep", "optim.lr=0.1,0.01", "--max-parallel", "1",
-                                 "--", "python", str(probe))
+    job_id, run_dir = hpc.submit(
+        "--cluster",
+        "pbs",
+        "--walltime",
+        "00:05:00",
+        "--name",
+        "sw",
+        "--sweep",
+        "optim.lr=0.1,0.01",
+        "--max-parallel",
+        "1",
+        "--",
+        "python",
+        str(probe),
+    )
     assert job_id.split(".")[0].endswith("[]"), job_id
     assert "#PBS -J 0-1%1\n" in next(run_dir.glob("job*.pbs")).read_text()
     assert str(openpbs.attrs(job_id).get("max_run_subjobs")) == "1"
@@ -272,7 +362,9 @@ def test_sweep_is_one_pbs_array_with_a_folder_and_a_status_line_per_task(
     lines = hpc("status", str(run_dir), "--runs-dir", str(hpc.runs)).stdout.splitlines()
     seq, rest = job_id.split("[]")
     assert [ln.split()[:2] for ln in lines[1:]] == [
-        [f"{seq}[0]{rest}", "COMPLETED"], [f"{seq}[1]{rest}", "COMPLETED"]], lines
+        [f"{seq}[0]{rest}", "COMPLETED"],
+        [f"{seq}[1]{rest}", "COMPLETED"],
+    ], lines
     for task, lr in (("000-lr-0.1", "0.1"), ("001-lr-0.01", "0.01")):
         seen = json.loads((run_dir / task / "args.json").read_text())
         assert seen["argv"] == ["--set", f"optim.lr={lr}"] and seen["label"] == f"optim.lr={lr}"
@@ -285,12 +377,23 @@ def test_sweep_is_one_pbs_array_with_a_folder_and_a_status_line_per_task(
 
 def test_rerunnable_job_is_rerun_by_qrerun(hpc: Hpc, openpbs: OpenPBS, tmp_path: Path) -> None:
     runs_file = tmp_path / "runs.txt"
-    body = (f'echo "$PBS_JOBID" >> {runs_file}; '
-            f'if [ "$(wc -l < {runs_file})" -lt 2 ]; then exec sleep 300; fi')
+    body = (
+        f'echo "$PBS_JOBID" >> {runs_file}; '
+        f'if [ "$(wc -l < {runs_file})" -lt 2 ]; then exec sleep 300; fi'
+    )
     spec = tmp_path / "rerun.yaml"
-    spec.write_text(yaml.safe_dump({"name": "rerun", "cluster": "pbs", "wrap": "never",
-                                    "walltime": "00:05:00", "requeue": True,
-                                    "command": ["bash", "-c", body]}))
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "name": "rerun",
+                "cluster": "pbs",
+                "wrap": "never",
+                "walltime": "00:05:00",
+                "requeue": True,
+                "command": ["bash", "-c", body],
+            }
+        )
+    )
     require_exe("mpiexec.hydra", "mpiexec.mpich")
     job_id, run_dir = hpc.submit(str(spec))
     assert "#PBS -r y" in next(run_dir.glob("job*.pbs")).read_text()
@@ -312,14 +415,17 @@ def _worker_spec(tmp: Path, **extra: Any) -> dict[str, Any]:
             "logging": {"every_n_steps": 2, "progress": "plain"},
             "preemption": {"signals": ["SIGTERM"], "requeue": False},
         },
-        "n": 64, "out": str(tmp / "final.pt"),
+        "n": 64,
+        "out": str(tmp / "final.pt"),
     }
     spec.update(extra)
     return spec
 
 
 def test_preempted_job_checkpoints_and_resumes_bitwise_in_its_rerun(
-    hpc: Hpc, openpbs: OpenPBS, tmp_path: Path,
+    hpc: Hpc,
+    openpbs: OpenPBS,
+    tmp_path: Path,
 ) -> None:
     """qrerun (PBS's preemption by requeue) sends SIGTERM: the trainer saves at the step
     boundary and exits; PBS runs the same job again, which resumes from that checkpoint
@@ -333,11 +439,21 @@ def test_preempted_job_checkpoints_and_resumes_bitwise_in_its_rerun(
     ready.mkdir()
     spec = _worker_spec(tmp_path, wait_signal_step=3, ready_dir=str(ready), wait_timeout=120)
     job_file = tmp_path / "pre.yaml"
-    job_file.write_text(yaml.safe_dump({
-        "name": "pre", "cluster": "pbs", "nodes": 1, "ppn": 2, "walltime": "00:05:00",
-        "wrap": "never", "requeue": True, "env": {"OMP_NUM_THREADS": "1"},
-        "command": ["python", WORKER, json.dumps(spec)],
-    }))
+    job_file.write_text(
+        yaml.safe_dump(
+            {
+                "name": "pre",
+                "cluster": "pbs",
+                "nodes": 1,
+                "ppn": 2,
+                "walltime": "00:05:00",
+                "wrap": "never",
+                "requeue": True,
+                "env": {"OMP_NUM_THREADS": "1"},
+                "command": ["python", WORKER, json.dumps(spec)],
+            }
+        )
+    )
     job_id, run_dir = hpc.submit(str(job_file))
     hpc.wait_for(run_dir, lambda: len(list(ready.glob("*.pid"))) == 2, "both ranks at step 3")
     openpbs.run("qrerun", job_id)
@@ -363,7 +479,9 @@ def test_preempted_job_checkpoints_and_resumes_bitwise_in_its_rerun(
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # 24 ranks on 2 cores: about 2 minutes
 def test_plain_qsub_of_checked_in_aurora_script(
-    openpbs: OpenPBS, lmod_frameworks: Path, tmp_path: Path,
+    openpbs: OpenPBS,
+    lmod_frameworks: Path,
+    tmp_path: Path,
 ) -> None:
     """`qsub -A PROJECT jobs/dpo_aurora.pbs` as the README says, the script unchanged:
     `module load frameworks` is Lmod loading the test's modulefile, `mpiexec` the PALS
@@ -374,8 +492,9 @@ def test_plain_qsub_of_checked_in_aurora_script(
         (work / rel).write_bytes((ROOT / rel).read_bytes())
     (work / "logs").mkdir()
     env = dict(os.environ, PATH=f"{openpbs.bin}{os.pathsep}{os.environ['PATH']}")
-    job_id = openpbs.run("qsub", "-A", "testproj", "jobs/dpo_aurora.pbs", cwd=work,
-                         env=env).stdout.strip()
+    job_id = openpbs.run(
+        "qsub", "-A", "testproj", "jobs/dpo_aurora.pbs", cwd=work, env=env
+    ).stdout.strip()
     try:
         attrs = openpbs.wait_letter(job_id, "F", timeout=540)
     finally:
@@ -390,7 +509,9 @@ def test_plain_qsub_of_checked_in_aurora_script(
 
 @pytest.mark.parametrize("cluster", ["aurora", "polaris", "pbs"])
 def test_every_pbs_profile_renders_directives_the_server_accepts(
-    openpbs: OpenPBS, tmp_path: Path, cluster: str,
+    openpbs: OpenPBS,
+    tmp_path: Path,
+    cluster: str,
 ) -> None:
     """Each built-in PBS profile, for every queue it names (and with `-r y`, `-k doe` and
     `-J`): the real `qsub -h` accepts the rendered script; qdel removes the held job."""
@@ -405,16 +526,31 @@ def test_every_pbs_profile_renders_directives_the_server_accepts(
     cases.append({**cases[0], "requeue": True, "directives": ["-J 0-1"]})
     for name in profile.queues:  # the server has ALCF's common queues; add by-request ones
         if openpbs.run("qstat", "-Q", name, check=False).returncode != 0:
-            openpbs.run("qmgr", "-c", f"create queue {name} queue_type=execution,enabled=true,"
-                                      "started=true")
+            openpbs.run(
+                "qmgr", "-c", f"create queue {name} queue_type=execution,enabled=true,started=true"
+            )
     for n, case in enumerate(cases):
         spec = tmp_path / f"{cluster}-{n}.yaml"
-        spec.write_text(yaml.safe_dump({"name": f"hold-{cluster}", "cluster": cluster,
-                                        "account": "testproj", "command": ["python", "-c", "pass"],
-                                        **case}))
+        spec.write_text(
+            yaml.safe_dump(
+                {
+                    "name": f"hold-{cluster}",
+                    "cluster": cluster,
+                    "account": "testproj",
+                    "command": ["python", "-c", "pass"],
+                    **case,
+                }
+            )
+        )
         script = tmp_path / f"{cluster}-{n}.pbs"
-        subprocess.run([sys.executable, "-m", "hpc", "render", str(spec), "-o", str(script)],
-                       check=True, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        subprocess.run(
+            [sys.executable, "-m", "hpc", "render", str(spec), "-o", str(script)],
+            check=True,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         proc = openpbs.run("qsub", "-h", str(script), check=False)
         assert proc.returncode == 0, f"{cluster} {case}: {proc.stderr}\n{script.read_text()}"
         job_id = proc.stdout.strip()
@@ -428,9 +564,14 @@ def test_every_pbs_profile_renders_directives_the_server_accepts(
 def test_wrapper_says_where_to_get_openpbs_when_shared_is_absent(tmp_path: Path) -> None:
     """A checkout without ../shared/pbs: one message naming the folder, exit 3 (no traceback,
     nothing started); the fixture turns that into a skip (a failure under CI=true)."""
-    proc = subprocess.run(["bash", str(ROOT / "scripts/openpbs.sh"), "start"], capture_output=True,
-                          text=True, timeout=60, env=dict(os.environ, OPENPBS_SHARED=str(tmp_path)),
-                          check=False)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts/openpbs.sh"), "start"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, OPENPBS_SHARED=str(tmp_path)),
+        check=False,
+    )
     assert proc.returncode == 3, proc.stderr
     assert f"no {tmp_path}/setup-openpbs.sh" in proc.stderr
     assert "<checkout>/../shared/pbs" in proc.stderr and proc.stdout == ""

@@ -41,30 +41,39 @@ def small_max_array_size(openpbs: OpenPBS) -> Iterator[int]:
     try:
         yield LIMIT
     finally:
-        restore = (f"set server max_array_size={found.group(1)}" if found
-                   else "unset server max_array_size")
+        restore = (
+            f"set server max_array_size={found.group(1)}"
+            if found
+            else "unset server max_array_size"
+        )
         openpbs.run("qmgr", "-c", restore)
 
 
-def test_qsub_refuses_an_array_over_the_limit(small_max_array_size: int, openpbs: OpenPBS,
-                                              tmp_path: Path) -> None:
+def test_qsub_refuses_an_array_over_the_limit(
+    small_max_array_size: int, openpbs: OpenPBS, tmp_path: Path
+) -> None:
     """What the split avoids: ``-J 0-5`` (6 subjobs) at 5 is refused at submit; the limit
     is on the count, so ``-J 10-14`` passes. Both held (``-h``) and deleted at once."""
     script = tmp_path / "t.sh"
     script.write_text("#!/bin/bash\ntrue\n")
-    over = openpbs.run("qsub", "-h", "-J", "0-5", "-l", "walltime=00:01:00", str(script),
-                       check=False)
+    over = openpbs.run(
+        "qsub", "-h", "-J", "0-5", "-l", "walltime=00:01:00", str(script), check=False
+    )
     assert over.returncode != 0
     assert "Array job exceeds server or queue size limit" in over.stderr, over.stderr
     fits = openpbs.run("qsub", "-h", "-J", "10-14", "-l", "walltime=00:01:00", str(script))
     openpbs.run("qdel", fits.stdout.strip(), check=False)
-    single = openpbs.run("qsub", "-h", "-J", "0-0", "-l", "walltime=00:01:00", str(script),
-                         check=False)
+    single = openpbs.run(
+        "qsub", "-h", "-J", "0-0", "-l", "walltime=00:01:00", str(script), check=False
+    )
     assert single.returncode != 0 and "illegal -J value" in single.stderr, single.stderr
 
 
 def test_sweep_wider_than_max_array_size_is_one_sweep_of_three_arrays(
-        small_max_array_size: int, hpc: Hpc, openpbs: OpenPBS, tmp_path: Path,  # noqa: F811
+    small_max_array_size: int,
+    hpc: Hpc,  # noqa: F811
+    openpbs: OpenPBS,
+    tmp_path: Path,
 ) -> None:
     """12 tasks at max_array_size 5 (read by ``hpc submit`` from ``qstat -Bf``): arrays of
     5, 5 and 2 that all run, each task its own sweep point (``$HPC_SWEEP_OFFSET`` from
@@ -72,17 +81,32 @@ def test_sweep_wider_than_max_array_size_is_one_sweep_of_three_arrays(
     status`` shows one sweep of 12 task lines; ``hpc logs`` finds a task of the third."""
     require_exe("mpiexec.hydra", "mpiexec.mpich")
     started = time.monotonic()
-    proc = hpc("submit", "--cluster", "pbs", "--name", "wide", "--runs-dir", str(hpc.runs),
-               "--walltime", "00:05:00",
-               "--sweep", "optim.lr=" + ",".join(str(i) for i in range(N)),
-               "--", "bash", "-c", 'echo "point $HPC_SWEEP_INDEX: $*" | tee "$HPC_RUN_DIR/point.txt"',
-               "x")
+    proc = hpc(
+        "submit",
+        "--cluster",
+        "pbs",
+        "--name",
+        "wide",
+        "--runs-dir",
+        str(hpc.runs),
+        "--walltime",
+        "00:05:00",
+        "--sweep",
+        "optim.lr=" + ",".join(str(i) for i in range(N)),
+        "--",
+        "bash",
+        "-c",
+        'echo "point $HPC_SWEEP_INDEX: $*" | tee "$HPC_RUN_DIR/point.txt"',
+        "x",
+    )
     job_id = proc.stdout.strip()
     (run_dir,) = hpc.runs.iterdir()
     parts = json.loads((run_dir / "run.json").read_text())["array_parts"]
     hpc.submitted += [p["job_id"] for p in parts[1:]]
-    assert f"hpc: {N} tasks exceed the cluster's array size ({LIMIT}, max_array_size): one " \
-           "sweep of 3 arrays" in proc.stderr
+    assert (
+        f"hpc: {N} tasks exceed the cluster's array size ({LIMIT}, max_array_size): one "
+        "sweep of 3 arrays" in proc.stderr
+    )
     assert [(p["offset"], p["count"]) for p in parts] == [(0, 5), (5, 5), (10, 2)]
     assert parts[0]["job_id"] == job_id and len({p["job_id"] for p in parts}) == 3
     assert "#PBS -J 0-4\n" in (run_dir / "job.pbs").read_text()

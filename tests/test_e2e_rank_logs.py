@@ -33,8 +33,13 @@ def test_two_nodes_two_ranks_each_in_its_own_file(slurm_cluster: Any, tmp_path: 
     assert "export DDP_RANK_LOGS=1" in (run_dir / "job.slurm").read_text()
     assert wait_status(job_id, runs) == "COMPLETED"
     files = [run_dir / "ranks" / f"rank-{r:05d}.log" for r in range(4)]
-    wait_until(lambda: all(f.is_file() and f"marker-err-{r}" in f.read_text()
-                           for r, f in enumerate(files)), 30, "every rank's lines")  # fmt: skip
+    wait_until(
+        lambda: all(
+            f.is_file() and f"marker-err-{r}" in f.read_text() for r, f in enumerate(files)
+        ),
+        30,
+        "every rank's lines",
+    )
     for rank, path in enumerate(files):
         text = path.read_text()
         assert f"marker-out-{rank}" in text and f"marker-err-{rank}" in text

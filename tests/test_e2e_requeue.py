@@ -41,9 +41,12 @@ def _spec(tmp: Path, name: str, **extra) -> dict:
             "logging": {"every_n_steps": 2, "progress": "plain"},
             "preemption": {"signals": ["SIGUSR1", "SIGTERM"], "requeue": True},
         },
-        "n": 64, "out": str(out / "final.pt"), "wait_signal_step": 3,
-        "ready_dir": str(out / "ready"), "wait_timeout": 240,
-    }  # fmt: skip
+        "n": 64,
+        "out": str(out / "final.pt"),
+        "wait_signal_step": 3,
+        "ready_dir": str(out / "ready"),
+        "wait_timeout": 240,
+    }
     spec.update(extra)
     (out / "spec.json").write_text(json.dumps(spec))
     return spec
@@ -51,11 +54,18 @@ def _spec(tmp: Path, name: str, **extra) -> dict:
 
 def _script(tmp: Path, directives: list[str], spec_path: str) -> Path:
     """A batch script as `hpc render` writes one (srun, 2 ranks on one node)."""
-    lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives),
-             "#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=2", "#SBATCH --time=00:05:00",
-             "#SBATCH --open-mode=append", "set -eo pipefail", "export OMP_NUM_THREADS=1",
-             f"export PYTHONPATH={ROOT / 'src'}:{ROOT}",
-             f'srun --kill-on-bad-exit=1 {PY} {WORKER} "$(cat {spec_path})"']  # fmt: skip
+    lines = [
+        "#!/bin/bash",
+        *(f"#SBATCH {d}" for d in directives),
+        "#SBATCH --nodes=1",
+        "#SBATCH --ntasks-per-node=2",
+        "#SBATCH --time=00:05:00",
+        "#SBATCH --open-mode=append",
+        "set -eo pipefail",
+        "export OMP_NUM_THREADS=1",
+        f"export PYTHONPATH={ROOT / 'src'}:{ROOT}",
+        f'srun --kill-on-bad-exit=1 {PY} {WORKER} "$(cat {spec_path})"',
+    ]
     path = tmp / "job.sh"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -77,10 +87,12 @@ def _alive(pid: int) -> bool:
 def _drive(cluster, job: str, done, what: str, log) -> None:
     """Wait for ``done()``, releasing ``job`` from the BeginTime a requeue gives it
     (~2 min on this cluster) whenever it is PENDING."""
+
     def check() -> bool:
         if _show(cluster, job).get("JobState") == "PENDING":
             cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
         return bool(done())
+
     wait_until(check, 200, what, log=log)
 
 
@@ -93,31 +105,48 @@ def test_array_task_requeues_only_itself(slurm_cluster, tmp_path):
     hold = tmp_path / "go"
     for t in (0, 1):
         _spec(tmp_path, f"t{t}", hold_file=str(hold))
-    script = _script(tmp_path, ["--array=0-1", "--requeue", "--job-name=arr"],
-                     f"{tmp_path}/t${{SLURM_ARRAY_TASK_ID}}/spec.json")
+    script = _script(
+        tmp_path,
+        ["--array=0-1", "--requeue", "--job-name=arr"],
+        f"{tmp_path}/t${{SLURM_ARRAY_TASK_ID}}/spec.json",
+    )
     array = slurm_cluster.submit(script, sbatch_args=[f"--output={tmp_path}/%A_%a.out"])
     logs = lambda: "\n".join(p.read_text(errors="replace") for p in tmp_path.glob("*.out"))  # noqa: E731
     ready = [tmp_path / f"t{t}" / "ready" for t in (0, 1)]
-    wait_until(lambda: all(len(list(r.glob("*.pid"))) == 2 for r in ready), 120,
-               "both tasks' ranks at step 3", log=logs)  # fmt: skip
-    ids = {int(f["ArrayTaskId"]): f["JobId"] for f in (_show(slurm_cluster, f"{array}_{t}")
-                                                     for t in (0, 1))}  # fmt: skip
+    wait_until(
+        lambda: all(len(list(r.glob("*.pid"))) == 2 for r in ready),
+        120,
+        "both tasks' ranks at step 3",
+        log=logs,
+    )
+    ids = {
+        int(f["ArrayTaskId"]): f["JobId"]
+        for f in (_show(slurm_cluster, f"{array}_{t}") for t in (0, 1))
+    }
     (victim,) = [t for t, jid in ids.items() if jid == array]  # SLURM gives one task the array's id
     other = 1 - victim
     pids = [int(p.read_text()) for p in ready[other].glob("*.pid")]
 
     slurm_cluster.run("scancel", "--signal=USR1", f"{array}_{victim}")
-    wait_until(lambda: _show(slurm_cluster, f"{array}_{victim}").get("Restarts") == "1", 90,
-               "the preempted task requeued", log=logs)  # fmt: skip
+    wait_until(
+        lambda: _show(slurm_cluster, f"{array}_{victim}").get("Restarts") == "1",
+        90,
+        "the preempted task requeued",
+        log=logs,
+    )
     mine = _show(slurm_cluster, f"{array}_{other}")
     assert (mine.get("JobState"), mine.get("Restarts")) == ("RUNNING", "0"), (mine, logs())
     assert all(_alive(p) for p in pids), f"task {other}'s ranks were killed\n{logs()}"
 
     hold.touch()  # the other task goes on from step 3
     final = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
-    _drive(slurm_cluster, f"{array}_{victim}", lambda: all(
-        _show(slurm_cluster, f"{array}_{t}").get("JobState") in final for t in (0, 1)),
-        "both tasks ended", logs)  # fmt: skip
+    _drive(
+        slurm_cluster,
+        f"{array}_{victim}",
+        lambda: all(_show(slurm_cluster, f"{array}_{t}").get("JobState") in final for t in (0, 1)),
+        "both tasks ended",
+        logs,
+    )
     for t in (0, 1):
         f = _show(slurm_cluster, f"{array}_{t}")
         assert f["JobState"] == "COMPLETED", (t, f, logs())
@@ -149,8 +178,14 @@ def test_refused_requeue_submits_the_next_segment(slurm_cluster, tmp_path):
     script.unlink()  # the next segment runs the script SLURM stored, not the file
     node = _show(slurm_cluster, job)["NodeList"]
     urgent = slurm_cluster.run(  # the whole node, whatever its CPU count: ours must go
-        "sbatch", "--parsable", f"--partition={URGENT}", f"--nodelist={node}", "--exclusive",
-        f"--output={tmp_path}/urgent.out", "--wrap=true").stdout.strip()  # fmt: skip
+        "sbatch",
+        "--parsable",
+        f"--partition={URGENT}",
+        f"--nodelist={node}",
+        "--exclusive",
+        f"--output={tmp_path}/urgent.out",
+        "--wrap=true",
+    ).stdout.strip()
     found: list[str] = []
 
     def submitted() -> bool:
@@ -163,8 +198,10 @@ def test_refused_requeue_submits_the_next_segment(slurm_cluster, tmp_path):
     assert found[0] == job
     nxt = found[1]
     assert f"scontrol requeue {job} failed" in log() and "presently disabled" in log(), log()
-    assert _show(slurm_cluster, nxt).get("Dependency", "").startswith(f"afterany:{job}") or \
-        _show(slurm_cluster, nxt).get("JobState") != "PENDING"
+    assert (
+        _show(slurm_cluster, nxt).get("Dependency", "").startswith(f"afterany:{job}")
+        or _show(slurm_cluster, nxt).get("JobState") != "PENDING"
+    )
     state = slurm_cluster.wait(nxt, timeout=200)
     assert state == "COMPLETED", log()
     first = _show(slurm_cluster, job)
@@ -208,17 +245,25 @@ def test_both_failures_are_one_error_line(tmp_path, monkeypatch, caplog):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "calls"
-    _fake(bin_dir, "scontrol", f"""echo "$@" >> {calls}
+    _fake(
+        bin_dir,
+        "scontrol",
+        f"""echo "$@" >> {calls}
 case "$1" in
   requeue) echo "scontrol: error: Requested operation is presently disabled" >&2; exit 1;;
   show) echo "JobId=7 JobName=seg WorkDir={tmp_path} StdOut={tmp_path}/seg.out TimeLimit=00:05:00"; exit 0;;
   write) echo '#!/bin/sh' > "$4"; exit 0;;
 esac
 exit 2
-""")  # fmt: skip
-    _fake(bin_dir, "sbatch", f"""echo sbatch "$@" >> {calls}
+""",
+    )
+    _fake(
+        bin_dir,
+        "sbatch",
+        f"""echo sbatch "$@" >> {calls}
 echo "sbatch: error: Batch job submission failed: Job dependency problem" >&2; exit 1
-""")
+""",
+    )
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     env = {**os.environ, "SLURM_JOB_ID": "7", "RANK": "0", "MASTER_PORT": "1234"}
     caplog.set_level(logging.WARNING, logger="ddp")
@@ -237,19 +282,29 @@ def test_the_next_segment_gets_no_per_rank_variables(tmp_path, monkeypatch):
     stays. An array task submits only itself."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    _fake(bin_dir, "scontrol", """case "$1" in
+    _fake(
+        bin_dir,
+        "scontrol",
+        """case "$1" in
   show) echo "JobId=9 ArrayJobId=8 ArrayTaskId=1 JobName=arr Account=(null)"; exit 0;;
   write) echo '#!/bin/sh' > "$4"; exit 0;;
 esac
 exit 1
-""")
+""",
+    )
     _fake(bin_dir, "sbatch", f'env > {tmp_path}/env; echo "$@" > {tmp_path}/args; echo 12;\n')
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    env = {"PATH": os.environ["PATH"], "SLURM_CONF": "/x/slurm.conf", "SLURM_JOB_ID": "9",
-           "SLURM_PROCID": "0", "RANK": "0", "MASTER_PORT": "1234", "KEEP": "1"}
+    env = {
+        "PATH": os.environ["PATH"],
+        "SLURM_CONF": "/x/slurm.conf",
+        "SLURM_JOB_ID": "9",
+        "SLURM_PROCID": "0",
+        "RANK": "0",
+        "MASTER_PORT": "1234",
+        "KEEP": "1",
+    }
     assert preemption.submit_next_segment("8_1", env) == "12"
-    seen = dict(ln.split("=", 1) for ln in (tmp_path / "env").read_text().splitlines()
-                if "=" in ln)  # fmt: skip
+    seen = dict(ln.split("=", 1) for ln in (tmp_path / "env").read_text().splitlines() if "=" in ln)
     assert seen["SLURM_CONF"] == "/x/slurm.conf" and seen["KEEP"] == "1"
     assert not {"SLURM_JOB_ID", "SLURM_PROCID", "RANK", "MASTER_PORT"} & set(seen), seen
     args = (tmp_path / "args").read_text().split()

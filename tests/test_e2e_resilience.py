@@ -21,22 +21,37 @@ from tests.test_e2e_schedulers import PY, ROOT, ended, hpc, log_of, submit, wait
 pytestmark = pytest.mark.slurm
 
 
-def test_hpc_submit_with_resilience_survives_a_lost_node(slurm_cluster: Any, tmp_path: Path) -> None:
+def test_hpc_submit_with_resilience_survives_a_lost_node(
+    slurm_cluster: Any, tmp_path: Path
+) -> None:
     hold = tmp_path / "hold"
     hold.mkdir()
     spec = _spec(tmp_path, hold={"rank": 1, "step": 4, "dir": str(hold)})
-    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}",
-           "MASTER_PORT": str(free_port())}  # every private test cluster starts at job 1  # fmt: skip
-    path = write_spec(tmp_path / "res.yaml", [PY, str(ROOT / WORKER), json.dumps(spec)],
-                      nodes=2, ppn=1, env=env,
-                      resilience={"hang_timeout_s": 60, "max_restarts": 2})  # fmt: skip
+    env = {
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}",
+        "MASTER_PORT": str(free_port()),
+    }  # every private test cluster starts at job 1
+    path = write_spec(
+        tmp_path / "res.yaml",
+        [PY, str(ROOT / WORKER), json.dumps(spec)],
+        nodes=2,
+        ppn=1,
+        env=env,
+        resilience={"hang_timeout_s": 60, "max_restarts": 2},
+    )
     runs = tmp_path / "runs"
     job_id, run_dir = submit(str(path), runs=runs)
     script = (run_dir / "job.slurm").read_text()
     assert "#SBATCH --no-kill" in script
     assert "-m ddp.supervise --hang-timeout-s=60 --max-restarts=2 --min-nodes=1" in script
-    wait_until(lambda: (hold / "ready").exists(), 120, "rank 1 (on n2) at step 4",
-               ended=lambda: ended(job_id, runs), log=lambda: log_of(run_dir))  # fmt: skip
+    wait_until(
+        lambda: (hold / "ready").exists(),
+        120,
+        "rank 1 (on n2) at step 4",
+        ended=lambda: ended(job_id, runs),
+        log=lambda: log_of(run_dir),
+    )
     os.kill(int((hold / "ready").read_text()), signal.SIGKILL)  # n2 shares this host here
     (hold / "released").touch()
     assert wait_status(job_id, runs, timeout=240) == "COMPLETED", log_of(run_dir)
@@ -49,4 +64,3 @@ def test_hpc_submit_with_resilience_survives_a_lost_node(slurm_cluster: Any, tmp
     # relaunch resumed from (step 4) on both ranks, then the relaunch alone on n1
     epoch_once_without_rank_1(tmp_path / "seen")
     assert hpc("status", job_id, "--runs-dir", str(runs)).stdout.split()[-1] == "COMPLETED"
-

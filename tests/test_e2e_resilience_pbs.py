@@ -32,28 +32,48 @@ pytestmark = pytest.mark.pbs
 
 @pytest.mark.timeout(400)
 def test_aurora_job_with_resilience_survives_a_lost_node(
-        hpc: Hpc, lmod_frameworks: Path, tmp_path: Path) -> None:  # noqa: F811 - fixture
+    hpc: Hpc,  # noqa: F811 - fixture
+    lmod_frameworks: Path,
+    tmp_path: Path,
+) -> None:
     require_exe("mpiexec.hydra", "mpiexec.mpich")
     hold = tmp_path / "hold"
     hold.mkdir()
     spec = _spec(tmp_path, hold={"rank": 1, "step": 4, "dir": str(hold)})
     nodefile = tmp_path / "nodefile"
-    nodefile.write_text("x4102c5s0b0n0.hostmgmt2000.cm.aurora.alcf.anl.gov\n"
-                        "x4102c5s1b0n0.hostmgmt2000.cm.aurora.alcf.anl.gov\n")  # fmt: skip
+    nodefile.write_text(
+        "x4102c5s0b0n0.hostmgmt2000.cm.aurora.alcf.anl.gov\n"
+        "x4102c5s1b0n0.hostmgmt2000.cm.aurora.alcf.anl.gov\n"
+    )
     job_file = tmp_path / "res.yaml"
-    job_file.write_text(yaml.safe_dump({
-        "name": "res", "cluster": "aurora", "nodes": 2, "ppn": 1, "queue": "debug",
-        "account": "testproj", "walltime": "00:05:00", "resilience": True,
-        "setup": [f"export PBS_NODEFILE={nodefile}"],
-        "env": {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-                "OMP_NUM_THREADS": "1"},
-        "command": ["python", str(ROOT / WORKER), json.dumps(spec)],
-    }))  # fmt: skip
+    job_file.write_text(
+        yaml.safe_dump(
+            {
+                "name": "res",
+                "cluster": "aurora",
+                "nodes": 2,
+                "ppn": 1,
+                "queue": "debug",
+                "account": "testproj",
+                "walltime": "00:05:00",
+                "resilience": True,
+                "setup": [f"export PBS_NODEFILE={nodefile}"],
+                "env": {
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(free_port()),
+                    "OMP_NUM_THREADS": "1",
+                },
+                "command": ["python", str(ROOT / WORKER), json.dumps(spec)],
+            }
+        )
+    )
     job_id, run_dir = hpc.submit(str(job_file))
     script = next(run_dir.glob("job*.pbs")).read_text()
     assert "#PBS -W tolerate_node_failures=all" in script
-    assert "-m ddp.supervise --hang-timeout-s=600 --max-restarts=3 --min-nodes=1 --spares=0 " \
-           "--concurrent-args=--no-vni -- mpiexec -n 2 --ppn 1" in script
+    assert (
+        "-m ddp.supervise --hang-timeout-s=600 --max-restarts=3 --min-nodes=1 --spares=0 "
+        "--concurrent-args=--no-vni -- mpiexec -n 2 --ppn 1" in script
+    )
     hpc.wait_for(run_dir, lambda: (hold / "ready").exists(), "rank 1 (second node) at step 4")
     os.kill(int((hold / "ready").read_text()), signal.SIGKILL)  # both "nodes" are this host
     (hold / "released").touch()
@@ -70,4 +90,3 @@ def test_aurora_job_with_resilience_survives_a_lost_node(
     status = hpc("status", str(run_dir), "--runs-dir", str(hpc.runs))
     assert status.stdout.split("\n")[0].split()[-1] == "COMPLETED"
     assert second in status.stderr, status.stderr  # the restart and the excluded node
-

@@ -33,12 +33,14 @@ FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL"
 pytestmark = pytest.mark.slurm
 
 
-def hpc(*args: str, cwd: Path = ROOT, check: bool = True,
-        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def hpc(
+    *args: str, cwd: Path = ROOT, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """The real CLI in a subprocess, as a user runs it (SLURM_CONF comes from the fixture)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    proc = subprocess.run([PY, "-m", "hpc", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [PY, "-m", "hpc", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
     if check:
         assert proc.returncode == 0, f"hpc {args}: {proc.returncode}\n{proc.stdout}{proc.stderr}"
     return proc
@@ -60,8 +62,14 @@ def status(job_id: str, runs: Path) -> str:
 def wait_status(job_id: str, runs: Path, states=FINAL, timeout: float = 150) -> str:
     """Poll `hpc status` until the job reaches one of ``states`` (no fixed sleeps); a job
     that ends in another state ends the wait at once, and a failure quotes its log."""
-    return wait_state(lambda: status(job_id, runs), states, FINAL, timeout, f"job {job_id} in {states}",
-                      log=lambda: "\n".join(log_of(d) for d in sorted(runs.iterdir())))
+    return wait_state(
+        lambda: status(job_id, runs),
+        states,
+        FINAL,
+        timeout,
+        f"job {job_id} in {states}",
+        log=lambda: "\n".join(log_of(d) for d in sorted(runs.iterdir())),
+    )
 
 
 def ended(job_id: str, runs: Path) -> str | None:
@@ -85,16 +93,25 @@ def worker_spec(tmp: Path, **extra) -> dict:
             "logging": {"every_n_steps": 2, "progress": "plain"},
             "preemption": {"signals": ["SIGUSR1", "SIGTERM"], "requeue": True},
         },
-        "n": 64, "out": str(tmp / "final.pt"),
+        "n": 64,
+        "out": str(tmp / "final.pt"),
     }
     spec.update(extra)
     return spec
 
 
 def write_spec(path: Path, command: list[str], **fields) -> Path:
-    data = {"name": "e2e", "cluster": "slurm", "queue": "debug", "nodes": 1, "ppn": 2,
-            "walltime": "00:05:00", "wrap": "never", "command": command,
-            "env": {"OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}}
+    data = {
+        "name": "e2e",
+        "cluster": "slurm",
+        "queue": "debug",
+        "nodes": 1,
+        "ppn": 2,
+        "walltime": "00:05:00",
+        "wrap": "never",
+        "command": command,
+        "env": {"OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"},
+    }
     data.update(fields)
     path.write_text(yaml.safe_dump(data))
     return path
@@ -103,11 +120,13 @@ def write_spec(path: Path, command: list[str], **fields) -> Path:
 #: jobs/uniref50.yaml trains SEDD small at the seed's values (a GPU job); on the test
 #: cluster's CPUs it runs as checked in with configs/uniref50-tiny.yaml's sizes, given
 #: through DDP_SET as a user would (python -m ddp reads it before its --set).
-TINY = {"DDP_SET": "model.d_model=64 model.n_layers=2 model.n_heads=4 model.cond_dim=32 "
-                   "model.max_len=64 model.dropout=0.0 training.batch_size=8 training.accum=1 "
-                   "optim.lr=5e-3 optim.warmup_steps=10 precision=fp32 "
-                   "memory.max_memory_fraction=null data.num_workers=0 "
-                   "monitoring.sample_frequency=0 checkpoint.every_n_steps=0"}
+TINY = {
+    "DDP_SET": "model.d_model=64 model.n_layers=2 model.n_heads=4 model.cond_dim=32 "
+    "model.max_len=64 model.dropout=0.0 training.batch_size=8 training.accum=1 "
+    "optim.lr=5e-3 optim.warmup_steps=10 precision=fp32 "
+    "memory.max_memory_fraction=null data.num_workers=0 "
+    "monitoring.sample_frequency=0 checkpoint.every_n_steps=0"
+}
 
 
 def scratch(tmp: Path) -> Path:
@@ -130,8 +149,9 @@ def scratch(tmp: Path) -> Path:
 def test_hpc_submit_uniref50_runs_to_completion(slurm_cluster, tmp_path):
     runs = tmp_path / "runs"
     site = scratch(tmp_path)
-    job_id, run_dir = submit("jobs/uniref50.yaml", "--queue", "debug", runs=runs,
-                             env={"SCRATCH": str(site), **TINY})
+    job_id, run_dir = submit(
+        "jobs/uniref50.yaml", "--queue", "debug", runs=runs, env={"SCRATCH": str(site), **TINY}
+    )
     assert wait_status(job_id, runs) == "COMPLETED", log_of(run_dir)
     log = log_of(run_dir)
     assert "Initialized DDP: rank=0, world_size=2, local_rank=0" in log
@@ -150,7 +170,12 @@ def test_plain_sbatch_of_checked_in_script(slurm_cluster, tmp_path):
     env = dict(os.environ, HPC_RUN_DIR=str(tmp_path), SCRATCH=str(site), **TINY)
     proc = subprocess.run(
         ["sbatch", "--parsable", f"--output={out}", "jobs/uniref50.slurm"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=True,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
     job_id = proc.stdout.strip().split(";")[0]
     state = slurm_cluster.wait(job_id, timeout=150)
@@ -162,8 +187,17 @@ def test_plain_sbatch_of_checked_in_script(slurm_cluster, tmp_path):
 def test_two_nodes_srun(slurm_cluster, tmp_path):
     """The same recipe job over both emulated nodes: srun -N2, one rank on each."""
     runs = tmp_path / "runs"
-    job_id, run_dir = submit("jobs/uniref50.yaml", "--queue", "debug", "--nodes", "2",
-                             "--ppn", "1", runs=runs, env={"SCRATCH": str(scratch(tmp_path)), **TINY})
+    job_id, run_dir = submit(
+        "jobs/uniref50.yaml",
+        "--queue",
+        "debug",
+        "--nodes",
+        "2",
+        "--ppn",
+        "1",
+        runs=runs,
+        env={"SCRATCH": str(scratch(tmp_path)), **TINY},
+    )
     assert wait_status(job_id, runs) == "COMPLETED", log_of(run_dir)
     script = (run_dir / "job.slurm").read_text()
     assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=1" in script
@@ -174,8 +208,20 @@ def test_two_nodes_srun(slurm_cluster, tmp_path):
 
 def test_cancel_running_job(slurm_cluster, tmp_path):
     runs = tmp_path / "runs"
-    job_id, _ = submit("--cluster", "slurm", "--queue", "debug", "--ppn", "1", "--walltime",
-                       "00:05:00", "--", "sleep", "300", runs=runs)
+    job_id, _ = submit(
+        "--cluster",
+        "slurm",
+        "--queue",
+        "debug",
+        "--ppn",
+        "1",
+        "--walltime",
+        "00:05:00",
+        "--",
+        "sleep",
+        "300",
+        runs=runs,
+    )
     wait_status(job_id, runs, states=("RUNNING",), timeout=60)
     hpc("cancel", job_id, "--runs-dir", str(runs))
     assert wait_status(job_id, runs, timeout=60) == "CANCELLED"
@@ -198,26 +244,37 @@ def test_preempted_job_requeues_resumes_and_matches(slurm_cluster, tmp_path):
     ready = tmp_path / "ready"
     ready.mkdir()
     spec = worker_spec(tmp_path, wait_signal_step=3, ready_dir=str(ready))
-    job_file = write_spec(tmp_path / "pre.yaml", [PY, WORKER, json.dumps(spec)],
-                          requeue=True, signal="USR1@60")
+    job_file = write_spec(
+        tmp_path / "pre.yaml", [PY, WORKER, json.dumps(spec)], requeue=True, signal="USR1@60"
+    )
     runs = tmp_path / "runs"
     job_id, run_dir = submit(str(job_file), runs=runs)
     # both ranks sit inside step 3; preempt them the way SLURM does (signal the tasks)
-    wait_until(lambda: len(list(ready.glob("*.pid"))) == 2, 90, "ranks at step 3",
-               ended=lambda: ended(job_id, runs), log=lambda: log_of(run_dir))
+    wait_until(
+        lambda: len(list(ready.glob("*.pid"))) == 2,
+        90,
+        "ranks at step 3",
+        ended=lambda: ended(job_id, runs),
+        log=lambda: log_of(run_dir),
+    )
     slurm_cluster.run("scancel", "--signal=USR1", job_id)
     # rank 0 checkpoints and runs `scontrol requeue`; the job comes back PENDING with a
     # BeginTime (~2 min on this cluster), which we release at once
-    wait_until(lambda: "Restarts=1" in slurm_cluster.run(
-        "scontrol", "show", "job", job_id, check=False).stdout, 90, "requeue",
-        ended=lambda: ended(job_id, runs), log=lambda: log_of(run_dir))
+    wait_until(
+        lambda: (
+            "Restarts=1" in slurm_cluster.run("scontrol", "show", "job", job_id, check=False).stdout
+        ),
+        90,
+        "requeue",
+        ended=lambda: ended(job_id, runs),
+        log=lambda: log_of(run_dir),
+    )
     deadline = time.monotonic() + 150
     state = status(job_id, runs)
     while state not in ("COMPLETED", "FAILED", "CANCELLED"):
         assert time.monotonic() < deadline, f"job {job_id} still {state}\n{log_of(run_dir)}"
         if state == "PENDING":  # held by its BeginTime until the requeue settles
-            slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now",
-                              check=False)
+            slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
         time.sleep(0.5)
         state = status(job_id, runs)
     assert state == "COMPLETED", log_of(run_dir)
@@ -245,8 +302,9 @@ def test_walltime_leaves_usable_checkpoint(slurm_cluster, tmp_path):
     ready.mkdir()
     spec = worker_spec(tmp_path, wait_signal_step=2, ready_dir=str(ready), wait_timeout=300)
     spec["config"]["preemption"]["requeue"] = False
-    job_file = write_spec(tmp_path / "wall.yaml", [PY, WORKER, json.dumps(spec)],
-                          walltime="00:01:00")
+    job_file = write_spec(
+        tmp_path / "wall.yaml", [PY, WORKER, json.dumps(spec)], walltime="00:01:00"
+    )
     runs = tmp_path / "runs"
     job_id, run_dir = submit(str(job_file), runs=runs)
     # the worker idles inside step 2 until the limit hits
@@ -266,14 +324,30 @@ def _aurora_two_ranks(tmp_path: Path) -> Path:
     """jobs/dpo_aurora.yaml rendered for 1 node x 2 ranks: only the counts differ from the
     checked-in jobs/dpo_aurora.pbs (2 x 12 ranks do not fit a 2-core machine)."""
     script = tmp_path / "dpo_aurora_2.pbs"
-    hpc("render", "jobs/dpo_aurora.yaml", "--nodes", "1", "--ppn", "2", "--queue", "debug",
-        "--no-account", "-o", str(script))
+    hpc(
+        "render",
+        "jobs/dpo_aurora.yaml",
+        "--nodes",
+        "1",
+        "--ppn",
+        "2",
+        "--queue",
+        "debug",
+        "--no-account",
+        "-o",
+        str(script),
+    )
     # ppn 2 <= 6 GPUs: one rank per GPU, both tiles (hpc.cluster.Tiles, issue 32)
-    mine = [ln for ln in script.read_text().splitlines()
-            if ln != "export ZE_FLAT_DEVICE_HIERARCHY=COMPOSITE"]
+    mine = [
+        ln
+        for ln in script.read_text().splitlines()
+        if ln != "export ZE_FLAT_DEVICE_HIERARCHY=COMPOSITE"
+    ]
     theirs = (ROOT / "jobs/dpo_aurora.pbs").read_text().splitlines()
     changed = [a for a, b in zip(mine, theirs, strict=True) if a != b]
-    assert all(re.search(r"select=|mpiexec -n|regenerate|node\(s\)|qsub -A", line) for line in changed)
+    assert all(
+        re.search(r"select=|mpiexec -n|regenerate|node\(s\)|qsub -A", line) for line in changed
+    )
     return script
 
 
@@ -286,10 +360,14 @@ def test_aurora_pbs_script_runs_as_pbs_would(pals_mpiexec, tmp_path):
     (stubs / "module").chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PMI_", "PALS_"))}
     env.update(pbs_env(tmp_path, workdir=ROOT))
-    env.update(PATH=f"{pals_mpiexec}:{stubs}:{env['PATH']}", HPC_RUN_DIR=str(tmp_path),
-               PYTHONPATH=str(ROOT / "src"))
-    proc = subprocess.run(["bash", str(script)], cwd=env["HOME"], env=env, capture_output=True,
-                          text=True, timeout=300)
+    env.update(
+        PATH=f"{pals_mpiexec}:{stubs}:{env['PATH']}",
+        HPC_RUN_DIR=str(tmp_path),
+        PYTHONPATH=str(ROOT / "src"),
+    )
+    proc = subprocess.run(
+        ["bash", str(script)], cwd=env["HOME"], env=env, capture_output=True, text=True, timeout=300
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     # ddp.init saw PALS, fell back from XPU to the CPU, and 2 ranks trained to the end
@@ -312,10 +390,21 @@ def test_qsub_smoke_through_torque_wrapper(slurm_cluster, pals_mpiexec, lmod_fra
     assert script.read_text().startswith("#!/bin/bash -l\n")
     # The wrapper passes the submitting environment; PBS_O_WORKDIR stands for what real
     # qsub records, so the script's `cd $PBS_O_WORKDIR` finds configs/ in the repository.
-    env = dict(os.environ, PATH=f"{pals_mpiexec}:{os.environ['PATH']}",
-               HPC_RUN_DIR=str(tmp_path), PYTHONPATH=str(ROOT / "src"), PBS_O_WORKDIR=str(ROOT))
-    proc = subprocess.run([qsub, "-q", "debug", str(script)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=60)
+    env = dict(
+        os.environ,
+        PATH=f"{pals_mpiexec}:{os.environ['PATH']}",
+        HPC_RUN_DIR=str(tmp_path),
+        PYTHONPATH=str(ROOT / "src"),
+        PBS_O_WORKDIR=str(ROOT),
+    )
+    proc = subprocess.run(
+        [qsub, "-q", "debug", str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job_id = proc.stdout.strip().splitlines()[-1].split(".")[0]
     state = slurm_cluster.wait(job_id, timeout=180)
@@ -338,8 +427,9 @@ def test_resume_submits_into_the_same_run_and_continues(slurm_cluster, tmp_path)
 
     job1, run_dir = submit(str(spec_with(3)), runs=runs)
     assert wait_status(job1, runs) == "COMPLETED", log_of(run_dir)
-    job2 = hpc("submit", "--runs-dir", str(runs), "--resume", str(run_dir),
-               str(spec_with(6))).stdout.strip()
+    job2 = hpc(
+        "submit", "--runs-dir", str(runs), "--resume", str(run_dir), str(spec_with(6))
+    ).stdout.strip()
     assert wait_status(job2, runs) == "COMPLETED", log_of(run_dir)
     log = log_of(run_dir)
     assert "resuming from" in log and "(step 3)" in log and "done: steps=6" in log

@@ -22,9 +22,16 @@ PRINT = "import sys; print('OUT-LINE', flush=True); print('ERR-LINE', file=sys.s
 
 
 def _spec(path: Path, cluster: str, split: bool) -> Path:
-    data: dict[str, Any] = {"name": "split", "cluster": cluster, "nodes": 1, "ppn": 1,
-                            "walltime": "00:05:00", "wrap": "never", "split_logs": split,
-                            "command": [sys.executable, "-c", PRINT]}  # fmt: skip
+    data: dict[str, Any] = {
+        "name": "split",
+        "cluster": cluster,
+        "nodes": 1,
+        "ppn": 1,
+        "walltime": "00:05:00",
+        "wrap": "never",
+        "split_logs": split,
+        "command": [sys.executable, "-c", PRINT],
+    }
     if cluster == "slurm":
         data["queue"] = "debug"
     path.write_text(yaml.safe_dump(data))
@@ -58,8 +65,9 @@ def test_slurm_job_writes_out_and_err_apart(slurm_cluster: Any, tmp_path: Path) 
 
 
 @pytest.mark.pbs
-def test_pbs_job_writes_ou_and_er_apart(openpbs: OpenPBS, pbs_job_venv: Path,
-                                        tmp_path: Path) -> None:  # fmt: skip
+def test_pbs_job_writes_ou_and_er_apart(
+    openpbs: OpenPBS, pbs_job_venv: Path, tmp_path: Path
+) -> None:
     client = Hpc(pbs_job_venv, tmp_path / "runs")
     try:
         job_id, run_dir = client.submit(str(_spec(tmp_path / "p.yaml", "pbs", True)))
@@ -75,4 +83,3 @@ def test_pbs_job_writes_ou_and_er_apart(openpbs: OpenPBS, pbs_job_venv: Path,
         assert "ERR-LINE" in shown and "OUT-LINE" not in shown
     finally:
         openpbs.delete_all(client.submitted)
-

@@ -52,14 +52,23 @@ def local_copies() -> Iterator[None]:
 
 
 def _spec(path: Path, venv: Path, cluster: str) -> Path:
-    path.write_text(yaml.safe_dump({
-        "name": "staged", "cluster": cluster, "nodes": 2, "ppn": 1, "walltime": "00:05:00",
-        "wrap": "never", "python": {"venv": str(venv), "stage": "always"},
-        # after staging, before the launch: nothing may read the shared venv any more
-        "setup": [shlex.join(["mv", str(venv), f"{venv}.moved"])],
-        "command": ["stage-probe"],
-        **({"queue": "debug"} if cluster == "slurm" else {}),
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "name": "staged",
+                "cluster": cluster,
+                "nodes": 2,
+                "ppn": 1,
+                "walltime": "00:05:00",
+                "wrap": "never",
+                "python": {"venv": str(venv), "stage": "always"},
+                # after staging, before the launch: nothing may read the shared venv any more
+                "setup": [shlex.join(["mv", str(venv), f"{venv}.moved"])],
+                "command": ["stage-probe"],
+                **({"queue": "debug"} if cluster == "slurm" else {}),
+            }
+        )
+    )
     return path
 
 
@@ -68,16 +77,20 @@ def _check_ranks(log: str, job_id: str, ranks: tuple[str, ...]) -> None:
     for rank in ranks:
         line = f"rank={rank} prefix={dest} script={dest}/bin/stage-probe"
         assert line in log, log
-    assert "shared venv" not in "".join(line for line in log.splitlines()
-                                          if line.startswith("rank="))
+    assert "shared venv" not in "".join(
+        line for line in log.splitlines() if line.startswith("rank=")
+    )
 
 
 @pytest.mark.slurm
-def test_slurm_ranks_run_from_the_node_local_copy(slurm_cluster: Any, tmp_path: Path,
-                                                  local_copies: None) -> None:
+def test_slurm_ranks_run_from_the_node_local_copy(
+    slurm_cluster: Any, tmp_path: Path, local_copies: None
+) -> None:
     venv = _staged_venv(tmp_path / "shared venv")
     runs = tmp_path / "runs"
-    proc = slurm_hpc("submit", "--runs-dir", str(runs), str(_spec(tmp_path / "s.yaml", venv, "slurm")))
+    proc = slurm_hpc(
+        "submit", "--runs-dir", str(runs), str(_spec(tmp_path / "s.yaml", venv, "slurm"))
+    )
     job_id = proc.stdout.strip()
     assert "python.stage: packed" in proc.stderr, proc.stderr
     (run_dir,) = runs.iterdir()
@@ -90,8 +103,9 @@ def test_slurm_ranks_run_from_the_node_local_copy(slurm_cluster: Any, tmp_path: 
 
 
 @pytest.mark.pbs
-def test_pbs_ranks_run_from_the_node_local_copy(openpbs: Any, tmp_path: Path,
-                                                local_copies: None) -> None:
+def test_pbs_ranks_run_from_the_node_local_copy(
+    openpbs: Any, tmp_path: Path, local_copies: None
+) -> None:
     require_exe("mpiexec.hydra", "mpiexec.mpich")
     from tests.test_e2e_pbs import Hpc
     from tests.test_e2e_pbs import log_of as pbs_log
@@ -100,8 +114,9 @@ def test_pbs_ranks_run_from_the_node_local_copy(openpbs: Any, tmp_path: Path,
     # hpc itself runs from another venv: the job renames the staged one away
     client = Hpc(job_venv(tmp_path / "client"), tmp_path / "runs")
     try:
-        proc = client("submit", "--runs-dir", str(client.runs),
-                      str(_spec(tmp_path / "p.yaml", venv, "pbs")))
+        proc = client(
+            "submit", "--runs-dir", str(client.runs), str(_spec(tmp_path / "p.yaml", venv, "pbs"))
+        )
         job_id = proc.stdout.strip()
         client.submitted.append(job_id)
         assert "python.stage: packed" in proc.stderr, proc.stderr
@@ -113,4 +128,3 @@ def test_pbs_ranks_run_from_the_node_local_copy(openpbs: Any, tmp_path: Path,
     assert state == "COMPLETED", log
     _check_ranks(log, job_id, ("0", "1"))
     assert f"python.stage: {os.uname().nodename}: /tmp/hpc-ddp-env-{job_id}" in log, log
-

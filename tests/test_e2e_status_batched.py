@@ -38,9 +38,17 @@ def _hpc(*args: str, path: str | None = None) -> subprocess.CompletedProcess[str
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT}")
     if path is not None:
         env["PATH"] = path
-    proc = subprocess.run([sys.executable, "-m", "hpc", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"hpc {args[:2]}: {proc.returncode}\n{proc.stdout[-2000:]}{proc.stderr}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpc", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, (
+        f"hpc {args[:2]}: {proc.returncode}\n{proc.stdout[-2000:]}{proc.stderr}"
+    )
     return proc
 
 
@@ -60,12 +68,23 @@ def _check(lines: list[str], job_id: str, calls: list[str]) -> None:
 @pytest.mark.slurm
 def test_status_of_a_held_1000_task_sweep_is_one_squeue_on_real_slurm(slurm_cluster, tmp_path):
     runs = tmp_path / "runs"
-    job_id = _hpc("submit", str(_spec(tmp_path, "--hold")), "--cluster", "slurm", "--queue",
-                  "debug", "--runs-dir", str(runs), "--sweep", SWEEP).stdout.strip()
+    job_id = _hpc(
+        "submit",
+        str(_spec(tmp_path, "--hold")),
+        "--cluster",
+        "slurm",
+        "--queue",
+        "debug",
+        "--runs-dir",
+        str(runs),
+        "--sweep",
+        SWEEP,
+    ).stdout.strip()
     try:
         (run_dir,) = runs.iterdir()
-        path, log = _wrappers(tmp_path / "wrap", ["squeue", "scontrol", "sacct"],
-                              os.environ["PATH"])
+        path, log = _wrappers(
+            tmp_path / "wrap", ["squeue", "scontrol", "sacct"], os.environ["PATH"]
+        )
         lines = _hpc("status", str(run_dir), "--runs-dir", str(runs), path=path).stdout.splitlines()
         _check(lines, job_id, log.read_text().splitlines())
         assert lines[1].split()[0] == f"{job_id}_0"
@@ -76,8 +95,18 @@ def test_status_of_a_held_1000_task_sweep_is_one_squeue_on_real_slurm(slurm_clus
 @pytest.mark.pbs
 def test_status_of_a_held_1000_task_sweep_is_one_qstat_on_real_openpbs(openpbs, tmp_path):
     runs = tmp_path / "runs"
-    job_id = _hpc("submit", str(_spec(tmp_path, "-h")), "--cluster", "pbs", "--walltime",
-                  "00:05:00", "--runs-dir", str(runs), "--sweep", SWEEP).stdout.strip()
+    job_id = _hpc(
+        "submit",
+        str(_spec(tmp_path, "-h")),
+        "--cluster",
+        "pbs",
+        "--walltime",
+        "00:05:00",
+        "--runs-dir",
+        str(runs),
+        "--sweep",
+        SWEEP,
+    ).stdout.strip()
     try:
         assert job_id.split(".")[0].endswith("[]"), job_id
         (run_dir,) = runs.iterdir()

@@ -21,8 +21,9 @@ pytestmark = pytest.mark.slurm
 
 def hpc(*args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([PY, "-m", "hpc", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [PY, "-m", "hpc", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, f"hpc {args}: {proc.returncode}\n{proc.stdout}{proc.stderr}"
     return proc
 
@@ -31,11 +32,27 @@ def test_sweep_of_two_learning_rates_is_one_array(slurm_cluster, tmp_path: Path)
     runs = tmp_path / "runs"
     # Constant lr, no scaling: the lr each task logs is exactly the one it was given.
     job_id = hpc(
-        "submit", "jobs/uniref50.yaml", "--queue", "debug", "--runs-dir", str(runs),
-        "--sweep", "optim.lr=0.002,0.02",
-        "--", "python", "-m", "ddp", "uniref50", "--config", "configs/uniref50-tiny.yaml",
-        "--set", "optim.schedule=constant", "optim.warmup_steps=0", "scaling.rule=none",
-        "training.max_steps=6", "logging.every_n_steps=2",
+        "submit",
+        "jobs/uniref50.yaml",
+        "--queue",
+        "debug",
+        "--runs-dir",
+        str(runs),
+        "--sweep",
+        "optim.lr=0.002,0.02",
+        "--",
+        "python",
+        "-m",
+        "ddp",
+        "uniref50",
+        "--config",
+        "configs/uniref50-tiny.yaml",
+        "--set",
+        "optim.schedule=constant",
+        "optim.warmup_steps=0",
+        "scaling.rule=none",
+        "training.max_steps=6",
+        "logging.every_n_steps=2",
     ).stdout.strip()
     assert job_id.isdigit(), job_id  # one array job, not two jobs
     (run_dir,) = runs.iterdir()
@@ -48,8 +65,10 @@ def test_sweep_of_two_learning_rates_is_one_array(slurm_cluster, tmp_path: Path)
         tasks = [ln.split() for ln in lines[1:]]
         if len(tasks) == 2 and all(t[1] in FINAL for t in tasks):
             break
-        assert time.monotonic() < deadline, (lines, [p.read_text(errors="replace")[-4000:]
-                                                     for p in sorted(run_dir.glob("*.out"))])
+        assert time.monotonic() < deadline, (
+            lines,
+            [p.read_text(errors="replace")[-4000:] for p in sorted(run_dir.glob("*.out"))],
+        )
         time.sleep(0.5)
     logs = "\n".join(p.read_text(errors="replace") for p in run_dir.glob("*.out"))
     assert [t[0] for t in tasks] == [f"{job_id}_0", f"{job_id}_1"]
@@ -57,7 +76,9 @@ def test_sweep_of_two_learning_rates_is_one_array(slurm_cluster, tmp_path: Path)
     assert [t[2] for t in tasks] == ["optim.lr=0.002", "optim.lr=0.02"]
 
     for task, lr in (("000-lr-0.002", 0.002), ("001-lr-0.02", 0.02)):
-        records = [json.loads(ln) for ln in (run_dir / task / "metrics.jsonl").read_text().splitlines()]
+        records = [
+            json.loads(ln) for ln in (run_dir / task / "metrics.jsonl").read_text().splitlines()
+        ]
         lrs = [r["lr"] for r in records if "lr" in r]
         assert lrs and lrs == pytest.approx([lr] * len(lrs)), (task, records)
         assert (run_dir / task / "checkpoints" / "uniref50" / "final" / "model.pt").is_file()
@@ -72,7 +93,11 @@ def test_sweep_of_two_learning_rates_is_one_array(slurm_cluster, tmp_path: Path)
     import matplotlib.image as mpimg
 
     image = mpimg.imread(png)
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and image.shape[0] > 300 and image.shape[1] > 300
+    assert (
+        png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        and image.shape[0] > 300
+        and image.shape[1] > 300
+    )
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +124,9 @@ def small_array_cluster(slurm_cluster):
             yield cluster
 
 
-def _until_every_task_ended(run_dir: Path, runs: Path, n: int,
-                            timeout: float) -> tuple[list[str], list[list[str]]]:
+def _until_every_task_ended(
+    run_dir: Path, runs: Path, n: int, timeout: float
+) -> tuple[list[str], list[list[str]]]:
     """``hpc status RUN``'s lines once all ``n`` task lines show a final state (the
     bound only against a hang), and the task lines split into words."""
     deadline = time.monotonic() + timeout
@@ -114,7 +140,8 @@ def _until_every_task_ended(run_dir: Path, runs: Path, n: int,
 
 
 def test_sweep_wider_than_max_array_size_is_one_sweep_of_three_arrays(
-        small_array_cluster, tmp_path: Path) -> None:
+    small_array_cluster, tmp_path: Path
+) -> None:
     """25 tasks, MaxArraySize 11 (read from ``scontrol show config`` at submit): arrays of
     11, 11 and 3 tasks, all run, each task its own sweep point (offset + array index);
     ``run.json`` records the three array ids, ``hpc status`` shows one sweep of 25 task
@@ -123,9 +150,24 @@ def test_sweep_wider_than_max_array_size_is_one_sweep_of_three_arrays(
     n = 25
     started = time.monotonic()
     proc = hpc(
-        "submit", "--cluster", "slurm", "--queue", "debug", "--name", "wide", "--runs-dir", str(runs),
-        "--walltime", "00:05:00", "--sweep", "optim.lr=" + ",".join(str(i) for i in range(n)),
-        "--", "bash", "-c", 'echo "point $HPC_SWEEP_INDEX: $*" | tee "$HPC_RUN_DIR/point.txt"', "x",
+        "submit",
+        "--cluster",
+        "slurm",
+        "--queue",
+        "debug",
+        "--name",
+        "wide",
+        "--runs-dir",
+        str(runs),
+        "--walltime",
+        "00:05:00",
+        "--sweep",
+        "optim.lr=" + ",".join(str(i) for i in range(n)),
+        "--",
+        "bash",
+        "-c",
+        'echo "point $HPC_SWEEP_INDEX: $*" | tee "$HPC_RUN_DIR/point.txt"',
+        "x",
     )
     job_id = proc.stdout.strip()
     assert "one sweep of 3 arrays" in proc.stderr
@@ -160,9 +202,22 @@ def test_cancel_of_a_split_sweep_reaches_every_array(small_array_cluster, tmp_pa
     runs = tmp_path / "runs"
     n = 25
     job_id = hpc(
-        "submit", "--cluster", "slurm", "--queue", "debug", "--name", "wide", "--runs-dir", str(runs),
-        "--walltime", "00:05:00", "--sweep", "optim.lr=" + ",".join(str(i) for i in range(n)),
-        "--", "sleep", "300",
+        "submit",
+        "--cluster",
+        "slurm",
+        "--queue",
+        "debug",
+        "--name",
+        "wide",
+        "--runs-dir",
+        str(runs),
+        "--walltime",
+        "00:05:00",
+        "--sweep",
+        "optim.lr=" + ",".join(str(i) for i in range(n)),
+        "--",
+        "sleep",
+        "300",
     ).stdout.strip()
     (run_dir,) = runs.iterdir()
     parts = json.loads((run_dir / "run.json").read_text())["array_parts"]

@@ -43,7 +43,8 @@ def test_slurm_trivial_job_completes(slurm_cluster: SlurmCluster, tmp_path: Path
 
 @pytest.mark.slurm
 def test_a_second_cluster_in_this_process_leaves_the_first_running(
-        slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
     """A test module's own cluster (tests/test_e2e_sweep.py's MaxArraySize=11 one) once
     took the session's cluster, owned by this same live process, for a stale one: it
     killed its daemons, and its teardown dropped the session's /etc/hosts line."""

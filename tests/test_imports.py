@@ -10,8 +10,9 @@ from tests.ddp.launch_utils import clean_env
 
 def _modules_after(stmt: str) -> set[str]:
     code = f"import sys; {stmt}; print('\\n'.join(sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], env=clean_env(), check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=clean_env(), check=True, capture_output=True, text=True
+    ).stdout
     return set(out.split())
 
 

@@ -23,10 +23,23 @@ def test_torchrun_two_hosts_c10d(tmp_path):
         procs = []
         for node in range(2):
             cmd = [
-                PY, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-                "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{host}:29611",
-                "--rdzv_id", "two-hosts", "--local_addr", pair.addresses[node],
-                "--max_restarts", "0",
+                PY,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc_per_node",
+                "1",
+                "--rdzv_backend",
+                "c10d",
+                "--rdzv_endpoint",
+                f"{host}:29611",
+                "--rdzv_id",
+                "two-hosts",
+                "--local_addr",
+                pair.addresses[node],
+                "--max_restarts",
+                "0",
             ]
             if node == 0:
                 cmd += ["--rdzv_conf", "is_host=true"]

@@ -14,9 +14,11 @@ def test_every_package_folder_is_in_setup_cfg() -> None:
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "setup.cfg")
     listed = {p.strip() for p in cfg["options"]["packages"].split() if p.strip()}
-    found = {".".join(init.parent.relative_to(base).parts)
-             for base, top in ((ROOT, "hpc"), (ROOT / "src", "ddp"))
-             for init in (base / top).rglob("__init__.py")
-             if "__pycache__" not in init.parts}  # fmt: skip
+    found = {
+        ".".join(init.parent.relative_to(base).parts)
+        for base, top in ((ROOT, "hpc"), (ROOT / "src", "ddp"))
+        for init in (base / top).rglob("__init__.py")
+        if "__pycache__" not in init.parts
+    }
     assert found, "no packages found"
     assert found - listed == set(), f"not in setup.cfg's packages: {sorted(found - listed)}"

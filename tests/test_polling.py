@@ -26,9 +26,13 @@ def test_a_wait_on_what_a_job_does_ends_with_the_job_and_quotes_its_log(tmp_path
     proc, log = _job(tmp_path, 1)
     start = time.monotonic()
     with pytest.raises(JobEnded) as info:
-        wait_until((tmp_path / "ready").exists, 120, "both ranks at step 3",
-                   ended=lambda: None if proc.poll() is None else f"exit {proc.returncode}",
-                   log=log.read_text)
+        wait_until(
+            (tmp_path / "ready").exists,
+            120,
+            "both ranks at step 3",
+            ended=lambda: None if proc.poll() is None else f"exit {proc.returncode}",
+            log=log.read_text,
+        )
     assert time.monotonic() - start < 60  # the bound is 120 s: it did not run out
     message = str(info.value)
     assert message.startswith("both ranks at step 3: the job ended (exit 1) first")
@@ -41,7 +45,9 @@ def test_a_wait_for_a_state_ends_on_another_final_state(tmp_path: Path) -> None:
     def state() -> str:
         return "RUNNING" if proc.poll() is None else "FAILED"
 
-    with pytest.raises(JobEnded, match=r"(?s)the job ended \(FAILED\) first.*No module named torch"):
+    with pytest.raises(
+        JobEnded, match=r"(?s)the job ended \(FAILED\) first.*No module named torch"
+    ):
         wait_state(state, ("COMPLETED",), ("COMPLETED", "FAILED"), 120, "job done", log.read_text)
     assert wait_state(state, ("FAILED",), ("FAILED",), 120, "job failed", log.read_text) == "FAILED"
 
@@ -49,5 +55,9 @@ def test_a_wait_for_a_state_ends_on_another_final_state(tmp_path: Path) -> None:
 def test_a_timeout_names_the_last_state_and_quotes_the_log(tmp_path: Path) -> None:
     log = tmp_path / "job.log"
     log.write_text("step 1\nstep 2\n")
-    with pytest.raises(TimeoutError, match=r"(?s)job done: not after 0.2 s \(last state RUNNING\).*step 2"):
-        wait_state(lambda: "RUNNING", ("COMPLETED",), ("COMPLETED",), 0.2, "job done", log.read_text)
+    with pytest.raises(
+        TimeoutError, match=r"(?s)job done: not after 0.2 s \(last state RUNNING\).*step 2"
+    ):
+        wait_state(
+            lambda: "RUNNING", ("COMPLETED",), ("COMPLETED",), 0.2, "job done", log.read_text
+        )

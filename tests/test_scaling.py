@@ -41,7 +41,9 @@ SEED_004 = [
 ]
 
 
-def _hpc_scale_rows(capsys: pytest.CaptureFixture[str], *args: str) -> dict[int, tuple[int, float, int]]:
+def _hpc_scale_rows(
+    capsys: pytest.CaptureFixture[str], *args: str
+) -> dict[int, tuple[int, float, int]]:
     """``hpc scale`` through the real CLI; its printed table as {gpus: (batch, lr, warmup)}."""
     assert hpc_main(["scale", *args]) == 0
     rows = {}
@@ -55,18 +57,38 @@ def _hpc_scale_rows(capsys: pytest.CaptureFixture[str], *args: str) -> dict[int,
 
 @pytest.mark.parametrize(("rule", "batch", "gpus", "eff", "lr", "warmup"), SEED_004)
 def test_seed_004_table_from_hpc_scale_and_train_config(
-    rule: str, batch: int, gpus: int, eff: int, lr: float, warmup: int,
+    rule: str,
+    batch: int,
+    gpus: int,
+    eff: int,
+    lr: float,
+    warmup: int,
     capsys: pytest.CaptureFixture[str],
-) -> None:  # fmt: skip
-    printed = _hpc_scale_rows(capsys, "--gpus", str(gpus), "--rule", rule, "--base-lr", "5e-5",
-                              "--base-warmup", "5000", "--batch-size", str(batch), "--accum", "4")  # fmt: skip
+) -> None:
+    printed = _hpc_scale_rows(
+        capsys,
+        "--gpus",
+        str(gpus),
+        "--rule",
+        rule,
+        "--base-lr",
+        "5e-5",
+        "--base-warmup",
+        "5000",
+        "--batch-size",
+        str(batch),
+        "--accum",
+        "4",
+    )
     assert printed[gpus][0] == eff and printed[gpus][2] == warmup
     assert printed[gpus][1] == pytest.approx(lr)
-    cfg = TrainConfig.from_dict({
-        "training": {"batch_size": batch, "accum": 4},
-        "optim": {"lr": 5e-5, "warmup_steps": 5000},
-        "scaling": {"rule": rule, "base_world_size": 1, "scale_warmup": True},
-    })  # fmt: skip
+    cfg = TrainConfig.from_dict(
+        {
+            "training": {"batch_size": batch, "accum": 4},
+            "optim": {"lr": 5e-5, "warmup_steps": 5000},
+            "scaling": {"rule": rule, "base_world_size": 1, "scale_warmup": True},
+        }
+    )
     assert cfg.effective_batch(gpus) == eff
     assert cfg.scaled_lr(gpus) == pytest.approx(lr)
     assert cfg.scaled_warmup(gpus) == warmup
@@ -78,16 +100,20 @@ def test_both_sides_agree_at_every_size(rule: str, base: int) -> None:
     """Same rule, same base: hpc's table and TrainConfig give identical numbers (not approx)."""
     from hpc.scale import table
 
-    cfg = TrainConfig.from_dict({
-        "training": {"batch_size": 3, "accum": 2},
-        "optim": {"lr": 1e-3, "warmup_steps": 7},
-        "scaling": {"rule": rule, "base_world_size": base, "scale_warmup": True},
-    })  # fmt: skip
+    cfg = TrainConfig.from_dict(
+        {
+            "training": {"batch_size": 3, "accum": 2},
+            "optim": {"lr": 1e-3, "warmup_steps": 7},
+            "scaling": {"rule": rule, "base_world_size": base, "scale_warmup": True},
+        }
+    )
     for row in table(16, rule, 1e-3, 7, 3, 2, base_gpus=base):
         assert (row.factor, row.lr, row.warmup, row.effective_batch) == (
-            cfg.scale_factor(row.gpus), cfg.scaled_lr(row.gpus),
-            cfg.scaled_warmup(row.gpus), cfg.effective_batch(row.gpus),
-        )  # fmt: skip
+            cfg.scale_factor(row.gpus),
+            cfg.scaled_lr(row.gpus),
+            cfg.scaled_warmup(row.gpus),
+            cfg.effective_batch(row.gpus),
+        )
 
 
 def test_cap_caps_the_factor_not_the_gpu_count() -> None:
@@ -95,8 +121,12 @@ def test_cap_caps_the_factor_not_the_gpu_count() -> None:
     from hpc.scale import table
 
     assert [r.factor for r in table(16, "cap:2", 1.0, 0, 1, 1, base_gpus=2)] == [
-        0.5, 1.0, 2.0, 2.0, 2.0,
-    ]  # fmt: skip
+        0.5,
+        1.0,
+        2.0,
+        2.0,
+        2.0,
+    ]
     assert scaling.scale_factor("cap:2", 16, 2) == 2.0
 
 
@@ -111,12 +141,25 @@ def test_bad_rules_refused_alike(rule: str, capsys: pytest.CaptureFixture[str]) 
 
 def test_hpc_scale_base_gpus_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
     """``--base-gpus`` is TrainConfig's ``scaling.base_world_size``: same numbers."""
-    rows = _hpc_scale_rows(capsys, "--gpus", "8", "--rule", "cap:2", "--base-lr", "1e-3",
-                           "--base-warmup", "100", "--base-gpus", "2")  # fmt: skip
-    cfg = TrainConfig.from_dict({
-        "optim": {"lr": 1e-3, "warmup_steps": 100},
-        "scaling": {"rule": "cap:2", "base_world_size": 2, "scale_warmup": True},
-    })  # fmt: skip
+    rows = _hpc_scale_rows(
+        capsys,
+        "--gpus",
+        "8",
+        "--rule",
+        "cap:2",
+        "--base-lr",
+        "1e-3",
+        "--base-warmup",
+        "100",
+        "--base-gpus",
+        "2",
+    )
+    cfg = TrainConfig.from_dict(
+        {
+            "optim": {"lr": 1e-3, "warmup_steps": 100},
+            "scaling": {"rule": "cap:2", "base_world_size": 2, "scale_warmup": True},
+        }
+    )
     assert sorted(rows) == [1, 2, 4, 8]
     for gpus, (_, lr, warmup) in rows.items():
         assert lr == pytest.approx(cfg.scaled_lr(gpus)) and warmup == cfg.scaled_warmup(gpus)
@@ -131,18 +174,28 @@ def test_hpc_scale_bad_base_gpus_is_one_line(capsys: pytest.CaptureFixture[str])
 
 def test_shared_module_and_hpc_scale_import_no_torch() -> None:
     """The shared rule is standard library only, so ``hpc scale`` stays torch-free."""
-    code = ("import sys; from hpc.cli import main; "
-            "rc = main(['scale', '--gpus', '4', '--base-lr', '1e-3']); "
-            "assert rc == 0, rc; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')]; "
-            "print('LOADED', bad)")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                         timeout=60, check=True).stdout  # fmt: skip
+    code = (
+        "import sys; from hpc.cli import main; "
+        "rc = main(['scale', '--gpus', '4', '--base-lr', '1e-3']); "
+        "assert rc == 0, rc; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')]; "
+        "print('LOADED', bad)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     assert "LOADED []" in out, out
     tree = ast.parse((REPO / "src" / "ddp" / "scaling.py").read_text())
-    imports = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
-               for a in n.names} | {n.module.split(".")[0] for n in ast.walk(tree)
-                                    if isinstance(n, ast.ImportFrom) and n.module}  # fmt: skip
+    imports = {
+        a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+    } | {
+        n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+    }
     assert imports <= {"__future__", "math", "re", "dataclasses"}, imports
 
 
@@ -160,17 +213,38 @@ SEED_003 = [  # (gpus, batch per GPU, accum) -> (effective batch, lr)
 
 @pytest.mark.parametrize(("gpus", "batch", "accum", "eff", "lr"), SEED_003)
 def test_seed_003_by_batch_from_hpc_scale_and_train_config(
-    gpus: int, batch: int, accum: int, eff: int, lr: float, capsys: pytest.CaptureFixture[str],
-) -> None:  # fmt: skip
-    printed = _hpc_scale_rows(capsys, "--gpus", str(gpus), "--rule", "linear", "--by", "batch",
-                              "--base-batch", "16", "--base-lr", "1e-4", "--batch-size",
-                              str(batch), "--accum", str(accum))  # fmt: skip
+    gpus: int,
+    batch: int,
+    accum: int,
+    eff: int,
+    lr: float,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    printed = _hpc_scale_rows(
+        capsys,
+        "--gpus",
+        str(gpus),
+        "--rule",
+        "linear",
+        "--by",
+        "batch",
+        "--base-batch",
+        "16",
+        "--base-lr",
+        "1e-4",
+        "--batch-size",
+        str(batch),
+        "--accum",
+        str(accum),
+    )
     assert printed[gpus][0] == eff and printed[gpus][1] == pytest.approx(lr)
-    cfg = TrainConfig.from_dict({
-        "training": {"batch_size": batch, "accum": accum},
-        "optim": {"lr": 1e-4},
-        "scaling": {"rule": "linear", "by": "batch", "base_batch_size": 16},
-    })  # fmt: skip
+    cfg = TrainConfig.from_dict(
+        {
+            "training": {"batch_size": batch, "accum": accum},
+            "optim": {"lr": 1e-4},
+            "scaling": {"rule": "linear", "by": "batch", "base_batch_size": 16},
+        }
+    )
     assert cfg.effective_batch(gpus) == eff
     assert cfg.scaled_lr(gpus) == pytest.approx(lr)
 
@@ -180,13 +254,24 @@ def test_by_batch_rules_apply_to_the_batch_ratio_on_both_sides() -> None:
     from hpc.scale import table
 
     for rule in ("none", "sqrt", "cap:2", "linear"):
-        cfg = TrainConfig.from_dict({
-            "training": {"batch_size": 8, "accum": 1}, "optim": {"lr": 1e-3, "warmup_steps": 10},
-            "scaling": {"rule": rule, "by": "batch", "base_batch_size": 4, "scale_warmup": True},
-        })  # fmt: skip
+        cfg = TrainConfig.from_dict(
+            {
+                "training": {"batch_size": 8, "accum": 1},
+                "optim": {"lr": 1e-3, "warmup_steps": 10},
+                "scaling": {
+                    "rule": rule,
+                    "by": "batch",
+                    "base_batch_size": 4,
+                    "scale_warmup": True,
+                },
+            }
+        )
         for row in table(8, rule, 1e-3, 10, 8, 1, by="batch", base_batch=4):
             assert (row.factor, row.lr, row.warmup) == (
-                cfg.scale_factor(row.gpus), cfg.scaled_lr(row.gpus), cfg.scaled_warmup(row.gpus))
+                cfg.scale_factor(row.gpus),
+                cfg.scaled_lr(row.gpus),
+                cfg.scaled_warmup(row.gpus),
+            )
     assert scaling.factor_by("sqrt", "batch", 8, effective=64, base_batch_size=16) == 2.0
     assert scaling.factor_by("cap:2", "batch", 8, effective=64, base_batch_size=16) == 2.0
     # by world ignores the batch: 4 GPUs of 32 against a base of 1 GPU is 4, not 8

@@ -22,8 +22,21 @@ from hpc.cli.parser import COMMANDS, MAX_COUNT, build_parser
 from hpc.cli.tables import cmd_clusters, cmd_doctor, cmd_report, cmd_scale
 from hpc.errors import HpcError, UserError
 
-__all__ = ["COMMANDS", "MAX_COUNT", "build_parser", "cmd_cancel", "cmd_clusters", "cmd_doctor",
-           "cmd_logs", "cmd_render", "cmd_report", "cmd_scale", "cmd_status", "cmd_submit", "main"]
+__all__ = [
+    "COMMANDS",
+    "MAX_COUNT",
+    "build_parser",
+    "cmd_cancel",
+    "cmd_clusters",
+    "cmd_doctor",
+    "cmd_logs",
+    "cmd_render",
+    "cmd_report",
+    "cmd_scale",
+    "cmd_status",
+    "cmd_submit",
+    "main",
+]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,8 +59,10 @@ def _main(argv: list[str] | None) -> int:
         if wanted is not None and wanted not in COMMANDS:
             from hpc._util import did_you_mean
 
-            raise UserError(f"command: {wanted!r} is not a command{did_you_mean(wanted, COMMANDS)}; "
-                            f"allowed: {', '.join(COMMANDS)}")
+            raise UserError(
+                f"command: {wanted!r} is not a command{did_you_mean(wanted, COMMANDS)}; "
+                f"allowed: {', '.join(COMMANDS)}"
+            )
         parser = build_parser(wanted)
         args = parser.parse_args(argv)
         if args.command is None:

@@ -18,9 +18,16 @@ from hpc._util import write_atomic
 from hpc.errors import UserError
 
 _OVERRIDES = (
-    ("cluster", "--cluster"), ("nodes", "--nodes"), ("ppn", "--ppn"), ("walltime", "--walltime"),
-    ("queue", "--queue"), ("account", "--account"), ("name", "--name"),
-    ("gpus_per_node", "--gpus-per-node"), ("launcher", "--launcher"), ("wrap", "--wrap"),
+    ("cluster", "--cluster"),
+    ("nodes", "--nodes"),
+    ("ppn", "--ppn"),
+    ("walltime", "--walltime"),
+    ("queue", "--queue"),
+    ("account", "--account"),
+    ("name", "--name"),
+    ("gpus_per_node", "--gpus-per-node"),
+    ("launcher", "--launcher"),
+    ("wrap", "--wrap"),
 )
 
 
@@ -32,7 +39,9 @@ def _env_pairs(items: list[str]) -> dict[str, str]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep:
-            raise UserError(f"--env: {item!r} is not NAME=VALUE; allowed: e.g. --env OMP_NUM_THREADS=4")
+            raise UserError(
+                f"--env: {item!r} is not NAME=VALUE; allowed: e.g. --env OMP_NUM_THREADS=4"
+            )
         out[key] = value
     return out
 
@@ -98,6 +107,7 @@ def _job_sees(job: Any) -> str:
     note = f" (not set here: {', '.join(unknown)})" if unknown else ""
     return comment(f"# the job sees{note}: {shlex.join(seen)}") + "\n"
 
+
 # --- commands -----------------------------------------------------------------------
 
 
@@ -108,8 +118,9 @@ def cmd_render(args: argparse.Namespace, command: list[str] | None) -> int:
     if args.check:
         raise UserError("--check: only with --all-jobs")
     job = core.build_job(args.spec, _overrides(args, command), defer_account=args.no_account)
-    text = core.render_job(job, regenerate=_regen_command(args, command), templates=args.templates,
-                           script=args.output)
+    text = core.render_job(
+        job, regenerate=_regen_command(args, command), templates=args.templates, script=args.output
+    )
     seen = _job_sees(job)
     if seen:
         sys.stderr.write(seen)
@@ -125,14 +136,22 @@ def cmd_render(args: argparse.Namespace, command: list[str] | None) -> int:
 def _render_all(args: argparse.Namespace, command: list[str] | None) -> int:
     given = [flag for key, flag in _OVERRIDES if getattr(args, key) is not None]
     if given or command or args.spec or args.env or args.output:
-        raise UserError(f"--all-jobs: renders the specs as they are; allowed: no spec, flags or command "
-                        f"(got {', '.join(given) or 'a spec or command'})")
+        raise UserError(
+            f"--all-jobs: renders the specs as they are; allowed: no spec, flags or command "
+            f"(got {', '.join(given) or 'a spec or command'})"
+        )
     rendered = core.render_all(Path(args.jobs_dir), args.templates)
-    stale = [p for p, text in rendered.items() if not p.is_file() or p.read_text(encoding="utf-8") != text]
+    stale = [
+        p
+        for p, text in rendered.items()
+        if not p.is_file() or p.read_text(encoding="utf-8") != text
+    ]
     if args.check:
         if stale:
-            raise UserError(f"{', '.join(map(str, stale))}: out of date with the specs; "
-                            "allowed: regenerate with hpc render --all-jobs")
+            raise UserError(
+                f"{', '.join(map(str, stale))}: out of date with the specs; "
+                "allowed: regenerate with hpc render --all-jobs"
+            )
         return 0
     for path in stale:
         write_atomic(path, rendered[path], "--all-jobs")
@@ -152,16 +171,26 @@ def cmd_submit(args: argparse.Namespace, command: list[str] | None) -> int:
 
     chain = whole(args.chain)
     after = parse_after(args.after, job.scheduler.owns_id) if args.after is not None else None
-    plan = core.plan_submit(job, Path(args.runs_dir), resume=args.resume,
-                            regenerate=_regen_command(args, command), templates=args.templates,
-                            sweep=tasks, max_parallel=args.max_parallel, chain=chain, after=after)
+    plan = core.plan_submit(
+        job,
+        Path(args.runs_dir),
+        resume=args.resume,
+        regenerate=_regen_command(args, command),
+        templates=args.templates,
+        sweep=tasks,
+        max_parallel=args.max_parallel,
+        chain=chain,
+        after=after,
+    )
     from hpc.charges import balance_warning, max_charge_line
 
     j = plan.job
     for note in plan.notes:  # e.g. a sweep throttled to its queue's array limit
         sys.stderr.write(note + "\n")
-    for line in (max_charge_line(j.cluster, j.nodes, j.walltime, j.queue),
-                 balance_warning(j.cluster, j.account, j.nodes, j.walltime, j.queue)):
+    for line in (
+        max_charge_line(j.cluster, j.nodes, j.walltime, j.queue),
+        balance_warning(j.cluster, j.account, j.nodes, j.walltime, j.queue),
+    ):
         if line:  # stderr: `hpc submit` stdout stays the job id alone
             sys.stderr.write(line + "\n")
     if chain and chain > 1 and j.cluster.charge:
@@ -175,8 +204,9 @@ def cmd_submit(args: argparse.Namespace, command: list[str] | None) -> int:
             from hpc.chain import After
 
             prev = After(f"ARRAY{k - 1}", "any") if plan.job.max_parallel else plan.after
-            then = plan.scheduler.array_part_command(str(plan.script), count, offset,
-                                                     plan.job.max_parallel, prev)
+            then = plan.scheduler.array_part_command(
+                str(plan.script), count, offset, plan.job.max_parallel, prev
+            )
             sys.stdout.write(f"# then array {k}/{len(plan.parts)}: {shlex.join(then)}\n")
         for k in range(2, plan.chain + 1):
             from hpc.chain import After
@@ -190,8 +220,10 @@ def cmd_submit(args: argparse.Namespace, command: list[str] | None) -> int:
         return done.submission.exit_code
     sys.stdout.write(f"{done.submission.job_id}\n")
     if plan.chain > 1:
-        sys.stderr.write(f"chain: {plan.chain} segments queued, each afterany the one before "
-                         f"(hpc status {done.run_dir} lists them)\n")
+        sys.stderr.write(
+            f"chain: {plan.chain} segments queued, each afterany the one before "
+            f"(hpc status {done.run_dir} lists them)\n"
+        )
     return 0
 
 
@@ -203,8 +235,14 @@ def cmd_status(args: argparse.Namespace, command: list[str] | None) -> int:
     from hpc import runs, watch
 
     if getattr(args, "watch", False):
-        return watch.run(args.id, Path(args.runs_dir), args.cluster, sys.stdout, sys.stderr,
-                         tty=sys.stdout.isatty())
+        return watch.run(
+            args.id,
+            Path(args.runs_dir),
+            args.cluster,
+            sys.stdout,
+            sys.stderr,
+            tty=sys.stdout.isatty(),
+        )
     job_id, state, tasks = core.run_status(args.id, Path(args.runs_dir), args.cluster)
     sys.stdout.write(f"{job_id} {state}\n")
     for task_id, label, task_state in tasks:
@@ -234,16 +272,21 @@ def cmd_logs(args: argparse.Namespace, command: list[str] | None) -> int:
     if args.grep is not None:
         found = logs.grep(run_dir, args.grep, sys.stdout, job)
         where = ", ".join(f"rank {r} ({h})" for r, h in found)
-        sys.stderr.write(f"hpc: {args.grep!r} found in {where}\n" if found else
-                         f"hpc: {args.grep!r} is in no rank's log\n")  # fmt: skip
+        sys.stderr.write(
+            f"hpc: {args.grep!r} found in {where}\n"
+            if found
+            else f"hpc: {args.grep!r} is in no rank's log\n"
+        )
         return 0 if found else 1
     if args.rank is not None:
         if args.rank < 0:
             raise UserError(f"logs: --rank {args.rank}; allowed: a rank >= 0")
         if not logs.rank_logs(run_dir):  # no own files: the labelled lines of the job log
             if args.follow or args.err:
-                raise UserError("logs: --rank with -f or --err needs per-rank files; allowed: "
-                                "--rank alone for a job log with rank labels")  # fmt: skip
+                raise UserError(
+                    "logs: --rank with -f or --err needs per-rank files; allowed: "
+                    "--rank alone for a job log with rank labels"
+                )
             logs.print_rank(run_dir, args.rank, sys.stdout, job)
             return 0
         path = logs.rank_log(run_dir, args.rank)
@@ -269,6 +312,7 @@ def cmd_logs(args: argparse.Namespace, command: list[str] | None) -> int:
     if final in (None, "COMPLETED"):
         return 0 if code is None else code
     return code or 1  # never 0 for a job that did not complete (PBS: qdel can say 0)
+
 
 def cmd_cancel(args: argparse.Namespace, command: list[str] | None) -> int:
     """Cancel the job through its scheduler."""

@@ -17,8 +17,11 @@ def cmd_report(args: argparse.Namespace, command: list[str] | None) -> int:
     from hpc.report import report
 
     console = _console()
-    report([Path(d) for d in args.run_dirs], Path(args.output) if args.output else None,
-           console=console)
+    report(
+        [Path(d) for d in args.run_dirs],
+        Path(args.output) if args.output else None,
+        console=console,
+    )
     for run_dir in args.run_dirs:  # what ran, and what changed since the last submission
         for line in fingerprint.describe(Path(run_dir)):
             console.print(Text(line))
@@ -28,6 +31,7 @@ def cmd_report(args: argparse.Namespace, command: list[str] | None) -> int:
         for line in used_lines(Path(run_dir)):
             console.print(Text(line))
     return 0
+
 
 def _console() -> Any:
     """A rich console, 120 columns wide when output is not a terminal (pipes, tests).
@@ -60,15 +64,24 @@ def cmd_clusters(args: argparse.Namespace, command: list[str] | None) -> int:
     for col in ("name", "scheduler", "devices/node", "ppn", "account", "queues"):
         table.add_column(col, no_wrap=col in ("name", "queues"))
     for c in clusters.load_all():
-        queues = "\n".join(
-            f"{q.name} {q.min_nodes}-{q.max_nodes} "
-            + (format_walltime(q.max_walltime) if q.max_walltime else "")
-            + (" (by size)" if q.bins else "")
-            for q in c.queues.values()
-        ) or "any"
+        queues = (
+            "\n".join(
+                f"{q.name} {q.min_nodes}-{q.max_nodes} "
+                + (format_walltime(q.max_walltime) if q.max_walltime else "")
+                + (" (by size)" if q.bins else "")
+                for q in c.queues.values()
+            )
+            or "any"
+        )
         devices = f"{c.devices_per_node} {c.device}" if c.devices_per_node else c.device
-        table.add_row(c.name, c.scheduler, devices, str(c.ppn),
-                      "required" if c.account_required else "optional", queues)
+        table.add_row(
+            c.name,
+            c.scheduler,
+            devices,
+            str(c.ppn),
+            "required" if c.account_required else "optional",
+            queues,
+        )
     _console().print(table)
     return 0
 
@@ -96,15 +109,28 @@ def cmd_scale(args: argparse.Namespace, command: list[str] | None) -> int:
 
     from hpc.scale import table as scale_table
 
-    rows = scale_table(args.gpus, args.rule, args.base_lr, args.base_warmup, args.batch_size, args.accum,
-                       args.base_gpus, by=args.by, base_batch=args.base_batch)
+    rows = scale_table(
+        args.gpus,
+        args.rule,
+        args.base_lr,
+        args.base_warmup,
+        args.batch_size,
+        args.accum,
+        args.base_gpus,
+        by=args.by,
+        base_batch=args.base_batch,
+    )
     tuned = f", base lr and warmup tuned at {args.base_gpus} GPUs" if args.base_gpus != 1 else ""
     if args.by == "batch":
         tuned = f", base lr and warmup tuned at effective batch {args.base_batch}"
-    table = Table(title=f"scaling rule {args.rule}: batch {args.batch_size} x accum {args.accum} per GPU{tuned}")
+    table = Table(
+        title=f"scaling rule {args.rule}: batch {args.batch_size} x accum {args.accum} per GPU{tuned}"
+    )
     for col in ("GPUs", "effective batch", "factor", "lr", "warmup"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(str(r.gpus), str(r.effective_batch), f"{r.factor:g}", f"{r.lr:.3g}", str(r.warmup))
+        table.add_row(
+            str(r.gpus), str(r.effective_batch), f"{r.factor:g}", f"{r.lr:.3g}", str(r.warmup)
+        )
     _console().print(table)
     return 0

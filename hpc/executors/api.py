@@ -47,17 +47,27 @@ def executor(
     """
     for key in REFUSED:
         if key in more:
-            raise UserError(f"{key}: not taken by hpc.executor; allowed: leave it out (the "
-                            "submitted function is the command, logs go to folder)")
+            raise UserError(
+                f"{key}: not taken by hpc.executor; allowed: leave it out (the "
+                "submitted function is the command, logs go to folder)"
+            )
     debug = cluster == DEBUG  # the keyword's own value, not a profile or scheduler
     overrides = {
-        "cluster": "local" if debug else cluster, "nodes": nodes, "ppn": ppn,
-        "walltime": walltime, "queue": queue, "account": account, "name": name, **more,
+        "cluster": "local" if debug else cluster,
+        "nodes": nodes,
+        "ppn": ppn,
+        "walltime": walltime,
+        "queue": queue,
+        "account": account,
+        "name": name,
+        **more,
     }
     job = resolve(spec, overrides)
     if debug and job.ranks > 1:
-        raise UserError(f"ppn: {job.ppn} is not allowed with cluster 'debug', which runs the "
-                        "function once in this process; allowed: 1 (or cluster='local')")
+        raise UserError(
+            f"ppn: {job.ppn} is not allowed with cluster 'debug', which runs the "
+            "function once in this process; allowed: 1 (or cluster='local')"
+        )
     run_dir = None
     if folder is None:
         from hpc import runs
@@ -86,8 +96,7 @@ def executor(
 DEBUG = "debug"
 
 
-def _make(job: Any, folder: Path, max_num_timeout: int, run_dir: Path | None,
-          debug: bool) -> Any:
+def _make(job: Any, folder: Path, max_num_timeout: int, run_dir: Path | None, debug: bool) -> Any:
     """The executor for ``job``: the scheduler's own (``Scheduler.submitit_executor``), or
     submitit's DebugExecutor for ``cluster='debug'``."""
     if debug:
@@ -134,6 +143,11 @@ def _write_run_dir(run_dir: Path, job: Any, ex: Any) -> None:
     (run_dir / "spec.yaml").write_text(
         yaml.safe_dump(data, sort_keys=False, allow_unicode=True), encoding="utf-8"
     )
-    record = runs.new_record(job, runs.git_info(), job_ids=[], folder=str(run_dir.resolve()),
-                             executor=f"submitit {type(ex).__name__}")
+    record = runs.new_record(
+        job,
+        runs.git_info(),
+        job_ids=[],
+        folder=str(run_dir.resolve()),
+        executor=f"submitit {type(ex).__name__}",
+    )
     runs.write_record(run_dir, record)

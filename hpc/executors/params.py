@@ -78,8 +78,10 @@ def _sbatch_directives(directives: list[str]) -> dict[str, Any]:
     for d in directives:
         words = shlex.split(d)
         if len(words) != 1 or not words[0].startswith("--"):
-            raise UserError(f"directives: {d!r} cannot be passed through submitit; allowed: "
-                            "one --key=value or --flag per item, e.g. --mail-type=END")
+            raise UserError(
+                f"directives: {d!r} cannot be passed through submitit; allowed: "
+                "one --key=value or --flag per item, e.g. --mail-type=END"
+            )
         key, sep, value = words[0][2:].partition("=")
         out[key] = value if sep else True
     return out
@@ -111,8 +113,10 @@ def signal_of(spec_signal: str | None, delay: int | None = None) -> tuple[str, i
     if spec_signal:
         text = spec_signal
         if ":" in text:
-            raise UserError(f"signal: {spec_signal!r}: submitit handles the signal in every rank; "
-                            "allowed: NAME[@SECONDS] without a B:/R: prefix, e.g. USR2@90")
+            raise UserError(
+                f"signal: {spec_signal!r}: submitit handles the signal in every rank; "
+                "allowed: NAME[@SECONDS] without a B:/R: prefix, e.g. USR2@90"
+            )
         text, _, at = text.partition("@")
         name = text.removeprefix("SIG")
         if not hasattr(signal, "SIG" + name):

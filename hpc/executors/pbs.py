@@ -157,8 +157,10 @@ class PBSJob(core.Job[core.R]):
         sig = "SIG" + PBSJobEnvironment.USR_SIG
         proc = run(["qsig", "-s", sig, self.scheduler_id])
         if proc.returncode != 0:
-            raise SchedulerError(f"qsig {self.scheduler_id} failed (exit {proc.returncode}): "
-                                 f"{last_line(proc.stderr or proc.stdout)}")
+            raise SchedulerError(
+                f"qsig {self.scheduler_id} failed (exit {proc.returncode}): "
+                f"{last_line(proc.stderr or proc.stdout)}"
+            )
 
 
 # --- the executor -------------------------------------------------------------------
@@ -209,11 +211,14 @@ class PBSExecutor(ScriptExecutor):
 
         if not LAUNCHERS[job.launcher].per_rank:
             allowed = [k for k in job.scheduler.launchers if LAUNCHERS[k].per_rank]
-            raise UserError(f"launcher: {job.launcher!r} cannot start submitit ranks on PBS; "
-                            f"allowed: auto, {', '.join(allowed)}")
+            raise UserError(
+                f"launcher: {job.launcher!r} cannot start submitit ranks on PBS; "
+                f"allowed: auto, {', '.join(allowed)}"
+            )
         env = {**job.spec.env, "SUBMITIT_EXECUTOR": self.environment_name()}
-        job = job.with_spec(command=self._command(), output_dir=str(self.folder), env=env,
-                            wrap="never")
+        job = job.with_spec(
+            command=self._command(), output_dir=str(self.folder), env=env, wrap="never"
+        )
         job = replace(job, wrapped=False)
         sig, sig_delay = signal_of(job.spec.signal, self.parameters.get("signal_delay_s"))
         lines = [
@@ -222,9 +227,12 @@ class PBSExecutor(ScriptExecutor):
             f"export SUBMITIT_PREEMPT_SIGNAL={sig}",
         ]
         if job.walltime > sig_delay:
-            lines.append(f"export SUBMITIT_PBS_DEADLINE=$(( $(date +%s) + {job.walltime - sig_delay} ))")
-        return job.with_spec(setup=[*job.spec.setup, *lines],
-                             source="hpc.executor (submitit PBS plugin)")
+            lines.append(
+                f"export SUBMITIT_PBS_DEADLINE=$(( $(date +%s) + {job.walltime - sig_delay} ))"
+            )
+        return job.with_spec(
+            setup=[*job.spec.setup, *lines], source="hpc.executor (submitit PBS plugin)"
+        )
 
 
 # --- the entry point on the compute node --------------------------------------------

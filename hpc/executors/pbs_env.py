@@ -118,8 +118,10 @@ class PBSJobEnvironment(_job_environment.JobEnvironment):
         proc = run([qsub, str(script)], timeout=QSTAT_TIMEOUT_S, cwd=workdir)  # decodes once
 
         if proc.returncode != 0:
-            raise SchedulerError(f"requeue: {qsub} refused {script} (exit {proc.returncode}): "
-                                 f"{last_line(proc.stderr or proc.stdout)}")
+            raise SchedulerError(
+                f"requeue: {qsub} refused {script} (exit {proc.returncode}): "
+                f"{last_line(proc.stderr or proc.stdout)}"
+            )
         new_id = PBS().parse_job_id(proc.stdout)
         with ids_file(paths.folder, job_id).open("a") as fh:
             fh.write(new_id + "\n")

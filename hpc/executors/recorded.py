@@ -25,8 +25,13 @@ if TYPE_CHECKING:
 class Recorded:
     """Mixin for a submitit executor: adds its jobs' ids to ``run_dir/run.json``."""
 
-    def __init__(self, *args: Any, run_dir: Path | None = None,
-                 scheduler: Scheduler | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        run_dir: Path | None = None,
+        scheduler: Scheduler | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         #: The run directory whose record is kept (None: a plain folder, no record).
         self.run_dir = run_dir

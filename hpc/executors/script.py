@@ -45,9 +45,23 @@ if tp.TYPE_CHECKING:
 
 #: JobSpec keys the executor takes as parameters (the command and logs are its own).
 SPEC_PARAMETERS = (
-    "name", "nodes", "ppn", "walltime", "queue", "account", "env", "modules", "setup",
-    "python", "signal", "requeue", "directives", "launcher", "gpus_per_node",
-    "cpus_per_task", "filesystems",
+    "name",
+    "nodes",
+    "ppn",
+    "walltime",
+    "queue",
+    "account",
+    "env",
+    "modules",
+    "setup",
+    "python",
+    "signal",
+    "requeue",
+    "directives",
+    "launcher",
+    "gpus_per_node",
+    "cpus_per_task",
+    "filesystems",
 )
 #: The job's id inside the job, as the script exports it from the scheduler's variable.
 JOB_ID_VAR = "HPC_SUBMITIT_JOB_ID"
@@ -106,8 +120,13 @@ _SCHEDULER_OF: dict[str, Scheduler] = {}
 class ScriptJob(core.Job[core.R]):
     """A job submitted through a scheduler's own clients."""
 
-    def __init__(self, folder: str | Path, job_id: str, tasks: tp.Sequence[int] = (0,),
-                 scheduler: Scheduler | None = None) -> None:
+    def __init__(
+        self,
+        folder: str | Path,
+        job_id: str,
+        tasks: tp.Sequence[int] = (0,),
+        scheduler: Scheduler | None = None,
+    ) -> None:
         if scheduler is None:
             scheduler = _SCHEDULER_OF[job_id]
         _SCHEDULER_OF[job_id] = scheduler
@@ -168,8 +187,12 @@ class ScriptExecutor(Recorded, core.PicklingExecutor):
         from hpc.spec import path_value
 
         path_value(str(folder), "folder")  # it becomes the script's log folder
-        super().__init__(folder, max_num_timeout=max_num_timeout,
-                         max_pickle_size_gb=max_pickle_size_gb, run_dir=run_dir)
+        super().__init__(
+            folder,
+            max_num_timeout=max_num_timeout,
+            max_pickle_size_gb=max_pickle_size_gb,
+            run_dir=run_dir,
+        )
         self.python = python if python is not None else shlex.quote(sys.executable)
         self.job: Job | None = None
         if job is None:
@@ -191,8 +214,12 @@ class ScriptExecutor(Recorded, core.PicklingExecutor):
     @classmethod
     def _equivalence_dict(cls) -> core.EquivalenceDict:
         return {
-            "name": "name", "timeout_min": "timeout_min", "mem_gb": "mem_gb", "nodes": "nodes",
-            "cpus_per_task": "cpus_per_task", "gpus_per_node": "gpus_per_node",
+            "name": "name",
+            "timeout_min": "timeout_min",
+            "mem_gb": "mem_gb",
+            "nodes": "nodes",
+            "cpus_per_task": "cpus_per_task",
+            "gpus_per_node": "gpus_per_node",
             "tasks_per_node": "ppn",
         }
 
@@ -216,8 +243,10 @@ class ScriptExecutor(Recorded, core.PicklingExecutor):
 
         check_keys(kwargs, sorted(self._valid_parameters()), f"{type(self).__name__} parameters")
         if "mem_gb" in kwargs:
-            raise UserError("mem_gb: memory requests are not in the job template; "
-                            "allowed: leave it out (nodes are allocated whole)")
+            raise UserError(
+                "mem_gb: memory requests are not in the job template; "
+                "allowed: leave it out (nodes are allocated whole)"
+            )
         if "tasks_per_node" in kwargs:
             kwargs["ppn"] = kwargs.pop("tasks_per_node")
         if "timeout_min" in kwargs:
@@ -248,17 +277,20 @@ class ScriptExecutor(Recorded, core.PicklingExecutor):
         from hpc.schedulers import LAUNCHERS
 
         env = {**job.spec.env, "SUBMITIT_EXECUTOR": self.environment_name()}
-        job = job.with_spec(command=self._command(), output_dir=str(self.folder), env=env,
-                            wrap="never")
+        job = job.with_spec(
+            command=self._command(), output_dir=str(self.folder), env=env, wrap="never"
+        )
         return self._submitit_lines(replace(job, wrapped=LAUNCHERS[job.launcher].per_rank))
 
     def _submitit_lines(self, job: Job) -> Job:
         """The job id as the entry reads it (the scheduler's variable for its job's id)."""
         var = job.scheduler.job_id_var
         if var is None:
-            raise UserError(f"cluster: the {job.scheduler.name} scheduler names no variable "
-                            "for a job's id, which submitit needs; allowed: a scheduler with "
-                            "job_id_var")
+            raise UserError(
+                f"cluster: the {job.scheduler.name} scheduler names no variable "
+                "for a job's id, which submitit needs; allowed: a scheduler with "
+                "job_id_var"
+            )
         line = f'export {JOB_ID_VAR}="${{{var}}}"'
         return job.with_spec(setup=[*job.spec.setup, line])
 
@@ -287,9 +319,12 @@ class ScriptExecutor(Recorded, core.PicklingExecutor):
         return self.scheduler.parse_job_id(text)
 
     def _new_job(self, job_id: str, tasks: list[int]) -> core.Job[tp.Any]:
-        return tp.cast(core.Job[tp.Any],
-                       self.job_class(folder=self.folder, job_id=job_id, tasks=tasks,
-                                      scheduler=self.scheduler))
+        return tp.cast(
+            core.Job[tp.Any],
+            self.job_class(
+                folder=self.folder, job_id=job_id, tasks=tasks, scheduler=self.scheduler
+            ),
+        )
 
     def _submit_job(self, job: Job) -> core.Job[tp.Any]:
         """Write ``job``'s script and submit it with the scheduler's own ``submit``."""
@@ -332,12 +367,13 @@ class ScriptExecutor(Recorded, core.PicklingExecutor):
         if size > self.max_pickle_size_gb:
             for p in pickles:
                 p.unlink()
-            raise UserError(f"submission: {size:.2f} GB of pickled functions and arguments; "
-                            f"allowed: up to max_pickle_size_gb={self.max_pickle_size_gb}")
+            raise UserError(
+                f"submission: {size:.2f} GB of pickled functions and arguments; "
+                f"allowed: up to max_pickle_size_gb={self.max_pickle_size_gb}"
+            )
         self._throttle()
         self._last_job_submitted = time.time()
-        array = (self.scheduler.submitit_array(job, len(pickles)) if len(pickles) > 1
-                 else None)
+        array = self.scheduler.submitit_array(job, len(pickles)) if len(pickles) > 1 else None
         if array is None:
             jobs = []
             for path in pickles:

@@ -33,8 +33,23 @@ if TYPE_CHECKING:
     from hpc.spec import JobSpec
     from hpc.stage import Stage
 
-__all__ = ["MAX_ID_CHARS", "MAX_IDS_PER_CALL", "STATES", "JobState", "Scheduler", "SchedulerError", "Submission",
-           "chunks", "detect", "get", "last_line", "names", "run", "stream"]
+__all__ = [
+    "MAX_ID_CHARS",
+    "MAX_IDS_PER_CALL",
+    "STATES",
+    "JobState",
+    "Scheduler",
+    "SchedulerError",
+    "Submission",
+    "chunks",
+    "detect",
+    "get",
+    "last_line",
+    "names",
+    "run",
+    "stream",
+]
+
 
 class JobState(str, Enum):
     """A job's state in words every scheduler maps to (a ``str``: prints and compares as text)."""
@@ -59,8 +74,13 @@ class JobState(str, Enum):
         return self in _ENDED
 
 
-_ENDED = {JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED, JobState.TIMEOUT,
-          JobState.FINISHED}
+_ENDED = {
+    JobState.COMPLETED,
+    JobState.FAILED,
+    JobState.CANCELLED,
+    JobState.TIMEOUT,
+    JobState.FINISHED,
+}
 STATES = tuple(s.value for s in JobState)
 
 
@@ -92,7 +112,8 @@ class LauncherKind:
 
 #: Every launcher kind, once (spec, profiles and job read it from here).
 LAUNCHERS: dict[str, LauncherKind] = {
-    kind.name: kind for kind in (
+    kind.name: kind
+    for kind in (
         LauncherKind("mpiexec", per_rank=True),
         LauncherKind("srun", per_rank=True),
         LauncherKind("torchrun", per_rank=False),  # one per node; it exports the variables
@@ -185,23 +206,37 @@ class Scheduler:
         cluster at submit time; None: no limit known (one array)."""
         return None
 
-    def array_part_command(self, script: str, count: int, offset: int,
-                           max_parallel: int | None = None, after: After | None = None
-                           ) -> list[str]:
+    def array_part_command(
+        self,
+        script: str,
+        count: int,
+        offset: int,
+        max_parallel: int | None = None,
+        after: After | None = None,
+    ) -> list[str]:
         """The submit command of one more array of a split sweep: ``count`` tasks whose
         first is task ``offset`` of the sweep (see :attr:`array_parts`)."""
-        raise UserError(f"--sweep: the {self.name} scheduler cannot split a sweep into "
-                        "several arrays; allowed: a sweep within its array size")
+        raise UserError(
+            f"--sweep: the {self.name} scheduler cannot split a sweep into "
+            "several arrays; allowed: a sweep within its array size"
+        )
 
-    def submit_array_part(self, script: str, count: int, offset: int,
-                          max_parallel: int | None = None, after: After | None = None
-                          ) -> Submission:
+    def submit_array_part(
+        self,
+        script: str,
+        count: int,
+        offset: int,
+        max_parallel: int | None = None,
+        after: After | None = None,
+    ) -> Submission:
         """Submit one more array of a split sweep (:meth:`array_part_command`)."""
         argv = self.array_part_command(script, count, offset, max_parallel, after)
         proc = run(argv)
         if proc.returncode != 0:
-            raise SchedulerError(f"{argv[0]} refused the job (exit {proc.returncode}): "
-                                 f"{last_line(proc.stderr or proc.stdout)}")
+            raise SchedulerError(
+                f"{argv[0]} refused the job (exit {proc.returncode}): "
+                f"{last_line(proc.stderr or proc.stdout)}"
+            )
         return Submission(self.parse_job_id(proc.stdout))
 
     # --- its job ids and logs (hpc logs) ---------------------------------------------
@@ -239,8 +274,10 @@ class Scheduler:
     def stage_lines(self, job: Job, stage: Stage) -> list[str]:
         """The lines that copy the venv to every node of the job (``hpc.stage``); a
         scheduler that cannot start one process per node says so in one line."""
-        raise UserError(f"python.stage: the {self.name} scheduler cannot start one process "
-                        "per node to unpack the environment; allowed: stage: never")
+        raise UserError(
+            f"python.stage: the {self.name} scheduler cannot start one process "
+            "per node to unpack the environment; allowed: stage: never"
+        )
 
     # --- the clients ---------------------------------------------------------------
 
@@ -252,22 +289,32 @@ class Scheduler:
     def dependency(self, after: After) -> list[str]:
         """The submit command's words for ``after``; a scheduler without job
         dependencies says so in one line."""
-        raise UserError(f"--after/--chain: the {self.name} scheduler has no job dependencies; "
-                        "allowed: a SLURM or PBS cluster")
+        raise UserError(
+            f"--after/--chain: the {self.name} scheduler has no job dependencies; "
+            "allowed: a SLURM or PBS cluster"
+        )
 
     def parse_job_id(self, stdout: str) -> str:
         """The job id in the submit command's answer."""
         raise NotImplementedError
 
-    def submit(self, script: str, run_dir: str,
-               on_start: Callable[[str], None] | None = None,
-               after: After | None = None) -> Submission:
+    def submit(
+        self,
+        script: str,
+        run_dir: str,
+        on_start: Callable[[str], None] | None = None,
+        after: After | None = None,
+    ) -> Submission:
         """Submit ``script`` (``on_start`` gets the id of a job that runs here, as it starts)."""
-        argv = self.submit_command(script, after) if after is not None else self.submit_command(script)
+        argv = (
+            self.submit_command(script, after) if after is not None else self.submit_command(script)
+        )
         proc = run(argv)
         if proc.returncode != 0:
-            raise SchedulerError(f"{argv[0]} refused the job (exit {proc.returncode}): "
-                                 f"{last_line(proc.stderr or proc.stdout)}")
+            raise SchedulerError(
+                f"{argv[0]} refused the job (exit {proc.returncode}): "
+                f"{last_line(proc.stderr or proc.stdout)}"
+            )
         return Submission(self.parse_job_id(proc.stdout))
 
     def status(self, job_id: str) -> JobState:
@@ -298,8 +345,9 @@ class Scheduler:
 
     # --- the Python API (hpc.executor): issue 29 ----------------------------------------
 
-    def submitit_executor(self, job: Job, folder: Path, max_num_timeout: int = 3,
-                          run_dir: Path | None = None) -> Any:
+    def submitit_executor(
+        self, job: Job, folder: Path, max_num_timeout: int = 3, run_dir: Path | None = None
+    ) -> Any:
         """The submitit executor that runs Python functions as this scheduler's jobs
         (``hpc.executor``), set up for the resolved ``job``; ``run_dir``: the run
         directory whose ``run.json`` gets the ids it submits.
@@ -309,9 +357,13 @@ class Scheduler:
         the Python API as it is (it needs :attr:`job_id_var`)."""
         from hpc.executors.script import ScriptExecutor
 
-        return ScriptExecutor(folder, max_num_timeout=max_num_timeout,
-                              python="python" if job.spec.python else None, job=job,
-                              run_dir=run_dir)
+        return ScriptExecutor(
+            folder,
+            max_num_timeout=max_num_timeout,
+            python="python" if job.spec.python else None,
+            job=job,
+            run_dir=run_dir,
+        )
 
     def submitit_array(self, job: Job, size: int) -> Job | None:
         """``job`` as one array of ``size`` tasks for ``map_array`` (its id ``ID``, the
@@ -346,8 +398,14 @@ _NAME = r"^[a-z][a-z0-9_]*\Z"
 
 def names() -> list[str]:
     """Every scheduler module in this package's folders (its ``__path__``), sorted."""
-    return sorted({p.stem for folder in __path__ for p in Path(folder).glob("*.py")
-                   if re.match(_NAME, p.stem)})
+    return sorted(
+        {
+            p.stem
+            for folder in __path__
+            for p in Path(folder).glob("*.py")
+            if re.match(_NAME, p.stem)
+        }
+    )
 
 
 def get(name: str) -> Scheduler:
@@ -366,8 +424,10 @@ def get(name: str) -> Scheduler:
         from hpc._util import did_you_mean
 
         known = names()
-        raise UserError(f"scheduler: {name!r} is not known{did_you_mean(name, known)}; "
-                        f"allowed: {', '.join(known)}")
+        raise UserError(
+            f"scheduler: {name!r} is not known{did_you_mean(name, known)}; "
+            f"allowed: {', '.join(known)}"
+        )
     return module.SCHEDULER()
 
 

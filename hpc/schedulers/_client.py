@@ -26,8 +26,12 @@ MAX_IDS_PER_CALL = 1000
 MAX_ID_CHARS = 32 * 1024
 
 
-def run(argv: list[str], timeout: float = 60.0, env: Mapping[str, str] | None = None,
-        cwd: str | None = None) -> subprocess.CompletedProcess[str]:
+def run(
+    argv: list[str],
+    timeout: float = 60.0,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+) -> subprocess.CompletedProcess[str]:
     """Run a scheduler client; a missing or hung client is a SchedulerError naming it.
 
     Every reader of a client's answer goes through here, so its output is decoded once,
@@ -38,14 +42,25 @@ def run(argv: list[str], timeout: float = 60.0, env: Mapping[str, str] | None = 
     import subprocess
 
     if shutil.which(argv[0]) is None:
-        raise SchedulerError(f"scheduler: {argv[0]} not found on PATH; allowed: run on a login node "
-                             "that has it, or use --dry-run")
+        raise SchedulerError(
+            f"scheduler: {argv[0]} not found on PATH; allowed: run on a login node "
+            "that has it, or use --dry-run"
+        )
     try:
-        return subprocess.run(argv, capture_output=True, encoding="utf-8", errors="replace",
-                              timeout=timeout, check=False, cwd=cwd,
-                              env=None if env is None else dict(env))
+        return subprocess.run(
+            argv,
+            capture_output=True,
+            encoding="utf-8",
+            errors="replace",
+            timeout=timeout,
+            check=False,
+            cwd=cwd,
+            env=None if env is None else dict(env),
+        )
     except subprocess.TimeoutExpired:
-        raise SchedulerError(f"scheduler: {' '.join(argv)} did not answer within {timeout:.0f} s") from None
+        raise SchedulerError(
+            f"scheduler: {' '.join(argv)} did not answer within {timeout:.0f} s"
+        ) from None
     except OSError as exc:
         raise SchedulerError(f"scheduler: {' '.join(argv)} could not run: {exc.strerror}") from None
 
@@ -66,8 +81,9 @@ def chunks(ids: Iterable[str], sep: int = 1) -> Iterator[list[str]]:
         yield group
 
 
-def stream(argv: list[str], reader: Callable[[IO[str]], T],
-           timeout: float = 60.0) -> tuple[T, int, str]:
+def stream(
+    argv: list[str], reader: Callable[[IO[str]], T], timeout: float = 60.0
+) -> tuple[T, int, str]:
     """Run a client and hand its stdout to ``reader`` as it comes: (what the reader
     returned, the exit code, stderr).
 
@@ -84,14 +100,19 @@ def stream(argv: list[str], reader: Callable[[IO[str]], T],
     import threading
 
     if shutil.which(argv[0]) is None:
-        raise SchedulerError(f"scheduler: {argv[0]} not found on PATH; allowed: run on a login node "
-                             "that has it, or use --dry-run")
+        raise SchedulerError(
+            f"scheduler: {argv[0]} not found on PATH; allowed: run on a login node "
+            "that has it, or use --dry-run"
+        )
     with tempfile.TemporaryFile() as err:  # a file, not a pipe: no deadlock on a chatty stderr
         try:
-            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err,
-                                    stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                argv, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL
+            )
         except OSError as exc:
-            raise SchedulerError(f"scheduler: {' '.join(argv)} could not run: {exc.strerror}") from None
+            raise SchedulerError(
+                f"scheduler: {' '.join(argv)} could not run: {exc.strerror}"
+            ) from None
         expired = threading.Event()
 
         def stop() -> None:
@@ -107,15 +128,18 @@ def stream(argv: list[str], reader: Callable[[IO[str]], T],
         except BaseException:
             proc.kill()
             if expired.is_set():
-                raise SchedulerError(f"scheduler: {' '.join(argv)} did not answer within "
-                                     f"{timeout:.0f} s") from None
+                raise SchedulerError(
+                    f"scheduler: {' '.join(argv)} did not answer within {timeout:.0f} s"
+                ) from None
             raise
         finally:
             timer.cancel()
             text.close()
             code = proc.wait()
         if expired.is_set():
-            raise SchedulerError(f"scheduler: {' '.join(argv)} did not answer within {timeout:.0f} s")
+            raise SchedulerError(
+                f"scheduler: {' '.join(argv)} did not answer within {timeout:.0f} s"
+            )
         err.seek(0)
         said = err.read(1024 * 1024).decode("utf-8", errors="replace")
     return result, code, said

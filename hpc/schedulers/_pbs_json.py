@@ -83,7 +83,7 @@ class _JsonStream:
                     return False
             else:
                 text = self.bytes_decoder.decode(chunk) if isinstance(chunk, bytes) else chunk
-        self.buf = self.buf[self.pos:] + text
+        self.buf = self.buf[self.pos :] + text
         self.pos = 0
         return True
 
@@ -126,7 +126,7 @@ class _JsonStream:
         while (end := _value_end(self.buf, self.pos, self.eof)) is None:
             if not self._more() and (end := _value_end(self.buf, self.pos, True)) is None:
                 raise ValueError("qstat JSON: the answer ends inside a value")
-        text = self.buf[self.pos:end]
+        text = self.buf[self.pos : end]
         self.pos = end
         return loads_qstat_json(text)
 

@@ -32,9 +32,16 @@ _SUBMITIT_ARRAY = re.compile(r"^(?P<parent>[0-9]+\[\](?:\.[^_]*)?)_(?P<index>[0-
 
 # job_state letters (PBS Pro reference guide); F/X are looked at with Exit_status.
 _STATES = {
-    "Q": "PENDING", "H": "PENDING", "W": "PENDING", "T": "PENDING", "M": "PENDING",
-    "S": "PENDING", "U": "PENDING",
-    "R": "RUNNING", "E": "RUNNING", "B": "RUNNING",
+    "Q": "PENDING",
+    "H": "PENDING",
+    "W": "PENDING",
+    "T": "PENDING",
+    "M": "PENDING",
+    "S": "PENDING",
+    "U": "PENDING",
+    "R": "RUNNING",
+    "E": "RUNNING",
+    "B": "RUNNING",
 }
 # Exit_status values PBS sets itself (negative JOB_EXEC_* codes, 256+signal for kills).
 _WALLTIME_KILLED = {-29}  # JOB_EXEC_KILL_WALLTIME
@@ -124,8 +131,17 @@ def pbs_query_id(job_id: str) -> str:
 def _info(pbs_id: str, attrs: dict[str, Any]) -> dict[str, str]:
     """The few attributes callers use, as strings (submitit's info dicts hold strings)."""
     out = {"JobID": pbs_id, "State": _state(attrs).value}
-    for key in ("job_state", "substate", "Exit_status", "comment", "exec_host", "queue",
-                "Job_Name", "array_id", "array_index"):
+    for key in (
+        "job_state",
+        "substate",
+        "Exit_status",
+        "comment",
+        "exec_host",
+        "queue",
+        "Job_Name",
+        "array_id",
+        "array_index",
+    ):
         if attrs.get(key) is not None:
             out[key] = str(attrs[key])
     return out
@@ -171,8 +187,9 @@ def _wanted(job_ids: Iterable[str] | None) -> set[str] | None:
     return None if job_ids is None else {job_key(j) for j in job_ids}
 
 
-def read_qstat_json(source: str | bytes | IO[str] | IO[bytes],
-                    wanted: Iterable[str] | None = None) -> QstatInfo:
+def read_qstat_json(
+    source: str | bytes | IO[str] | IO[bytes], wanted: Iterable[str] | None = None
+) -> QstatInfo:
     """Info per job from ``qstat -x -f -F json [-t]``, keyed by PBS id and submitit id.
 
     ``source``: the answer, or a stream of it (read as it comes, one job at a time);
@@ -314,8 +331,9 @@ def _query_ids(ids: list[str]) -> dict[str, list[str]]:
     return out
 
 
-def _stream(argv: list[str], reader: Callable[[IO[str]], QstatInfo]
-            ) -> tuple[QstatInfo, int, str] | None:
+def _stream(
+    argv: list[str], reader: Callable[[IO[str]], QstatInfo]
+) -> tuple[QstatInfo, int, str] | None:
     """Run a PBS client, its answer read as it streams; None when it is missing or
     hangs (the caller falls back). A damaged answer raises the reader's error."""
     try:
@@ -418,7 +436,9 @@ def parse_max_array_size(text: str) -> int:
     found = [int(v) for v in re.findall(r"^\s*max_array_size\s*=\s*([0-9]{1,9})\s*$", text, re.M)]
     limit = min(found) if found else DEFAULT_MAX_ARRAY_SIZE
     if limit < 2:
-        raise UserError(f"--sweep: this PBS server's max_array_size is {limit}, and PBS takes no "
-                        "array of fewer than 2 subjobs (qsub: illegal -J value); allowed: one "
-                        "hpc submit per point, no --sweep")
+        raise UserError(
+            f"--sweep: this PBS server's max_array_size is {limit}, and PBS takes no "
+            "array of fewer than 2 subjobs (qsub: illegal -J value); allowed: one "
+            "hpc submit per point, no --sweep"
+        )
     return limit

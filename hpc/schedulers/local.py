@@ -67,7 +67,10 @@ class Local(Scheduler):
         return stdout.strip()
 
     def submit(
-        self, script: str, run_dir: str, on_start: Callable[[str], None] | None = None,
+        self,
+        script: str,
+        run_dir: str,
+        on_start: Callable[[str], None] | None = None,
         after: After | None = None,
     ) -> Submission:
         """Run to the end, streaming output to the terminal and a new ``output*.log``.
@@ -87,7 +90,9 @@ class Local(Scheduler):
         with open(log, "wb", buffering=0) as sink, _Forward() as forward:
             # Its own session: `hpc cancel` signals the whole job (srun-like), not only bash.
             proc = subprocess.Popen(
-                self.submit_command(script), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                self.submit_command(script),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
             forward.to(proc.pid)  # before anything else: a signal from now on is the job's
@@ -111,21 +116,22 @@ class Local(Scheduler):
         """SIGTERM to the job's process, only if that pid is still the job's process."""
         pid, start = _parse(job_id)
         if not _alive(pid, start):
-            raise UserError(f"job: {job_id!r} is not running (finished, or its pid now belongs "
-                            "to another process); allowed: a running local job")  # fmt: skip
+            raise UserError(
+                f"job: {job_id!r} is not running (finished, or its pid now belongs "
+                "to another process); allowed: a running local job"
+            )
         os.killpg(pid, signal.SIGTERM)  # the job's session leader: every process of the job
-
 
     # --- the Python API (hpc.executor): issue 29 ----------------------------------------
 
-    def submitit_executor(self, job: Job, folder: Path, max_num_timeout: int = 3,
-                          run_dir: Path | None = None) -> Any:
+    def submitit_executor(
+        self, job: Job, folder: Path, max_num_timeout: int = 3, run_dir: Path | None = None
+    ) -> Any:
         """submitit's LocalExecutor: the ranks as processes here, the walltime as its timeout."""
         from hpc.executors import params
         from hpc.executors.recorded import LocalExecutor
 
-        ex = LocalExecutor(folder, max_num_timeout=max_num_timeout, run_dir=run_dir,
-                           scheduler=self)
+        ex = LocalExecutor(folder, max_num_timeout=max_num_timeout, run_dir=run_dir, scheduler=self)
         ex.update_parameters(**params.local_parameters(job))
         return ex
 
@@ -146,8 +152,16 @@ class _Forward:
     could be started is taken by hpc itself, as it would have been without a job.
     """
 
-    SIGNALS = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGUSR1,
-               signal.SIGUSR2, signal.SIGALRM, signal.SIGCONT)  # fmt: skip
+    SIGNALS = (
+        signal.SIGHUP,
+        signal.SIGINT,
+        signal.SIGQUIT,
+        signal.SIGTERM,
+        signal.SIGUSR1,
+        signal.SIGUSR2,
+        signal.SIGALRM,
+        signal.SIGCONT,
+    )
 
     def __init__(self) -> None:
         self.pgid: int | None = None
@@ -198,8 +212,10 @@ def _tee(source: IO[bytes], sink: IO[bytes], log: Path) -> None:
                 _write_all(sink, chunk)  # unbuffered: `hpc logs -f` reads it while it runs
             except OSError as exc:
                 to_log = False
-                _say(f"hpc: cannot write the log {str(log)!r}: {exc.strerror}; the job goes "
-                     "on, its output only here")  # fmt: skip
+                _say(
+                    f"hpc: cannot write the log {str(log)!r}: {exc.strerror}; the job goes "
+                    "on, its output only here"
+                )
         if echo:
             try:
                 if out is not None:
@@ -210,8 +226,10 @@ def _tee(source: IO[bytes], sink: IO[bytes], log: Path) -> None:
             except OSError as exc:
                 echo = False
                 if not reader_gone(sys.stdout):
-                    _say(f"hpc: cannot write to stdout: {exc.strerror}; the job goes on, "
-                         f"its log: {str(log)!r}")  # fmt: skip
+                    _say(
+                        f"hpc: cannot write to stdout: {exc.strerror}; the job goes on, "
+                        f"its log: {str(log)!r}"
+                    )
                 detach(sys.stdout)  # what is still buffered goes nowhere, without an error
 
 
@@ -236,8 +254,10 @@ def _parse(job_id: str) -> tuple[int, int | None]:
     """(pid, start ticks) of ``local-PID-START``; older ``local-PID`` ids have no start."""
     parts = job_id.removeprefix("local-").split("-")
     # [0-9] only: str.isdigit takes any script's digits (١٢٣), and int() reads them.
-    if not job_id.startswith("local-") or len(parts) > 2 or not all(
-        re.fullmatch("[0-9]{1,20}", p) for p in parts
+    if (
+        not job_id.startswith("local-")
+        or len(parts) > 2
+        or not all(re.fullmatch("[0-9]{1,20}", p) for p in parts)
     ):
         raise UserError(f"job: {job_id!r} is not a local job id; allowed: local-PID-START")
     return int(parts[0]), int(parts[1]) if len(parts) == 2 else None

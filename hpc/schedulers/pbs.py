@@ -47,11 +47,29 @@ if TYPE_CHECKING:
     from hpc.job import Job
     from hpc.stage import Stage
 
-__all__ = ["DEFAULT_MAX_ARRAY_SIZE", "GONE", "PBS", "QSTAT_TIMEOUT_S", "SCHEDULER", "QstatInfo",
-           "job_key", "loads_qstat_json", "lookup", "normalize", "parse_max_array_size",
-           "parse_qstat_json", "parse_qstat_text", "pbs_id", "pbs_query_id", "query",
-           "read_qstat_json", "read_qstat_plain", "read_qstat_text", "state_of",
-           "submitit_id"]
+__all__ = [
+    "DEFAULT_MAX_ARRAY_SIZE",
+    "GONE",
+    "PBS",
+    "QSTAT_TIMEOUT_S",
+    "SCHEDULER",
+    "QstatInfo",
+    "job_key",
+    "loads_qstat_json",
+    "lookup",
+    "normalize",
+    "parse_max_array_size",
+    "parse_qstat_json",
+    "parse_qstat_text",
+    "pbs_id",
+    "pbs_query_id",
+    "query",
+    "read_qstat_json",
+    "read_qstat_plain",
+    "read_qstat_text",
+    "state_of",
+    "submitit_id",
+]
 
 
 class PBS(Scheduler):
@@ -71,8 +89,10 @@ class PBS(Scheduler):
     array_throttle = True
     # `-o DIR/` (a folder): JOBID.OU (subjobs 123[4].server.OU); without -o, PBS writes
     # NAME.oJOBNUM in the submit folder.
-    log_patterns = (r"(?P<job>[0-9]+(?:\[[0-9]*\])?(?:\.[A-Za-z0-9_.-]+?)?)\.OU",
-                    r"(?P<name>.+)\.o(?P<job>[0-9]+(?:\.[0-9]+)?)")
+    log_patterns = (
+        r"(?P<job>[0-9]+(?:\[[0-9]*\])?(?:\.[A-Za-z0-9_.-]+?)?)\.OU",
+        r"(?P<name>.+)\.o(?P<job>[0-9]+(?:\.[0-9]+)?)",
+    )
     id_examples = "123.server, 123[3].server"
     job_id_var = "PBS_JOBID"
     # A sweep wider than the server's max_array_size is several arrays (issue 32): qsub
@@ -91,17 +111,29 @@ class PBS(Scheduler):
             return DEFAULT_MAX_ARRAY_SIZE
         return parse_max_array_size(proc.stdout if proc.returncode == 0 else "")
 
-    def array_part_command(self, script: str, count: int, offset: int,
-                           max_parallel: int | None = None, after: After | None = None
-                           ) -> list[str]:
+    def array_part_command(
+        self,
+        script: str,
+        count: int,
+        offset: int,
+        max_parallel: int | None = None,
+        after: After | None = None,
+    ) -> list[str]:
         """``qsub -J 0-(count-1)[%P] -v HPC_SWEEP_OFFSET=OFFSET SCRIPT``: the command
         line's ``-J`` wins over the script's ``#PBS -J`` (qsub(1B): "Attributes set via
         command-line options take precedence over those set using PBS directives"), and
         ``-v`` adds the offset to the job's environment (qsub(1B) ``-v``), where the
         script reads it (:attr:`array_offset_word`)."""
         spec = f"0-{count - 1}" + (f"%{max_parallel}" if max_parallel else "")
-        return ["qsub", "-J", spec, "-v", f"HPC_SWEEP_OFFSET={offset}",
-                *(self.dependency(after) if after else []), script]
+        return [
+            "qsub",
+            "-J",
+            spec,
+            "-v",
+            f"HPC_SWEEP_OFFSET={offset}",
+            *(self.dependency(after) if after else []),
+            script,
+        ]
 
     def template_values(self, job: Job) -> dict[str, Any]:
         """The array range for ``#PBS -J`` (a subjob's log is ``DIR/ID[i].server.OU``)."""
@@ -132,7 +164,12 @@ class PBS(Scheduler):
         server = job_id.split(".", 1)[1] if "." in job_id else ""
         if task is None and "[]" in job_id:
             task = "0"
-        return key[0] + (f"[{task}]" if task is not None else "") + (f".{server}" if server else "") + ".OU"
+        return (
+            key[0]
+            + (f"[{task}]" if task is not None else "")
+            + (f".{server}" if server else "")
+            + ".OU"
+        )
 
     def err_log_name(self, out_name: str) -> str | None:
         """``ID.ER`` beside ``ID.OU`` (``split_logs``: ``-e`` to the same folder, no ``-j
@@ -153,10 +190,14 @@ class PBS(Scheduler):
         no broadcast of its own; each node makes one sequential read of one file)."""
         ppn = "--ppn" if job.cluster.launcher.flavor == "pals" else "-ppn"
         return stage.lines(
-            self.job_id_var or "", spread=[],
-            unpack=[f'mpiexec -n {job.nodes} {ppn} 1 bash -c "$HPC_STAGE_UNPACK" unpack '
-                    f'"$HPC_STAGE_TAR" "$HPC_STAGE_DEST" {shlex.quote(stage.venv)}{stage.ok_arg}'],
-            cleanup=[])
+            self.job_id_var or "",
+            spread=[],
+            unpack=[
+                f'mpiexec -n {job.nodes} {ppn} 1 bash -c "$HPC_STAGE_UNPACK" unpack '
+                f'"$HPC_STAGE_TAR" "$HPC_STAGE_DEST" {shlex.quote(stage.venv)}{stage.ok_arg}'
+            ],
+            cleanup=[],
+        )
 
     def submit_command(self, script: str, after: After | None = None) -> list[str]:
         """``qsub SCRIPT``: every setting is in the script's directives."""
@@ -186,8 +227,10 @@ class PBS(Scheduler):
         """Every id's state from :func:`query`: one ``qstat`` names them all (an
         array's subjobs by the array's id), its answer streamed."""
         found = query(job_ids)
-        return {j: JobState(found[j]["State"]) if j in found else JobState.UNKNOWN
-                for j in dict.fromkeys(job_ids)}
+        return {
+            j: JobState(found[j]["State"]) if j in found else JobState.UNKNOWN
+            for j in dict.fromkeys(job_ids)
+        }
 
     def exit_code(self, job_id: str) -> int | None:
         """``Exit_status`` (``qstat -x``): the script's code below 256, 256+N for a job
@@ -206,19 +249,26 @@ class PBS(Scheduler):
         """``qdel ID``."""
         proc = run(["qdel", job_id])
         if proc.returncode != 0:
-            raise SchedulerError(f"qdel {job_id} failed (exit {proc.returncode}): "
-                                 f"{last_line(proc.stderr or proc.stdout)}")
+            raise SchedulerError(
+                f"qdel {job_id} failed (exit {proc.returncode}): "
+                f"{last_line(proc.stderr or proc.stdout)}"
+            )
 
     # --- the Python API (hpc.executor): issue 29 ----------------------------------------
 
-    def submitit_executor(self, job: Job, folder: Path, max_num_timeout: int = 3,
-                          run_dir: Path | None = None) -> Any:
+    def submitit_executor(
+        self, job: Job, folder: Path, max_num_timeout: int = 3, run_dir: Path | None = None
+    ) -> Any:
         """The PBS submitit plugin's executor (``hpc.executors.pbs``), holding ``job``."""
         from hpc.executors.pbs import PBSExecutor
 
-        return PBSExecutor(folder, max_num_timeout=max_num_timeout,
-                           python="python" if job.spec.python else None, job=job,
-                           run_dir=run_dir)
+        return PBSExecutor(
+            folder,
+            max_num_timeout=max_num_timeout,
+            python="python" if job.spec.python else None,
+            job=job,
+            run_dir=run_dir,
+        )
 
     def submitit_array(self, job: Job, size: int) -> Job | None:
         """One PBS job array (``#PBS -J 0-N``); its subjobs are ``123[].srv_i`` to submitit."""

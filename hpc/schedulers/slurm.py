@@ -26,15 +26,30 @@ _JOB_ID = re.compile(r"^[0-9]+(_[0-9]+)?\Z")
 #: call lists every job the controller holds.
 SCONTROL_ONE_BY_ONE = 4
 _MAP = {
-    "PENDING": "PENDING", "REQUEUED": "PENDING", "REQUEUE_HOLD": "PENDING",
-    "REQUEUE_FED": "PENDING", "RESV_DEL_HOLD": "PENDING", "SUSPENDED": "PENDING",
-    "CONFIGURING": "RUNNING", "RUNNING": "RUNNING", "COMPLETING": "RUNNING",
-    "RESIZING": "RUNNING", "SIGNALING": "RUNNING", "STAGE_OUT": "RUNNING", "STOPPED": "RUNNING",
+    "PENDING": "PENDING",
+    "REQUEUED": "PENDING",
+    "REQUEUE_HOLD": "PENDING",
+    "REQUEUE_FED": "PENDING",
+    "RESV_DEL_HOLD": "PENDING",
+    "SUSPENDED": "PENDING",
+    "CONFIGURING": "RUNNING",
+    "RUNNING": "RUNNING",
+    "COMPLETING": "RUNNING",
+    "RESIZING": "RUNNING",
+    "SIGNALING": "RUNNING",
+    "STAGE_OUT": "RUNNING",
+    "STOPPED": "RUNNING",
     "COMPLETED": "COMPLETED",
-    "FAILED": "FAILED", "NODE_FAIL": "FAILED", "BOOT_FAIL": "FAILED",
-    "OUT_OF_MEMORY": "FAILED", "DEADLINE": "FAILED", "SPECIAL_EXIT": "FAILED",
-    "CANCELLED": "CANCELLED", "REVOKED": "CANCELLED",
-    "TIMEOUT": "TIMEOUT", "PREEMPTED": "PREEMPTED",
+    "FAILED": "FAILED",
+    "NODE_FAIL": "FAILED",
+    "BOOT_FAIL": "FAILED",
+    "OUT_OF_MEMORY": "FAILED",
+    "DEADLINE": "FAILED",
+    "SPECIAL_EXIT": "FAILED",
+    "CANCELLED": "CANCELLED",
+    "REVOKED": "CANCELLED",
+    "TIMEOUT": "TIMEOUT",
+    "PREEMPTED": "PREEMPTED",
 }
 
 
@@ -72,8 +87,9 @@ def _in_range(index: str, spec: str) -> bool:
     return False
 
 
-def _settle(found: dict[str, JobState], ids: Iterable[str],
-            answers: list[tuple[str, str, str]], first: bool) -> None:
+def _settle(
+    found: dict[str, JobState], ids: Iterable[str], answers: list[tuple[str, str, str]], first: bool
+) -> None:
     """Give each of ``ids`` its state from ``answers`` ((id, array id, state word) in
     the client's order) where it has none yet; a known word only (UNKNOWN asks on).
 
@@ -156,8 +172,10 @@ def parse_array_limit(config: str) -> int:
     found = re.search(r"^MaxArraySize\s*=\s*([0-9]{1,9})\s*$", config, re.M)
     limit = int(found.group(1)) if found else DEFAULT_MAX_ARRAY_SIZE
     if limit == 0:
-        raise UserError("--sweep: this SLURM cluster has MaxArraySize = 0 (job arrays are "
-                        "disabled, slurm.conf(5)); allowed: one hpc submit per point, no --sweep")
+        raise UserError(
+            "--sweep: this SLURM cluster has MaxArraySize = 0 (job arrays are "
+            "disabled, slurm.conf(5)); allowed: one hpc submit per point, no --sweep"
+        )
     tasks = re.search(r"^SchedulerParameters\s*=.*\bmax_array_tasks=([0-9]{1,9})\b", config, re.M)
     if tasks and 0 < int(tasks.group(1)) < limit:
         limit = int(tasks.group(1))
@@ -194,14 +212,18 @@ class Slurm(Scheduler):
     def check_spec(self, spec: JobSpec, cluster: Cluster) -> None:
         """``filesystems`` is a PBS resource."""
         if spec.filesystems is not None:
-            raise UserError(f"filesystems: {spec.filesystems!r} is a PBS resource; {cluster.name} is "
-                            "slurm; allowed: leave it out")
+            raise UserError(
+                f"filesystems: {spec.filesystems!r} is a PBS resource; {cluster.name} is "
+                "slurm; allowed: leave it out"
+            )
 
     def check_runs_dir(self, path: Path) -> None:
         """sbatch expands ``%`` in ``--output`` as a file-name pattern."""
         if "%" in str(path.resolve()):
-            raise UserError(f"--runs-dir: {str(path)!r} holds '%', which sbatch's --output "
-                            "expands as a file-name pattern; allowed: a path without %")
+            raise UserError(
+                f"--runs-dir: {str(path)!r} holds '%', which sbatch's --output "
+                "expands as a file-name pattern; allowed: a path without %"
+            )
 
     def job_env(self, job: Job) -> dict[str, str]:
         """``--requeue`` alone never requeues a job that exits after its preemption signal:
@@ -241,16 +263,27 @@ class Slurm(Scheduler):
             return DEFAULT_MAX_ARRAY_SIZE
         return parse_array_limit(proc.stdout if proc.returncode == 0 else "")
 
-    def array_part_command(self, script: str, count: int, offset: int,
-                           max_parallel: int | None = None, after: After | None = None
-                           ) -> list[str]:
+    def array_part_command(
+        self,
+        script: str,
+        count: int,
+        offset: int,
+        max_parallel: int | None = None,
+        after: After | None = None,
+    ) -> list[str]:
         """``sbatch --parsable --array=0-(count-1)[%P] SCRIPT OFFSET``: the command line's
         ``--array`` wins over the script's ``#SBATCH --array`` (sbatch(1): options on the
         command line override those in the script), and the offset reaches the task as
         the script's first argument (sbatch(1): "script [args(0)...]")."""
         spec = f"0-{count - 1}" + (f"%{max_parallel}" if max_parallel else "")
-        return ["sbatch", "--parsable", f"--array={spec}",
-                *(self.dependency(after) if after else []), script, str(offset)]
+        return [
+            "sbatch",
+            "--parsable",
+            f"--array={spec}",
+            *(self.dependency(after) if after else []),
+            script,
+            str(offset),
+        ]
 
     def split_id(self, job_id: str) -> tuple[str, str | None] | None:
         """``12345`` -> (12345, None); an array task ``12345_3`` -> (12345, 3)."""
@@ -283,16 +316,21 @@ class Slurm(Scheduler):
         its daemons' tree, so the shared file system serves one read: sbcast(1),
         https://slurm.schedmd.com/sbcast.html), unpack with one task per node, then drop
         each node's copy of the tar (a separate step: two emulated nodes share one /tmp)."""
-        per_node = ('srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" '
-                    "--ntasks-per-node=1 --kill-on-bad-exit=1")
+        per_node = (
+            'srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" '
+            "--ntasks-per-node=1 --kill-on-bad-exit=1"
+        )
         # under resilience one node's failure must not end the others' unpack (their marks)
         unpack = per_node.replace(" --kill-on-bad-exit=1", "") if stage.tolerant else per_node
         return stage.lines(
             self.job_id_var or "",
             spread=['sbcast --force "$HPC_STAGE_TAR" "$HPC_STAGE_DEST.tar"'],
-            unpack=[f'{unpack} bash -c "$HPC_STAGE_UNPACK" unpack "$HPC_STAGE_DEST.tar" '
-                    f'"$HPC_STAGE_DEST" {shlex.quote(stage.venv)}{stage.ok_arg}'],
-            cleanup=[f'{per_node} rm -f "$HPC_STAGE_DEST.tar"'])
+            unpack=[
+                f'{unpack} bash -c "$HPC_STAGE_UNPACK" unpack "$HPC_STAGE_DEST.tar" '
+                f'"$HPC_STAGE_DEST" {shlex.quote(stage.venv)}{stage.ok_arg}'
+            ],
+            cleanup=[f'{per_node} rm -f "$HPC_STAGE_DEST.tar"'],
+        )
 
     def submit_command(self, script: str, after: After | None = None) -> list[str]:
         """``sbatch --parsable SCRIPT``: the id alone on stdout."""
@@ -342,8 +380,7 @@ class Slurm(Scheduler):
         ids = list(dict.fromkeys(job_ids))
         found: dict[str, JobState] = {}
         for group in chunks(_asked(ids), sep=1):
-            proc = run(["squeue", "-h", "-r", "-t", "all", "-j", ",".join(group),
-                        "-o", "%i|%A|%T"])
+            proc = run(["squeue", "-h", "-r", "-t", "all", "-j", ",".join(group), "-o", "%i|%A|%T"])
             if proc.returncode == 0:
                 _settle(found, ids, _squeue_lines(proc.stdout), first=True)
         left = [j for j in ids if j not in found]
@@ -395,29 +432,40 @@ class Slurm(Scheduler):
         errors = [ln for ln in (proc.stderr or "").splitlines() if "error" in ln.lower()]
         if proc.returncode != 0 or errors:
             said = "\n".join(errors) or proc.stderr or proc.stdout
-            raise SchedulerError(f"scancel {job_id} refused (exit {proc.returncode}): "
-                                 f"{last_line(said)}")
+            raise SchedulerError(
+                f"scancel {job_id} refused (exit {proc.returncode}): {last_line(said)}"
+            )
+
     # --- the Python API (hpc.executor): issue 29 ----------------------------------------
 
-    def submitit_executor(self, job: Job, folder: Path, max_num_timeout: int = 3,
-                          run_dir: Path | None = None) -> Any:
+    def submitit_executor(
+        self, job: Job, folder: Path, max_num_timeout: int = 3, run_dir: Path | None = None
+    ) -> Any:
         """submitit's SlurmExecutor (one srun task per rank), parameters from ``job``."""
         from hpc.executors import params
         from hpc.executors.recorded import SlurmExecutor
         from hpc.schedulers import LAUNCHERS
 
         if not LAUNCHERS[job.launcher].per_rank:
-            raise UserError(f"launcher: {job.launcher!r} cannot start submitit's ranks on "
-                            f"{job.cluster.name}; allowed: auto, srun (submitit starts one "
-                            "srun task per rank)")
+            raise UserError(
+                f"launcher: {job.launcher!r} cannot start submitit's ranks on "
+                f"{job.cluster.name}; allowed: auto, srun (submitit starts one "
+                "srun task per rank)"
+            )
         try:
-            ex = SlurmExecutor(folder, max_num_timeout=max_num_timeout,
-                               python="python" if job.spec.python else None,
-                               run_dir=run_dir, scheduler=self)
+            ex = SlurmExecutor(
+                folder,
+                max_num_timeout=max_num_timeout,
+                python="python" if job.spec.python else None,
+                run_dir=run_dir,
+                scheduler=self,
+            )
         except RuntimeError:
-            raise UserError(f"cluster: {job.cluster.name} is a SLURM cluster but srun is not on "
-                            "PATH here; allowed: a login node of that cluster, or cluster='local' "
-                            "/ 'debug' on this machine") from None
+            raise UserError(
+                f"cluster: {job.cluster.name} is a SLURM cluster but srun is not on "
+                "PATH here; allowed: a login node of that cluster, or cluster='local' "
+                "/ 'debug' on this machine"
+            ) from None
         ex.update_parameters(**params.slurm_parameters(job))
         return ex
 

@@ -43,9 +43,13 @@ def _parser(add_help: bool = True) -> _Parser:
     p.add_argument("--list", action="store_true", help="list recipes and exit")
     p.add_argument("--config", help="YAML config (sections as in configs/RECIPE.yaml)")
     p.add_argument(
-        "--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+        "--set",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
         help="override config keys, e.g. --set optim.lr=1e-4 training.epochs=2 (repeatable)",
-    )  # fmt: skip
+    )
     p.add_argument("--print-config", action="store_true", help="print resolved config, exit")
     p.add_argument("--debug", action="store_true", help="show tracebacks for config errors")
     return p
@@ -63,12 +67,14 @@ def env_sets(environ: dict[str, str] | None = None) -> list[str]:
     try:
         items = shlex.split(raw)
     except ValueError as exc:
-        raise ConfigError(f"{ENV_SETS}: {exc}; allowed: KEY=VALUE words, quoted as in a "
-                          "shell") from None  # fmt: skip
+        raise ConfigError(
+            f"{ENV_SETS}: {exc}; allowed: KEY=VALUE words, quoted as in a shell"
+        ) from None
     for item in items:
         if "=" not in item:
-            raise ConfigError(f"{ENV_SETS}: {item!r} is not KEY=VALUE; allowed: "
-                              "section.key=value words")  # fmt: skip
+            raise ConfigError(
+                f"{ENV_SETS}: {item!r} is not KEY=VALUE; allowed: section.key=value words"
+            )
     return items
 
 
@@ -144,8 +150,9 @@ def _train(recipe: Recipe, config: TrainConfig, from_env: Sequence[str] = ()) ->
     import ddp
     from ddp.trainer import Trainer
 
-    ctx = ddp.init(backend=config.ddp.backend, device=config.ddp.device,
-                   timeout=config.ddp.timeout_s)  # fmt: skip
+    ctx = ddp.init(
+        backend=config.ddp.backend, device=config.ddp.device, timeout=config.ddp.timeout_s
+    )
     if from_env and ctx.rank == 0:  # said once, so a log shows why a value differs
         print(f"ddp: {ENV_SETS} from the environment: {' '.join(from_env)}", file=sys.stderr)
     try:
@@ -155,10 +162,16 @@ def _train(recipe: Recipe, config: TrainConfig, from_env: Sequence[str] = ()) ->
 
             init_from.apply(built.model, config.model["init_from"])
         trainer = Trainer(
-            built.model, built.train_data, config, built.step_fn,
-            built.eval_data, built.eval_fn, built.collate_fn, built.after_step,
+            built.model,
+            built.train_data,
+            config,
+            built.step_fn,
+            built.eval_data,
+            built.eval_fn,
+            built.collate_fn,
+            built.after_step,
             built.finish_eval,
-        )  # fmt: skip
+        )
     except ConfigError:  # every rank reads the same input: each ends here, then says so
         ddp.shutdown()  # main() called from Python must not leave the group behind
         raise

@@ -41,9 +41,13 @@ def open_regular(path: str | Path, *, follow: bool = True) -> tuple[int, os.stat
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            kind = ("a directory" if stat.S_ISDIR(info.st_mode) else
-                    "a named pipe" if stat.S_ISFIFO(info.st_mode) else
-                    "a device or socket")  # fmt: skip
+            kind = (
+                "a directory"
+                if stat.S_ISDIR(info.st_mode)
+                else "a named pipe"
+                if stat.S_ISFIFO(info.st_mode)
+                else "a device or socket"
+            )
             raise NotRegular(f"is {kind}; allowed: a regular file")
         os.set_blocking(fd, True)
     except BaseException:

@@ -61,7 +61,6 @@ BLOCK_KEY = "ddp_agree/block"
 """Store key under which rank 0 publishes the block size every rank builds the tree with."""
 
 
-
 @dataclass(frozen=True)
 class Layout:
     """Where ``rank`` sits in the tree of ``world`` ranks (the same arithmetic on every rank).
@@ -225,8 +224,16 @@ class Agreement:
     @property
     def buffers(self) -> tuple[torch.Tensor, ...]:
         """Every tensor a round reads or writes (CPU; tests check they never reach a device)."""
-        return (*self._flags, self._value, self._table, *self._rows, self._hop_col,
-                self._one, self._step, self._down)
+        return (
+            *self._flags,
+            self._value,
+            self._table,
+            *self._rows,
+            self._hop_col,
+            self._one,
+            self._step,
+            self._down,
+        )
 
     @property
     def hops(self) -> int:
@@ -383,8 +390,11 @@ def _device() -> Any:
     # default device binds the host name's address, which on a host whose name resolves
     # to 127.0.0.1 (network namespaces, some clusters) other hosts cannot reach.
     iface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
-    make = (functools.partial(ProcessGroupGloo.create_device, interface=iface) if iface
-            else ProcessGroupGloo.create_default_device)  # fmt: skip
+    make = (
+        functools.partial(ProcessGroupGloo.create_device, interface=iface)
+        if iface
+        else ProcessGroupGloo.create_default_device
+    )
     try:
         return make(lazy_init=True)
     except TypeError:  # no lazy_init: each group connects its few members when made

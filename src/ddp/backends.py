@@ -133,13 +133,12 @@ def choose_device(device: str, local_rank: int, world_size: int) -> torch.device
                 log.warning(
                     "%d processes on one Mac: DDP gives no parallelism on its single MPS "
                     "GPU (Gloo cannot carry MPS tensors), so the ranks run on the CPU; for "
-                    "speed run one process (python -m ddp ...) on mps", world_size,
-                )  # fmt: skip
+                    "speed run one process (python -m ddp ...) on mps",
+                    world_size,
+                )
             kind = "cpu"
     elif kind not in avail:
-        raise ConfigError(
-            f"device={device!r} is not available here; available: {', '.join(avail)}"
-        )
+        raise ConfigError(f"device={device!r} is not available here; available: {', '.join(avail)}")
     elif kind == "mps" and world_size > 1:
         raise ConfigError(
             f"device='mps' with world size {world_size}: Gloo cannot carry MPS tensors and a "
@@ -161,8 +160,11 @@ def choose_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         backend = {"cuda": "nccl", "xpu": "xpu"}.get(device.type, "gloo")
         if backend == "nccl" and "nccl" not in avail and "gloo" in avail:
-            log.info("NCCL is not available in this torch build (Windows, or CUDA without "
-                     "NCCL): backend auto uses Gloo on %s", device)  # fmt: skip
+            log.info(
+                "NCCL is not available in this torch build (Windows, or CUDA without "
+                "NCCL): backend auto uses Gloo on %s",
+                device,
+            )
             return "gloo"
     if backend == "xpu":
         # xccl ships with torch >= 2.8; oneCCL bindings (ccl) are the end-of-life fallback.

@@ -86,8 +86,10 @@ def check_sweep_paths(cfg: TrainConfig, environ: typing.Mapping[str, str] | None
         return
     swept = env.get("HPC_SWEEP_KEYS", "").split(",")
     metrics = cfg.logging.metrics_file
-    for key, path in (("checkpoint.dir", cfg.checkpoint.dir),
-                      ("logging.metrics_file", None if metrics == "auto" else metrics)):
+    for key, path in (
+        ("checkpoint.dir", cfg.checkpoint.dir),
+        ("logging.metrics_file", None if metrics == "auto" else metrics),
+    ):
         if not path or key in swept:  # swept: hpc checked at submit that each task gets its own
             continue
         task, target = os.path.realpath(run_dir), os.path.realpath(path)
@@ -98,7 +100,6 @@ def check_sweep_paths(cfg: TrainConfig, environ: typing.Mapping[str, str] | None
                 f"keeps its own), one inside the task's folder, or a --sweep of {key} with "
                 "one per task"
             )
-
 
 
 @dataclass
@@ -159,9 +160,13 @@ class TrainConfig:
         if sc.by == "world":
             return scale_factor(sc.rule, world_size, sc.base_world_size)
         try:
-            return scaling.factor_by(sc.rule, sc.by, world_size,
-                                     effective=self.effective_batch(world_size),
-                                     base_batch_size=sc.base_batch_size)  # fmt: skip
+            return scaling.factor_by(
+                sc.rule,
+                sc.by,
+                world_size,
+                effective=self.effective_batch(world_size),
+                base_batch_size=sc.base_batch_size,
+            )
         except scaling.ScalingRuleError as exc:
             raise ConfigError(f"scaling: {exc}") from None
 
@@ -190,7 +195,6 @@ def scale_factor(rule: str, world_size: int, base_world_size: int = 1) -> float:
         return scaling.scale_factor(rule, world_size, base_world_size)
     except scaling.ScalingRuleError as exc:
         raise ConfigError(f"scaling.rule: {exc}") from None
-
 
 
 def check_free_section(

@@ -53,7 +53,6 @@ MAX_BUCKET_MB = 1e12
 """DDP's gradient bucket: torch turns it into an int64 number of bytes."""
 
 
-
 def _unknown(where: str, key: str, valid: list[str]) -> typing.NoReturn:
     name = f"{where}.{key}" if where else key
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
@@ -103,7 +102,11 @@ def _coerce(value: Any, tp: Any, path: str, choices: tuple[str, ...] | None = No
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a mapping, got {value!r}")
         return dict(value)
-    if choices is not None and isinstance(value, bool) and ("off" if not value else "on") in choices:
+    if (
+        choices is not None
+        and isinstance(value, bool)
+        and ("off" if not value else "on") in choices
+    ):
         value = "on" if value else "off"  # YAML 1.1 reads a bare off/on as a boolean
     out = _scalar(value, tp, path)
     if choices is not None and out not in choices:
@@ -168,8 +171,9 @@ def _int64(out: int, value: Any, path: str) -> int:
     """``out`` if it is a 64-bit integer (:data:`INT_MIN`..:data:`INT_MAX`), else one line:
     every integer field goes through here, so ``1e300`` never reaches torch."""
     if not INT_MIN <= out <= INT_MAX:
-        raise ConfigError(f"{path}: {value!r} is out of range; allowed: an integer from "
-                          f"{INT_MIN} to {INT_MAX}")  # fmt: skip
+        raise ConfigError(
+            f"{path}: {value!r} is out of range; allowed: an integer from {INT_MIN} to {INT_MAX}"
+        )
     return out
 
 
@@ -223,8 +227,11 @@ def _check_scaling(obj: ScalingConfig, bad: _Bad) -> None:
     if obj.base_world_size < 1:
         bad("base_world_size", obj.base_world_size, "an integer >= 1")
     if obj.base_batch_size < 0 or (obj.by == "batch" and obj.base_batch_size < 1):
-        bad("base_batch_size", obj.base_batch_size,
-            "an integer >= 1 (the effective batch the base lr was tuned for) with by: batch")
+        bad(
+            "base_batch_size",
+            obj.base_batch_size,
+            "an integer >= 1 (the effective batch the base lr was tuned for) with by: batch",
+        )
     if obj.by == "world" and obj.base_batch_size:
         bad("base_batch_size", obj.base_batch_size, "0 with by: world (set by: batch to use it)")
     try:
@@ -245,8 +252,11 @@ def _check_ddp(obj: DDPConfig, bad: _Bad) -> None:
     if not 0 < obj.bucket_cap_mb <= MAX_BUCKET_MB:
         bad("bucket_cap_mb", obj.bucket_cap_mb, f"a number > 0 and at most {MAX_BUCKET_MB:g}")
     if obj.timeout_s is not None and not 0 < obj.timeout_s <= MAX_SECONDS:
-        bad("timeout_s", obj.timeout_s,
-            f"seconds > 0 and at most {MAX_SECONDS:.0f} (a year), or null")
+        bad(
+            "timeout_s",
+            obj.timeout_s,
+            f"seconds > 0 and at most {MAX_SECONDS:.0f} (a year), or null",
+        )
 
 
 def _check_data(obj: DataConfig, bad: _Bad) -> None:
@@ -292,8 +302,7 @@ def _check_preemption(obj: PreemptionConfig, bad: _Bad) -> None:
     if not 0 <= obj.check_interval_s <= 10:
         bad("check_interval_s", obj.check_interval_s, "seconds in [0, 10]")
     if not 0 <= obj.grace_s <= MAX_SECONDS:
-        bad("grace_s", obj.grace_s,
-            f"seconds from 0 (no watchdog) to {MAX_SECONDS:.0f} (a year)")
+        bad("grace_s", obj.grace_s, f"seconds from 0 (no watchdog) to {MAX_SECONDS:.0f} (a year)")
 
 
 def _check_monitoring(obj: MonitoringConfig, bad: _Bad) -> None:

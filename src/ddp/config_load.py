@@ -74,7 +74,6 @@ def _is_free(path: list[str]) -> bool:
     return bool(path) and path[0] in ("model", "recipe")
 
 
-
 # ---- seed 004's configs as written (issue 26): aliases, monitoring, final LR ----------------
 # The seed guide's YAML spells five keys its own way; they are accepted as aliases of
 # the keys above, each noted once (logged by the Trainer on rank 0 through
@@ -141,9 +140,11 @@ def apply_aliases(raw: dict[str, Any]) -> dict[str, Any]:
             if not isinstance(node, dict):
                 raise ConfigError(f"{part}: expected a mapping, got {node!r}")
         if ckey in node and node[ckey] != value:
-            raise ConfigError(f"{alias}: {value!r} and {canonical}: {node[ckey]!r} disagree; "
-                              f"allowed: one of the two ({alias} is the seed's name for "
-                              f"{canonical})")  # fmt: skip
+            raise ConfigError(
+                f"{alias}: {value!r} and {canonical}: {node[ckey]!r} disagree; "
+                f"allowed: one of the two ({alias} is the seed's name for "
+                f"{canonical})"
+            )
         node[ckey] = value
         _note(f"{alias} is the seed's name for {canonical}; using {canonical}")
     return raw
@@ -159,12 +160,15 @@ def free_aliases(section: str, given: dict[str, Any], defaults: dict[str, Any]) 
             value = out.pop(alias)
             other = given.get(canonical, defaults[canonical])  # the file's, else the default
             if other not in (value, defaults[canonical]):
-                raise ConfigError(f"model.{alias}: {value!r} and model.{canonical}: "
-                                  f"{given[canonical]!r} disagree; allowed: one of the two "
-                                  f"(model.{alias} is the seed's name for model.{canonical})")
+                raise ConfigError(
+                    f"model.{alias}: {value!r} and model.{canonical}: "
+                    f"{given[canonical]!r} disagree; allowed: one of the two "
+                    f"(model.{alias} is the seed's name for model.{canonical})"
+                )
             out[canonical] = value
-            _note(f"model.{alias} is the seed's name for model.{canonical}; "
-                  f"using model.{canonical}")
+            _note(
+                f"model.{alias} is the seed's name for model.{canonical}; using model.{canonical}"
+            )
     return out
 
 
@@ -187,6 +191,8 @@ def final_unless_scaled(raw: dict[str, Any], where: str) -> dict[str, Any]:
         if not isinstance(raw["scaling"], dict):
             raise ConfigError(f"scaling: expected a mapping, got {raw['scaling']!r}")
         raw["scaling"]["rule"] = "none"
-        _note(f"{where} sets optim.lr/warmup without scaling.rule: its values are final "
-              "(scaling.rule: none); name a rule in the file to have them scaled")
+        _note(
+            f"{where} sets optim.lr/warmup without scaling.rule: its values are final "
+            "(scaling.rule: none); name a rule in the file to have them scaled"
+        )
     return raw

@@ -33,7 +33,9 @@ class OptimConfig:
     momentum: float = 0.0  # sgd only
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw only
     warmup_steps: int = 0
-    schedule: str = field(default="constant", metadata={"choices": ("constant", "linear", "cosine")})
+    schedule: str = field(
+        default="constant", metadata={"choices": ("constant", "linear", "cosine")}
+    )
     min_lr_ratio: float = 0.0  # floor of linear/cosine decay as a fraction of lr
     grad_clip: float | None = None  # max global grad norm; None or 0 = off
 

@@ -166,8 +166,11 @@ def _init(
     if fix:  # before init_process_group: oneCCL reads them when the communicator is made
         os.environ.update(fix)
         if info.rank == 0:
-            log.info("torch %s on xpu: %s (pytorch#156782, fixed in 2.9)", torch.__version__,
-                     " ".join(f"{k}={v}" for k, v in fix.items()))  # fmt: skip
+            log.info(
+                "torch %s on xpu: %s (pytorch#156782, fixed in 2.9)",
+                torch.__version__,
+                " ".join(f"{k}={v}" for k, v in fix.items()),
+            )
     if info.world_size > 1 and not tdist.is_initialized():
         atexit.register(_at_exit)
         info, address = resolve_master(info)
@@ -193,20 +196,35 @@ def _init(
         global _AGREE
         _AGREE = agree.build(store, info.rank, info.world_size, info.local_world_size, limit)
     _CONTEXT = Context(
-        info.rank, info.local_rank, info.world_size, info.local_world_size, info.node_rank,
-        choice.device, choice.backend, info.launcher, info.master_addr, info.master_port,
+        info.rank,
+        info.local_rank,
+        info.world_size,
+        info.local_world_size,
+        info.node_rank,
+        choice.device,
+        choice.backend,
+        info.launcher,
+        info.master_addr,
+        info.master_port,
         limit.total_seconds(),
-    )  # fmt: skip
+    )
     log.info(
         "Initialized DDP: rank=%d, world_size=%d, local_rank=%d",
-        info.rank, info.world_size, info.local_rank,
-    )  # fmt: skip
+        info.rank,
+        info.world_size,
+        info.local_rank,
+    )
     log.info("Using device: %s", choice.device)
     log.info("collective timeout: %g s (%s)", limit.total_seconds(), limit_source)
     for note in info.notes if info.rank == 0 else ():  # the same on every rank: say it once
         log.warning("%s", note)
-    log.debug("launcher=%s backend=%s master=%s:%d", info.launcher, choice.backend,
-              info.master_addr, info.master_port)  # fmt: skip
+    log.debug(
+        "launcher=%s backend=%s master=%s:%d",
+        info.launcher,
+        choice.backend,
+        info.master_addr,
+        info.master_port,
+    )
     return _CONTEXT
 
 
@@ -334,9 +352,7 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     return box[0]
 
 
-def wrap(
-    model: torch.nn.Module, strategy: str = "ddp", **options: Any
-) -> torch.nn.Module:
+def wrap(model: torch.nn.Module, strategy: str = "ddp", **options: Any) -> torch.nn.Module:
     """Move ``model`` to this rank's device; when the world is larger than 1, wrap it in
     DDP (``strategy="ddp"``, ``options`` go to DistributedDataParallel) or shard it with
     FSDP2 (``strategy="fsdp"``, ``options`` go to :func:`ddp.fsdp.shard`: blocks,

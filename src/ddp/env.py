@@ -110,9 +110,16 @@ def _legacy(env: Mapping[str, str], argv: Sequence[str]) -> DistEnv | None:
     if local is None:
         return None
     return _build(
-        env, "legacy", _int(env, "RANK"), _int(env, "WORLD_SIZE"), local,
-        _int(env, "LOCAL_WORLD_SIZE"), _int(env, "GROUP_RANK", "NODE_RANK"), "RANK", "WORLD_SIZE",
-    )  # fmt: skip
+        env,
+        "legacy",
+        _int(env, "RANK"),
+        _int(env, "WORLD_SIZE"),
+        local,
+        _int(env, "LOCAL_WORLD_SIZE"),
+        _int(env, "GROUP_RANK", "NODE_RANK"),
+        "RANK",
+        "WORLD_SIZE",
+    )
 
 
 def _in_srun_step(env: Mapping[str, str], rank_var: str) -> bool:
@@ -152,20 +159,34 @@ def _pals(env: Mapping[str, str], argv: Sequence[str]) -> DistEnv | None:
             "with the same --ppn)",
         )
     return _build(
-        env, "pals", rank, world, _int(env, "PALS_LOCAL_RANKID", "PMI_LOCAL_RANK"), local_world,
-        _int(env, "PALS_NODEID"), "PALS_RANKID" if "PALS_RANKID" in env else "PMI_RANK",
-        "PMI_SIZE", local_pid_ok=True, notes=notes,
-    )  # fmt: skip
+        env,
+        "pals",
+        rank,
+        world,
+        _int(env, "PALS_LOCAL_RANKID", "PMI_LOCAL_RANK"),
+        local_world,
+        _int(env, "PALS_NODEID"),
+        "PALS_RANKID" if "PALS_RANKID" in env else "PMI_RANK",
+        "PMI_SIZE",
+        local_pid_ok=True,
+        notes=notes,
+    )
 
 
 def _lsf(env: Mapping[str, str], argv: Sequence[str]) -> DistEnv | None:
     if "JSM_NAMESPACE_RANK" not in env:
         return None
     return _build(
-        env, "lsf", _int(env, "JSM_NAMESPACE_RANK"), _int(env, "JSM_NAMESPACE_SIZE"),
-        _int(env, "JSM_NAMESPACE_LOCAL_RANK"), _int(env, "JSM_NAMESPACE_LOCAL_SIZE"), None,
-        "JSM_NAMESPACE_RANK", "JSM_NAMESPACE_SIZE",
-    )  # fmt: skip
+        env,
+        "lsf",
+        _int(env, "JSM_NAMESPACE_RANK"),
+        _int(env, "JSM_NAMESPACE_SIZE"),
+        _int(env, "JSM_NAMESPACE_LOCAL_RANK"),
+        _int(env, "JSM_NAMESPACE_LOCAL_SIZE"),
+        None,
+        "JSM_NAMESPACE_RANK",
+        "JSM_NAMESPACE_SIZE",
+    )
 
 
 def _openmpi(env: Mapping[str, str], argv: Sequence[str]) -> DistEnv | None:
@@ -174,20 +195,34 @@ def _openmpi(env: Mapping[str, str], argv: Sequence[str]) -> DistEnv | None:
     # OMPI_COMM_WORLD_NODE_RANK is the rank among this node's processes of *all* jobs,
     # not a node index, so the node rank is derived from the local size.
     return _build(
-        env, "openmpi", _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE"),
-        _int(env, "OMPI_COMM_WORLD_LOCAL_RANK"), _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE"),
-        None, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", local_pid_ok=True,
-    )  # fmt: skip
+        env,
+        "openmpi",
+        _int(env, "OMPI_COMM_WORLD_RANK"),
+        _int(env, "OMPI_COMM_WORLD_SIZE"),
+        _int(env, "OMPI_COMM_WORLD_LOCAL_RANK"),
+        _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        None,
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        local_pid_ok=True,
+    )
 
 
 def _mvapich(env: Mapping[str, str], argv: Sequence[str]) -> DistEnv | None:
     if "MV2_COMM_WORLD_RANK" not in env:
         return None
     return _build(
-        env, "mvapich", _int(env, "MV2_COMM_WORLD_RANK"), _int(env, "MV2_COMM_WORLD_SIZE"),
-        _int(env, "MV2_COMM_WORLD_LOCAL_RANK"), _int(env, "MV2_COMM_WORLD_LOCAL_SIZE"), None,
-        "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", local_pid_ok=True,
-    )  # fmt: skip
+        env,
+        "mvapich",
+        _int(env, "MV2_COMM_WORLD_RANK"),
+        _int(env, "MV2_COMM_WORLD_SIZE"),
+        _int(env, "MV2_COMM_WORLD_LOCAL_RANK"),
+        _int(env, "MV2_COMM_WORLD_LOCAL_SIZE"),
+        None,
+        "MV2_COMM_WORLD_RANK",
+        "MV2_COMM_WORLD_SIZE",
+        local_pid_ok=True,
+    )
 
 
 def _mpich(env: Mapping[str, str], argv: Sequence[str]) -> DistEnv | None:
@@ -196,10 +231,17 @@ def _mpich(env: Mapping[str, str], argv: Sequence[str]) -> DistEnv | None:
     if "MPI_LOCALRANKID" not in env and _in_srun_step(env, "PMI_RANK"):
         return None  # `srun --mpi=pmi2`: SLURM's variables know the local rank, PMI's do not
     return _build(
-        env, "mpich", _int(env, "PMI_RANK"), _int(env, "PMI_SIZE"),
-        _int(env, "MPI_LOCALRANKID"), _int(env, "MPI_LOCALNRANKS"), None,
-        "PMI_RANK", "PMI_SIZE", local_pid_ok=True,
-    )  # fmt: skip
+        env,
+        "mpich",
+        _int(env, "PMI_RANK"),
+        _int(env, "PMI_SIZE"),
+        _int(env, "MPI_LOCALRANKID"),
+        _int(env, "MPI_LOCALNRANKS"),
+        None,
+        "PMI_RANK",
+        "PMI_SIZE",
+        local_pid_ok=True,
+    )
 
 
 #: SLURM_BATCH_SCRIPT (0xfffffffe) and SLURM_EXTERN_CONT (0xffffffff) step ids.
@@ -233,9 +275,16 @@ def _slurm(env: Mapping[str, str], argv: Sequence[str]) -> DistEnv | None:
         if node_id is not None and node_id < len(counts):
             local_world = counts[node_id]
     return _build(
-        env, "slurm", _int(env, "SLURM_PROCID"), ntasks, _int(env, "SLURM_LOCALID"),
-        local_world, node_id, "SLURM_PROCID", "SLURM_NTASKS",
-    )  # fmt: skip
+        env,
+        "slurm",
+        _int(env, "SLURM_PROCID"),
+        ntasks,
+        _int(env, "SLURM_LOCALID"),
+        local_world,
+        node_id,
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+    )
 
 
 def _single(env: Mapping[str, str], argv: Sequence[str]) -> DistEnv:
@@ -266,11 +315,19 @@ _SCHEDULED = ("pals", "lsf", "openmpi", "mvapich", "mpich", "slurm")
 #: Variables in which a launcher says how many processes it started (in all, or on
 #: this node). Any of them above 1 means this process is not alone.
 _SIZE_VARS = (
-    "WORLD_SIZE", "LOCAL_WORLD_SIZE", "PMI_SIZE", "PMI_LOCAL_SIZE", "PALS_LOCAL_SIZE",
-    "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_SIZE",
-    "MV2_COMM_WORLD_LOCAL_SIZE", "JSM_NAMESPACE_SIZE", "JSM_NAMESPACE_LOCAL_SIZE",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "PMI_SIZE",
+    "PMI_LOCAL_SIZE",
+    "PALS_LOCAL_SIZE",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "MV2_COMM_WORLD_SIZE",
+    "MV2_COMM_WORLD_LOCAL_SIZE",
+    "JSM_NAMESPACE_SIZE",
+    "JSM_NAMESPACE_LOCAL_SIZE",
     "MPI_LOCALNRANKS",
-)  # fmt: skip
+)
 
 
 def _scheduler_view(env: Mapping[str, str], args: Sequence[str]) -> DistEnv | None:

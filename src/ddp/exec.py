@@ -40,8 +40,13 @@ USAGE = "usage: python -m ddp.exec [--print] -- CMD [ARGS...]"
 
 
 #: Set by torchrun's agent itself; under real torchrun these are left as they are.
-_ELASTIC = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
-            "TORCHELASTIC_USE_AGENT_STORE", "ROLE_NAME")  # fmt: skip
+_ELASTIC = (
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "ROLE_NAME",
+)
 
 
 def exec_vars(info: DistEnv, environ: Mapping[str, str]) -> dict[str, str]:

@@ -36,14 +36,33 @@ log = logging.getLogger("ddp")
 
 FORMAT = 1
 #: Variables recorded: communication, launcher, threading and this project's own.
-PREFIXES = ("NCCL_", "CCL_", "FI_", "UCX_", "CXI_", "MPICH_", "I_MPI_", "PALS_", "ZE_",
-            "ONEAPI_", "CUDA_", "TORCH_", "PYTORCH_", "OMP_", "KMP_", "SLURM_", "PBS_",
-            "HPC_", "DDP_")  # fmt: skip
+PREFIXES = (
+    "NCCL_",
+    "CCL_",
+    "FI_",
+    "UCX_",
+    "CXI_",
+    "MPICH_",
+    "I_MPI_",
+    "PALS_",
+    "ZE_",
+    "ONEAPI_",
+    "CUDA_",
+    "TORCH_",
+    "PYTORCH_",
+    "OMP_",
+    "KMP_",
+    "SLURM_",
+    "PBS_",
+    "HPC_",
+    "DDP_",
+)
 #: Those that describe this allocation (ids, node lists, times): kept, never compared.
 ALLOCATION = ("SLURM_", "PBS_", "PALS_", "HPC_")
 #: A name like a secret is never written, whatever its prefix.
-SECRET = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|API_?KEY|PRIVATE|AUTH|COOKIE|SESSION",
-                    re.IGNORECASE)  # fmt: skip
+SECRET = re.compile(
+    r"TOKEN|SECRET|PASSW|CREDENTIAL|API_?KEY|PRIVATE|AUTH|COOKIE|SESSION", re.IGNORECASE
+)
 DIFF_LIMIT = 256 * 1024  # bytes of `git diff HEAD` kept (a note says when it was cut)
 UNTRACKED_LIMIT = 200
 
@@ -65,8 +84,7 @@ def file_name(job: str) -> str:
 def variables(env: dict[str, str] | None = None) -> dict[str, str]:
     """The recorded variables (see :data:`PREFIXES`), never one named like a secret."""
     env = os.environ if env is None else env
-    return {k: v for k, v in sorted(env.items())
-            if k.startswith(PREFIXES) and not SECRET.search(k)}  # fmt: skip
+    return {k: v for k, v in sorted(env.items()) if k.startswith(PREFIXES) and not SECRET.search(k)}
 
 
 def packages() -> dict[str, str]:
@@ -108,8 +126,11 @@ def devices() -> dict[str, Any]:
     oneCCL and Level Zero), or none."""
     import torch
 
-    out: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda,
-                           "xpu": getattr(torch.version, "xpu", None)}  # fmt: skip
+    out: dict[str, Any] = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "xpu": getattr(torch.version, "xpu", None),
+    }
     if torch.cuda.is_available():
         n = torch.cuda.device_count()
         out["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(n)]
@@ -125,8 +146,9 @@ def devices() -> dict[str, Any]:
     xpu = getattr(torch, "xpu", None)
     if xpu is not None and xpu.is_available():
         out["xpu_devices"] = [xpu.get_device_name(i) for i in range(xpu.device_count())]
-    out["libraries"] = _libraries(("libnccl-net", "libnccl.", "libccl", "libze_loader",
-                                   "libfabric"))  # fmt: skip
+    out["libraries"] = _libraries(
+        ("libnccl-net", "libnccl.", "libccl", "libze_loader", "libfabric")
+    )
     return out
 
 
@@ -169,9 +191,14 @@ def git_state(cwd: str | None = None) -> dict[str, Any] | None:
     diff = _git(["diff", "HEAD", "--no-color", "--no-ext-diff"], cwd, DIFF_LIMIT) or ("", False)
     untracked = _git(["ls-files", "--others", "--exclude-standard"], cwd, 1 << 20) or ("", False)
     files = untracked[0].splitlines()
-    return {"commit": head[0].strip(), "dirty": bool(diff[0]), "diff": diff[0],
-            "diff_truncated": diff[1], "untracked": files[:UNTRACKED_LIMIT],
-            "untracked_more": max(0, len(files) - UNTRACKED_LIMIT)}  # fmt: skip
+    return {
+        "commit": head[0].strip(),
+        "dirty": bool(diff[0]),
+        "diff": diff[0],
+        "diff_truncated": diff[1],
+        "untracked": files[:UNTRACKED_LIMIT],
+        "untracked_more": max(0, len(files) - UNTRACKED_LIMIT),
+    }
 
 
 def record(run_dir: str | Path, ctx: Any) -> Path | None:
@@ -197,20 +224,32 @@ def record(run_dir: str | Path, ctx: Any) -> Path | None:
     common = max(counts, key=lambda h: (counts[h], h)) if counts else None
     differ = sorted(n for n, h in nodes.items() if h != common)
     if differ:
-        log.warning("environment: node(s) %s run other software than the other %d node(s) "
-                    "(hash %s); see env-%s.json", ", ".join(differ),
-                    len(nodes) - len(differ), common, job_id())  # fmt: skip
+        log.warning(
+            "environment: node(s) %s run other software than the other %d node(s) "
+            "(hash %s); see env-%s.json",
+            ", ".join(differ),
+            len(nodes) - len(differ),
+            common,
+            job_id(),
+        )
     from ddp.checkpoint import atomic_write_text
 
     job = job_id()
     data = {
-        "format": FORMAT, "job_id": job, "time": round(time.time(), 3),
-        "world_size": ctx.world_size, "backend": ctx.backend, "launcher": ctx.launcher,
-        "node": node_name(), "nodes": nodes, "nodes_differ": differ,
+        "format": FORMAT,
+        "job_id": job,
+        "time": round(time.time(), 3),
+        "world_size": ctx.world_size,
+        "backend": ctx.backend,
+        "launcher": ctx.launcher,
+        "node": node_name(),
+        "nodes": nodes,
+        "nodes_differ": differ,
         "software": view if view is not None else software(),
-        "env": variables(), "allocation_prefixes": list(ALLOCATION),
+        "env": variables(),
+        "allocation_prefixes": list(ALLOCATION),
         "git": git_state(),
-    }  # fmt: skip
+    }
     path = Path(run_dir) / file_name(job)
     try:
         atomic_write_text(json.dumps(data, indent=1, default=str) + "\n", path, durable=False)

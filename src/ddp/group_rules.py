@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 XCCL_P2P_FIX = {"CCL_SEND": "direct", "CCL_RECV": "direct"}
 
 
-def xccl_p2p_env(device_type: str, torch_version: str,
-                 environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+def xccl_p2p_env(
+    device_type: str, torch_version: str, environ: dict[str, str] | os._Environ[str]
+) -> dict[str, str]:
     """The variables to set for pytorch#156782: on XPU with torch 2.8.x only, and never
     over a value the user set (``CCL_SEND=...`` in the job wins)."""
     release = torch_version.split("+", 1)[0].split(".")
@@ -57,7 +58,6 @@ def bound_device(device: torch.device, backend: str) -> torch.device | None:
     if device.index is None or backend not in BIND_DEVICE_ID.get(device.type, ()):
         return None
     return device
-
 
 
 @contextmanager
@@ -106,5 +106,3 @@ def _lazy_gloo() -> Iterator[None]:
             os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
         else:
             os.environ["TORCH_GLOO_LAZY_INIT"] = old
-
-

@@ -79,8 +79,13 @@ def _every_from_env() -> float:
 class Heartbeat:
     """Publishes one rank's progress; :meth:`beat` is cheap enough to call every step."""
 
-    def __init__(self, folder: Path | None, rank: int, every_s: float | None = None,
-                 node_rank: int | None = None) -> None:
+    def __init__(
+        self,
+        folder: Path | None,
+        rank: int,
+        every_s: float | None = None,
+        node_rank: int | None = None,
+    ) -> None:
         self.folder = folder
         self.rank = rank
         # the launcher's index of this rank's node (PALS_NODEID, SLURM_NODEID, GROUP_RANK):
@@ -110,8 +115,14 @@ class Heartbeat:
         if not force and now < self._next:
             return
         self._next = now + self.every_s
-        rec = {"rank": self.rank, "step": int(step), "phase": phase, "time": time.time(),
-               "pid": os.getpid(), "host": self._host}  # fmt: skip
+        rec = {
+            "rank": self.rank,
+            "step": int(step),
+            "phase": phase,
+            "time": time.time(),
+            "pid": os.getpid(),
+            "host": self._host,
+        }
         if self.node_rank is not None:
             rec["node_rank"] = int(self.node_rank)
         path = self.folder / f"rank-{self.rank}.json"

@@ -59,15 +59,19 @@ def hub_folder(source: str, patterns: list[str] | None = None) -> Path:
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
-        raise ConfigError(f"{KEY}: {source!r} is no local path, and reading a hub id needs "
-                          "huggingface_hub: pip install 'hpc-ddp[dpo]'") from None  # fmt: skip
+        raise ConfigError(
+            f"{KEY}: {source!r} is no local path, and reading a hub id needs "
+            "huggingface_hub: pip install 'hpc-ddp[dpo]'"
+        ) from None
     allow = patterns or ["config.json", "*.safetensors", "*.safetensors.index.json"]
     try:
         return Path(snapshot_download(source, allow_patterns=allow))
     except Exception as exc:  # offline, unknown repo, gated, network: one line
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        raise ConfigError(f"{KEY}: {source!r} is no local path and the hub gave no model "
-                          f"({first}); allowed: a model folder, a .pt file or a hub id") from None
+        raise ConfigError(
+            f"{KEY}: {source!r} is no local path and the hub gave no model "
+            f"({first}); allowed: a model folder, a .pt file or a hub id"
+        ) from None
 
 
 def read_state(source: str) -> dict[str, torch.Tensor]:
@@ -80,8 +84,10 @@ def read_state(source: str) -> dict[str, torch.Tensor]:
     if p.is_dir():
         return _read_checkpoint_dir(p)
     if not p.exists():
-        raise ConfigError(f"{KEY}: {source!r} does not exist; allowed: a model folder, "
-                          "a final/model.pt export, a step checkpoint or a hub id")  # fmt: skip
+        raise ConfigError(
+            f"{KEY}: {source!r} does not exist; allowed: a model folder, "
+            "a final/model.pt export, a step checkpoint or a hub id"
+        )
     return _read_pt(p)
 
 
@@ -97,8 +103,10 @@ def _read_bytes(path: Path, limit: int | None = None) -> bytes:
 def _tensor_map(obj: Any, path: Path, what: str) -> dict[str, torch.Tensor]:
     import torch
 
-    if not isinstance(obj, dict) or not obj or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
+    if (
+        not isinstance(obj, dict)
+        or not obj
+        or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
     ):
         raise ConfigError(f"{KEY}: {str(path)!r} {what}; allowed: a mapping of names to tensors")
     return obj
@@ -112,9 +120,11 @@ def _read_pt(path: Path) -> dict[str, torch.Tensor]:
     try:
         obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # damaged or crafted: whatever the unpickler raised, one line
-        raise ConfigError(f"{KEY}: {str(path)!r} is not a loadable weights file "
-                          f"({type(exc).__name__}); allowed: a final/model.pt export, a "
-                          "step_N.pt checkpoint or a Hugging Face model folder") from None
+        raise ConfigError(
+            f"{KEY}: {str(path)!r} is not a loadable weights file "
+            f"({type(exc).__name__}); allowed: a final/model.pt export, a "
+            "step_N.pt checkpoint or a Hugging Face model folder"
+        ) from None
     if isinstance(obj, dict) and "global_step" in obj and "format" in obj:
         return _checkpoint_model(path)  # re-read through the checked reader (digest, fields)
     return _tensor_map(obj, path, "holds no state dict")
@@ -129,8 +139,10 @@ def _checkpoint_model(path: Path, state: dict[str, Any] | None = None) -> dict[s
         except ValueError as exc:
             raise ConfigError(f"{KEY}: checkpoint {str(path)!r} {exc}") from None
     if "sharded" in state:
-        raise ConfigError(f"{KEY}: {str(path)!r} is a sharded (FSDP) checkpoint; allowed: a "
-                          "step_N.pt checkpoint or the run's final/model.pt export")  # fmt: skip
+        raise ConfigError(
+            f"{KEY}: {str(path)!r} is a sharded (FSDP) checkpoint; allowed: a "
+            "step_N.pt checkpoint or the run's final/model.pt export"
+        )
     return _tensor_map(state.get("model"), path, "has no model state")
 
 
@@ -142,9 +154,11 @@ def _read_checkpoint_dir(directory: Path) -> dict[str, torch.Tensor]:
         found = ckpt.load_latest(directory, ranks=False)
         if found is not None:
             return _checkpoint_model(found[0], found[1])
-    raise ConfigError(f"{KEY}: {str(directory)!r} holds no config.json and no readable "
-                      "checkpoint; allowed: a Hugging Face model folder, a checkpoint "
-                      "directory, a .pt file or a hub id")  # fmt: skip
+    raise ConfigError(
+        f"{KEY}: {str(directory)!r} holds no config.json and no readable "
+        "checkpoint; allowed: a Hugging Face model folder, a checkpoint "
+        "directory, a .pt file or a hub id"
+    )
 
 
 def _read_hf(folder: Path) -> dict[str, torch.Tensor]:
@@ -160,8 +174,9 @@ def _read_hf(folder: Path) -> dict[str, torch.Tensor]:
             raise ConfigError(f"{KEY}: {str(index)!r} is no safetensors index") from None
         for name in dict.fromkeys(names):
             if not isinstance(name, str) or "/" in name or name.startswith("."):
-                raise ConfigError(f"{KEY}: {str(index)!r} names {name!r}; allowed: a file "
-                                  "in the same folder")  # fmt: skip
+                raise ConfigError(
+                    f"{KEY}: {str(index)!r} names {name!r}; allowed: a file in the same folder"
+                )
             files.append(folder / name)
     elif (folder / "model.safetensors").is_file():
         files = [folder / "model.safetensors"]
@@ -173,13 +188,15 @@ def _read_hf(folder: Path) -> dict[str, torch.Tensor]:
             try:
                 state.update(st_load(_read_bytes(f)))
             except Exception as exc:  # a damaged or crafted header
-                raise ConfigError(f"{KEY}: {str(f)!r} is no readable safetensors file "
-                                  f"({type(exc).__name__})") from None  # fmt: skip
+                raise ConfigError(
+                    f"{KEY}: {str(f)!r} is no readable safetensors file ({type(exc).__name__})"
+                ) from None
         return _tensor_map(state, folder, "holds no weights")
     if (folder / "pytorch_model.bin").is_file():
         return _read_pt(folder / "pytorch_model.bin")
-    raise ConfigError(f"{KEY}: {str(folder)!r} has no model.safetensors, safetensors index "
-                      "or pytorch_model.bin")  # fmt: skip
+    raise ConfigError(
+        f"{KEY}: {str(folder)!r} has no model.safetensors, safetensors index or pytorch_model.bin"
+    )
 
 
 def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
@@ -192,7 +209,7 @@ def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: st
     import torch
 
     if all(k.startswith("module.") for k in state):
-        state = {k[len("module."):]: v for k, v in state.items()}
+        state = {k[len("module.") :]: v for k, v in state.items()}
     own = model.state_dict(keep_vars=True)
     by_storage: dict[int, list[str]] = {}
     for k, v in own.items():
@@ -201,17 +218,23 @@ def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: st
         if k not in state:
             if any(t in state for t in by_storage[v.data_ptr()] if t != k) and v.numel():
                 continue
-            raise ConfigError(f"{KEY}: {source!r} does not fit this model: it has no {k!r}; "
-                              "allowed: weights of the same architecture (the model.* "
-                              "settings of the run that saved them)")  # fmt: skip
+            raise ConfigError(
+                f"{KEY}: {source!r} does not fit this model: it has no {k!r}; "
+                "allowed: weights of the same architecture (the model.* "
+                "settings of the run that saved them)"
+            )
         if tuple(state[k].shape) != tuple(v.shape):
-            raise ConfigError(f"{KEY}: {source!r} does not fit this model: {k!r} is "
-                              f"{tuple(state[k].shape)} there and {tuple(v.shape)} here; "
-                              "allowed: weights of the same architecture")  # fmt: skip
+            raise ConfigError(
+                f"{KEY}: {source!r} does not fit this model: {k!r} is "
+                f"{tuple(state[k].shape)} there and {tuple(v.shape)} here; "
+                "allowed: weights of the same architecture"
+            )
     extra = [k for k in state if k not in own]
     if extra:
-        raise ConfigError(f"{KEY}: {source!r} does not fit this model: it has {extra[0]!r}, "
-                          "which this model lacks; allowed: weights of the same architecture")
+        raise ConfigError(
+            f"{KEY}: {source!r} does not fit this model: it has {extra[0]!r}, "
+            "which this model lacks; allowed: weights of the same architecture"
+        )
     with torch.no_grad():
         for k, v in own.items():
             if k in state:

@@ -125,8 +125,12 @@ class Loggers:
         if self._bar is not None:
             self._bar.update(phase_step, metrics)
             if self._bar.plain:
-                log.info("step %d epoch %d %s", step, epoch + 1,
-                         " ".join(f"{k}={fmt(v)}" for k, v in metrics.items()))  # fmt: skip
+                log.info(
+                    "step %d epoch %d %s",
+                    step,
+                    epoch + 1,
+                    " ".join(f"{k}={fmt(v)}" for k, v in metrics.items()),
+                )
         self._emit({f"train/{k}": v for k, v in metrics.items()}, step, epoch)
         if self._metrics is not None:
             self._metrics.write("train", step, epoch, metrics)
@@ -135,8 +139,7 @@ class Loggers:
         if not self.main:
             return
         if epoch is not None:
-            log.info("epoch %d %s", epoch + 1,
-                     " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))  # fmt: skip
+            log.info("epoch %d %s", epoch + 1, " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
         self._emit(metrics, step, self._epoch if epoch is None else epoch)
         if self._metrics is not None:
             self._metrics.write("eval", step, epoch, metrics)
@@ -212,17 +215,24 @@ def open_wandb(config: TrainConfig, info: dict[str, float] | None = None) -> Any
     try:
         import wandb
     except ImportError:
-        log.warning("logging.wandb: wandb is not installed (pip install hpc-ddp[wandb]); "
-                    "skipping")  # fmt: skip
+        log.warning("logging.wandb: wandb is not installed (pip install hpc-ddp[wandb]); skipping")
         return None
     try:
-        return wandb.init(project=w.project, name=wandb_name(config), mode=w.mode,
-                          config={**config.to_dict(), **(info or {})},
-                          settings=wandb.Settings(init_timeout=w.init_timeout))  # fmt: skip
+        return wandb.init(
+            project=w.project,
+            name=wandb_name(config),
+            mode=w.mode,
+            config={**config.to_dict(), **(info or {})},
+            settings=wandb.Settings(init_timeout=w.init_timeout),
+        )
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        log.warning("logging.wandb: wandb.init failed (%s); training goes on without W&B "
-                    "(logging.wandb.init_timeout is %gs)", first, w.init_timeout)  # fmt: skip
+        log.warning(
+            "logging.wandb: wandb.init failed (%s); training goes on without W&B "
+            "(logging.wandb.init_timeout is %gs)",
+            first,
+            w.init_timeout,
+        )
         return None
 
 
@@ -288,8 +298,12 @@ class _Progress:
 
     def update(self, step: int, metrics: dict[str, float]) -> None:
         if self.bar is not None:
-            self.bar.update(self.task, completed=step, loss=f"{metrics['loss']:.4f}",
-                            sps=f"{metrics['samples_per_s']:.0f}")  # fmt: skip
+            self.bar.update(
+                self.task,
+                completed=step,
+                loss=f"{metrics['loss']:.4f}",
+                sps=f"{metrics['samples_per_s']:.0f}",
+            )
 
     def close(self) -> None:
         if self.bar is not None:
@@ -346,6 +360,7 @@ def layer_sq_norms(model: Any, grads: bool) -> tuple[list[str], Any]:
     names = sorted(groups)
     if not names:
         return [], None
-    sq = [torch.stack([n.float() ** 2 for n in torch._foreach_norm(groups[k])]).sum()
-          for k in names]  # fmt: skip
+    sq = [
+        torch.stack([n.float() ** 2 for n in torch._foreach_norm(groups[k])]).sum() for k in names
+    ]
     return names, torch.stack(sq)

@@ -80,11 +80,14 @@ def phases(config: TrainConfig) -> list[Phase]:
     if not config.phases:
         return [Phase("train", t.epochs, config.optim.lr, t.max_samples)]
     return [
-        Phase(p.name or f"phase{i + 1}", t.epochs if p.epochs is None else p.epochs,
-              config.optim.lr if p.lr is None else p.lr,
-              t.max_samples if p.max_samples is None else p.max_samples)
+        Phase(
+            p.name or f"phase{i + 1}",
+            t.epochs if p.epochs is None else p.epochs,
+            config.optim.lr if p.lr is None else p.lr,
+            t.max_samples if p.max_samples is None else p.max_samples,
+        )
         for i, p in enumerate(config.phases)
-    ]  # fmt: skip
+    ]
 
 
 class GlobalOrderSampler(Sampler[int]):
@@ -105,8 +108,16 @@ class GlobalOrderSampler(Sampler[int]):
     does), or cut down to one with ``drop_last`` (at most ``world - 1`` unseen).
     """
 
-    def __init__(self, n: int, num_replicas: int, rank: int, batch_size: int,
-                 shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        n: int,
+        num_replicas: int,
+        rank: int,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
         self.n, self.world, self.rank, self.batch_size = n, num_replicas, rank, batch_size
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.epoch = 0

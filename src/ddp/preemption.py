@@ -35,9 +35,19 @@ if TYPE_CHECKING:
     from ddp.config_sections import PreemptionConfig
 
 __all__ = [
-    "GO", "PREEMPTED_EXIT_CODE", "SAVE", "STOP", "STUCK_S", "Preempted", "Preemption",
-    "SignalWatch", "Vote", "requeue", "slurm_job_id", "submit_next_segment",
-]  # fmt: skip
+    "GO",
+    "PREEMPTED_EXIT_CODE",
+    "SAVE",
+    "STOP",
+    "STUCK_S",
+    "Preempted",
+    "Preemption",
+    "SignalWatch",
+    "Vote",
+    "requeue",
+    "slurm_job_id",
+    "submit_next_segment",
+]
 
 log = logging.getLogger("ddp")
 
@@ -78,10 +88,15 @@ class Vote:
     """
 
     def __init__(
-        self, every: int, world_size: int, agreement: Agreement | GroupAgreement | None = None,
-        interval_s: float = 0.0, save_every_s: float = 0.0, decides: bool = True,
+        self,
+        every: int,
+        world_size: int,
+        agreement: Agreement | GroupAgreement | None = None,
+        interval_s: float = 0.0,
+        save_every_s: float = 0.0,
+        decides: bool = True,
         clock: Callable[[], float] = time.monotonic,
-    ) -> None:  # fmt: skip
+    ) -> None:
         import torch
 
         self.save_every_s = save_every_s
@@ -194,10 +209,14 @@ class Preemption:
     """
 
     def __init__(
-        self, config: PreemptionConfig, rank: int, world_size: int, every_s: float = 0.0,
+        self,
+        config: PreemptionConfig,
+        rank: int,
+        world_size: int,
+        every_s: float = 0.0,
         agreement: Agreement | GroupAgreement | None = None,
         clock: Callable[[], float] = time.monotonic,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.config = config
         self.rank = rank
         self.every_s = every_s  # checkpoint.every_s (0: off): rides on the vote
@@ -205,8 +224,15 @@ class Preemption:
         self.in_eval = False  # an evaluation stopped early on a signal (resume redoes it)
         self.signals = SignalWatch(config.signals, self._on_signal, rank, config.grace_s)
         # Until install() the vote never votes (every 0); install() sets its pace.
-        self.vote = Vote(0, world_size, agreement, config.check_interval_s,
-                         save_every_s=every_s, decides=rank == 0, clock=clock)  # fmt: skip
+        self.vote = Vote(
+            0,
+            world_size,
+            agreement,
+            config.check_interval_s,
+            save_every_s=every_s,
+            decides=rank == 0,
+            clock=clock,
+        )
 
     @property
     def requested(self) -> bool:
@@ -257,8 +283,11 @@ class Preemption:
         import ddp
 
         if self.in_eval:
-            log.warning("preemption signal during evaluation: saved at step %d, exiting %d",
-                        step, PREEMPTED_EXIT_CODE)  # fmt: skip
+            log.warning(
+                "preemption signal during evaluation: saved at step %d, exiting %d",
+                step,
+                PREEMPTED_EXIT_CODE,
+            )
         wait()
         ddp.barrier()  # the checkpoint is durable everywhere before anyone exits
         if self.rank == 0:
@@ -304,18 +333,33 @@ def requeue(enabled: bool, environ: Mapping[str, str] | None = None) -> str | No
         log.warning("requeued SLURM job %s (scontrol requeue)", job)
         return "requeue"
     if why.startswith(_NO_ANSWER):  # it may still requeue: a second segment would run twice
-        log.error("scontrol requeue %s: %s; not submitting another segment (the controller "
-                  "may still requeue the job): check `squeue -j %s`", job, why, job)  # fmt: skip
+        log.error(
+            "scontrol requeue %s: %s; not submitting another segment (the controller "
+            "may still requeue the job): check `squeue -j %s`",
+            job,
+            why,
+            job,
+        )
         return None
     log.warning("scontrol requeue %s failed (%s); submitting the next segment instead", job, why)
     try:
         new = submit_next_segment(job, env)
     except _SegmentError as exc:
-        log.error("SLURM job %s was not requeued: scontrol requeue failed (%s) and the next "
-                  "segment could not be submitted (%s); resubmit it by hand", job, why, exc)  # fmt: skip
+        log.error(
+            "SLURM job %s was not requeued: scontrol requeue failed (%s) and the next "
+            "segment could not be submitted (%s); resubmit it by hand",
+            job,
+            why,
+            exc,
+        )
         return None
-    log.warning("submitted the next segment of SLURM job %s as job %s (sbatch "
-                "--dependency=afterany:%s, same script, directory and log)", job, new, job)  # fmt: skip
+    log.warning(
+        "submitted the next segment of SLURM job %s as job %s (sbatch "
+        "--dependency=afterany:%s, same script, directory and log)",
+        job,
+        new,
+        job,
+    )
     return "sbatch"
 
 
@@ -332,11 +376,24 @@ default) and within ``preemption.grace_s``; a slow controller ends the wait, not
 #: (srun, torchrun, PMI/PALS/Open MPI). The next segment's batch script inherits sbatch's
 #: environment, and a stale RANK or MASTER_ADDR there would reach every new rank.
 _PER_TASK = ("SLURM_", "SLURMD_", "PMI_", "PMIX_", "OMPI_", "PALS_", "TORCHELASTIC_")
-_PER_TASK_NAMES = frozenset({
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
-    "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "ZE_AFFINITY_MASK",
-})  # fmt: skip
+_PER_TASK_NAMES = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_RANK",
+        "ROLE_WORLD_SIZE",
+        "ROLE_NAME",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "CUDA_VISIBLE_DEVICES",
+        "ROCR_VISIBLE_DEVICES",
+        "ZE_AFFINITY_MASK",
+    }
+)
 
 
 _NO_ANSWER = "no answer"
@@ -346,8 +403,14 @@ def _client(argv: list[str], env: Mapping[str, str]) -> str | None:
     """Run a SLURM client; None on success, else why it failed (its stderr's last line;
     a timeout starts with :data:`_NO_ANSWER`: the request may still be carried out)."""
     try:
-        proc = subprocess.run(argv, env=dict(env), capture_output=True, text=True,
-                              errors="replace", timeout=CLIENT_TIMEOUT_S)  # fmt: skip
+        proc = subprocess.run(
+            argv,
+            env=dict(env),
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=CLIENT_TIMEOUT_S,
+        )
     except subprocess.TimeoutExpired:
         return f"{_NO_ANSWER} within {CLIENT_TIMEOUT_S:g} s"
     except (OSError, subprocess.SubprocessError) as exc:
@@ -362,9 +425,14 @@ def _job_fields(job: str, env: Mapping[str, str]) -> dict[str, str]:
     """``scontrol show job -o ID`` as a dict (one line, ``Key=Value`` words; values
     without spaces except the last keys, which this code does not read)."""
     try:
-        proc = subprocess.run(["scontrol", "show", "job", "-o", job], env=dict(env),
-                              capture_output=True, text=True, errors="replace",
-                              timeout=CLIENT_TIMEOUT_S)  # fmt: skip
+        proc = subprocess.run(
+            ["scontrol", "show", "job", "-o", job],
+            env=dict(env),
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=CLIENT_TIMEOUT_S,
+        )
     except (OSError, subprocess.SubprocessError) as exc:
         raise _SegmentError(f"scontrol show job {job}: {exc}") from None
     if proc.returncode != 0:
@@ -389,8 +457,11 @@ def submit_next_segment(job: str, environ: Mapping[str, str] | None = None) -> s
     """
     env = dict(os.environ if environ is None else environ)
     fields = _job_fields(job, env)
-    clean = {k: v for k, v in env.items()
-             if k == "SLURM_CONF" or not (k.startswith(_PER_TASK) or k in _PER_TASK_NAMES)}
+    clean = {
+        k: v
+        for k, v in env.items()
+        if k == "SLURM_CONF" or not (k.startswith(_PER_TASK) or k in _PER_TASK_NAMES)
+    }
     fd, script = tempfile.mkstemp(prefix="ddp-segment-", suffix=".sh")
     os.close(fd)
     try:
@@ -398,10 +469,16 @@ def submit_next_segment(job: str, environ: Mapping[str, str] | None = None) -> s
         if why is not None or not os.path.getsize(script):
             raise _SegmentError(f"scontrol write batch_script {job}: {why or 'empty script'}")
         argv = ["sbatch", "--parsable", f"--dependency=afterany:{job}", "--open-mode=append"]
-        for key, flag in (("JobName", "--job-name"), ("Partition", "--partition"),
-                          ("Account", "--account"), ("QOS", "--qos"), ("TimeLimit", "--time"),
-                          ("WorkDir", "--chdir"), ("StdOut", "--output"),
-                          ("StdErr", "--error")):  # fmt: skip
+        for key, flag in (
+            ("JobName", "--job-name"),
+            ("Partition", "--partition"),
+            ("Account", "--account"),
+            ("QOS", "--qos"),
+            ("TimeLimit", "--time"),
+            ("WorkDir", "--chdir"),
+            ("StdOut", "--output"),
+            ("StdErr", "--error"),
+        ):
             value = fields.get(key, "")
             if value and value not in ("(null)", "UNLIMITED", "Partition_Limit", "N/A"):
                 if key in ("StdOut", "StdErr"):
@@ -411,15 +488,22 @@ def submit_next_segment(job: str, environ: Mapping[str, str] | None = None) -> s
             argv.append(f"--array={job.rsplit('_', 1)[1]}")
         argv.append(script)
         try:
-            proc = subprocess.run(argv, env=clean, capture_output=True, text=True,
-                                  errors="replace", timeout=CLIENT_TIMEOUT_S)  # fmt: skip
+            proc = subprocess.run(
+                argv,
+                env=clean,
+                capture_output=True,
+                text=True,
+                errors="replace",
+                timeout=CLIENT_TIMEOUT_S,
+            )
         except (OSError, subprocess.SubprocessError) as exc:
             raise _SegmentError(f"sbatch: {exc}") from None
         new = proc.stdout.strip().split(";")[0]
         if proc.returncode != 0 or not new:
             lines = proc.stderr.strip().splitlines()
-            raise _SegmentError(f"sbatch exit {proc.returncode}: "
-                                f"{lines[-1][:300] if lines else 'no job id'}")  # fmt: skip
+            raise _SegmentError(
+                f"sbatch exit {proc.returncode}: {lines[-1][:300] if lines else 'no job id'}"
+            )
         return new
     finally:
         with contextlib.suppress(OSError):

@@ -43,8 +43,14 @@ def _tee(path: Path, fd: int, out_fd: int) -> None:
     saved = os.dup(out_fd)  # where the stream went before: the job log
     read_end, write_end = os.pipe()
     try:
-        subprocess.Popen(["tee", "-a", str(path)], stdin=read_end, stdout=saved,
-                         stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)  # fmt: skip
+        subprocess.Popen(
+            ["tee", "-a", str(path)],
+            stdin=read_end,
+            stdout=saved,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            close_fds=True,
+        )
     finally:
         os.close(read_end)
         os.close(saved)

@@ -48,16 +48,60 @@ _SIGKILL = 9
 
 #: mpiexec options that take a value (PALS's and hydra's spellings); every other word
 #: starting with "-" before the program is a flag. Hydra's -env/-genv take two.
-_VALUE_OPTS = frozenset({
-    "-n", "-np", "--np", "--n", "-ppn", "--ppn", "-d", "--depth", "-depth", "--cpu-bind",
-    "-cpu-bind", "--mem-bind", "-mem-bind", "-f", "-hostfile", "--hostfile", "-machinefile",
-    "--hosts", "-hosts", "-host", "--env", "--envlist", "-envlist", "-genvlist", "-wdir",
-    "--wdir", "-prepend-pattern", "-bind-to", "-map-by", "-launcher", "-bootstrap",
-})  # fmt: skip
+_VALUE_OPTS = frozenset(
+    {
+        "-n",
+        "-np",
+        "--np",
+        "--n",
+        "-ppn",
+        "--ppn",
+        "-d",
+        "--depth",
+        "-depth",
+        "--cpu-bind",
+        "-cpu-bind",
+        "--mem-bind",
+        "-mem-bind",
+        "-f",
+        "-hostfile",
+        "--hostfile",
+        "-machinefile",
+        "--hosts",
+        "-hosts",
+        "-host",
+        "--env",
+        "--envlist",
+        "-envlist",
+        "-genvlist",
+        "-wdir",
+        "--wdir",
+        "-prepend-pattern",
+        "-bind-to",
+        "-map-by",
+        "-launcher",
+        "-bootstrap",
+    }
+)
 _TWO_VALUE_OPTS = frozenset({"-env", "-genv"})
 #: the options a relaunch sets itself: counts, ranks per node and hosts
-_REPLACED = frozenset({"-n", "-np", "--np", "--n", "-ppn", "--ppn", "-f", "-hostfile",
-                       "--hostfile", "-machinefile", "--hosts", "-hosts", "-host"})  # fmt: skip
+_REPLACED = frozenset(
+    {
+        "-n",
+        "-np",
+        "--np",
+        "--n",
+        "-ppn",
+        "--ppn",
+        "-f",
+        "-hostfile",
+        "--hostfile",
+        "-machinefile",
+        "--hosts",
+        "-hosts",
+        "-host",
+    }
+)
 _HOSTFILE_LIMIT = 16 << 20  # a host file of 10,624 Aurora nodes is well under 1 MiB
 
 
@@ -105,17 +149,31 @@ def srun_command(cmd: list[str], nodes: list[str], excluded: list[str], per_node
         if a in ("-N", "--nodes", "-x", "--exclude", "-w", "--nodelist", "-n", "--ntasks"):
             skip = True
             continue
-        if a.startswith(("--nodes=", "--exclude=", "--nodelist=", "--ntasks=",
-                         "--ntasks-per-node=", "--kill-on-bad-exit", "-K")) or (
-                a.startswith(("-N", "-x", "-w", "-n")) and len(a) > 2 and not a.startswith("--")):
+        if a.startswith(
+            (
+                "--nodes=",
+                "--exclude=",
+                "--nodelist=",
+                "--ntasks=",
+                "--ntasks-per-node=",
+                "--kill-on-bad-exit",
+                "-K",
+            )
+        ) or (a.startswith(("-N", "-x", "-w", "-n")) and len(a) > 2 and not a.startswith("--")):
             continue
         if not a.startswith("-"):  # the program: srun's options end here
             rest.extend(cmd[i:])
             break
         rest.append(a)
     extra = [f"--exclude={','.join(excluded)}"] if excluded else []
-    return [cmd[0], f"--nodes={len(nodes)}", f"--ntasks={per_node * len(nodes)}",
-            f"--ntasks-per-node={per_node}", *extra, *rest]
+    return [
+        cmd[0],
+        f"--nodes={len(nodes)}",
+        f"--ntasks={per_node * len(nodes)}",
+        f"--ntasks-per-node={per_node}",
+        *extra,
+        *rest,
+    ]
 
 
 # ---- mpiexec lines -------------------------------------------------------------------------
@@ -134,7 +192,7 @@ def _options(cmd: Sequence[str]) -> tuple[list[tuple[str, list[str]]], list[str]
             i += 1
             continue
         take = 2 if name in _TWO_VALUE_OPTS else 1 if name in _VALUE_OPTS else 0
-        opts.append((name, list(cmd[i + 1:i + 1 + take])))
+        opts.append((name, list(cmd[i + 1 : i + 1 + take])))
         i += 1 + take
     return opts, []
 
@@ -163,8 +221,17 @@ def mpiexec_command(cmd: Sequence[str], hostfile: Path, n_nodes: int, per_node: 
     opts, program = _options(cmd)
     ppn = next((n for n, _ in opts if n in ("-ppn", "--ppn")), "--ppn")
     kept = [w for n, vals in opts if n not in _REPLACED for w in (n, *vals)]
-    return [cmd[0], "-n", str(per_node * n_nodes), ppn, str(per_node), "--hostfile",
-            str(hostfile), *kept, *program]  # fmt: skip
+    return [
+        cmd[0],
+        "-n",
+        str(per_node * n_nodes),
+        ppn,
+        str(per_node),
+        "--hostfile",
+        str(hostfile),
+        *kept,
+        *program,
+    ]
 
 
 def probe_prefix(kind: str, cmd: Sequence[str], node: str, concurrent: Sequence[str]) -> list[str]:
@@ -272,12 +339,13 @@ class Nodes:
                 raise ValueError(  # the world of the very first attempt without a word
                     f"the launch line asks for {ranks} ranks but its host file "
                     f"({hostfile or environ['PBS_NODEFILE']}) has {len(every)} node(s) x "
-                    f"{per} per node; allowed: -n equal to nodes x ranks per node")
+                    f"{per} per node; allowed: -n equal to nodes x ranks per node"
+                )
         else:
             return cls("other")
         if spares >= len(every):
             raise ValueError(f"--spares {spares}: the job has {len(every)} nodes; allowed: fewer")
-        return cls(kind, every, every[: len(every) - spares], every[len(every) - spares:], per)
+        return cls(kind, every, every[: len(every) - spares], every[len(every) - spares :], per)
 
     def command(self, cmd: Sequence[str], hostfile: Path) -> list[str]:
         """The launch line for the next attempt, on the active nodes; for mpiexec it

@@ -186,8 +186,16 @@ def rendezvous_store(info: DistEnv, timeout: timedelta, address: str | None = No
     where = f"MASTER_ADDR:MASTER_PORT {info.master_addr}:{port}"
     if info.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         try:
-            return TCPStore(host, port, info.world_size, True, timeout, wait_for_workers=False,
-                            multi_tenant=True, use_libuv=_use_libuv())  # fmt: skip
+            return TCPStore(
+                host,
+                port,
+                info.world_size,
+                True,
+                timeout,
+                wait_for_workers=False,
+                multi_tenant=True,
+                use_libuv=_use_libuv(),
+            )
         except RuntimeError as exc:  # DistNetworkError
             if "EADDRINUSE" in str(exc) or "address already in use" in str(exc):
                 raise ConfigError(
@@ -233,10 +241,8 @@ def rendezvous_store(info: DistEnv, timeout: timedelta, address: str | None = No
         return box[0]
     if not listening and not _accepts(host, port):
         raise ConfigError(
-            f"nothing accepted connections at {where} within {limit_s:.0f} s; "
-            "did rank 0 start?"
+            f"nothing accepted connections at {where} within {limit_s:.0f} s; did rank 0 start?"
         )
     if box:
         raise box[0]
     raise ConfigError(f"{where}: no rendezvous store answered within {limit_s:.0f} s")
-

@@ -102,8 +102,15 @@ def batch_ratio(effective: int, base_batch_size: int) -> float:
     return effective / base_batch_size
 
 
-def factor_by(rule: str, by: str, world_size: int, *, base_world_size: int = 1,
-              effective: int = 1, base_batch_size: int = 0) -> float:  # fmt: skip
+def factor_by(
+    rule: str,
+    by: str,
+    world_size: int,
+    *,
+    base_world_size: int = 1,
+    effective: int = 1,
+    base_batch_size: int = 0,
+) -> float:
     """The LR multiplier of ``rule`` when the size that grows is ``by`` (world or batch).
 
     ``effective`` is the effective batch at ``world_size`` ranks (batch x accum x world);

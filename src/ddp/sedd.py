@@ -79,12 +79,17 @@ class Graph:
         """``exp(-delta Q) s`` along the last axis (the analytic sampler's first factor)."""
         raise NotImplementedError
 
-    def sample_prior(self, shape: tuple[int, ...], device: torch.device | str,
-                     generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
+    def sample_prior(
+        self,
+        shape: tuple[int, ...],
+        device: torch.device | str,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
         raise NotImplementedError
 
-    def perturb(self, x0: torch.Tensor, sigma_bar: torch.Tensor,
-                generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
+    def perturb(
+        self, x0: torch.Tensor, sigma_bar: torch.Tensor, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
         """A draw of ``x_t`` from ``transition(x0, sigma_bar)`` (sigma_bar per sequence)."""
         raise NotImplementedError
 
@@ -93,8 +98,9 @@ class Graph:
         p = self.transition(x0, sigma_bar)
         return p / p.gather(-1, x_t.unsqueeze(-1))
 
-    def score_entropy(self, log_score: torch.Tensor, x_t: torch.Tensor, x0: torch.Tensor,
-                      sigma_bar: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def score_entropy(
+        self, log_score: torch.Tensor, x_t: torch.Tensor, x0: torch.Tensor, sigma_bar: torch.Tensor
+    ) -> torch.Tensor:
         """Denoising score entropy per position (shape of ``x_t``), without ``sigma(t)``.
 
         ``sum_{y != x_t} Q[x_t, y] (s_y - r_y log s_y + K(r_y))``; terms with r_y = 0 are
@@ -141,12 +147,17 @@ class Uniform(Graph):
         ed = torch.exp(_col(delta.float(), score))
         return ed * score + (1 - ed) * score.mean(-1, keepdim=True)
 
-    def sample_prior(self, shape: tuple[int, ...], device: torch.device | str,
-                     generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
+    def sample_prior(
+        self,
+        shape: tuple[int, ...],
+        device: torch.device | str,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
         return torch.randint(0, self.n, shape, device=device, generator=generator)
 
-    def perturb(self, x0: torch.Tensor, sigma_bar: torch.Tensor,
-                generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
+    def perturb(
+        self, x0: torch.Tensor, sigma_bar: torch.Tensor, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
         move = -torch.expm1(-_col(sigma_bar.float(), x0))
         u = torch.rand(x0.shape, device=x0.device, generator=generator)
         jump = torch.randint(0, self.n, x0.shape, device=x0.device, generator=generator)
@@ -194,12 +205,17 @@ class Absorbing(Graph):
         out[..., self.mask] += ((1 - ed) * score.sum(-1, keepdim=True)).squeeze(-1)
         return out
 
-    def sample_prior(self, shape: tuple[int, ...], device: torch.device | str,
-                     generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
+    def sample_prior(
+        self,
+        shape: tuple[int, ...],
+        device: torch.device | str,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
         return torch.full(shape, self.mask, dtype=torch.long, device=device)
 
-    def perturb(self, x0: torch.Tensor, sigma_bar: torch.Tensor,
-                generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
+    def perturb(
+        self, x0: torch.Tensor, sigma_bar: torch.Tensor, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
         move = -torch.expm1(-_col(sigma_bar.float(), x0))
         u = torch.rand(x0.shape, device=x0.device, generator=generator)
         return torch.where(u < move, torch.full_like(x0, self.mask), x0)
@@ -253,8 +269,9 @@ class Geometric(Noise):
         return self.total(t) * math.log(self.hi / self.lo)
 
 
-def make_noise(name: str, sigma_min: float = 1e-4, sigma_max: float = 20.0,
-               eps: float = 1e-3) -> Noise:  # fmt: skip
+def make_noise(
+    name: str, sigma_min: float = 1e-4, sigma_max: float = 20.0, eps: float = 1e-3
+) -> Noise:
     if name == "loglinear":
         return LogLinear(eps)
     if name == "geometric":
@@ -263,8 +280,9 @@ def make_noise(name: str, sigma_min: float = 1e-4, sigma_max: float = 20.0,
 
 
 # ---- losses -----------------------------------------------------------------------------
-def log_score(raw: torch.Tensor, x_t: torch.Tensor, sigma_bar: torch.Tensor, graph: Graph,
-              loss: str = "sedd") -> torch.Tensor:  # fmt: skip
+def log_score(
+    raw: torch.Tensor, x_t: torch.Tensor, sigma_bar: torch.Tensor, graph: Graph, loss: str = "sedd"
+) -> torch.Tensor:
     """The model's output as log concrete scores, with ``log s_{x_t} = 0`` (s = 1 at the
     current state, which the sampler's formulas use).
 
@@ -286,11 +304,17 @@ def log_score(raw: torch.Tensor, x_t: torch.Tensor, sigma_bar: torch.Tensor, gra
     return raw.scatter(-1, x_t.unsqueeze(-1), 0.0)
 
 
-def diffusion_loss(model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x0: torch.Tensor,
-                   graph: Graph, noise: Noise, t: torch.Tensor, loss: str = "sedd",
-                   generator: torch.Generator | None = None,
-                   weight: torch.Tensor | None = None,
-                   x_t: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def diffusion_loss(
+    model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    x0: torch.Tensor,
+    graph: Graph,
+    noise: Noise,
+    t: torch.Tensor,
+    loss: str = "sedd",
+    generator: torch.Generator | None = None,
+    weight: torch.Tensor | None = None,
+    x_t: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Per-sequence negative ELBO per token (nats) at times ``t``, one sample of x_t each
     (drawn here, or given: evaluation draws it per sequence from a seeded generator).
 
@@ -326,10 +350,18 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tenso
 
 
 @torch.no_grad()
-def sample(model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], graph: Graph,
-           noise: Noise, shape: tuple[int, int], steps: int, predictor: str = "analytic",
-           loss: str = "sedd", eps: float = 1e-5, device: torch.device | str = "cpu",
-           generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
+def sample(
+    model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    graph: Graph,
+    noise: Noise,
+    shape: tuple[int, int],
+    steps: int,
+    predictor: str = "analytic",
+    loss: str = "sedd",
+    eps: float = 1e-5,
+    device: torch.device | str = "cpu",
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """``shape`` sequences of states from the reverse process in ``steps`` steps, t: 1 -> eps,
     then one analytic step from eps to 0 that never leaves a mask.
 

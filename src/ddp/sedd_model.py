@@ -50,20 +50,21 @@ class DiTBlock(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=False)
         self.proj = nn.Linear(dim, dim, bias=False)
         self.norm2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(approximate="tanh"),
-                                 nn.Linear(4 * dim, dim))  # fmt: skip
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, 4 * dim), nn.GELU(approximate="tanh"), nn.Linear(4 * dim, dim)
+        )
         self.ada = nn.Linear(cond, 6 * dim)
         nn.init.zeros_(self.ada.weight)
         nn.init.zeros_(self.ada.bias)
         self.dropout = dropout
 
-    def forward(self, x: torch.Tensor, c: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, x: torch.Tensor, c: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         b, length, d = x.shape
         sh1, sc1, g1, sh2, sc2, g2 = self.ada(c)[:, None].chunk(6, -1)
         h = self.norm1(x) * (1 + sc1) + sh1
-        q, k, v = self.qkv(h).view(b, length, 3, self.heads, d // self.heads).permute(
-            2, 0, 3, 1, 4)  # fmt: skip
+        q, k, v = self.qkv(h).view(b, length, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         p = self.dropout if self.training else 0.0
         a = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
@@ -81,18 +82,28 @@ class DiT(nn.Module):
     (set by ``memory.gradient_checkpointing``) recomputes each block in backward.
     """
 
-    def __init__(self, n_states: int, d_model: int = 768, n_layers: int = 12,
-                 n_heads: int = 12, cond_dim: int = 128, max_len: int = 1024,
-                 dropout: float = 0.1) -> None:  # fmt: skip
+    def __init__(
+        self,
+        n_states: int,
+        d_model: int = 768,
+        n_layers: int = 12,
+        n_heads: int = 12,
+        cond_dim: int = 128,
+        max_len: int = 1024,
+        dropout: float = 0.1,
+    ) -> None:
         super().__init__()
         if d_model % n_heads or (d_model // n_heads) % 2:
-            raise ConfigError(f"model.n_heads: {n_heads} must divide model.d_model: {d_model} "
-                              "into an even head width (rotary positions rotate pairs)")
+            raise ConfigError(
+                f"model.n_heads: {n_heads} must divide model.d_model: {d_model} "
+                "into an even head width (rotary positions rotate pairs)"
+            )
         self.max_len = max_len
         self.embed = nn.Embedding(n_states, d_model)
         self.sigma = NoiseEmbedding(cond_dim)
-        self.blocks = nn.ModuleList(DiTBlock(d_model, n_heads, cond_dim, dropout)
-                                    for _ in range(n_layers))  # fmt: skip
+        self.blocks = nn.ModuleList(
+            DiTBlock(d_model, n_heads, cond_dim, dropout) for _ in range(n_layers)
+        )
         self.norm = nn.LayerNorm(d_model)
         self.ada = nn.Linear(cond_dim, 2 * d_model)
         self.out = nn.Linear(d_model, n_states)

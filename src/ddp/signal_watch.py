@@ -132,8 +132,10 @@ class SignalWatch:
         grace = float(self.grace_s or 0.0)
         stuck = min(STUCK_S, grace)
         if not self.handled.wait(stuck) and not self._stopped.is_set():
-            self._bail(f"the main thread did not respond within {stuck:g} s "
-                       "(stuck in a collective or native code)")  # fmt: skip
+            self._bail(
+                f"the main thread did not respond within {stuck:g} s "
+                "(stuck in a collective or native code)"
+            )
         if not self._stopped.wait(max(0.0, grace - (time.monotonic() - t0))):
             self._bail(f"the rank did not finish within preemption.grace_s={grace:g} s")
 

@@ -74,8 +74,13 @@ class Stragglers:
         """``per_rank[r]``: rank r's seconds per step in each of :data:`PHASES` since
         the last log point. Returns the scalars for metrics.jsonl."""
         out: dict[str, float] = {}
-        self._write({"kind": "ranks", "step": step,
-                     **{p: [round(t[i], 6) for t in per_rank] for i, p in enumerate(PHASES)}})  # fmt: skip
+        self._write(
+            {
+                "kind": "ranks",
+                "step": step,
+                **{p: [round(t[i], 6) for t in per_rank] for i, p in enumerate(PHASES)},
+            }
+        )
         for i, phase in enumerate(PHASES):
             col = [t[i] for t in per_rank]
             med = statistics.median(col)
@@ -96,27 +101,42 @@ class Stragglers:
 
     def _report(self, step: int, rank: int, phase: str, value: float, med: float) -> None:
         host = self.hosts[rank] if rank < len(self.hosts) else "?"
-        rec = {"kind": "straggler", "step": step, "rank": rank, "host": host, "phase": phase,
-               "seconds_per_step": round(value, 6), "median": round(med, 6),
-               "points": self.points}  # fmt: skip
+        rec = {
+            "kind": "straggler",
+            "step": step,
+            "rank": rank,
+            "host": host,
+            "phase": phase,
+            "seconds_per_step": round(value, 6),
+            "median": round(med, 6),
+            "points": self.points,
+        }
         self.found.append(rec)
         self._write(rec)
-        log.warning("straggler: rank %d on %s is slow in %s: %.4f s/step against a median "
-                    "of %.4f, %d log points in a row (step %d)", rank, host, phase, value,
-                    med, self.points, step)  # fmt: skip
+        log.warning(
+            "straggler: rank %d on %s is slow in %s: %.4f s/step against a median "
+            "of %.4f, %d log points in a row (step %d)",
+            rank,
+            host,
+            phase,
+            value,
+            med,
+            self.points,
+            step,
+        )
 
 
 def slots(world: int, rank: int, times: list[float]) -> list[float]:
     """This rank's contribution to the log point's all-reduce: its times in its slots."""
     out = [0.0] * (world * len(PHASES))
-    out[rank * len(PHASES): (rank + 1) * len(PHASES)] = times
+    out[rank * len(PHASES) : (rank + 1) * len(PHASES)] = times
     return out
 
 
 def unpack(summed: list[float], world: int) -> list[list[float]]:
     """The all-reduced slots (a sum, or a mean times ``world``) as per-rank rows."""
     n = len(PHASES)
-    return [summed[r * n: (r + 1) * n] for r in range(world)]
+    return [summed[r * n : (r + 1) * n] for r in range(world)]
 
 
 # --- device events (issue 31 item 1): the forward's time on the device itself ----------

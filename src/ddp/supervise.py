@@ -105,13 +105,17 @@ def _record(run_dir: Path, event: dict[str, Any]) -> None:
     # "t": the same instant in epoch seconds, sub-second: bench/recovery.py splits a
     # recovery (kill -> failure -> restart -> first step) from these and the ranks' times
     now = time.time()
-    events.append({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now)),
-                   "t": round(now, 3), **event})
+    events.append(
+        {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now)),
+            "t": round(now, 3),
+            **event,
+        }
+    )
     sup["restarts"] = sum(1 for e in events if e.get("event") == "restart")
     tmp = path.with_name(".run.json.supervise.tmp")
     tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, path)
-
 
 
 # ---- one attempt ----------------------------------------------------------------------
@@ -121,9 +125,15 @@ class Attempt:
     def __init__(self, cmd: list[str], env: dict[str, str], log_path: Path) -> None:
         self.lines: list[str] = []
         self.log = open(log_path, "w")  # closed by the reader thread
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, errors="replace",
-                                     start_new_session=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+        )
         self.reader = threading.Thread(target=self._tee, daemon=True)
         self.reader.start()
 
@@ -155,7 +165,8 @@ class Attempt:
         if world and len(failed) >= world and len(set(failed.values())) == 1:
             return "fatal", f"every rank raised the same error: {next(iter(failed.values()))}"
         return "node", f"exit {self.proc.returncode}" + (
-            f"; ranks {sorted(failed)} reported errors" if failed else "")
+            f"; ranks {sorted(failed)} reported errors" if failed else ""
+        )
 
 
 def _world(hb_dir: Path) -> int:
@@ -169,8 +180,7 @@ def _clear(hb_dir: Path) -> None:
         f.unlink(missing_ok=True)
 
 
-def _leave_out_unstaged(nodes: Nodes, marks: Path, args: argparse.Namespace,
-                        run_dir: Path) -> bool:
+def _leave_out_unstaged(nodes: Nodes, marks: Path, args: argparse.Namespace, run_dir: Path) -> bool:
     """Leave out the nodes whose unpack of the staged environment left no mark in
     ``marks`` (hpc.stage: one empty file per node that unpacked, named as the scheduler
     names it); False when too few are left to start (a ``stopped`` record says why)."""
@@ -184,13 +194,23 @@ def _leave_out_unstaged(nodes: Nodes, marks: Path, args: argparse.Namespace,
     nodes.spares = [n for n in nodes.spares if n not in failed]
     left = nodes.leave_out([n for n in failed if n in nodes.active], args.spares)
     if left or not set(failed) & set(nodes.active):
-        record(run_dir, {"event": "exclude", "attempt": 0, "nodes": failed,
-                         "why": "python.stage: no unpacked environment on these nodes",
-                         "excluded": nodes.excluded, "remaining": nodes.active})  # fmt: skip
+        record(
+            run_dir,
+            {
+                "event": "exclude",
+                "attempt": 0,
+                "nodes": failed,
+                "why": "python.stage: no unpacked environment on these nodes",
+                "excluded": nodes.excluded,
+                "remaining": nodes.active,
+            },
+        )
         _say(f"excluding node(s) {','.join(failed)}: their python.stage unpack failed")
     if set(failed) >= set(nodes.active) or len(nodes.active) < args.min_nodes:
-        why = (f"python.stage: the unpack failed on {','.join(failed)}; "
-               f"{len(set(nodes.active) - set(failed))} node(s) left, --min-nodes {args.min_nodes}")
+        why = (
+            f"python.stage: the unpack failed on {','.join(failed)}; "
+            f"{len(set(nodes.active) - set(failed))} node(s) left, --min-nodes {args.min_nodes}"
+        )
         record(run_dir, {"event": "stopped", "attempt": 0, "why": why})
         _say(f"not starting: {why}")
         return False
@@ -224,8 +244,11 @@ def supervise(args: argparse.Namespace) -> int:
 
     if nodes.active:
         _say(f"nodes {nodes.active}" + (f", spares {nodes.spares}" if nodes.spares else ""))
-    if args.staged and nodes.active and not _leave_out_unstaged(nodes, Path(args.staged), args,
-                                                                run_dir):  # fmt: skip
+    if (
+        args.staged
+        and nodes.active
+        and not _leave_out_unstaged(nodes, Path(args.staged), args, run_dir)
+    ):
         return 1
     failures = 0
     for attempt in range(1, args.max_restarts + 2):
@@ -237,8 +260,11 @@ def supervise(args: argparse.Namespace) -> int:
         seen = 0.0
         while att.proc.poll() is None:
             now, beats = time.time(), read_beats(hb_dir)
-            hung = [r for r, b in beats.items() if now - float(b.get("time", now)) > args.hang_timeout_s
-                    and not _exited(b)]  # a rank that ended is the launcher's exit to judge
+            hung = [
+                r
+                for r, b in beats.items()
+                if now - float(b.get("time", now)) > args.hang_timeout_s and not _exited(b)
+            ]  # a rank that ended is the launcher's exit to judge
             if hung:
                 seen = time.time()  # the event's "seen_t": before the stacks and the kills
                 break
@@ -255,48 +281,76 @@ def supervise(args: argparse.Namespace) -> int:
         if hung:
             beats = read_beats(hb_dir)
             states = collect_stacks(hb_dir, fdir, beats, int(sig))
-            others = sorted({nodes.node_of(beats[r]) for r, s in states.items()
-                             if s == "remote"}) if nodes.active else []  # fmt: skip
+            others = (
+                sorted({nodes.node_of(beats[r]) for r, s in states.items() if s == "remote"})
+                if nodes.active
+                else []
+            )
             if others:  # the other nodes' ranks: a probe on each (stacks, states, health)
                 for node, got in probe_nodes(others, run_dir, fdir, "stacks", prefix).items():
                     for r, b in beats.items():
                         if nodes.node_of(b) == node:
-                            states[r] = (got or {}).get(r, "unreachable" if got is None
-                                                        else "gone")  # fmt: skip
+                            states[r] = (got or {}).get(r, "unreachable" if got is None else "gone")
             if att.proc.poll() == 0:  # the ranks went on while their stacks were taken
-                record(run_dir, {"event": "completed", "attempt": attempt,
-                                 "note": "a hang was seen, then every rank finished"})  # fmt: skip
+                record(
+                    run_dir,
+                    {
+                        "event": "completed",
+                        "attempt": attempt,
+                        "note": "a hang was seen, then every rank finished",
+                    },
+                )
                 _say(f"attempt {attempt} completed (after a hang was seen; stacks in {fdir})")
                 return 0
             _kill_ranks(beats)
             if others:  # kill before the launcher's SIGTERM: a continued rank would take
                 # the trainer's preemption path (a vote with dead peers, then its watchdog)
-                alive = [n for n in others if any(
-                    states.get(r) not in ("unreachable", "gone")
-                    for r, b in beats.items() if nodes.node_of(b) == n)]  # fmt: skip
+                alive = [
+                    n
+                    for n in others
+                    if any(
+                        states.get(r) not in ("unreachable", "gone")
+                        for r, b in beats.items()
+                        if nodes.node_of(b) == n
+                    )
+                ]
                 probe_nodes(alive, run_dir, fdir, "kill", prefix, timeout_s=30.0)
             rc = _stop_launcher(att.proc)
             att.reader.join(timeout=30)
-            culprits = sorted(r for r, s in states.items()
-                              if s in ("stopped", "gone", "unreachable")) or hung  # fmt: skip
+            culprits = (
+                sorted(r for r, s in states.items() if s in ("stopped", "gone", "unreachable"))
+                or hung
+            )
             named = sorted({nodes.node_of(beats[r]) for r in culprits if r in beats})
-            why = (f"hang: no progress for {args.hang_timeout_s:g} s on ranks {hung}; "
-                   f"stopped/gone ranks {culprits}; states {states}")  # fmt: skip
+            why = (
+                f"hang: no progress for {args.hang_timeout_s:g} s on ranks {hung}; "
+                f"stopped/gone ranks {culprits}; states {states}"
+            )
             kind = "node"
         else:
             rc = att.proc.returncode
             kind, why = att.classify(_world(hb_dir))
             (fdir).mkdir(parents=True, exist_ok=True)
             beats = read_beats(hb_dir)
-            dead = sorted(r for r, b in beats.items() if b.get("host") == _node()
-                          and _proc_state(int(b.get("pid", 0))) is None)  # fmt: skip
+            dead = sorted(
+                r
+                for r, b in beats.items()
+                if b.get("host") == _node() and _proc_state(int(b.get("pid", 0))) is None
+            )
             culprits, named = dead, sorted({nodes.node_of(beats[r]) for r in dead})
             if nodes.active:  # the launcher names the nodes whose ranks a signal ended
                 named = match_hosts(killed_nodes(nodes.kind, att.lines), nodes.active)
             shutil.copy(run_dir / f"supervise-attempt-{attempt}.log", fdir / "output.log")
-        event = {"event": "failure", "attempt": attempt, "kind": "hang" if hung else "exit",
-                 "exit_code": rc, "why": why, "ranks": culprits, "nodes": named,
-                 "failures_dir": str(fdir)}  # fmt: skip
+        event = {
+            "event": "failure",
+            "attempt": attempt,
+            "kind": "hang" if hung else "exit",
+            "exit_code": rc,
+            "why": why,
+            "ranks": culprits,
+            "nodes": named,
+            "failures_dir": str(fdir),
+        }
         if hung:
             event["seen_t"] = round(seen, 3)
         record(run_dir, event)
@@ -306,13 +360,27 @@ def supervise(args: argparse.Namespace) -> int:
             _say(f"not restarting: {why}")
             return 128 - rc if rc < 0 else (rc or 1)  # killed by a signal: 128+N
         if attempt > args.max_restarts:
-            record(run_dir, {"event": "stopped", "attempt": attempt,
-                             "why": f"max_restarts={args.max_restarts} used"})  # fmt: skip
+            record(
+                run_dir,
+                {
+                    "event": "stopped",
+                    "attempt": attempt,
+                    "why": f"max_restarts={args.max_restarts} used",
+                },
+            )
             _say(f"not restarting: max_restarts={args.max_restarts} used")
             return 128 - rc if rc < 0 else (rc or 1)  # killed by a signal: 128+N
         if nodes.leave_out(named, args.spares):
-            record(run_dir, {"event": "exclude", "attempt": attempt, "nodes": named,
-                             "excluded": nodes.excluded, "remaining": nodes.active})  # fmt: skip
+            record(
+                run_dir,
+                {
+                    "event": "exclude",
+                    "attempt": attempt,
+                    "nodes": named,
+                    "excluded": nodes.excluded,
+                    "remaining": nodes.active,
+                },
+            )
             _say(f"excluding node(s) {','.join(named)}; relaunching on {','.join(nodes.active)}")
         if nodes.active and len(nodes.active) < args.min_nodes:
             why = f"{len(nodes.active)} node(s) left, below --min-nodes {args.min_nodes}"
@@ -320,25 +388,41 @@ def supervise(args: argparse.Namespace) -> int:
             _say(f"not restarting: {why}")
             return 128 - rc if rc < 0 else (rc or 1)
         record(run_dir, {"event": "restart", "attempt": attempt + 1, "after": why})
-        _say(f"restarting (restart {attempt} of {args.max_restarts}); the trainer resumes "
-             "from the latest checkpoint")  # fmt: skip
+        _say(
+            f"restarting (restart {attempt} of {args.max_restarts}); the trainer resumes "
+            "from the latest checkpoint"
+        )
     return 1
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m ddp.supervise", description=__doc__.split("\n")[0])
-    p.add_argument("--hang-timeout-s", type=float, default=600.0,
-                   help="seconds without a heartbeat after which a rank is hung (default 600)")
+    p.add_argument(
+        "--hang-timeout-s",
+        type=float,
+        default=600.0,
+        help="seconds without a heartbeat after which a rank is hung (default 600)",
+    )
     p.add_argument("--max-restarts", type=int, default=3, help="relaunches at most (default 3)")
-    p.add_argument("--min-nodes", type=int, default=1,
-                   help="fewest nodes to relaunch on (multi-node launchers; default 1)")
+    p.add_argument(
+        "--min-nodes",
+        type=int,
+        default=1,
+        help="fewest nodes to relaunch on (multi-node launchers; default 1)",
+    )
     p.add_argument("--spares", type=int, default=0, help="spare nodes held back (default 0)")
     p.add_argument("--run-dir", help="the run directory (default $HPC_RUN_DIR, else .)")
-    p.add_argument("--staged", help="a folder of marks, one per node whose unpack of the "
-                   "staged environment worked (hpc.stage): the others are left out")
-    p.add_argument("--concurrent-args", default="",
-                   help="launcher flags for an mpiexec started while the ranks run (the "
-                        "per-node probe), e.g. --concurrent-args=--no-vni on Aurora")
+    p.add_argument(
+        "--staged",
+        help="a folder of marks, one per node whose unpack of the "
+        "staged environment worked (hpc.stage): the others are left out",
+    )
+    p.add_argument(
+        "--concurrent-args",
+        default="",
+        help="launcher flags for an mpiexec started while the ranks run (the "
+        "per-node probe), e.g. --concurrent-args=--no-vni on Aurora",
+    )
     p.add_argument("--poll-s", type=float, default=0.5, help=argparse.SUPPRESS)
     p.add_argument("--probe", choices=("stacks", "kill"), help=argparse.SUPPRESS)
     p.add_argument("--failures-dir", help=argparse.SUPPRESS)

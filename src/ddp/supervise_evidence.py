@@ -70,9 +70,14 @@ def flight_recorder_env(hb_dir: Path) -> dict[str, str]:
     """The variables that turn the recorder and its dump-on-demand pipe on (the user's own
     settings win). No cost outside NCCL: other backends never read them."""
     stem = str(hb_dir / FR_STEM)
-    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_FR_BUFFER_SIZE": "2000",
-            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": stem,
-            "TORCH_FR_DUMP_TEMP_FILE": stem, "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": stem}  # fmt: skip
+    return {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_FR_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": stem,
+        "TORCH_FR_DUMP_TEMP_FILE": stem,
+        "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": stem,
+    }
 
 
 def _poke_flight_recorder(hb_dir: Path, rank: int) -> Path | None:
@@ -96,8 +101,9 @@ def _poke_flight_recorder(hb_dir: Path, rank: int) -> Path | None:
     return hb_dir / f"{FR_STEM}{rank}"
 
 
-def collect_stacks(hb_dir: Path, out: Path, beats: dict[int, dict[str, Any]],
-                   sig: int, wait_s: float = 10.0) -> dict[int, str]:
+def collect_stacks(
+    hb_dir: Path, out: Path, beats: dict[int, dict[str, Any]], sig: int, wait_s: float = 10.0
+) -> dict[int, str]:
     """Ask every local rank for its stacks; copy them into ``out``. Returns rank -> state
     at the time of the hang ("stopped", "running", "gone", "remote")."""
     out.mkdir(parents=True, exist_ok=True)
@@ -128,8 +134,13 @@ def collect_stacks(hb_dir: Path, out: Path, beats: dict[int, dict[str, Any]],
             restop.append(pid)
         if shutil.which("py-spy"):
             with open(out / f"rank-{rank}.py-spy.txt", "w") as fh:
-                subprocess.run(["py-spy", "dump", "--pid", str(pid)], stdout=fh,
-                               stderr=subprocess.STDOUT, timeout=30, check=False)  # fmt: skip
+                subprocess.run(
+                    ["py-spy", "dump", "--pid", str(pid)],
+                    stdout=fh,
+                    stderr=subprocess.STDOUT,
+                    timeout=30,
+                    check=False,
+                )
     deadline = time.monotonic() + wait_s
     while (pending or traces) and time.monotonic() < deadline:
         for rank, (stack, before, pid) in list(pending.items()):
@@ -149,7 +160,7 @@ def collect_stacks(hb_dir: Path, out: Path, beats: dict[int, dict[str, Any]],
     for rank in pending:
         (out / f"rank-{rank}.txt").write_text("no stack: the rank did not answer the signal\n")
     for pid in restop:  # as it was found: it must not train on (or finish) before the kill,
-        _stop(pid)      # which for another node's rank comes a probe's start later
+        _stop(pid)  # which for another node's rank comes a probe's start later
     return states
 
 
@@ -165,9 +176,14 @@ def _stop(pid: int) -> None:
 PROBE_TIMEOUT_S = 60.0
 
 
-def probe_nodes(nodes: Sequence[str], run_dir: Path, fdir: Path, action: str,
-                prefix: Callable[[str], list[str]],
-                timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, dict[int, str] | None]:  # fmt: skip
+def probe_nodes(
+    nodes: Sequence[str],
+    run_dir: Path,
+    fdir: Path,
+    action: str,
+    prefix: Callable[[str], list[str]],
+    timeout_s: float = PROBE_TIMEOUT_S,
+) -> dict[str, dict[int, str] | None]:
     """Run ``python -m ddp.supervise --probe ACTION`` on each node (one task each, in
     parallel, inside the job's allocation, started by ``prefix(node)``:
     :func:`ddp.relaunch.probe_prefix`): ``stacks`` collects the node's ranks' stacks into
@@ -179,10 +195,25 @@ def probe_nodes(nodes: Sequence[str], run_dir: Path, fdir: Path, action: str,
     whose probe failed or did not answer within ``timeout_s`` (an unhealthy node)."""
     procs = {}
     for node in nodes:
-        cmd = [*prefix(node), sys.executable, "-m", "ddp.supervise", "--probe", action,
-               "--run-dir", str(run_dir), "--failures-dir", str(fdir)]  # fmt: skip
-        procs[node] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                       text=True, start_new_session=True)  # fmt: skip
+        cmd = [
+            *prefix(node),
+            sys.executable,
+            "-m",
+            "ddp.supervise",
+            "--probe",
+            action,
+            "--run-dir",
+            str(run_dir),
+            "--failures-dir",
+            str(fdir),
+        ]
+        procs[node] = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
     deadline, out = time.monotonic() + timeout_s, {}
     for node, proc in procs.items():
         try:

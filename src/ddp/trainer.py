@@ -186,8 +186,13 @@ class Trainer(EpochLoop):
         hosts = [str(h) for h in ddp.all_gather_object(fingerprint.node_name())]
         path = metrics_path(self.config) if self.ctx.is_main else None
         self._stragglers = Stragglers(
-            self.ctx.world_size, hosts, lc.straggler_factor, lc.straggler_points,
-            lc.straggler_min_s, path.parent / "ranks.jsonl" if path is not None else None)
+            self.ctx.world_size,
+            hosts,
+            lc.straggler_factor,
+            lc.straggler_points,
+            lc.straggler_min_s,
+            path.parent / "ranks.jsonl" if path is not None else None,
+        )
         self._stragglers.open()
         new_event = stragglers.device_event_factory(self.ctx.device)
         if new_event is not None:  # CUDA/ROCm/XPU; CPU keeps the host timers
@@ -211,8 +216,9 @@ class Trainer(EpochLoop):
         evaluated_last = False
         if cfg.training.max_steps is not None and self.global_step >= cfg.training.max_steps:
             # A finished run started again (resume: auto) trains nothing more.
-            log.info("max_steps=%d already reached at step %d", cfg.training.max_steps,
-                     self.global_step)  # fmt: skip
+            log.info(
+                "max_steps=%d already reached at step %d", cfg.training.max_steps, self.global_step
+            )
             run.finished = True
         first = state["phase"] if state else 0
         for pi, phase in enumerate(parts.phases(self.config)):
@@ -247,43 +253,57 @@ class Trainer(EpochLoop):
         parts.apply_memory_options(cfg, model, ctx.device)
         if d.strategy == "fsdp":
             self.wrapped = ddp.wrap(
-                model, "fsdp", blocks=d.fsdp_blocks, cpu_offload=d.cpu_offload,
+                model,
+                "fsdp",
+                blocks=d.fsdp_blocks,
+                cpu_offload=d.cpu_offload,
                 reshard_after_forward=d.reshard_after_forward,
                 mixed_precision=d.fsdp_mixed_precision,
                 activation_checkpointing=d.activation_checkpointing,
-            )  # fmt: skip
+            )
         else:
             self.wrapped = ddp.wrap(
-                model, find_unused_parameters=d.find_unused_parameters,
-                gradient_as_bucket_view=d.gradient_as_bucket_view, static_graph=d.static_graph,
+                model,
+                find_unused_parameters=d.find_unused_parameters,
+                gradient_as_bucket_view=d.gradient_as_bucket_view,
+                static_graph=d.static_graph,
                 bucket_cap_mb=d.bucket_cap_mb,
-            )  # fmt: skip
+            )
         world = ctx.world_size
         factor, warmup = cfg.scale_factor(world), cfg.scaled_warmup(world)
         log_config_notes()  # the seed's key spellings and the scaling rule, once
         log.info(
             "world=%d effective batch=%d (%d x accum %d x %d ranks) lr=%.4g (x%.4g, %s rule) "
             "warmup=%d precision=%s",
-            world, cfg.effective_batch(world), t.batch_size, t.accum, world,
-            cfg.scaled_lr(world), factor,
-            cfg.scaling.rule + ("" if cfg.scaling.by == "world"
-                                else f" by batch / {cfg.scaling.base_batch_size}"),
-            warmup, cfg.precision,
-        )  # fmt: skip
+            world,
+            cfg.effective_batch(world),
+            t.batch_size,
+            t.accum,
+            world,
+            cfg.scaled_lr(world),
+            factor,
+            cfg.scaling.rule
+            + ("" if cfg.scaling.by == "world" else f" by batch / {cfg.scaling.base_batch_size}"),
+            warmup,
+            cfg.precision,
+        )
         return factor, warmup
 
-    def _finish(self, summary: dict[str, Any], eval_metrics: dict[str, float],
-                t_start: float) -> dict[str, Any]:  # fmt: skip
+    def _finish(
+        self, summary: dict[str, Any], eval_metrics: dict[str, float], t_start: float
+    ) -> dict[str, Any]:
         elapsed = time.perf_counter() - t_start
         # on the device: NCCL, the default group on GPUs, carries no CPU tensors
         count = torch.tensor([float(self._r.samples)], device=self.ctx.device)
         samples = ddp.reduce_sum(count).item()
         summary.update(eval_metrics)
         summary.update(
-            steps=self.global_step, samples=int(samples),
-            samples_per_s=samples / elapsed if elapsed > 0 else 0.0, elapsed_s=elapsed,
+            steps=self.global_step,
+            samples=int(samples),
+            samples_per_s=samples / elapsed if elapsed > 0 else 0.0,
+            elapsed_s=elapsed,
             peak_memory_mb=parts.peak_memory_mb(self.ctx.device),
-        )  # fmt: skip
+        )
         final = self.checkpointer.export(self.wrapped, self.global_step)
         if final is not None:
             summary["final_model"] = final
@@ -291,22 +311,32 @@ class Trainer(EpochLoop):
         return summary
 
     # ---- one phase: its data, optimizer and schedule, then epochs ------------------------
-    def _prepare_phase(self, pi: int, phase: parts.Phase, factor: float, warmup: int,
-                       resume: dict[str, Any] | None,
-                       ) -> tuple[DataLoader, parts.GlobalOrderSampler, LoopState]:  # fmt: skip
+    def _prepare_phase(
+        self,
+        pi: int,
+        phase: parts.Phase,
+        factor: float,
+        warmup: int,
+        resume: dict[str, Any] | None,
+    ) -> tuple[DataLoader, parts.GlobalOrderSampler, LoopState]:
         ctx, cfg = self.ctx, self.config
         t = cfg.training
         data = self.train_data
         if phase.max_samples is not None and phase.max_samples < length(data):
             data = Subset(data, range(phase.max_samples))
-        sampler = parts.GlobalOrderSampler(length(data), ctx.world_size, ctx.rank, t.batch_size,
-                                           t.shuffle, t.seed, t.drop_last)  # fmt: skip
+        sampler = parts.GlobalOrderSampler(
+            length(data), ctx.world_size, ctx.rank, t.batch_size, t.shuffle, t.seed, t.drop_last
+        )
         loader = DataLoader(
-            data, batch_size=t.batch_size, sampler=sampler, num_workers=cfg.data.num_workers,
-            pin_memory=cfg.data.pin_memory, collate_fn=self.collate_fn,
+            data,
+            batch_size=t.batch_size,
+            sampler=sampler,
+            num_workers=cfg.data.num_workers,
+            pin_memory=cfg.data.pin_memory,
+            collate_fn=self.collate_fn,
             persistent_workers=cfg.data.num_workers > 0,
             generator=torch.Generator().manual_seed(t.seed),  # the global RNG stays untouched
-        )  # fmt: skip
+        )
         n_batches = math.ceil(sampler.num_samples / t.batch_size)
         total = math.ceil(n_batches / t.accum) * phase.epochs
         # Steps done before this phase began (from the checkpoint on resume), so the
@@ -319,16 +349,23 @@ class Trainer(EpochLoop):
             opt, parts.lr_lambda(warmup, total, cfg.optim.schedule, cfg.optim.min_lr_ratio)
         )
         scaler = torch.amp.GradScaler(ctx.device.type) if cfg.precision == "fp16" else None
-        loop = LoopState(pi, 0, 0, n_batches, start, opt, sched, scaler,
-                         per_batch=t.batch_size * ctx.world_size)  # fmt: skip
+        loop = LoopState(
+            pi, 0, 0, n_batches, start, opt, sched, scaler, per_batch=t.batch_size * ctx.world_size
+        )
         if resume is not None:
             self.checkpointer.restore_loop(resume, loop, phase.lr * factor, self.wrapped)
         self.loggers.start_phase(phase.name, total, self.global_step - start)
         return loader, sampler, loop
 
-    def _run_phase(self, pi: int, phase: parts.Phase, factor: float, warmup: int,
-                   resume: dict[str, Any] | None, eval_metrics: dict[str, float],
-                   ) -> tuple[float, bool, dict[str, float]]:  # fmt: skip
+    def _run_phase(
+        self,
+        pi: int,
+        phase: parts.Phase,
+        factor: float,
+        warmup: int,
+        resume: dict[str, Any] | None,
+        eval_metrics: dict[str, float],
+    ) -> tuple[float, bool, dict[str, float]]:
         """Epochs of one phase; (last mean loss, evaluated at the end, eval metrics)."""
         loader, sampler, loop = self._prepare_phase(pi, phase, factor, warmup, resume)
         run = self._r
@@ -376,8 +413,11 @@ class Trainer(EpochLoop):
             self._preempt(loop)
 
     def _preempt(self, loop: LoopState) -> None:
-        log.warning("preemption signal: saving at step %d and exiting %d",
-                    self.global_step, PREEMPTED_EXIT_CODE)  # fmt: skip
+        log.warning(
+            "preemption signal: saving at step %d and exiting %d",
+            self.global_step,
+            PREEMPTED_EXIT_CODE,
+        )
         self._save(loop, at=loop.after_batches())
         self._exit_preempted()
 

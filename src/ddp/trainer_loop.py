@@ -50,16 +50,18 @@ class Run:
     So the Trainer holds one ``Run`` instead of half-built ``None`` collaborators.
     """
 
-    def __init__(self, config: TrainConfig, ctx: Context, clock: Callable[[], float],
-                 step: int) -> None:  # fmt: skip
+    def __init__(
+        self, config: TrainConfig, ctx: Context, clock: Callable[[], float], step: int
+    ) -> None:
         self.ctx = ctx
         self.checkpointer = Checkpointer(config, ctx)
         self.beat = Heartbeat(heartbeat_dir(), ctx.rank, node_rank=ctx.node_rank)
         self.beat.beat(step, "start", force=True)  # before the loggers (W&B may take long)
         self.loggers = Loggers(config, ctx.is_main, ctx.world_size)
         every_s = config.checkpoint.every_s if config.checkpoint.dir else 0.0
-        self.preemption = Preemption(config.preemption, ctx.rank, ctx.world_size, every_s,
-                                     agreement(), clock)  # fmt: skip
+        self.preemption = Preemption(
+            config.preemption, ctx.rank, ctx.world_size, every_s, agreement(), clock
+        )
         self.finished = False  # max_steps reached: no more training in this run
         self.samples = 0  # samples this rank trained on in this run (the summary's rate)
 
@@ -88,8 +90,9 @@ class EpochLoop:
     @property
     def _r(self) -> Run:
         if self._run is None:
-            raise RuntimeError("the Trainer's context, checkpointer and loggers exist once "
-                               "fit() has started")  # fmt: skip
+            raise RuntimeError(
+                "the Trainer's context, checkpointer and loggers exist once fit() has started"
+            )
         return self._run
 
     @property
@@ -113,8 +116,9 @@ class EpochLoop:
         raise NotImplementedError
 
     # ---- one epoch: the hot loop ----------------------------------------------------------
-    def _train_epoch(self, loader: DataLoader, sampler: parts.GlobalOrderSampler,
-                     loop: LoopState) -> float:  # fmt: skip
+    def _train_epoch(
+        self, loader: DataLoader, sampler: parts.GlobalOrderSampler, loop: LoopState
+    ) -> float:
         """One (possibly partial) epoch; returns the rank-averaged mean train loss.
 
         The loop body is one micro-batch, then at each accumulation boundary the
@@ -124,8 +128,9 @@ class EpochLoop:
         accum, n = cfg.training.accum, loop.n_batches
         max_steps = cfg.training.max_steps
         ckpt_every = cfg.checkpoint.every_n_steps if cfg.checkpoint.dir else 0
-        win = parts.LossWindow(torch.zeros((), device=dev), torch.zeros((), device=dev),
-                      step0=self.global_step)  # fmt: skip
+        win = parts.LossWindow(
+            torch.zeros((), device=dev), torch.zeros((), device=dev), step0=self.global_step
+        )
         first = loop.batch
         group_start = first - first % accum
         t_wait = time.perf_counter()  # data wait: from the end of one batch to the next
@@ -164,12 +169,14 @@ class EpochLoop:
             win.epoch_loss.add_(win.loss)
         bs, per_rank = cfg.training.batch_size, sampler.num_samples
         run.samples += min(loop.batch * bs, per_rank) - min(first * bs, per_rank)
-        mean = ddp.reduce_sum(torch.stack([win.epoch_loss.float(), torch.tensor(
-            float(win.epoch_micro), device=dev)])).tolist()  # fmt: skip
+        mean = ddp.reduce_sum(
+            torch.stack([win.epoch_loss.float(), torch.tensor(float(win.epoch_micro), device=dev)])
+        ).tolist()
         return mean[0] / mean[1] if mean[1] else float("nan")
 
-    def _micro_step(self, batch: Any, win: parts.LossWindow, group: int, last_in_group: bool,
-                    loop: LoopState) -> None:  # fmt: skip
+    def _micro_step(
+        self, batch: Any, win: parts.LossWindow, group: int, last_in_group: bool, loop: LoopState
+    ) -> None:
         """Forward and backward of one micro-batch; gradients sync only on the last one."""
         model = self.wrapped
         batch = self._move(batch)
@@ -229,19 +236,21 @@ class EpochLoop:
         strag = self._stragglers
         n_slots = world * len(stragglers.PHASES) if strag is not None else 0
         if n_slots:  # every rank's phase times, in its own slots of the same collective
-            times = (self._device_times.phases(win.times) if self._device_times is not None
-                     else win.times)  # device events are read here only
+            times = (
+                self._device_times.phases(win.times)
+                if self._device_times is not None
+                else win.times
+            )  # device events are read here only
             mine = stragglers.slots(world, self.ctx.rank, [t / n_steps for t in times])
             vec = torch.cat([vec, vec.new_tensor(mine)])
         vec = ddp.reduce_mean(vec).tolist()
         per_rank_metrics: dict[str, float] = {}
         if n_slots:
-            summed, vec = [v * world for v in vec[len(vec) - n_slots:]], vec[:len(vec) - n_slots]
+            summed, vec = [v * world for v in vec[len(vec) - n_slots :]], vec[: len(vec) - n_slots]
             if strag is not None and self.ctx.is_main:
-                per_rank_metrics = strag.update(
-                    step, stragglers.unpack(summed, world))
+                per_rank_metrics = strag.update(step, stragglers.unpack(summed, world))
         n_layer = sum(len(names) for _, names in layers)
-        norms, vec = vec[len(vec) - n_layer:], vec[:len(vec) - n_layer]
+        norms, vec = vec[len(vec) - n_layer :], vec[: len(vec) - n_layer]
         *vec, mean_dt = vec  # the wall time too: the same on all ranks
         if not math.isfinite(vec[0]) and self.config.precision != "fp16":
             # fp16's GradScaler skips overflowing steps by design; its weights are checked
@@ -275,7 +284,6 @@ class EpochLoop:
             return batch
         return parts.to_device(batch, dev, self.config.data.pin_memory or dev.type == "cuda")
 
-
     # ---- evaluation -------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -287,16 +295,23 @@ class EpochLoop:
         was_training = model.training
         model.eval()
         shard = Subset(data, range(ctx.rank, length(data), ctx.world_size))
-        loader = DataLoader(shard, batch_size=self.config.training.batch_size, shuffle=False,
-                            collate_fn=self.collate_fn, num_workers=self.config.data.num_workers,
-                            pin_memory=self.config.data.pin_memory)  # fmt: skip
+        loader = DataLoader(
+            shard,
+            batch_size=self.config.training.batch_size,
+            shuffle=False,
+            collate_fn=self.collate_fn,
+            num_workers=self.config.data.num_workers,
+            pin_memory=self.config.data.pin_memory,
+        )
         fn = self.eval_fn or self.step_fn
         sums: dict[str, torch.Tensor] = {}
         count = 0.0
         pad, lockstep = Subset(data, [0]), fsdp.is_sharded(model)
         preemption = self._r.preemption
         self._r.beat.beat(self.global_step, "eval", force=True)
-        for batch, weight in parts.eval_batches(loader, lockstep, lambda: preemption.requested, pad):
+        for batch, weight in parts.eval_batches(
+            loader, lockstep, lambda: preemption.requested, pad
+        ):
             batch = self._move(batch)
             with parts.autocast(self.config.precision, ctx.device):
                 out = fn(model, batch)
@@ -323,4 +338,3 @@ class EpochLoop:
         total = vec[-2] or 1.0
         out = {f"eval_{k}": vec[i] / total for i, k in enumerate(keys)}
         return self.finish_eval(out) if self.finish_eval is not None else out
-

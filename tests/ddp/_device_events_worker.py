@@ -21,8 +21,15 @@ from pathlib import Path
 
 from tests.ddp import _train_worker
 
-STATE = {"in_log_point": False, "log_points": 0, "records": 0, "reads_inside": 0,
-         "reads_outside": 0, "syncs": 0, "event_path": None}
+STATE = {
+    "in_log_point": False,
+    "log_points": 0,
+    "records": 0,
+    "reads_inside": 0,
+    "reads_outside": 0,
+    "syncs": 0,
+    "event_path": None,
+}
 
 
 class FakeEvent:

@@ -14,9 +14,11 @@ import random
 import tempfile
 from pathlib import Path
 
-WORDS = ("cat dog bird fish horse cow sheep goat lion tiger red blue green black white "
-         "small big fast slow old young river tree house road hill sea sky runs sleeps "
-         "eats jumps sings swims near under over with").split()  # fmt: skip
+WORDS = (
+    "cat dog bird fish horse cow sheep goat lion tiger red blue green black white "
+    "small big fast slow old young river tree house road hill sea sky runs sleeps "
+    "eats jumps sings swims near under over with"
+).split()
 
 
 def corpus(n: int, seed: int) -> list[str]:
@@ -41,12 +43,19 @@ def _tokenizer(lines: list[str]):
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B [SEP]",
         special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
-    )  # fmt: skip
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
-                                   cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
-                                   model_max_length=32)  # fmt: skip
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_max_length=32,
+    )
 
 
 def encoder(out: Path, hidden: int, seed: int, lines: list[str], layers: int = 2) -> Path:
@@ -59,10 +68,16 @@ def encoder(out: Path, hidden: int, seed: int, lines: list[str], layers: int = 2
     hf = out.parent / f"{out.name}_hf"
     tok = _tokenizer(lines)
     torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers,
-                     num_attention_heads=max(2, hidden // 64), intermediate_size=2 * hidden,
-                     max_position_embeddings=64, hidden_dropout_prob=0.0,
-                     attention_probs_dropout_prob=0.0)  # fmt: skip
+    cfg = BertConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=max(2, hidden // 64),
+        intermediate_size=2 * hidden,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     BertModel(cfg).save_pretrained(hf)
     tok.save_pretrained(hf)
     tr = Transformer(str(hf), max_seq_length=32)

@@ -46,8 +46,12 @@ def main() -> None:
         real_set_epoch(self, epoch)
 
     parts.GlobalOrderSampler.set_epoch = set_epoch  # type: ignore[method-assign]
-    rank = int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID")
-               or os.environ.get("PMI_RANK") or "0")  # srun, mpiexec: no RANK yet
+    rank = int(
+        os.environ.get("RANK")
+        or os.environ.get("SLURM_PROCID")
+        or os.environ.get("PMI_RANK")
+        or "0"
+    )  # srun, mpiexec: no RANK yet
     log = open(os.path.join(spec["log_dir"], f"{rank}.txt"), "a")
 
     hold = spec.get("hold")  # issue 30: {"rank", "step", "dir"}: wait there for the test
@@ -61,8 +65,9 @@ def main() -> None:
             if not os.path.exists(released):  # only the first attempt holds
                 with open(os.path.join(hold["dir"], "ready.tmp"), "w") as fh:
                     fh.write(str(os.getpid()))
-                os.replace(os.path.join(hold["dir"], "ready.tmp"),
-                           os.path.join(hold["dir"], "ready"))  # fmt: skip
+                os.replace(
+                    os.path.join(hold["dir"], "ready.tmp"), os.path.join(hold["dir"], "ready")
+                )
                 deadline = time.monotonic() + 120  # only against a test that never acts
                 while not os.path.exists(released) and time.monotonic() < deadline:
                     time.sleep(0.01)  # the test stops or kills this rank here
@@ -75,8 +80,9 @@ def main() -> None:
         return (model(batch / 100.0) ** 2).mean()
 
     torch.manual_seed(0)
-    trainer = Trainer(nn.Linear(1, 1), Indices(spec["n"]), TrainConfig.from_dict(spec["config"]),
-                      step)  # fmt: skip
+    trainer = Trainer(
+        nn.Linear(1, 1), Indices(spec["n"]), TrainConfig.from_dict(spec["config"]), step
+    )
     trainer.fit()
     ddp.shutdown()
 

@@ -37,15 +37,23 @@ def start(
     for rank in range(world):
         env = base_env()
         env.update(
-            RANK=str(rank), LOCAL_RANK=str(rank % local), WORLD_SIZE=str(world),
-            LOCAL_WORLD_SIZE=str(local), GROUP_RANK=str(rank // local),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-        )  # fmt: skip
+            RANK=str(rank),
+            LOCAL_RANK=str(rank % local),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(local),
+            GROUP_RANK=str(rank // local),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
         procs.append(
             subprocess.Popen(
-                [sys.executable, *args], env=env, cwd=ROOT,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            )  # fmt: skip
+                [sys.executable, *args],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
         )
     return procs
 

@@ -58,8 +58,11 @@ def main() -> None:
             os.replace(path + ".tmp", path)
             deadline = time.monotonic() + spec.get("wait_timeout", 30)
             hold = spec.get("hold_file")  # or until this file exists (then no signal came)
-            while (not trainer.preempt_requested and time.monotonic() < deadline
-                   and not (hold and os.path.exists(hold))):
+            while (
+                not trainer.preempt_requested
+                and time.monotonic() < deadline
+                and not (hold and os.path.exists(hold))
+            ):
                 time.sleep(0.01)  # the test process sends the signal; this rank only idles
         x, y = batch
         return nn.functional.mse_loss(model(x), y)

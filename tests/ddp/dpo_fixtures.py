@@ -15,8 +15,14 @@ from pathlib import Path
 AA = "ACDEFGHIKLMNPQRSTVWY"
 
 # A 4-residue chain A (and a 2-residue chain B) in PDB format: N, CA, C, O per residue.
-_RES = [("MET", "A", 1), ("LYS", "A", 2), ("TRP", "A", 3), ("VAL", "A", 4),
-        ("GLY", "B", 1), ("SER", "B", 2)]  # fmt: skip
+_RES = [
+    ("MET", "A", 1),
+    ("LYS", "A", 2),
+    ("TRP", "A", 3),
+    ("VAL", "A", 4),
+    ("GLY", "B", 1),
+    ("SER", "B", 2),
+]
 
 
 def write_pdb(path: Path) -> str:
@@ -46,12 +52,25 @@ def make_tiny_lm(folder: Path, n_embd: int = 32, seed: int = 0) -> Path:
     lines += ["the protein folds", "a chain of residues", "prefer the chosen one"]
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(lines, trainers.BpeTrainer(
-        vocab_size=120, special_tokens=["<pad>", "<eos>", "<unk>"]))  # fmt: skip
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                   bos_token="<eos>", unk_token="<unk>")  # fmt: skip
-    cfg = GPT2Config(vocab_size=len(fast), n_positions=64, n_embd=n_embd, n_layer=2, n_head=2,
-                     bos_token_id=fast.eos_token_id, eos_token_id=fast.eos_token_id)  # fmt: skip
+    tok.train_from_iterator(
+        lines, trainers.BpeTrainer(vocab_size=120, special_tokens=["<pad>", "<eos>", "<unk>"])
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        bos_token="<eos>",
+        unk_token="<unk>",
+    )
+    cfg = GPT2Config(
+        vocab_size=len(fast),
+        n_positions=64,
+        n_embd=n_embd,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=fast.eos_token_id,
+        eos_token_id=fast.eos_token_id,
+    )
     torch.manual_seed(seed)
     GPT2LMHeadModel(cfg).save_pretrained(folder)
     fast.save_pretrained(folder)
@@ -65,8 +84,9 @@ def write_pairs(path: Path, n: int, seed: int = 0, structure: str | None = None)
     pairs = []
     for _ in range(n):
         p = "".join(rng.choice(AA) for _ in range(rng.randint(4, 8)))
-        pairs.append({"prompt": p, "chosen": p[::-1],
-                      "rejected": "".join(rng.choice(AA) for _ in p)})  # fmt: skip
+        pairs.append(
+            {"prompt": p, "chosen": p[::-1], "rejected": "".join(rng.choice(AA) for _ in p)}
+        )
     if structure is not None:
         pairs.append({"structure": structure, "chain": "A", "chosen": "VWKM", "rejected": "GGSS"})
     path.write_text(json.dumps(pairs))

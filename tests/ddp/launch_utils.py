@@ -22,8 +22,17 @@ def free_port() -> int:
 def clean_env(**extra: str) -> dict[str, str]:
     """This environment minus every launcher variable a test process might inherit."""
     prefixes = ("SLURM_", "PMI_", "PALS_", "OMPI_", "MPI_LOCAL", "PBS_", "TORCHELASTIC_")
-    names = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-             "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "DDP_LAUNCHER"}
+    names = {
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "NODE_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "DDP_LAUNCHER",
+    }
     env = {k: v for k, v in os.environ.items() if k not in names and not k.startswith(prefixes)}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"

@@ -25,8 +25,9 @@ def _cfg(ck: Path, epochs: int, **best: str) -> dict:
 
 
 def _run(cfg: dict, world: int = 2) -> list[tuple[int, str, str]]:
-    return _launch.run([WORKER, json.dumps({"config": cfg, "n": 32, "eval_n": 12})],
-                       world=world, timeout=120)  # fmt: skip
+    return _launch.run(
+        [WORKER, json.dumps({"config": cfg, "n": 32, "eval_n": 12})], world=world, timeout=120
+    )
 
 
 def _ok(results: list[tuple[int, str, str]]) -> str:
@@ -51,8 +52,11 @@ def _improvements(evals: list[tuple[int, float]], better) -> list[int]:
 
 
 def _written(log: str) -> list[int]:
-    return [int(line.split(" at step ")[1].split()[0])
-            for line in log.splitlines() if line.startswith("best model:")]  # fmt: skip
+    return [
+        int(line.split(" at step ")[1].split()[0])
+        for line in log.splitlines()
+        if line.startswith("best model:")
+    ]
 
 
 def test_best_model_is_written_on_each_improvement_only(tmp_path: Path) -> None:
@@ -92,7 +96,7 @@ def test_a_resumed_run_keeps_the_best_it_had(tmp_path: Path) -> None:
     first = _ok(_run(_cfg(ck, 3, metric="eval/loss")))
     evals = _evals(ck)
     log = _ok(_run(_cfg(ck, 6, metric="eval/loss")))
-    later = _evals(ck)[len(evals):]
+    later = _evals(ck)[len(evals) :]
     assert "resuming from" in log and len(later) == 3
     best_before = min(v for _, v in evals)
     want = _improvements([(0, best_before), *later], lambda v, b: v < b)[1:]
@@ -113,11 +117,29 @@ def test_no_best_without_the_key(tmp_path: Path) -> None:
 
 def test_an_unknown_metric_is_one_line(tmp_path: Path) -> None:
     """Through ``python -m ddp`` as a user runs it: one line, exit 2, at the first eval."""
-    ((rc, out, err),) = _launch.run([
-        "-m", "ddp", "gnn", "--set", "logging.progress=plain", "--output_dir",
-        str(tmp_path / "ck"), "--epochs", "1", "--set", "recipe.n_train=16",
-        "--set", "recipe.n_eval=8", "--set", "checkpoint.best.metric=eval/accuracy",
-    ], world=1, timeout=120)  # fmt: skip
+    ((rc, out, err),) = _launch.run(
+        [
+            "-m",
+            "ddp",
+            "gnn",
+            "--set",
+            "logging.progress=plain",
+            "--output_dir",
+            str(tmp_path / "ck"),
+            "--epochs",
+            "1",
+            "--set",
+            "recipe.n_train=16",
+            "--set",
+            "recipe.n_eval=8",
+            "--set",
+            "checkpoint.best.metric=eval/accuracy",
+        ],
+        world=1,
+        timeout=120,
+    )
     assert rc == 2, err[-2000:]
-    assert err.strip() == ("ddp: error: checkpoint.best.metric: 'eval/accuracy' is not a "
-                           "metric this run evaluates; allowed: eval/acc, eval/loss")  # fmt: skip
+    assert err.strip() == (
+        "ddp: error: checkpoint.best.metric: 'eval/accuracy' is not a "
+        "metric this run evaluates; allowed: eval/acc, eval/loss"
+    )

@@ -53,9 +53,12 @@ class _Owner:
     def __init__(self, directory: Path, interval: float = 60.0, skew: float = 0.0) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _OWNER, str(directory), str(interval), str(skew)],
-            env=_launch.base_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            env=_launch.base_env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         line = self.proc.stdout.readline()  # type: ignore[union-attr]
         assert line.strip() == "ready", line + self.proc.stderr.read()  # type: ignore[union-attr]
 
@@ -146,11 +149,16 @@ def test_a_lock_from_before_this_hosts_reboot_is_taken_over(tmp_path: Path) -> N
 
 @pytest.mark.parametrize(
     "content, what",
-    [(b"", "empty"), (b"\x00\xff garbage", "damaged"), (b"[1, 2]", "damaged"),
-     (b'{"host": "h", "pid": "12"}', "damaged"), (b'{"host": "h", "pid": 1e400}', "damaged"),
-     (b'{"host": "h", "pid": 123456789012345678901234567890}', "damaged"),
-     (b'{"host": ["h"], "pid": 12}', "damaged")],
-)  # fmt: skip
+    [
+        (b"", "empty"),
+        (b"\x00\xff garbage", "damaged"),
+        (b"[1, 2]", "damaged"),
+        (b'{"host": "h", "pid": "12"}', "damaged"),
+        (b'{"host": "h", "pid": 1e400}', "damaged"),
+        (b'{"host": "h", "pid": 123456789012345678901234567890}', "damaged"),
+        (b'{"host": ["h"], "pid": 12}', "damaged"),
+    ],
+)
 def test_an_empty_or_damaged_lock_is_never_free(tmp_path: Path, content: bytes, what: str) -> None:
     """Someone mid-write, or a damaged file: one line, and the lock stays where it is."""
     d = tmp_path / "ck"
@@ -207,8 +215,7 @@ def _mount_tmpfs(path: Path, size: str) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root to mount a small tmpfs (a real full disk)")
     path.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                   check=True)  # fmt: skip
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
 
 
 def _fill(mount: Path, leave: int = 0) -> None:
@@ -251,14 +258,20 @@ lock.release()
 def test_runs_racing_for_a_stale_lock_get_it_once(tmp_path: Path) -> None:
     """Four runs start at once on a directory whose owner died: exactly one gets it."""
     d = tmp_path / "ck"
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True).stdout.strip()  # fmt: skip
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
     _crafted(d, pid=int(dead))
     procs = [
-        subprocess.Popen([sys.executable, "-c", _CONTENDER, str(d)], env=_launch.base_env(),
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", _CONTENDER, str(d)],
+            env=_launch.base_env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         for _ in range(4)
-    ]  # fmt: skip
+    ]
     said = [p.stdout.readline().strip() for p in procs]  # type: ignore[union-attr]
     for p in procs:
         p.communicate("", timeout=60)
@@ -297,7 +310,6 @@ def test_release_leaves_a_lock_that_another_run_took(tmp_path: Path) -> None:
     _crafted(d, host="elsewhere", pid=99)
     lock.release()
     assert _lock_info(d)["host"] == "elsewhere"
-
 
 
 # ---- one rank's checkpoints, written by the Checkpointer itself ---------------------------
@@ -369,8 +381,10 @@ def old_layout(checkpoint: Path) -> None:
     import shutil
 
     ranks = ckpt.rank_dir(checkpoint)
-    states = [ckpt.read_rank_state(checkpoint, r, _saved(checkpoint)) for r in range(
-        _saved(checkpoint)["world_size"])]  # fmt: skip
+    states = [
+        ckpt.read_rank_state(checkpoint, r, _saved(checkpoint))
+        for r in range(_saved(checkpoint)["world_size"])
+    ]
 
     def change(obj: dict) -> None:
         obj["format"] = 2
@@ -388,16 +402,20 @@ def old_layout(checkpoint: Path) -> None:
 
 
 def _saved(checkpoint: Path) -> dict:
-    return torch.load(checkpoint / ckpt.META if checkpoint.is_dir() else checkpoint,
-                      weights_only=True)  # fmt: skip
+    return torch.load(
+        checkpoint / ckpt.META if checkpoint.is_dir() else checkpoint, weights_only=True
+    )
 
 
 def _set(key: str, value: object):
     """A change that sets ``a/b/0/c`` (a digit indexes a list, or a dict with int keys)."""
 
     def index(node: object, part: str) -> object:
-        return int(part) if part.isdigit() and (isinstance(node, list) or int(part) in node
-                                                or part not in node) else part  # fmt: skip
+        return (
+            int(part)
+            if part.isdigit() and (isinstance(node, list) or int(part) in node or part not in node)
+            else part
+        )
 
     def change(obj: dict) -> None:
         *path, last = key.split("/")
@@ -410,15 +428,31 @@ def _set(key: str, value: object):
 
 
 _BAD_FIELDS = [
-    ("global_step", "5"), ("global_step", -1), ("global_step", float("nan")),
-    ("global_step", [3]), ("global_step", True), ("global_step", 2**70), ("epoch", 1.5),
-    ("phase", "0"), ("batches_in_epoch", -2), ("samples_in_epoch", "12"),
-    ("world_size", 0), ("format", "2"), ("format", 99), ("phase_start_step", 10**6),
-    ("rng", "x"), ("rng/0", [1, 2]), ("rng/0/python", (3, (1, 2), None)),
-    ("rng/0/torch", torch.zeros(3, dtype=torch.uint8)), ("rng/0/numpy", ("MT19937", [1], 0, 0, 0.0)),
-    ("rng/0/python", "seed"), ("config", "x"), ("config/optim/lr", torch.ones(2)),
-    ("scheduler", [1]), ("scaler", 3),
-]  # fmt: skip
+    ("global_step", "5"),
+    ("global_step", -1),
+    ("global_step", float("nan")),
+    ("global_step", [3]),
+    ("global_step", True),
+    ("global_step", 2**70),
+    ("epoch", 1.5),
+    ("phase", "0"),
+    ("batches_in_epoch", -2),
+    ("samples_in_epoch", "12"),
+    ("world_size", 0),
+    ("format", "2"),
+    ("format", 99),
+    ("phase_start_step", 10**6),
+    ("rng", "x"),
+    ("rng/0", [1, 2]),
+    ("rng/0/python", (3, (1, 2), None)),
+    ("rng/0/torch", torch.zeros(3, dtype=torch.uint8)),
+    ("rng/0/numpy", ("MT19937", [1], 0, 0, 0.0)),
+    ("rng/0/python", "seed"),
+    ("config", "x"),
+    ("config/optim/lr", torch.ones(2)),
+    ("scheduler", [1]),
+    ("scaler", 3),
+]
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -446,15 +480,18 @@ def test_a_field_of_the_wrong_type_is_one_line_naming_it(
 
 @pytest.mark.parametrize(
     "key, value, needle",
-    [("scheduler/last_epoch", "7", "scheduler.last_epoch"),
-     ("scheduler/base_lrs", [0.1, 0.2], "scheduler.base_lrs"),
-     ("optimizer/param_groups/0/lr", "fast", r"optimizer.param_groups\[0\].lr"),
-     ("optimizer/param_groups/0/params", [0], "params"),
-     ("optimizer/state/0/exp_avg", torch.zeros(3), "exp_avg"),
-     ("optimizer/state/9", {"step": torch.tensor(1.0)}, r"optimizer.state\[9\]"),
-     ("config/training/batch_size", "abc", "training.batch_size"),
-     ("model", {}, "different model"), ("scheduler", {}, None)],
-)  # fmt: skip
+    [
+        ("scheduler/last_epoch", "7", "scheduler.last_epoch"),
+        ("scheduler/base_lrs", [0.1, 0.2], "scheduler.base_lrs"),
+        ("optimizer/param_groups/0/lr", "fast", r"optimizer.param_groups\[0\].lr"),
+        ("optimizer/param_groups/0/params", [0], "params"),
+        ("optimizer/state/0/exp_avg", torch.zeros(3), "exp_avg"),
+        ("optimizer/state/9", {"step": torch.tensor(1.0)}, r"optimizer.state\[9\]"),
+        ("config/training/batch_size", "abc", "training.batch_size"),
+        ("model", {}, "different model"),
+        ("scheduler", {}, None),
+    ],
+)
 def test_the_loop_and_optimizer_state_are_checked_before_use(
     tmp_path: Path, key: str, value: object, needle: str | None
 ) -> None:
@@ -503,8 +540,11 @@ def test_a_named_pipe_in_a_checkpoint_directory_never_hangs(tmp_path: Path, whic
     ckpt.save_checkpoint({"global_step": 1}, tmp_path, 1)
     ckpt.save_checkpoint({"global_step": 2}, tmp_path, 2)
     newest = ckpt.step_path(tmp_path, 2)
-    victim = {"latest": tmp_path / "latest", "digest": newest.with_name(newest.name + ".sha256"),
-              "checkpoint": newest}[which]  # fmt: skip
+    victim = {
+        "latest": tmp_path / "latest",
+        "digest": newest.with_name(newest.name + ".sha256"),
+        "checkpoint": newest,
+    }[which]
     victim.unlink()
     os.mkfifo(victim)
     try:
@@ -549,10 +589,12 @@ def _assert_kept(ck: Path, err: object, strategy: str) -> None:
     assert (ck / "latest").read_text().strip() == first.name
     assert ckpt.load_checkpoint(first)["global_step"] == 2  # intact: digests match
     left = sorted(p.name for p in ck.iterdir())
-    assert left == sorted([first.name, "latest", ".lock"] if (ck / ".lock").exists() else
-                          [first.name, "latest"] + ([first.name + ".sha256",
-                                                     ckpt.rank_dir(first).name]
-                                                    if strategy == "ddp" else [])), left
+    assert left == sorted(
+        [first.name, "latest", ".lock"]
+        if (ck / ".lock").exists()
+        else [first.name, "latest"]
+        + ([first.name + ".sha256", ckpt.rank_dir(first).name] if strategy == "ddp" else [])
+    ), left
 
 
 @pytest.mark.parametrize("leave", [0, 16 << 10, 40 << 10])
@@ -609,12 +651,20 @@ def test_a_full_disk_during_the_final_export_is_one_line(tmp_path: Path, strateg
 
 # ---- the same through python -m ddp: exit 2, one line -------------------------------------
 def _python_m_ddp(cwd: Path, *sets: str) -> subprocess.CompletedProcess:
-    args = [a for s in ("training.max_steps=2", "ddp.strategy=fsdp", "checkpoint.dir=ck", *sets)
-            for a in ("--set", s)]  # fmt: skip
+    args = [
+        a
+        for s in ("training.max_steps=2", "ddp.strategy=fsdp", "checkpoint.dir=ck", *sets)
+        for a in ("--set", s)
+    ]
     tiny = str(Path(__file__).resolve().parents[2] / "configs" / "uniref50-tiny.yaml")
-    return subprocess.run([sys.executable, "-m", "ddp", "uniref50", "--config", tiny, *args],
-                          env=_launch.base_env(), capture_output=True, text=True, timeout=300,
-                          cwd=cwd)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "ddp", "uniref50", "--config", tiny, *args],
+        env=_launch.base_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+    )
 
 
 def test_python_m_ddp_fsdp_resumes_of_another_shape_or_a_crafted_meta_are_one_line(

@@ -117,8 +117,9 @@ def _rewrite_rank(path: Path, change) -> None:
     buf = io.BytesIO()
     torch.save(obj, buf)
     data = buf.getvalue()
-    path.write_bytes(b"ddp-rank-state sha256=" + hashlib.sha256(data).hexdigest().encode()
-                     + b"\n" + data)  # fmt: skip
+    path.write_bytes(
+        b"ddp-rank-state sha256=" + hashlib.sha256(data).hexdigest().encode() + b"\n" + data
+    )
 
 
 class _Evil:
@@ -130,8 +131,9 @@ def _evil(path: Path) -> None:
     buf = io.BytesIO()
     torch.save({"format": 3, "global_step": 3, "x": _Evil()}, buf)
     data = buf.getvalue()
-    path.write_bytes(b"ddp-rank-state sha256=" + hashlib.sha256(data).hexdigest().encode()
-                     + b"\n" + data)  # fmt: skip
+    path.write_bytes(
+        b"ddp-rank-state sha256=" + hashlib.sha256(data).hexdigest().encode() + b"\n" + data
+    )
 
 
 def _flip(path: Path) -> None:
@@ -150,6 +152,7 @@ def _replace_with(kind: str):
             path.symlink_to(other if other.exists() else path.parent / ".." / "elsewhere")
         elif kind == "huge":
             path.write_bytes(b"ddp-rank-state sha256=" + b"0" * (ckpt.RANK_FILE_LIMIT + 1))
+
     return change
 
 
@@ -162,24 +165,26 @@ _CASES = {
     "huge": (_replace_with("huge"), "allowed: at most"),
     "pickled code": (_evil, "safe load refuses"),
     "rng not a mapping": (lambda p: _rewrite_rank(p, _set("rank_rng", "x")), "rank_rng"),
-    "python rng": (lambda p: _rewrite_rank(p, _set("rank_rng/python", "seed")),
-                   "rank_rng.python"),
-    "torch rng": (lambda p: _rewrite_rank(p, _set("rank_rng/torch",
-                                                  torch.zeros(3, dtype=torch.uint8))),
-                  "rank_rng.torch"),
-    "numpy rng": (lambda p: _rewrite_rank(p, _set("rank_rng/numpy",
-                                                  ("MT19937", [1], 0, 0, float("nan")))),
-                  "rank_rng.numpy"),
+    "python rng": (lambda p: _rewrite_rank(p, _set("rank_rng/python", "seed")), "rank_rng.python"),
+    "torch rng": (
+        lambda p: _rewrite_rank(p, _set("rank_rng/torch", torch.zeros(3, dtype=torch.uint8))),
+        "rank_rng.torch",
+    ),
+    "numpy rng": (
+        lambda p: _rewrite_rank(p, _set("rank_rng/numpy", ("MT19937", [1], 0, 0, float("nan")))),
+        "rank_rng.numpy",
+    ),
     "no rng": (lambda p: _rewrite_rank(p, lambda o: o.pop("rank_rng")), "rank_rng"),
     "another rank's": (lambda p: _rewrite_rank(p, _set("rank", 1)), "rank"),
     "another step's": (lambda p: _rewrite_rank(p, _set("global_step", 2)), "global_step"),
     "another world's": (lambda p: _rewrite_rank(p, _set("world_size", 2)), "world_size"),
     "rank as text": (lambda p: _rewrite_rank(p, _set("rank", "0")), "rank"),
     "newer format": (lambda p: _rewrite_rank(p, _set("format", 99)), "format"),
-    "another rank's shard": (lambda p: _rewrite_rank(p, _set("rank_shards",
-                                                             {"__1_0.distcp": "0" * 64})),
-                             "rank_shards"),
-}  # fmt: skip
+    "another rank's shard": (
+        lambda p: _rewrite_rank(p, _set("rank_shards", {"__1_0.distcp": "0" * 64})),
+        "rank_shards",
+    ),
+}
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -232,8 +237,13 @@ def test_a_save_removes_older_staging_and_never_a_later_steps(tmp_path: Path) ->
         (stale / "rank_000003.pt").write_bytes(b"x")
     cp.save(loop, model, 4, (0, 4))
     left = sorted(p.name for p in tmp_path.iterdir())
-    assert left == [".step_000000009.ranks.tmp", "latest", "step_000000004.pt",
-                    "step_000000004.pt.sha256", "step_000000004.ranks"], left  # fmt: skip
+    assert left == [
+        ".step_000000009.ranks.tmp",
+        "latest",
+        "step_000000004.pt",
+        "step_000000004.pt.sha256",
+        "step_000000004.ranks",
+    ], left
 
 
 def test_pruning_removes_a_checkpoints_rank_files_with_it(tmp_path: Path) -> None:
@@ -241,7 +251,9 @@ def test_pruning_removes_a_checkpoints_rank_files_with_it(tmp_path: Path) -> Non
     for step in (1, 2, 3):
         cp.save(loop, model, step, (0, step))
     assert sorted(p.name for p in tmp_path.iterdir() if "ranks" in p.name) == [
-        "step_000000002.ranks", "step_000000003.ranks"]  # fmt: skip
+        "step_000000002.ranks",
+        "step_000000003.ranks",
+    ]
 
 
 def test_a_save_over_a_checkpoint_of_the_same_step_replaces_its_rank_files(tmp_path: Path) -> None:
@@ -266,10 +278,23 @@ def test_bytes_received_per_rank_per_save_do_not_grow_with_the_world(tmp_path: P
 
     out = tmp_path / "scale.json"
     src = Path(ddp.__file__).resolve().parents[1]  # the ddp under test
-    proc = subprocess.run([sys.executable, "bench/scale_ckpt.py", "--worlds", "2,4",
-                           "--json", str(out), "--src", str(src)], cwd=ROOT,
-                          env=_launch.base_env(), capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "bench/scale_ckpt.py",
+            "--worlds",
+            "2,4",
+            "--json",
+            str(out),
+            "--src",
+            str(src),
+        ],
+        cwd=ROOT,
+        env=_launch.base_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     two, four = json.loads(out.read_text())["rows"]
     assert four["received_max"] == two["received_max"] <= 64, (two, four)
@@ -287,8 +312,9 @@ def _train(ck: Path, world: int, **checkpoint: object) -> list[tuple[int, str, s
     if "max_steps" in checkpoint:
         cfg["training"]["max_steps"] = checkpoint.pop("max_steps")
         cfg["checkpoint"].pop("max_steps")
-    return _launch.run([WORKER, json.dumps({"config": cfg, "n": 64, "dropout": 0.2})],
-                       world=world, timeout=120)  # fmt: skip
+    return _launch.run(
+        [WORKER, json.dumps({"config": cfg, "n": 64, "dropout": 0.2})], world=world, timeout=120
+    )
 
 
 def test_a_bad_rank_file_of_one_rank_is_every_ranks_line_or_the_checkpoint_before(
@@ -317,13 +343,17 @@ def test_a_damaged_shard_is_found_by_the_rank_standing_for_its_writer(tmp_path: 
     each rank checks the shards of the saved ranks it stands for (rank 0 alone checks both
     on 1 rank; rank 1 checks __1_0 on 2): either way the damaged shard is one line."""
     ck = tmp_path / "ck"
-    cfg = {"training": {"batch_size": 2, "epochs": 1, "seed": 5, "max_steps": 2},
-           "optim": {"name": "adamw", "lr": 0.01},
-           "ddp": {"strategy": "fsdp", "fsdp_blocks": ["0", "3"]},
-           "checkpoint": {"dir": str(ck)}, "logging": {"progress": "plain"}}  # fmt: skip
+    cfg = {
+        "training": {"batch_size": 2, "epochs": 1, "seed": 5, "max_steps": 2},
+        "optim": {"name": "adamw", "lr": 0.01},
+        "ddp": {"strategy": "fsdp", "fsdp_blocks": ["0", "3"]},
+        "checkpoint": {"dir": str(ck)},
+        "logging": {"progress": "plain"},
+    }
     spec = {"config": cfg, "n": 64}
-    for rank, (rc, out, err) in enumerate(_launch.run([WORKER, json.dumps(spec)], world=2,
-                                                      timeout=120)):  # fmt: skip
+    for rank, (rc, out, err) in enumerate(
+        _launch.run([WORKER, json.dumps(spec)], world=2, timeout=120)
+    ):
         assert rc == 0, f"rank {rank}: {rc}\n{out[-2000:]}\n{err[-3000:]}"
     step = ckpt.sharded_path(ck, 2)
     assert sorted(p.name for p in step.glob("rank_*")) == ["rank_000000.pt", "rank_000001.pt"]
@@ -343,7 +373,6 @@ def _no_leftover_marker() -> None:
     Path("/tmp/ddp-rank-file-ran-code").unlink(missing_ok=True)
     yield
     Path("/tmp/ddp-rank-file-ran-code").unlink(missing_ok=True)
-
 
 
 _FAIL_RANK_FILE = """
@@ -367,12 +396,15 @@ def test_a_failed_rank_file_write_on_one_rank_stops_every_rank_with_its_line(
     hang) with rank 1's line, found by one all-reduce; step 2 stays `latest` and nothing
     of step 4 is left."""
     ck = tmp_path / "ck"
-    cfg = {"training": {"batch_size": 2, "epochs": 1, "seed": 5, "max_steps": 6},
-           "optim": {"name": "sgd", "lr": 0.05},
-           "checkpoint": {"dir": str(ck), "every_n_steps": 2, "keep_last": 2},
-           "logging": {"every_n_steps": 50, "progress": "plain"}}  # fmt: skip
-    results = _launch.run(["-c", _FAIL_RANK_FILE, WORKER, json.dumps({"config": cfg, "n": 64})],
-                          world=2, timeout=120)  # fmt: skip
+    cfg = {
+        "training": {"batch_size": 2, "epochs": 1, "seed": 5, "max_steps": 6},
+        "optim": {"name": "sgd", "lr": 0.05},
+        "checkpoint": {"dir": str(ck), "every_n_steps": 2, "keep_last": 2},
+        "logging": {"every_n_steps": 50, "progress": "plain"},
+    }
+    results = _launch.run(
+        ["-c", _FAIL_RANK_FILE, WORKER, json.dumps({"config": cfg, "n": 64})], world=2, timeout=120
+    )
     want = "No space left on device; the earlier checkpoints are kept"
     for rank, (rc, _, err) in enumerate(results):
         lines = [line for line in err.splitlines() if "ddp: error:" in line]

@@ -129,9 +129,13 @@ def test_free_section_checked_against_defaults() -> None:
         "dropout": 0.0,
     }
     with pytest.raises(ConfigError, match="did you mean 'model.d_model'"):
-        check_free_section(TrainConfig.from_dict({"model": {"dmodel": 1}}), "model", {"d_model": 64})
+        check_free_section(
+            TrainConfig.from_dict({"model": {"dmodel": 1}}), "model", {"d_model": 64}
+        )
     with pytest.raises(ConfigError, match="model.d_model: expected an integer"):
-        check_free_section(TrainConfig.from_dict({"model": {"d_model": "x"}}), "model", {"d_model": 64})
+        check_free_section(
+            TrainConfig.from_dict({"model": {"d_model": "x"}}), "model", {"d_model": 64}
+        )
 
 
 @pytest.mark.parametrize(
@@ -151,9 +155,11 @@ def test_free_section_checked_against_defaults() -> None:
 def test_scaling_rules(rule: str, world: int, base: int, factor: float) -> None:
     assert scale_factor(rule, world, base) == pytest.approx(factor)
     cfg = TrainConfig.from_dict(
-        {"optim": {"lr": 1e-4, "warmup_steps": 100},
-         "scaling": {"rule": rule, "base_world_size": base, "scale_warmup": True}}
-    )  # fmt: skip
+        {
+            "optim": {"lr": 1e-4, "warmup_steps": 100},
+            "scaling": {"rule": rule, "base_world_size": base, "scale_warmup": True},
+        }
+    )
     assert cfg.scaled_lr(world) == pytest.approx(1e-4 * factor)
     assert cfg.scaled_warmup(world) == round(100 * factor)
 
@@ -277,9 +283,14 @@ def test_python_m_ddp_with_a_huge_timeout_is_one_line(tmp_path: Path) -> None:
 
     from tests.ddp._launch import base_env
 
-    proc = subprocess.run([sys.executable, "-m", "ddp", "uniref50", "--set", "ddp.timeout_s=1e300"],
-                          env=base_env(), capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddp", "uniref50", "--set", "ddp.timeout_s=1e300"],
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "ddp.timeout_s" in lines[0], proc.stderr

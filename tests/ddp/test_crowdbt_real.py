@@ -37,9 +37,22 @@ ROOT = _launch.ROOT
 #: EfficientNet-B0 without its 1000-way classifier: 4,007,548 parameters (5,288,548 with
 #: it, the published figure), the same in torchvision, timm and efficientnet_pytorch.
 B0_FEATURE_PARAMS = 5_288_548 - (1280 * 1000 + 1000)
-SMALL = ["--backbone", "efficientnet_b0", "--input-size", "32", "--batch-size", "4",
-         "--epochs", "1", "--set", "memory.gradient_checkpointing=true",
-         "--set", "logging.progress=plain", "--set", "recipe.eval_fraction=0.25"]  # fmt: skip
+SMALL = [
+    "--backbone",
+    "efficientnet_b0",
+    "--input-size",
+    "32",
+    "--batch-size",
+    "4",
+    "--epochs",
+    "1",
+    "--set",
+    "memory.gradient_checkpointing=true",
+    "--set",
+    "logging.progress=plain",
+    "--set",
+    "recipe.eval_fraction=0.25",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -69,8 +82,9 @@ def write_data(root: Path, n_images: int = 8, n_judgements: int = 24) -> list[di
     rows = []
     for k in range(n_judgements):
         a, b = rng.sample(names, 2)
-        rows.append({"left": a, "right": b, "annotator": f"worker{k % 3}",
-                     "label": str(int(a < b))})  # fmt: skip
+        rows.append(
+            {"left": a, "right": b, "annotator": f"worker{k % 3}", "label": str(int(a < b))}
+        )
     with open(root / "judgements.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["left", "right", "annotator", "label"])
         w.writeheader()
@@ -79,8 +93,17 @@ def write_data(root: Path, n_images: int = 8, n_judgements: int = 24) -> list[di
 
 
 def _run2(out: Path, *args: str, timeout: float = 300) -> list[tuple[int, str, str]]:
-    argv = ["-m", "ddp", "crowdbt", "--config", "configs/crowdbt.yaml", *SMALL,
-            "--set", f"checkpoint.dir={out}", *args]  # fmt: skip
+    argv = [
+        "-m",
+        "ddp",
+        "crowdbt",
+        "--config",
+        "configs/crowdbt.yaml",
+        *SMALL,
+        "--set",
+        f"checkpoint.dir={out}",
+        *args,
+    ]
     return _launch.run(argv, world=2, timeout=timeout)
 
 
@@ -109,14 +132,20 @@ def _one_line_exit_2(results: list[tuple[int, str, str]], *needles: str) -> str:
 def _check_trained(out: Path, n_annotators: int) -> None:
     """The exported model is a real EfficientNet-B0 scorer whose weights moved."""
     state = torch.load(out / "final" / "model.pt", weights_only=True)
-    cfg = resolve(crowdbt, ROOT / "configs/crowdbt.yaml",
-                  ["model.backbone=efficientnet_b0", "model.input_size=32"])  # fmt: skip
+    cfg = resolve(
+        crowdbt,
+        ROOT / "configs/crowdbt.yaml",
+        ["model.backbone=efficientnet_b0", "model.input_size=32"],
+    )
     fresh = crowdbt.make_model(cfg, n_annotators)
     assert set(state) == set(fresh.state_dict())
     feats = sum(p.numel() for p in fresh.backbone.parameters())
     assert feats == B0_FEATURE_PARAMS, feats
-    moved = [k for k, v in fresh.state_dict().items()
-             if v.is_floating_point() and not torch.equal(v, state[k])]  # fmt: skip
+    moved = [
+        k
+        for k, v in fresh.state_dict().items()
+        if v.is_floating_point() and not torch.equal(v, state[k])
+    ]
     assert any(k.startswith("backbone.") for k in moved) and "eta_raw" in moved
 
 
@@ -137,16 +166,21 @@ def test_jsonl_judgements_and_backbone_sizes(tmp_path: Path) -> None:
     rows = write_data(tmp_path)
     (tmp_path / "judgements.csv").unlink()
     (tmp_path / "judgements.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = resolve(crowdbt, ROOT / "configs/crowdbt.yaml",
-                  [f"recipe.data_dir={tmp_path}", "model.input_size=20"])  # fmt: skip
+    cfg = resolve(
+        crowdbt,
+        ROOT / "configs/crowdbt.yaml",
+        [f"recipe.data_dir={tmp_path}", "model.input_size=20"],
+    )
     train, evals, n_ann = crowdbt.user_datasets(cfg)
     assert (len(train), len(evals), n_ann) == (22, 2, 3)  # eval_fraction 0.1 of 24 -> 2
     item = train[0]
     assert item["a"].shape == (3, 20, 20) and item["a"].dtype == torch.float32
     # normalised with ImageNet's mean/std: a pixel of 0 is -mean/std
     assert item["a"].min() >= -0.485 / 0.229 - 1e-5 and item["a"].max() <= (1 - 0.406) / 0.225
-    sizes = {b: crowdbt.image_size(resolve(crowdbt, None, [f"model.backbone={b}"]))
-             for b in ("efficientnet_b3", "efficientnet_b4", "efficientnet_b5")}  # fmt: skip
+    sizes = {
+        b: crowdbt.image_size(resolve(crowdbt, None, [f"model.backbone={b}"]))
+        for b in ("efficientnet_b3", "efficientnet_b4", "efficientnet_b5")
+    }
     assert sizes == {"efficientnet_b3": 300, "efficientnet_b4": 380, "efficientnet_b5": 456}
 
 
@@ -167,14 +201,20 @@ def test_gradient_checkpointing_gives_the_same_gradients(monkeypatch: pytest.Mon
         model.gradient_checkpointing = on
         model.train()
         torch.manual_seed(0)
-        batch = {"a": torch.randn(2, 3, 32, 32), "b": torch.randn(2, 3, 32, 32),
-                 "annotator": torch.tensor([0, 1]), "label": torch.tensor([1.0, 0.0])}  # fmt: skip
+        batch = {
+            "a": torch.randn(2, 3, 32, 32),
+            "b": torch.randn(2, 3, 32, 32),
+            "annotator": torch.tensor([0, 1]),
+            "label": torch.tensor([1.0, 0.0]),
+        }
         calls.clear()
         model(batch)["loss"].backward()
         # one backbone pass scores both images; B0 has 16 MBConv blocks
         if backbones.library() == "efficientnet_pytorch":
             assert len(calls) == (16 if on else 0), calls
-        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+        grads.append(
+            torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        )
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
 
 
@@ -195,11 +235,14 @@ def test_judgement_naming_a_missing_image_is_one_line(tmp_path: Path) -> None:
     _one_line_exit_2(results, "img/gone.png", "does not exist")
 
 
-@pytest.mark.parametrize(("row", "needle"), [
-    ("../etc/passwd,img/p1.png,w,1", "leaves the data dir"),
-    ("img/p0.png,img/p1.png,w,2", "label '2'"),
-    ("img/p0.png,img/p0.png,w,1", "compared with itself"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("row", "needle"),
+    [
+        ("../etc/passwd,img/p1.png,w,1", "leaves the data dir"),
+        ("img/p0.png,img/p1.png,w,2", "label '2'"),
+        ("img/p0.png,img/p0.png,w,1", "compared with itself"),
+    ],
+)
 def test_bad_judgements_refused(tmp_path: Path, row: str, needle: str) -> None:
     write_data(tmp_path)
     with open(tmp_path / "judgements.csv", "a") as f:
@@ -235,8 +278,15 @@ def test_pretrained_loads_a_given_file_and_never_downloads(
     torch.save(ref.state_dict(), tmp_path / "b0.pth")
     if backbones.library() != "efficientnet_pytorch":
         pytest.skip("the file is efficientnet_pytorch's layout; torchvision imports here")
-    cfg = resolve(crowdbt, None, ["model.backbone=efficientnet_b0", "model.input_size=32",
-                                  f"model.pretrained={tmp_path / 'b0.pth'}"])  # fmt: skip
+    cfg = resolve(
+        crowdbt,
+        None,
+        [
+            "model.backbone=efficientnet_b0",
+            "model.input_size=32",
+            f"model.pretrained={tmp_path / 'b0.pth'}",
+        ],
+    )
     model = crowdbt.make_model(cfg, 2)
     got = model.backbone.net.state_dict()
     body = {k: v for k, v in ref.state_dict().items() if not k.startswith("_fc.")}
@@ -246,8 +296,11 @@ def test_pretrained_loads_a_given_file_and_never_downloads(
     with pytest.raises(ConfigError, match="no cached weights for efficientnet_b0 at .*empty"):
         crowdbt.make_model(cfg, 2)
     (tmp_path / "bad.pth").write_bytes(b"not a pickle")
-    cfg = resolve(crowdbt, None, ["model.backbone=efficientnet_b0",
-                                  f"model.pretrained={tmp_path / 'bad.pth'}"])  # fmt: skip
+    cfg = resolve(
+        crowdbt,
+        None,
+        ["model.backbone=efficientnet_b0", f"model.pretrained={tmp_path / 'bad.pth'}"],
+    )
     with pytest.raises(ConfigError, match="is not a weights file"):
         crowdbt.make_model(cfg, 2)
 
@@ -257,14 +310,36 @@ def test_seed_example_configs_parse_and_scale(capsys: pytest.CaptureFixture[str]
     the seed's formula with rule linear (by batch over its base of 16)."""
     import yaml
 
-    for world, backbone, size, batch, lr in ((2, "b3", 384, 32, 2e-4), (4, "b5", 512, 8, 4e-4),
-                                             (8, "b4", 448, 16, 8e-4)):  # fmt: skip
-        argv = ["crowdbt", "--config", "configs/crowdbt.yaml", "--backbone",
-                f"efficientnet_{backbone}", "--input-size", str(size), "--batch-size",
-                str(batch), "--lr", str(lr), "--print-config"]  # fmt: skip
+    for world, backbone, size, batch, lr in (
+        (2, "b3", 384, 32, 2e-4),
+        (4, "b5", 512, 8, 4e-4),
+        (8, "b4", 448, 16, 8e-4),
+    ):
+        argv = [
+            "crowdbt",
+            "--config",
+            "configs/crowdbt.yaml",
+            "--backbone",
+            f"efficientnet_{backbone}",
+            "--input-size",
+            str(size),
+            "--batch-size",
+            str(batch),
+            "--lr",
+            str(lr),
+            "--print-config",
+        ]
         if world == 8:
-            argv += ["--data-source", "s3", "--epochs", "50", "--weight-decay", "1e-5",
-                     "--num-workers", "8"]  # fmt: skip
+            argv += [
+                "--data-source",
+                "s3",
+                "--epochs",
+                "50",
+                "--weight-decay",
+                "1e-5",
+                "--num-workers",
+                "8",
+            ]
         assert main(argv) == 0
         cfg = yaml.safe_load(capsys.readouterr().out)
         assert cfg["model"]["backbone"] == f"efficientnet_{backbone}"
@@ -279,13 +354,37 @@ def test_seed_example_configs_parse_and_scale(capsys: pytest.CaptureFixture[str]
 def test_tiny_training_at_a_seed_resolution(tmp_path: Path) -> None:
     """One step of the seed's B3 config at its own 384 px, batch 1, one process."""
     write_data(tmp_path / "d", n_images=3, n_judgements=4)
-    ((rc, o, e),) = _launch.run([
-        "-m", "ddp", "crowdbt", "--config", "configs/crowdbt.yaml", "--backbone",
-        "efficientnet_b3", "--input-size", "384", "--batch-size", "1", "--lr", "2e-4",
-        "--max-steps", "1", "--data-dir", str(tmp_path / "d"),
-        "--set", "memory.gradient_checkpointing=true", "--set", "logging.progress=plain",
-        "--set", f"checkpoint.dir={tmp_path / 'ck'}", "--set", "recipe.eval_fraction=0",
-    ], world=1, timeout=300)  # fmt: skip
+    ((rc, o, e),) = _launch.run(
+        [
+            "-m",
+            "ddp",
+            "crowdbt",
+            "--config",
+            "configs/crowdbt.yaml",
+            "--backbone",
+            "efficientnet_b3",
+            "--input-size",
+            "384",
+            "--batch-size",
+            "1",
+            "--lr",
+            "2e-4",
+            "--max-steps",
+            "1",
+            "--data-dir",
+            str(tmp_path / "d"),
+            "--set",
+            "memory.gradient_checkpointing=true",
+            "--set",
+            "logging.progress=plain",
+            "--set",
+            f"checkpoint.dir={tmp_path / 'ck'}",
+            "--set",
+            "recipe.eval_fraction=0",
+        ],
+        world=1,
+        timeout=300,
+    )
     assert rc == 0, e[-3000:]
     assert "384px" in o + e and (tmp_path / "ck" / "final" / "model.pt").is_file()
 
@@ -310,12 +409,18 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     server.start()
     host, port = server.get_host_and_port()
     url = f"http://{host}:{port}"
-    kw = {"endpoint_url": url, "region_name": "us-east-1", "aws_access_key_id": "setup",
-          "aws_secret_access_key": "setup"}  # fmt: skip
+    kw = {
+        "endpoint_url": url,
+        "region_name": "us-east-1",
+        "aws_access_key_id": "setup",
+        "aws_secret_access_key": "setup",
+    }
     iam = boto3.client("iam", **kw)
     iam.create_user(UserName="trainer")
-    policy = {"Version": "2012-10-17",
-              "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}  # fmt: skip
+    policy = {
+        "Version": "2012-10-17",
+        "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}],
+    }
     iam.put_user_policy(UserName="trainer", PolicyName="s3", PolicyDocument=json.dumps(policy))
     key = iam.create_access_key(UserName="trainer")["AccessKey"]
     client = boto3.client("s3", **kw)
@@ -327,9 +432,12 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     settings.INITIAL_NO_AUTH_ACTION_COUNT = 0  # from here on every request is authenticated
     ActionAuthenticatorMixin.request_count = 0
     try:
-        yield {"AWS_ENDPOINT_URL": url, "AWS_DEFAULT_REGION": "us-east-1",
-               "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
-               "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}  # fmt: skip
+        yield {
+            "AWS_ENDPOINT_URL": url,
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
+            "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"],
+        }
     finally:
         settings.INITIAL_NO_AUTH_ACTION_COUNT = before
         server.stop()
@@ -342,8 +450,9 @@ def _aws_env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
         monkeypatch.setenv(k, v)
 
 
-def test_two_ranks_from_s3(tmp_path: Path, s3: dict[str, str],
-                           monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_two_ranks_from_s3(
+    tmp_path: Path, s3: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     _aws_env(monkeypatch, s3)
     out = tmp_path / "ck"
     log = _ok(_run2(out, "--data-source", "s3", "--data-dir", f"s3://{BUCKET}/set1"))
@@ -351,8 +460,9 @@ def test_two_ranks_from_s3(tmp_path: Path, s3: dict[str, str],
     _check_trained(out, 3)
 
 
-def test_bad_s3_credential_is_one_line(tmp_path: Path, s3: dict[str, str],
-                                       monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_bad_s3_credential_is_one_line(
+    tmp_path: Path, s3: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     _aws_env(monkeypatch, {**s3, "AWS_SECRET_ACCESS_KEY": "wrong-secret"})
     results = _run2(tmp_path / "ck", "--data-source", "s3", "--data-dir", f"s3://{BUCKET}/set1")
     _one_line_exit_2(results, f"s3://{BUCKET}/set1/judgements.csv", "AWS credentials")

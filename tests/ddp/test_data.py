@@ -45,8 +45,9 @@ def _seqs(n: int, seed: int = 0) -> dict[str, str]:
 
 @pytest.mark.parametrize("chunk", [16, 50, 1 << 20])
 @pytest.mark.parametrize("crlf", [False, True])
-def test_prepare_matches_a_plain_python_reader(tmp_path: Path, monkeypatch, chunk: int,
-                                               crlf: bool) -> None:  # fmt: skip
+def test_prepare_matches_a_plain_python_reader(
+    tmp_path: Path, monkeypatch, chunk: int, crlf: bool
+) -> None:
     """Any chunk size (sequences and lines cut across chunks, lines longer than a chunk)."""
     monkeypatch.setattr(fasta, "CHUNK", chunk)
     seqs = _seqs(200)
@@ -66,8 +67,10 @@ def test_shipped_tiny_fasta_and_gzip_give_the_same_store(tmp_path: Path) -> None
     want = [encode(s) for s in read_fasta(TINY)]
     assert [a[i].tolist() for i in range(len(a))] == want
     assert np.array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
-    assert np.array_equal(np.fromfile(tmp_path / "a" / "idhash.bin", np.uint32),
-                          np.fromfile(tmp_path / "b" / "idhash.bin", np.uint32))  # fmt: skip
+    assert np.array_equal(
+        np.fromfile(tmp_path / "a" / "idhash.bin", np.uint32),
+        np.fromfile(tmp_path / "b" / "idhash.bin", np.uint32),
+    )
 
 
 def test_id_hash_depends_on_the_id_only(tmp_path: Path) -> None:
@@ -141,10 +144,23 @@ def test_bad_inputs_each_one_line_exit_2(tmp_path: Path) -> None:
     """Through `python -m ddp uniref50 --datafile X`: the whole user-facing path."""
     for name, (path, want) in _bad_inputs(tmp_path).items():
         out = subprocess.run(
-            [sys.executable, "-m", "ddp", "uniref50", "--datafile", str(path), "--output_dir",
-             str(tmp_path / "run"), "--max_steps", "1"],
-            capture_output=True, text=True, timeout=120, env=base_env(),
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "ddp",
+                "uniref50",
+                "--datafile",
+                str(path),
+                "--output_dir",
+                str(tmp_path / "run"),
+                "--max_steps",
+                "1",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=base_env(),
+        )
         lines = out.stderr.strip().splitlines()
         assert out.returncode == 2, (name, out.stderr[-2000:])
         assert len(lines) == 1 and lines[0].startswith("ddp: error: recipe.data: "), (name, lines)
@@ -154,8 +170,13 @@ def test_bad_inputs_each_one_line_exit_2(tmp_path: Path) -> None:
 
 def test_prepare_cli_one_line_errors_and_no_half_store(tmp_path: Path) -> None:
     def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "ddp.data", *args], capture_output=True,
-                              text=True, timeout=120, env=base_env())  # fmt: skip
+        return subprocess.run(
+            [sys.executable, "-m", "ddp.data", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=base_env(),
+        )
 
     bad = tmp_path / "bad.fasta"
     bad.write_bytes(b">ok\n" + b"ACDE\n" * 500 + b">two\nAC\x00\x01DE\n")  # past the head check
@@ -195,13 +216,35 @@ def test_uniref50_trains_two_ranks_from_a_synthetic_fasta(tmp_path: Path) -> Non
     """The recipe on 2 Gloo ranks from a generated FASTA: rank 0 prepares the store beside
     it once (the other rank waits), both train from it; a second start prepares nothing."""
     src = tmp_path / "uniref50_synthetic.fasta"
-    gen = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_fasta.py"), "--size", "2M",
-                          "--fasta", str(src)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    gen = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "make_fasta.py"),
+            "--size",
+            "2M",
+            "--fasta",
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert gen.returncode == 0, gen.stderr
-    args = ["-m", "ddp", "uniref50", "--config", str(ROOT / "configs" / "uniref50-tiny.yaml"),
-            "--datafile", str(src), "--max_steps", "6",
-            "--set", "logging.every_n_steps=3", "logging.progress=plain",
-            "training.batch_size=16"]  # fmt: skip
+    args = [
+        "-m",
+        "ddp",
+        "uniref50",
+        "--config",
+        str(ROOT / "configs" / "uniref50-tiny.yaml"),
+        "--datafile",
+        str(src),
+        "--max_steps",
+        "6",
+        "--set",
+        "logging.every_n_steps=3",
+        "logging.progress=plain",
+        "training.batch_size=16",
+    ]
     from tests.ddp import _launch
 
     for attempt in range(2):

@@ -42,16 +42,36 @@ AA = np.frombuffer(b"ACDEFGHIKLMNPQRSTVWY", np.uint8)
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``python -m ddp.data ARGS`` as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "ddp.data", *args], capture_output=True,
-                          text=True, timeout=120, env=env or base_env())  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "ddp.data", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env or base_env(),
+    )
 
 
-def train(data: Path, out: Path, *sets: str,
-          env: dict[str, str] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+def train(
+    data: Path, out: Path, *sets: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """``python -m ddp uniref50 --datafile DATA`` for a step or two."""
-    cmd = [sys.executable, "-m", "ddp", "uniref50", "--config", TINY_CONFIG, "--datafile",
-           str(data), "--output_dir",
-           str(out), "--max_steps", "2", "--set", "logging.progress=off", *sets]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddp",
+        "uniref50",
+        "--config",
+        TINY_CONFIG,
+        "--datafile",
+        str(data),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "2",
+        "--set",
+        "logging.progress=off",
+        *sets,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env or base_env())
 
 
@@ -83,8 +103,9 @@ def listing(path: Path) -> list[str]:
 def _mount_tmpfs(path: Path, options: str) -> None:
     require(os.geteuid() == 0, "mounting a tmpfs (a real full or read-only disk) needs root")
     path.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                          capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True
+    )
     require(done.returncode == 0, f"mount -t tmpfs refused: {done.stderr.strip()}")
 
 
@@ -128,8 +149,9 @@ def test_force_keeps_a_store_folder_that_holds_a_users_file(tmp_path: Path) -> N
     st = tmp_path / "st"
     fasta.prepare_fasta(TINY, st)
     (st / "my_analysis.ipynb").write_text("{}")
-    line = one_line(cli("prepare-fasta", str(TINY), "--out", str(st), "--force"),
-                    "ddp.data: error: ")  # fmt: skip
+    line = one_line(
+        cli("prepare-fasta", str(TINY), "--out", str(st), "--force"), "ddp.data: error: "
+    )
     assert "my_analysis.ipynb" in line, line
     assert (st / "my_analysis.ipynb").read_text() == "{}" and TokenStore(st).n_seqs == 400
 
@@ -139,12 +161,15 @@ def test_force_never_replaces_the_input(tmp_path: Path, how: str) -> None:
     src = tmp_path / "d" / "x.fasta"
     src.parent.mkdir()
     src.write_bytes(TINY.read_bytes())
-    out = {"same path": src, "symlink to it": tmp_path / "link", "folder holding it": src.parent}[how]
+    out = {"same path": src, "symlink to it": tmp_path / "link", "folder holding it": src.parent}[
+        how
+    ]
     if how == "symlink to it":
         out.symlink_to(src)
     before = listing(tmp_path)
-    line = one_line(cli("prepare-fasta", str(src), "--out", str(out), "--force"),
-                    "ddp.data: error: ")  # fmt: skip
+    line = one_line(
+        cli("prepare-fasta", str(src), "--out", str(out), "--force"), "ddp.data: error: "
+    )
     assert "input" in line and str(src) in line, line
     assert listing(tmp_path) == before and src.read_bytes() == TINY.read_bytes()
 
@@ -158,7 +183,13 @@ def test_force_replaces_its_own_store_with_its_split_cache(tmp_path: Path) -> No
     out = cli("prepare-fasta", str(src), "--out", str(st), "--force")
     assert out.returncode == 0, out.stderr
     assert TokenStore(st).n_seqs == 2 and listing(tmp_path) == [
-        "b.fasta", "st", "st/header.json", "st/idhash.bin", "st/offsets.bin", "st/tokens.bin"]
+        "b.fasta",
+        "st",
+        "st/header.json",
+        "st/idhash.bin",
+        "st/offsets.bin",
+        "st/tokens.bin",
+    ]
 
 
 def test_an_empty_folder_made_for_the_output_is_filled(tmp_path: Path) -> None:
@@ -184,8 +215,10 @@ def test_datafile_never_replaces_a_users_folder_named_like_its_store(tmp_path: P
 
 def test_out_below_a_regular_file_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "file.txt").write_text("x")
-    line = one_line(cli("prepare-fasta", str(TINY), "--out", str(tmp_path / "file.txt" / "st")),
-                    "ddp.data: error: ")  # fmt: skip
+    line = one_line(
+        cli("prepare-fasta", str(TINY), "--out", str(tmp_path / "file.txt" / "st")),
+        "ddp.data: error: ",
+    )
     assert "file.txt" in line and "cannot write" in line, line
     assert listing(tmp_path) == ["file.txt"]
 
@@ -193,8 +226,9 @@ def test_out_below_a_regular_file_is_one_line(tmp_path: Path) -> None:
 # ---- what a FASTA holds: line endings, empty records, no residues at all -----------------
 @pytest.mark.parametrize("chunk", [16, 1 << 20])
 @pytest.mark.parametrize("nl", [b"\r", b"\r\n", b"\n", b"mixed"])
-def test_every_line_ending_gives_the_same_store(tmp_path: Path, monkeypatch, chunk: int,
-                                                nl: bytes) -> None:  # fmt: skip
+def test_every_line_ending_gives_the_same_store(
+    tmp_path: Path, monkeypatch, chunk: int, nl: bytes
+) -> None:
     """CR (classic Mac), CRLF (Windows), LF and a mix of them: one store, as Python's
     ``splitlines`` reads the file; CRs cut across chunk boundaries too."""
     monkeypatch.setattr(fasta, "CHUNK", chunk)
@@ -213,8 +247,9 @@ def test_every_line_ending_gives_the_same_store(tmp_path: Path, monkeypatch, chu
     assert [store[i].tolist() for i in range(store.n_seqs)] == want
 
 
-def test_a_line_past_the_bound_is_one_line_not_unbounded_memory(tmp_path: Path,
-                                                                 monkeypatch) -> None:  # fmt: skip
+def test_a_line_past_the_bound_is_one_line_not_unbounded_memory(
+    tmp_path: Path, monkeypatch
+) -> None:
     """A line is held whole until its end: a huge one (a genome, a file with no newline)
     stops at the bound instead of growing memory with the file."""
     monkeypatch.setattr(fasta, "CHUNK", 1 << 10)
@@ -242,8 +277,10 @@ def test_empty_records_are_skipped_with_a_one_line_note(tmp_path: Path) -> None:
 def test_empty_records_do_not_make_eval_loss_nan(tmp_path: Path) -> None:
     """Half the records empty: training and evaluation see only real sequences."""
     rng = np.random.default_rng(1)
-    text = b"".join(b">s%d\n%s\n" % (i, AA[rng.integers(0, 20, 30)].tobytes() if i % 2 else b"")
-                    for i in range(200))  # fmt: skip
+    text = b"".join(
+        b">s%d\n%s\n" % (i, AA[rng.integers(0, 20, 30)].tobytes() if i % 2 else b"")
+        for i in range(200)
+    )
     src = tmp_path / "e.fasta"
     src.write_bytes(text)
     out = train(src, tmp_path / "run")
@@ -262,8 +299,9 @@ def test_headers_only_fasta_is_refused(tmp_path: Path) -> None:
     assert listing(tmp_path) == ["h.fasta"]
 
 
-def _hand_made_store(path: Path, seqs: list[list[int]], vocab: int = fasta.VOCAB_SIZE,
-                     header: dict | None = None) -> Path:  # fmt: skip
+def _hand_made_store(
+    path: Path, seqs: list[list[int]], vocab: int = fasta.VOCAB_SIZE, header: dict | None = None
+) -> Path:
     """A store written file by file (as an older ddp.data or another tool could have)."""
     path.mkdir()
     tokens = np.array([t for s in seqs for t in s], np.uint8)
@@ -271,10 +309,18 @@ def _hand_made_store(path: Path, seqs: list[list[int]], vocab: int = fasta.VOCAB
     idhash = np.arange(len(seqs), dtype=np.uint32) * np.uint32(2654435761)
     for name, arr in (("tokens.bin", tokens), ("offsets.bin", offsets), ("idhash.bin", idhash)):
         (path / name).write_bytes(arr.tobytes())
-    h = {"format": 1, "tokenizer": fasta.TOKENIZER, "vocab_size": vocab, "dtype": "uint8",
-         "n_seqs": len(seqs), "n_tokens": len(tokens), "source": "",
-         "bytes": {n: (path / n).stat().st_size for n in ("tokens.bin", "offsets.bin",
-                                                          "idhash.bin")}}  # fmt: skip
+    h = {
+        "format": 1,
+        "tokenizer": fasta.TOKENIZER,
+        "vocab_size": vocab,
+        "dtype": "uint8",
+        "n_seqs": len(seqs),
+        "n_tokens": len(tokens),
+        "source": "",
+        "bytes": {
+            n: (path / n).stat().st_size for n in ("tokens.bin", "offsets.bin", "idhash.bin")
+        },
+    }
     h.update(header or {})
     (path / "header.json").write_text(json.dumps(h))
     return path
@@ -399,8 +445,7 @@ def test_damaged_header_through_the_cli(tmp_path: Path) -> None:
 
 
 # ---- vocabulary vs label -----------------------------------------------------------------
-def test_store_whose_vocabulary_does_not_match_its_label_is_refused_at_open(
-        tmp_path: Path) -> None:  # fmt: skip
+def test_store_whose_vocabulary_does_not_match_its_label_is_refused_at_open(tmp_path: Path) -> None:
     st = tmp_path / "st"
     write_store(st, [[1, 2, 30000]] * 40, fasta.TOKENIZER, 50257)
     line = one_line(train(st, tmp_path / "run"), "ddp: error: recipe.data: ")
@@ -442,8 +487,10 @@ def test_read_only_store_split_equals_the_writable_one(tmp_path: Path, ro_store:
     want = [a.to_numpy() for a in fasta.prepare_fasta(TINY, tmp_path / "w").split(0.1)]
     for cache in (tmp_path / "cache", ro_store.parent / "cache"):  # the second is read-only too
         got = TokenStore(ro_store).split(0.1, cache=cache)
-        assert all(np.array_equal(np.asarray(g if isinstance(g, np.ndarray) else g.to_numpy()), w)
-                   for g, w in zip(got, want, strict=True))  # fmt: skip
+        assert all(
+            np.array_equal(np.asarray(g if isinstance(g, np.ndarray) else g.to_numpy()), w)
+            for g, w in zip(got, want, strict=True)
+        )
 
 
 # ---- signals and a full disk -------------------------------------------------------------
@@ -469,10 +516,23 @@ _BLOCKING_PREPARE = textwrap.dedent("""
 def test_signal_during_prepare_leaves_nothing(tmp_path: Path, sig: signal.Signals) -> None:
     src = tmp_path / "a.fasta"
     src.write_bytes(residues(2000))
-    proc = subprocess.Popen([sys.executable, "-c", _BLOCKING_PREPARE, "prepare-fasta", str(src),
-                             "--out", str(tmp_path / "st")], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=base_env(), preexec_fn=default_signals)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _BLOCKING_PREPARE,
+            "prepare-fasta",
+            str(src),
+            "--out",
+            str(tmp_path / "st"),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=base_env(),
+        preexec_fn=default_signals,
+    )
     try:
         assert proc.stdout.readline() == "ready\n", proc.communicate(timeout=60)
         assert [p for p in listing(tmp_path) if ".st.tmp-" in p], listing(tmp_path)
@@ -496,10 +556,23 @@ def test_an_ignored_sighup_stays_ignored_during_prepare(tmp_path: Path) -> None:
         default_signals()
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
-    proc = subprocess.Popen([sys.executable, "-c", _BLOCKING_PREPARE, "prepare-fasta", str(src),
-                             "--out", str(tmp_path / "st")], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=base_env(), preexec_fn=nohup)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _BLOCKING_PREPARE,
+            "prepare-fasta",
+            str(src),
+            "--out",
+            str(tmp_path / "st"),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=base_env(),
+        preexec_fn=nohup,
+    )
     try:
         assert proc.stdout.readline() == "ready\n", proc.communicate(timeout=60)
         proc.send_signal(signal.SIGHUP)
@@ -511,8 +584,9 @@ def test_an_ignored_sighup_stays_ignored_during_prepare(tmp_path: Path) -> None:
     assert not [p for p in listing(tmp_path) if ".st.tmp-" in p], listing(tmp_path)
 
 
-_BLOCKING_TRAIN = _BLOCKING_PREPARE.replace("from ddp.data.__main__ import main",
-                                            "from ddp.__main__ import main")
+_BLOCKING_TRAIN = _BLOCKING_PREPARE.replace(
+    "from ddp.data.__main__ import main", "from ddp.__main__ import main"
+)
 
 
 def test_signal_while_a_training_job_prepares_its_store(tmp_path: Path) -> None:
@@ -520,11 +594,27 @@ def test_signal_while_a_training_job_prepares_its_store(tmp_path: Path) -> None:
     signal (as the scheduler expects), with a warning and no temporary store left."""
     src = tmp_path / "a.fasta"
     src.write_bytes(residues(2000))
-    proc = subprocess.Popen([sys.executable, "-c", _BLOCKING_TRAIN, "uniref50", "--config",
-                             TINY_CONFIG, "--datafile",
-                             str(src), "--output_dir", str(tmp_path / "run"), "--max_steps",
-                             "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=base_env())  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _BLOCKING_TRAIN,
+            "uniref50",
+            "--config",
+            TINY_CONFIG,
+            "--datafile",
+            str(src),
+            "--output_dir",
+            str(tmp_path / "run"),
+            "--max_steps",
+            "1",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=base_env(),
+    )
     try:
         seen = []
         while not seen or seen[-1] not in ("ready\n", ""):  # log lines come first
@@ -559,21 +649,39 @@ def test_signal_while_publishing_waits_until_the_store_is_whole(tmp_path: Path) 
     store is in place (the process still ends by it)."""
     st = tmp_path / "st"
     write_store(st, [[1, 2]], fasta.TOKENIZER, fasta.VOCAB_SIZE)
-    out = subprocess.run([sys.executable, "-c", _SIGNAL_WHILE_PUBLISHING, "prepare-fasta",
-                          str(TINY), "--out", str(st), "--force"], capture_output=True,
-                         text=True, timeout=120, env=base_env())  # fmt: skip
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _SIGNAL_WHILE_PUBLISHING,
+            "prepare-fasta",
+            str(TINY),
+            "--out",
+            str(st),
+            "--force",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=base_env(),
+    )
     assert out.returncode == -signal.SIGTERM, (out.returncode, out.stderr)
     assert TokenStore(st, fasta.TOKENIZER).n_seqs == 400
-    assert listing(tmp_path) == ["st", "st/header.json", "st/idhash.bin", "st/offsets.bin",
-                                 "st/tokens.bin"]  # fmt: skip
+    assert listing(tmp_path) == [
+        "st",
+        "st/header.json",
+        "st/idhash.bin",
+        "st/offsets.bin",
+        "st/tokens.bin",
+    ]
 
 
-def test_full_disk_during_prepare_is_one_line_and_leaves_nothing(tmp_path: Path,
-                                                                  tmpfs: Path) -> None:  # fmt: skip
+def test_full_disk_during_prepare_is_one_line_and_leaves_nothing(
+    tmp_path: Path, tmpfs: Path
+) -> None:
     src = tmp_path / "big.fasta"
     src.write_bytes(residues(20000))  # ~3 MB of residues into 1 MB
-    line = one_line(cli("prepare-fasta", str(src), "--out", str(tmpfs / "st")),
-                    "ddp.data: error: ")  # fmt: skip
+    line = one_line(cli("prepare-fasta", str(src), "--out", str(tmpfs / "st")), "ddp.data: error: ")
     assert "no space left" in line and str(tmpfs / "st") in line, line
     assert listing(tmpfs) == []
 
@@ -581,8 +689,13 @@ def test_full_disk_during_prepare_is_one_line_and_leaves_nothing(tmp_path: Path,
 # ---- named pipes, loops: no reader blocks ------------------------------------------------
 def _run_bounded(code: str, *args: str) -> subprocess.CompletedProcess:
     """Run ``code`` in a child with a bound against a true hang (a reader blocked on a pipe)."""
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                          timeout=60, env=base_env())  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=base_env(),
+    )
 
 
 @pytest.mark.parametrize("name", ["header.json", "tokens.bin", "idhash.bin"])
@@ -590,10 +703,13 @@ def test_store_file_that_is_a_named_pipe_is_refused(tmp_path: Path, name: str) -
     st = _hand_made_store(tmp_path / "st", [[5, 6], [7]])
     (st / name).unlink()
     os.mkfifo(st / name)
-    out = _run_bounded("import sys\nfrom ddp.data.store import TokenStore\n"
-                       "from ddp.errors import ConfigError\n"
-                       "try:\n    TokenStore(sys.argv[1]).split(0.5)\n"
-                       "except ConfigError as e:\n    print(e)\n", str(st))  # fmt: skip
+    out = _run_bounded(
+        "import sys\nfrom ddp.data.store import TokenStore\n"
+        "from ddp.errors import ConfigError\n"
+        "try:\n    TokenStore(sys.argv[1]).split(0.5)\n"
+        "except ConfigError as e:\n    print(e)\n",
+        str(st),
+    )
     assert out.returncode == 0 and "named pipe" in out.stdout and name in out.stdout, out
 
 
@@ -602,10 +718,13 @@ def test_split_cache_that_is_a_named_pipe_is_refused(tmp_path: Path) -> None:
     tr, _ = st.split(0.1)
     tr.path.unlink()
     os.mkfifo(tr.path)
-    out = _run_bounded("import sys\nfrom ddp.data.store import TokenStore\n"
-                       "from ddp.errors import ConfigError\n"
-                       "try:\n    print(len(TokenStore(sys.argv[1]).split(0.1)[0]))\n"
-                       "except ConfigError as e:\n    print(e)\n", str(st.path))  # fmt: skip
+    out = _run_bounded(
+        "import sys\nfrom ddp.data.store import TokenStore\n"
+        "from ddp.errors import ConfigError\n"
+        "try:\n    print(len(TokenStore(sys.argv[1]).split(0.1)[0]))\n"
+        "except ConfigError as e:\n    print(e)\n",
+        str(st.path),
+    )
     assert out.returncode == 0 and "named pipe" in out.stdout, out
 
 
@@ -626,15 +745,20 @@ def test_current_check_does_not_block_on_a_pipe_header(tmp_path: Path) -> None:
     st = tmp_path / "x.fasta.tokens"
     st.mkdir()
     os.mkfifo(st / "header.json")
-    out = _run_bounded("import sys\nfrom pathlib import Path\nfrom ddp.data import fasta\n"
-                       "print(fasta.is_current(Path(sys.argv[1]), Path(sys.argv[2])))\n",
-                       str(st), str(src))  # fmt: skip
+    out = _run_bounded(
+        "import sys\nfrom pathlib import Path\nfrom ddp.data import fasta\n"
+        "print(fasta.is_current(Path(sys.argv[1]), Path(sys.argv[2])))\n",
+        str(st),
+        str(src),
+    )
     assert out.returncode == 0 and out.stdout.strip() == "False", out
 
 
 # ---- the recipe's own data settings ------------------------------------------------------
-@pytest.mark.parametrize("setting", ["recipe.split_salt=-1", "recipe.split_salt=" + "9" * 30,
-                                     "recipe.eval_fraction=null"])  # fmt: skip
+@pytest.mark.parametrize(
+    "setting",
+    ["recipe.split_salt=-1", "recipe.split_salt=" + "9" * 30, "recipe.eval_fraction=null"],
+)
 def test_split_settings_out_of_range_are_one_line(tmp_path: Path, setting: str) -> None:
     src = tmp_path / "x.fasta"
     src.write_bytes(TINY.read_bytes())

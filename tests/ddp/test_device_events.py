@@ -22,14 +22,19 @@ WORKER = str(_launch.ROOT / "tests/ddp/_device_events_worker.py")
 
 
 def _run(tmp: Path, n: int, every: int, **extra: object) -> list[dict]:
-    spec = json.dumps({
-        "config": {"training": {"batch_size": 4, "epochs": 1, "seed": 1},
-                   "optim": {"name": "sgd", "lr": 0.05},
-                   "checkpoint": {"dir": str(tmp / "ck")},
-                   "logging": {"every_n_steps": every, "progress": "off",
-                               "fingerprint": False}},
-        "n": n, "out_dir": str(tmp), **extra,
-    })  # fmt: skip
+    spec = json.dumps(
+        {
+            "config": {
+                "training": {"batch_size": 4, "epochs": 1, "seed": 1},
+                "optim": {"name": "sgd", "lr": 0.05},
+                "checkpoint": {"dir": str(tmp / "ck")},
+                "logging": {"every_n_steps": every, "progress": "off", "fingerprint": False},
+            },
+            "n": n,
+            "out_dir": str(tmp),
+            **extra,
+        }
+    )
     results = _launch.run([WORKER, spec], world=2, timeout=240)
     for rank, (rc, o, e) in enumerate(results):
         assert rc == 0, f"rank {rank} exit {rc}\n{o[-2000:]}\n{e[-3000:]}"
@@ -70,8 +75,7 @@ def test_mock_gpu_events_are_read_only_at_log_points(tmp_path: Path) -> None:
     points; at each log point one synchronize (on the last event) and the reads. Rank 1's
     mock device takes 0.5 s per forward against rank 0's 0.1 s: ranks.jsonl's compute
     column is exactly those figures, and rank 1 is the straggler in "compute"."""
-    recs = _run(tmp_path, n=64, every=1, fake_events=True, forward_s=[0.1, 0.5],
-                backward_s=0.2)
+    recs = _run(tmp_path, n=64, every=1, fake_events=True, forward_s=[0.1, 0.5], backward_s=0.2)
     for rec in recs:
         assert rec["event_path"] is True
         assert rec["records"] == 3 * 8  # 3 events a micro-step, 8 steps of 1 micro-step

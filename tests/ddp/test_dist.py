@@ -35,8 +35,9 @@ assert ddp.get_context() is None
 
 
 def test_world_one_without_launcher():
-    out = subprocess.run([sys.executable, "-c", SCRIPT], env=clean_env(), capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=clean_env(), capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert "Initialized DDP: rank=0, world_size=1, local_rank=0" in out.stdout
     assert "Using device: cpu" in out.stdout
@@ -45,34 +46,62 @@ def test_world_one_without_launcher():
 
 def test_exec_reports_bad_launcher_env_in_one_line():
     env = clean_env(RANK="5", LOCAL_RANK="0", WORLD_SIZE="2")
-    out = subprocess.run([sys.executable, "-m", "ddp.exec", "--", "true"], env=env,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "ddp.exec", "--", "true"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1 and "RANK=5 is not below WORLD_SIZE=2" in out.stderr
 
 
 def test_exec_exports_torchrun_variables():
-    env = clean_env(PMI_RANK="1", PMI_SIZE="2", MPI_LOCALRANKID="1", MPI_LOCALNRANKS="2",
-                    MASTER_PORT="12345")
-    code = "import os; print(*[os.environ[k] for k in ('RANK','LOCAL_RANK','WORLD_SIZE'," \
-           "'LOCAL_WORLD_SIZE','GROUP_RANK','MASTER_ADDR','MASTER_PORT')])"
-    out = subprocess.run([sys.executable, "-m", "ddp.exec", "--", sys.executable, "-c", code],
-                         env=env, capture_output=True, text=True, timeout=60)
+    env = clean_env(
+        PMI_RANK="1", PMI_SIZE="2", MPI_LOCALRANKID="1", MPI_LOCALNRANKS="2", MASTER_PORT="12345"
+    )
+    code = (
+        "import os; print(*[os.environ[k] for k in ('RANK','LOCAL_RANK','WORLD_SIZE',"
+        "'LOCAL_WORLD_SIZE','GROUP_RANK','MASTER_ADDR','MASTER_PORT')])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "ddp.exec", "--", sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["1", "1", "2", "2", "0", "localhost", "12345"]
 
 
 def test_exec_usage_errors():
-    out = subprocess.run([sys.executable, "-m", "ddp.exec"], env=clean_env(),
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "ddp.exec"],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "no command given" in out.stderr
 
 
 def test_unresolvable_master_fails_at_once_in_one_line():
-    env = clean_env(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", MASTER_ADDR="no-such-host.invalid",
-                    MASTER_PORT="23456")
-    out = subprocess.run([sys.executable, "-c", "import ddp; ddp.init(timeout=300)"], env=env,
-                         capture_output=True, text=True, timeout=60)
+    env = clean_env(
+        RANK="1",
+        LOCAL_RANK="1",
+        WORLD_SIZE="2",
+        MASTER_ADDR="no-such-host.invalid",
+        MASTER_PORT="23456",
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", "import ddp; ddp.init(timeout=300)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         "ddp: error: master address 'no-such-host.invalid' (torchrun) does not resolve; set "
@@ -84,16 +113,30 @@ def test_site_suffix_falls_back_to_bare_host(tmp_path):
     """Aurora's profile appends .hsn...; off Aurora the bare node name must still work."""
     nodefile = tmp_path / "nodes"
     nodefile.write_text("localhost\n")
-    env = clean_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", PBS_NODEFILE=str(nodefile),
-                    DDP_MASTER_ADDR_SUFFIX=".hsn.cm.aurora.alcf.anl.gov")
+    env = clean_env(
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        PBS_NODEFILE=str(nodefile),
+        DDP_MASTER_ADDR_SUFFIX=".hsn.cm.aurora.alcf.anl.gov",
+    )
     env.pop("RANK")
     env.pop("LOCAL_RANK")
-    env.update(PMI_RANK="0", PMI_SIZE="2", PMI_LOCAL_RANK="0", PALS_RANKID="0",
-               PALS_LOCAL_RANKID="0", MASTER_PORT="23457")
-    code = ("import ddp.dist as d, ddp.env as e; info = d.check_resolves(e.detect()); "
-            "print(info.master_addr)")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=60)
+    env.update(
+        PMI_RANK="0",
+        PMI_SIZE="2",
+        PMI_LOCAL_RANK="0",
+        PALS_RANKID="0",
+        PALS_LOCAL_RANKID="0",
+        MASTER_PORT="23457",
+    )
+    code = (
+        "import ddp.dist as d, ddp.env as e; info = d.check_resolves(e.detect()); "
+        "print(info.master_addr)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-1] == "localhost"
 
@@ -191,12 +234,23 @@ def test_rendezvous_looks_up_the_master_once_and_probes_only_a_silent_store():
     procs: list[subprocess.Popen] = []
     try:
         for rank, via in ((0, port), (1, proxy.port)):
-            env = clean_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                            LOCAL_WORLD_SIZE="2", MASTER_ADDR="localhost",
-                            MASTER_PORT=str(via))  # fmt: skip
-            procs.append(subprocess.Popen([sys.executable, "-c", RENDEZVOUS], env=env,
-                                          text=True, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE))  # fmt: skip
+            env = clean_env(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE="2",
+                LOCAL_WORLD_SIZE="2",
+                MASTER_ADDR="localhost",
+                MASTER_PORT=str(via),
+            )
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", RENDEZVOUS],
+                    env=env,
+                    text=True,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                )
+            )
             if rank == 0:  # the proxy accepts at once: rank 1 starts once the store listens
                 _wait_listening(port, procs[0])
         results = [p.communicate(timeout=120) for p in procs]
@@ -234,10 +288,21 @@ def test_probes_back_off_with_jitter_up_to_a_cap():
 def test_no_rank_0_is_one_line_and_no_store_client_noise():
     """Nothing listens: the rank stops at its timeout with one line, before torch's store
     client gives up and logs its retries with C++ stacks (the client starts at once)."""
-    env = clean_env(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", "import ddp; ddp.init(timeout=3)"], env=env,
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    env = clean_env(
+        RANK="1",
+        LOCAL_RANK="1",
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", "import ddp; ddp.init(timeout=3)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2, out.stderr[-3000:]
     assert out.stderr.strip().splitlines() == [
         f"ddp: error: nothing accepted connections at MASTER_ADDR:MASTER_PORT "

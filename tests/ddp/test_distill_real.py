@@ -39,12 +39,35 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _argv(m: dict[str, Path], out: Path, *extra: str) -> list[str]:
-    return ["-m", "ddp", "distill", "--config", "configs/distill.yaml",
-            "--teacher_model", str(m["teacher"]), "--student_model", str(m["student"]),
-            "--train_data", str(m["train"]), "--val_data", str(m["pairs"]),
-            "--output_dir", str(out), "--batch_size", "8", "--phase1_lr", "1e-3",
-            "--phase2_lr", "5e-4", "--phase2_epochs", "1",
-            "--set", "logging.progress=plain", "logging.every_n_steps=1", *extra]  # fmt: skip
+    return [
+        "-m",
+        "ddp",
+        "distill",
+        "--config",
+        "configs/distill.yaml",
+        "--teacher_model",
+        str(m["teacher"]),
+        "--student_model",
+        str(m["student"]),
+        "--train_data",
+        str(m["train"]),
+        "--val_data",
+        str(m["pairs"]),
+        "--output_dir",
+        str(out),
+        "--batch_size",
+        "8",
+        "--phase1_lr",
+        "1e-3",
+        "--phase2_lr",
+        "5e-4",
+        "--phase2_epochs",
+        "1",
+        "--set",
+        "logging.progress=plain",
+        "logging.every_n_steps=1",
+        *extra,
+    ]
 
 
 def _run2(argv: list[str]) -> str:
@@ -93,9 +116,17 @@ def _mean_cos(st: Any, texts: list[str], teacher: torch.Tensor) -> float:
 
 
 def _cfg(m: dict[str, Path], out: Path, *sets: str) -> Any:
-    return resolve(distill, ROOT / "configs/distill.yaml", [
-        f"recipe.teacher_model={m['teacher']}", f"recipe.student_model={m['student']}",
-        f"recipe.train_data={m['train']}", f"checkpoint.dir={out}", *sets])  # fmt: skip
+    return resolve(
+        distill,
+        ROOT / "configs/distill.yaml",
+        [
+            f"recipe.teacher_model={m['teacher']}",
+            f"recipe.student_model={m['student']}",
+            f"recipe.train_data={m['train']}",
+            f"checkpoint.dir={out}",
+            *sets,
+        ],
+    )
 
 
 # ---- 2 ranks: both phases, the cache once, resume, the export ----------------------------
@@ -111,7 +142,9 @@ def test_projection_two_ranks_cache_once_resume_and_export(
     # restarts at its own LR (5e-4 x 2/3 after its first step) below phase 1's
     train = {r["step"]: r for r in _records(out, "train")}
     assert sorted(train) == [1, 2, 3, 4, 5, 6]
-    assert train[1]["lr"] == pytest.approx(1e-3 * 2 / 3) and train[4]["lr"] == pytest.approx(5e-4 * 2 / 3)
+    assert train[1]["lr"] == pytest.approx(1e-3 * 2 / 3) and train[4]["lr"] == pytest.approx(
+        5e-4 * 2 / 3
+    )
     evals = _records(out, "eval")
     assert [e["step"] for e in evals] == [3, 6]
     for k in ("eval_cos", "eval_sim_mse", "eval_recall@1", "eval_recall@5", "eval_mrr"):
@@ -119,7 +152,12 @@ def test_projection_two_ranks_cache_once_resume_and_export(
     assert 0 < evals[-1]["eval_mrr"] <= 1
 
     cache = out / "teacher_cache"
-    assert sorted(p.name for p in cache.iterdir()) == ["train.json", "train.pt", "val.json", "val.pt"]
+    assert sorted(p.name for p in cache.iterdir()) == [
+        "train.json",
+        "train.pt",
+        "val.json",
+        "val.pt",
+    ]
     before = {p: _stat(cache / p) for p in ("train.pt", "train.json", "val.pt")}
     assert torch.load(cache / "train.pt", weights_only=True).shape == (48, TEACHER_W)
 
@@ -149,8 +187,18 @@ def test_projection_two_ranks_cache_once_resume_and_export(
 
 def test_mrl_two_ranks_every_prefix_learns(models: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "run"
-    log = _run2(_argv(models, out, "--use_projection=False", "--skip_phase1",
-                      "--phase2_epochs", "10", "--phase2_lr", "1e-3"))  # fmt: skip
+    log = _run2(
+        _argv(
+            models,
+            out,
+            "--use_projection=False",
+            "--skip_phase1",
+            "--phase2_epochs",
+            "10",
+            "--phase2_lr",
+            "1e-3",
+        )
+    )
     assert "phase phase1 skipped" in log and "MRL [32, 16, 8]" in log
     last = _records(out, "eval")[-1]
     assert {"eval_sim_mse@32", "eval_sim_mse@16", "eval_sim_mse@8"} <= set(last)
@@ -207,8 +255,9 @@ def test_corpus_forms_agree_and_bad_input_is_one_line(
     import pyarrow.parquet as pq
 
     texts = read_corpus(str(models["train"]), "text", "--train_data")
-    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": t, "id": i}) + "\n"
-                                              for i, t in enumerate(texts.texts)))  # fmt: skip
+    (tmp_path / "c.jsonl").write_text(
+        "".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts.texts))
+    )
     pq.write_table(pa.table({"body": texts.texts}), tmp_path / "c.parquet")
     as_jsonl = read_corpus(str(tmp_path / "c.jsonl"), "text", "--train_data")
     as_parquet = read_corpus(str(tmp_path / "c.parquet"), "body", "--train_data")
@@ -235,11 +284,19 @@ def test_corpus_forms_agree_and_bad_input_is_one_line(
 def test_missing_sentence_transformers_is_one_line_naming_the_extra(
     models: dict[str, Path],
 ) -> None:
-    code = ("import sys; sys.modules['sentence_transformers'] = None; "
-            "from ddp.__main__ import main; "
-            f"sys.exit(main(['distill', '--train_data', {str(models['train'])!r}]))")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, env=_launch.base_env(), cwd=ROOT)  # fmt: skip
+    code = (
+        "import sys; sys.modules['sentence_transformers'] = None; "
+        "from ddp.__main__ import main; "
+        f"sys.exit(main(['distill', '--train_data', {str(models['train'])!r}]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_launch.base_env(),
+        cwd=ROOT,
+    )
     assert out.returncode == 2, out.stderr
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "pip install 'hpc-ddp[distill]'" in lines[0], out.stderr
@@ -254,7 +311,9 @@ def test_online_teacher_gives_the_cached_targets(models: dict[str, Path], tmp_pa
     items = [online.train_data[i] for i in range(5)]
     batch = online.collate_fn(items)
     loss_online = online.step_fn(online.model, batch)["loss"].detach()
-    loss_cached = cached.model(cached.collate_fn([cached.train_data[i] for i in range(5)]))["loss"].detach()
+    loss_cached = cached.model(cached.collate_fn([cached.train_data[i] for i in range(5)]))[
+        "loss"
+    ].detach()
     assert torch.allclose(batch["teacher"], cached.train_data.teacher[:5], atol=1e-5)
     assert float(loss_online) == pytest.approx(float(loss_cached), abs=1e-5)
 

@@ -131,7 +131,8 @@ def _publish(state: Mirror, md5: str | None = None, metalink: bool = True) -> tu
     state.files["uniref50.fasta.gz"] = data
     if metalink:
         state.files["RELEASE.metalink"] = _metalink(
-            "uniref50.fasta.gz", len(data), md5 or hashlib.md5(data).hexdigest())
+            "uniref50.fasta.gz", len(data), md5 or hashlib.md5(data).hexdigest()
+        )
     return data, n
 
 
@@ -150,7 +151,8 @@ def test_complete_download_then_store(mirror, tmp_path: Path, capsys) -> None:
     assert store.n_seqs == n
     assert sorted(p.name for p in to.iterdir()) == ["uniref50.fasta.gz", "uniref50.fasta.gz.tokens"]
     assert [r for r in state.requests if r[0].endswith(".gz")] == [
-        ("/uniref/uniref50/uniref50.fasta.gz", None)]
+        ("/uniref/uniref50/uniref50.fasta.gz", None)
+    ]
     # run again: nothing fetched, the store kept
     state.requests.clear()
     assert main(["download-uniref50", "--url", base, "--to", str(to)]) == 0
@@ -165,8 +167,10 @@ def test_cut_transfer_resumes_with_range_in_the_same_run(mirror, tmp_path: Path)
     to = tmp_path / "data"
     assert main(["download-uniref50", "--url", base, "--to", str(to)]) == 0
     gz = [r for r in state.requests if r[0].endswith(".gz")]
-    assert gz == [("/uniref/uniref50/uniref50.fasta.gz", None),
-                  ("/uniref/uniref50/uniref50.fasta.gz", f"bytes={len(data) // 3}-")]
+    assert gz == [
+        ("/uniref/uniref50/uniref50.fasta.gz", None),
+        ("/uniref/uniref50/uniref50.fasta.gz", f"bytes={len(data) // 3}-"),
+    ]
     assert (to / "uniref50.fasta.gz").read_bytes() == data
     assert TokenStore(to / "uniref50.fasta.gz.tokens", TOKENIZER, VOCAB_SIZE).n_seqs == n
 
@@ -176,15 +180,20 @@ def test_interrupted_run_leaves_a_part_that_the_next_run_resumes(mirror, tmp_pat
     data, n = _publish(state)
     state.cut_at, state.cuts = len(data) // 2, 1
     to = tmp_path / "data"
-    with pytest.raises(DownloadError, match=f"{len(data) // 2:,} bytes kept in .*run again to "
-                       "resume"):
+    with pytest.raises(
+        DownloadError, match=f"{len(data) // 2:,} bytes kept in .*run again to resume"
+    ):
         download(base, to, tries=1)
     assert (to / "uniref50.fasta.gz.part").read_bytes() == data[: len(data) // 2]
     assert _finished_names(to) == []  # nothing at the final name, no store
     state.requests.clear()
-    proc = subprocess.run([sys.executable, "-m", "ddp.data", "download-uniref50", "--url", base,
-                           "--to", str(to)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddp.data", "download-uniref50", "--url", base, "--to", str(to)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"},
+    )
     assert proc.returncode == 0, proc.stderr
     assert f"resuming {to / 'uniref50.fasta.gz.part'} at {len(data) // 2:,} bytes" in proc.stderr
     assert [r[1] for r in state.requests if r[0].endswith(".gz")] == [f"bytes={len(data) // 2}-"]
@@ -199,16 +208,24 @@ def test_ctrl_c_mid_transfer_keeps_only_the_part(mirror, tmp_path: Path) -> None
     data, _ = _publish(state)
     state.stall = True
     to = tmp_path / "data"
-    proc = subprocess.Popen([sys.executable, "-m", "ddp.data", "download-uniref50", "--url", base,
-                             "--to", str(to)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"},
-                            preexec_fn=default_signals)  # SIGINT at its default: see signals.py
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddp.data", "download-uniref50", "--url", base, "--to", str(to)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"},
+        preexec_fn=default_signals,
+    )  # SIGINT at its default: see signals.py
     try:
         assert state.sent_half.wait(60), "the transfer never started"
         part = to / "uniref50.fasta.gz.part"
         # the client has written what it received: interrupt it mid-transfer
-        wait_until(lambda: part.is_file() and part.stat().st_size > 0, 60, "bytes in the part",
-                   ended=lambda: proc.poll())
+        wait_until(
+            lambda: part.is_file() and part.stat().st_size > 0,
+            60,
+            "bytes in the part",
+            ended=lambda: proc.poll(),
+        )
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:
@@ -218,7 +235,8 @@ def test_ctrl_c_mid_transfer_keeps_only_the_part(mirror, tmp_path: Path) -> None
     assert proc.returncode == 130, err
     assert err.strip().splitlines()[-1] == (
         "ddp.data: interrupted by SIGINT; no partial store is left (a download keeps only "
-        "its .part, to resume)")
+        "its .part, to resume)"
+    )
     assert _finished_names(to) == []  # no FASTA at its name, no store
     assert data.startswith(part.read_bytes())
 
@@ -242,11 +260,27 @@ def test_a_terminal_gets_a_progress_bar(mirror, tmp_path: Path) -> None:
     reader = threading.Thread(target=drain, daemon=True)
     reader.start()
     try:
-        proc = subprocess.run([sys.executable, "-m", "ddp.data", "download-uniref50", "--url",
-                               base, "--to", str(tmp_path / "d")], stderr=side_fd,
-                              stdout=subprocess.PIPE, timeout=120,
-                              env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}",
-                                   "COLUMNS": "100", "TERM": "xterm"})
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ddp.data",
+                "download-uniref50",
+                "--url",
+                base,
+                "--to",
+                str(tmp_path / "d"),
+            ],
+            stderr=side_fd,
+            stdout=subprocess.PIPE,
+            timeout=120,
+            env={
+                **os.environ,
+                "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}",
+                "COLUMNS": "100",
+                "TERM": "xterm",
+            },
+        )
     finally:
         os.close(side_fd)
         reader.join(timeout=30)
@@ -258,14 +292,19 @@ def test_a_terminal_gets_a_progress_bar(mirror, tmp_path: Path) -> None:
     assert "download: " not in text  # the plain log lines are for logs only
 
 
-def test_checksum_mismatch_is_one_line_exit_2_and_nothing_looks_finished(mirror,
-                                                                         tmp_path: Path) -> None:
+def test_checksum_mismatch_is_one_line_exit_2_and_nothing_looks_finished(
+    mirror, tmp_path: Path
+) -> None:
     state, base = mirror
     _publish(state, md5="0" * 32)
     to = tmp_path / "data"
-    proc = subprocess.run([sys.executable, "-m", "ddp.data", "download-uniref50", "--url", base,
-                           "--to", str(to)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddp.data", "download-uniref50", "--url", base, "--to", str(to)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"},
+    )
     assert proc.returncode == 2
     lines = [ln for ln in proc.stderr.splitlines() if not ln.startswith("download:")]
     assert len(lines) == 1, proc.stderr
@@ -285,8 +324,15 @@ def test_size_mismatch_after_a_resume_removes_the_part(mirror, tmp_path: Path) -
     (to / "uniref50.fasta.gz.part").write_bytes(b"x" * 100)
     import json
 
-    download_meta.write_text(json.dumps({"url": base + "uniref50.fasta.gz", "size": len(data),
-                                         "md5": hashlib.md5(data).hexdigest()}))
+    download_meta.write_text(
+        json.dumps(
+            {
+                "url": base + "uniref50.fasta.gz",
+                "size": len(data),
+                "md5": hashlib.md5(data).hexdigest(),
+            }
+        )
+    )
     with pytest.raises(ConfigError, match="MD5 .* the download was removed"):
         download(base, to)
     assert list(to.iterdir()) == []
@@ -328,21 +374,29 @@ def test_missing_fasta_and_bad_url_are_one_line(mirror, tmp_path: Path, capsys) 
     assert list((tmp_path / "d").iterdir()) == []
     assert main(["download-uniref50", "--url", "ftp://x/uniref50/", "--to", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["ddp.data: error: --url: 'ftp://x/uniref50/' is not allowed; allowed: an "
-                   "http:// or https:// folder laid out as UniProt's uniref/uniref50/"]
+    assert err == [
+        "ddp.data: error: --url: 'ftp://x/uniref50/' is not allowed; allowed: an "
+        "http:// or https:// folder laid out as UniProt's uniref/uniref50/"
+    ]
 
 
-@pytest.mark.parametrize("text, match", [
-    (b"<not xml", "not XML"),
-    (_metalink("other.fasta.gz", 1, "0" * 32), "no <file name='uniref50.fasta.gz'>"),
-    (_metalink("uniref50.fasta.gz", -5, "0" * 32), "has size '-5'"),
-    (_metalink("uniref50.fasta.gz", 5, "zz"), "has MD5 'zz'"),
-    (b'<!DOCTYPE m [<!ENTITY a "aaaaaaaaaa"><!ENTITY b "&a;&a;&a;&a;&a;&a;&a;&a;&a;&a;">'
-     b'<!ENTITY c "&b;&b;&b;&b;&b;&b;&b;&b;&b;&b;"><!ENTITY d "&c;&c;&c;&c;&c;&c;&c;&c;&c;&c;">'
-     b'<!ENTITY e "&d;&d;&d;&d;&d;&d;&d;&d;&d;&d;"><!ENTITY f "&e;&e;&e;&e;&e;&e;&e;&e;&e;&e;">'
-     b'<!ENTITY g "&f;&f;&f;&f;&f;&f;&f;&f;&f;&f;"><!ENTITY h "&g;&g;&g;&g;&g;&g;&g;&g;&g;&g;">]>'
-     b"<m>&h;&h;&h;&h;&h;&h;&h;&h;&h;&h;</m>", "not XML"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        (b"<not xml", "not XML"),
+        (_metalink("other.fasta.gz", 1, "0" * 32), "no <file name='uniref50.fasta.gz'>"),
+        (_metalink("uniref50.fasta.gz", -5, "0" * 32), "has size '-5'"),
+        (_metalink("uniref50.fasta.gz", 5, "zz"), "has MD5 'zz'"),
+        (
+            b'<!DOCTYPE m [<!ENTITY a "aaaaaaaaaa"><!ENTITY b "&a;&a;&a;&a;&a;&a;&a;&a;&a;&a;">'
+            b'<!ENTITY c "&b;&b;&b;&b;&b;&b;&b;&b;&b;&b;"><!ENTITY d "&c;&c;&c;&c;&c;&c;&c;&c;&c;&c;">'
+            b'<!ENTITY e "&d;&d;&d;&d;&d;&d;&d;&d;&d;&d;"><!ENTITY f "&e;&e;&e;&e;&e;&e;&e;&e;&e;&e;">'
+            b'<!ENTITY g "&f;&f;&f;&f;&f;&f;&f;&f;&f;&f;"><!ENTITY h "&g;&g;&g;&g;&g;&g;&g;&g;&g;&g;">]>'
+            b"<m>&h;&h;&h;&h;&h;&h;&h;&h;&h;&h;</m>",
+            "not XML",
+        ),
+    ],
+)
 def test_crafted_metalinks_are_one_line(text: bytes, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         parse_metalink(text)

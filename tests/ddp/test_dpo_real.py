@@ -37,7 +37,7 @@ def _env() -> dict[str, str]:
     return {**_launch.base_env(), "HF_HUB_OFFLINE": "1"}
 
 
-DRIVER = r'''
+DRIVER = r"""
 import hashlib, json, sys
 import ddp
 from ddp import recipes
@@ -73,16 +73,23 @@ json.dump({
     "wrapped": type(trainer.wrapped).__name__, "first_loss": losses[0], "steps": summary["steps"],
 }, open(f"{out}/rank{ctx.rank}.json", "w"))
 ddp.shutdown()
-'''
+"""
 
 
 def test_reference_frozen_and_first_loss_ln2_on_two_ranks(lm: Path, tmp_path: Path) -> None:
     data = write_pairs(tmp_path / "pairs.json", 12)
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
-    sets = [f"model.name_or_path={lm}", f"recipe.train_data={data}", "recipe.val_fraction=0.25",
-            f"checkpoint.dir={tmp_path / 'run'}", "training.epochs=2", "optim.lr=1e-2",
-            "training.batch_size=2", "logging.progress=off"]  # fmt: skip
+    sets = [
+        f"model.name_or_path={lm}",
+        f"recipe.train_data={data}",
+        "recipe.val_fraction=0.25",
+        f"checkpoint.dir={tmp_path / 'run'}",
+        "training.epochs=2",
+        "optim.lr=1e-2",
+        "training.batch_size=2",
+        "logging.progress=off",
+    ]
     results = _launch.run([str(driver), str(tmp_path), *sets], world=2, timeout=240)
     for rc, _, err in results:
         assert rc == 0, err[-3000:]
@@ -117,10 +124,18 @@ def test_loss_matches_hand_computation(lm: Path, tmp_path: Path, loss_type: str)
     data = write_pairs(tmp_path / "pairs.json", 3, seed=4)
     beta, eps = 0.5, 0.2
     recipe = recipes.get("dpo")
-    cfg = recipes.resolve(recipe, None, [
-        f"model.name_or_path={lm}", f"recipe.train_data={data}", "recipe.val_fraction=0",
-        f"recipe.beta={beta}", f"recipe.loss_type={loss_type}", f"recipe.label_smoothing={eps}",
-    ])  # fmt: skip
+    cfg = recipes.resolve(
+        recipe,
+        None,
+        [
+            f"model.name_or_path={lm}",
+            f"recipe.train_data={data}",
+            "recipe.val_fraction=0",
+            f"recipe.beta={beta}",
+            f"recipe.loss_type={loss_type}",
+            f"recipe.label_smoothing={eps}",
+        ],
+    )
     built = recipe.build(cfg)
     policy = built.model
     with torch.no_grad():  # policy != reference, so the log-ratios are not 0
@@ -132,8 +147,12 @@ def test_loss_matches_hand_computation(lm: Path, tmp_path: Path, loss_type: str)
     ref = built.reference.model
     per, rewards = [], []
     for it in items:
-        (pc, nc), (pr, nr) = (_hand_logp(policy, it[s], it[f"{s}_start"]) for s in ("chosen", "rejected"))
-        (rc, _), (rr, _) = (_hand_logp(ref, it[s], it[f"{s}_start"]) for s in ("chosen", "rejected"))
+        (pc, nc), (pr, nr) = (
+            _hand_logp(policy, it[s], it[f"{s}_start"]) for s in ("chosen", "rejected")
+        )
+        (rc, _), (rr, _) = (
+            _hand_logp(ref, it[s], it[f"{s}_start"]) for s in ("chosen", "rejected")
+        )
         d = (pc - rc) - (pr - rr)
         if loss_type == "sigmoid":
             per.append(-_ls(beta * d))
@@ -147,7 +166,8 @@ def test_loss_matches_hand_computation(lm: Path, tmp_path: Path, loss_type: str)
     assert float(out["loss"].detach()) == pytest.approx(sum(per) / 3, rel=1e-4, abs=1e-6)
     assert float(out["reward_chosen"]) == pytest.approx(sum(c for c, _ in rewards) / 3, abs=1e-5)
     assert float(out["reward_margin"]) == pytest.approx(
-        sum(c - r for c, r in rewards) / 3, abs=1e-5)
+        sum(c - r for c, r in rewards) / 3, abs=1e-5
+    )
     assert float(out["reward_acc"]) == pytest.approx(sum(c > r for c, r in rewards) / 3)
     assert abs(sum(c - r for c, r in rewards)) > 1e-3  # the check is not vacuous
 
@@ -159,11 +179,31 @@ def test_pdb_record_trains_on_two_ranks_with_the_seeds_lines(lm: Path, tmp_path:
     data = write_pairs(tmp_path / "train.json", 9, structure="tiny.pdb")
     val = write_pairs(tmp_path / "val.json", 4, seed=7, structure="tiny.pdb")
     out_dir = tmp_path / "run"
-    results = _launch.run([
-        "-m", "ddp", "dpo", "--model_name_or_path", str(lm), "--train_data", str(data),
-        "--val_data", str(val), "--output_dir", str(out_dir), "--num_epochs", "2",
-        "--backend", "gloo", "--learning_rate", "1e-3", "--set", "logging.progress=off",
-    ], world=2, timeout=240)  # fmt: skip
+    results = _launch.run(
+        [
+            "-m",
+            "ddp",
+            "dpo",
+            "--model_name_or_path",
+            str(lm),
+            "--train_data",
+            str(data),
+            "--val_data",
+            str(val),
+            "--output_dir",
+            str(out_dir),
+            "--num_epochs",
+            "2",
+            "--backend",
+            "gloo",
+            "--learning_rate",
+            "1e-3",
+            "--set",
+            "logging.progress=off",
+        ],
+        world=2,
+        timeout=240,
+    )
     for rc, _, err in results:
         assert rc == 0, err[-3000:]
     stdout = results[0][1]
@@ -182,8 +222,9 @@ def test_pdb_record_trains_on_two_ranks_with_the_seeds_lines(lm: Path, tmp_path:
     assert load_pairs(data, "x")[-1]["prompt"] == seq
     trained = AutoModelForCausalLM.from_pretrained(out_dir / "final" / "hf")
     exported = torch.load(out_dir / "final" / "model.pt", weights_only=True)
-    assert torch.equal(trained.state_dict()["transformer.wte.weight"],
-                       exported["transformer.wte.weight"])  # fmt: skip
+    assert torch.equal(
+        trained.state_dict()["transformer.wte.weight"], exported["transformer.wte.weight"]
+    )
 
 
 def test_structure_errors_and_mmcif(tmp_path: Path) -> None:
@@ -199,10 +240,12 @@ def test_structure_errors_and_mmcif(tmp_path: Path) -> None:
     rec = {"chosen": "A", "rejected": "C"}
     (tmp_path / "p.json").write_text(json.dumps([{**rec, "structure": "tiny.cif", "chain": "B"}]))
     assert load_pairs(tmp_path / "p.json", "k")[0]["prompt"] == "GS"
-    for bad, msg in [({"structure": "tiny.pdb", "chain": "Z"}, "has no chain 'Z'; allowed: A, B"),
-                     ({"structure": "nope.pdb"}, "does not exist"),
-                     ({"structure": "p.json"}, "holds no chain"),
-                     ({"chosen": "A"}, "has no string 'prompt'")]:  # fmt: skip
+    for bad, msg in [
+        ({"structure": "tiny.pdb", "chain": "Z"}, "has no chain 'Z'; allowed: A, B"),
+        ({"structure": "nope.pdb"}, "does not exist"),
+        ({"structure": "p.json"}, "holds no chain"),
+        ({"chosen": "A"}, "has no string 'prompt'"),
+    ]:
         (tmp_path / "b.json").write_text(json.dumps([{**rec, **bad}]))
         with pytest.raises(ConfigError, match=msg):
             load_pairs(tmp_path / "b.json", "k")
@@ -216,10 +259,22 @@ def test_cli_errors_are_one_line(lm: Path, tmp_path: Path) -> None:
         (["--label_smoothing", "0.5"], "recipe.label_smoothing"),
     ]:
         proc = subprocess.run(
-            [sys.executable, "-m", "ddp", "dpo", "--train_data", str(data), *args,
-             "--output_dir", str(tmp_path / "o")],
-            capture_output=True, text=True, env=_env(), timeout=120,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "ddp",
+                "dpo",
+                "--train_data",
+                str(data),
+                *args,
+                "--output_dir",
+                str(tmp_path / "o"),
+            ],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            timeout=120,
+        )
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and msg in lines[0], proc.stderr
 
@@ -231,11 +286,17 @@ def test_missing_transformers_names_the_extra(tmp_path: Path) -> None:
     (block / "transformers.py").write_text("raise ImportError('blocked for the test')\n")
     env = _env()
     env["PYTHONPATH"] = f"{block}{os.pathsep}{env['PYTHONPATH']}"
-    proc = subprocess.run([sys.executable, "-m", "ddp", "dpo", "--output_dir", str(tmp_path / "o")],
-                          capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddp", "dpo", "--output_dir", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip() == ("ddp: error: the dpo recipe needs transformers: "
-                                   "pip install 'hpc-ddp[dpo]'")  # fmt: skip
+    assert proc.stderr.strip() == (
+        "ddp: error: the dpo recipe needs transformers: pip install 'hpc-ddp[dpo]'"
+    )
 
 
 def test_precomputed_reference_logps_match_the_live_reference(lm: Path, tmp_path: Path) -> None:
@@ -275,9 +336,19 @@ def test_precomputed_logps_are_stored_and_reused_only_when_they_fit(
 
     def build(n: int) -> recipes.Built:
         data = write_pairs(tmp_path / f"p{n}.json", n, seed=3)
-        return recipe.build(recipes.resolve(recipe, None, [
-            f"model.name_or_path={lm}", f"recipe.train_data={data}", "recipe.val_fraction=0.25",
-            "recipe.precompute_ref_logps=true", f"checkpoint.dir={tmp_path / 'run'}"]))  # fmt: skip
+        return recipe.build(
+            recipes.resolve(
+                recipe,
+                None,
+                [
+                    f"model.name_or_path={lm}",
+                    f"recipe.train_data={data}",
+                    "recipe.val_fraction=0.25",
+                    "recipe.precompute_ref_logps=true",
+                    f"checkpoint.dir={tmp_path / 'run'}",
+                ],
+            )
+        )
 
     cache = tmp_path / "run" / dpo.REF_CACHE
     first = build(8)
@@ -306,17 +377,38 @@ def test_remote_code_never_runs_unless_asked(tmp_path: Path) -> None:
     folder = tmp_path / "custom"
     folder.mkdir()
     marker = tmp_path / "ran"
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "evil", "architectures": ["EvilLM"],
-        "auto_map": {"AutoConfig": "modeling_evil.EvilConfig",
-                     "AutoModelForCausalLM": "modeling_evil.EvilLM"}}))  # fmt: skip
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "evil",
+                "architectures": ["EvilLM"],
+                "auto_map": {
+                    "AutoConfig": "modeling_evil.EvilConfig",
+                    "AutoModelForCausalLM": "modeling_evil.EvilLM",
+                },
+            }
+        )
+    )
     (folder / "modeling_evil.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n")
     data = write_pairs(tmp_path / "pairs.json", 4)
     proc = subprocess.run(
-        [sys.executable, "-m", "ddp", "dpo", "--model_name_or_path", str(folder),
-         "--train_data", str(data), "--output_dir", str(tmp_path / "o")],
-        capture_output=True, text=True, env=_env(), timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ddp",
+            "dpo",
+            "--model_name_or_path",
+            str(folder),
+            "--train_data",
+            str(data),
+            "--output_dir",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+    )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "model.name_or_path" in lines[0] and "trust_remote_code" in lines[0]
@@ -335,8 +427,14 @@ def test_bf16_checkpoint_trains_in_fp32_master_weights(lm: Path, tmp_path: Path)
     for f in lm.glob("tokenizer*"):
         (folder / f.name).write_bytes(f.read_bytes())
     recipe = recipes.get("dpo")
-    cfg = recipes.resolve(recipe, None, [f"model.name_or_path={folder}",
-                                         f"recipe.train_data={write_pairs(tmp_path / 'p.json', 3)}"])  # fmt: skip
+    cfg = recipes.resolve(
+        recipe,
+        None,
+        [
+            f"model.name_or_path={folder}",
+            f"recipe.train_data={write_pairs(tmp_path / 'p.json', 3)}",
+        ],
+    )
     built = recipe.build(cfg)
     assert {p.dtype for p in built.model.parameters()} == {torch.float32}
     assert {p.dtype for p in built.reference.model.parameters()} == {torch.float32}

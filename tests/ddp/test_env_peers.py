@@ -37,76 +37,153 @@ CASES = {
     # (test_attributes_from_environment_variables, test_node_rank).
     "lightning-lsf": Case(
         "Lightning test_lsf.py",
-        {"LSB_JOBID": "1234", "JSM_NAMESPACE_SIZE": "4", "JSM_NAMESPACE_RANK": "3",
-         "JSM_NAMESPACE_LOCAL_RANK": "1"},
-        ("lsf", 3, 1, 4, None, 2), master="10.10.10.0", port=PORT_BASE + 1234 % PORT_SPAN,
-        hostname="10.10.10.2", files={"LSB_DJOB_RANKFILE": RANKFILE},
+        {
+            "LSB_JOBID": "1234",
+            "JSM_NAMESPACE_SIZE": "4",
+            "JSM_NAMESPACE_RANK": "3",
+            "JSM_NAMESPACE_LOCAL_RANK": "1",
+        },
+        ("lsf", 3, 1, 4, None, 2),
+        master="10.10.10.0",
+        port=PORT_BASE + 1234 % PORT_SPAN,
+        hostname="10.10.10.2",
+        files={"LSB_DJOB_RANKFILE": RANKFILE},
         differs="port 20000 + id % 9000 like every launcher here (Lightning: 10000 + id % "
         "1000); ranks per node stay unknown since jsrun's JSM_NAMESPACE_LOCAL_SIZE is absent",
     ),
     # Lightning test_torchelastic.py test_attributes_from_environment_variables.
     "lightning-torchelastic": Case(
         "Lightning test_torchelastic.py",
-        {"MASTER_ADDR": "1.2.3.4", "MASTER_PORT": "500", "WORLD_SIZE": "20", "RANK": "1",
-         "LOCAL_RANK": "2", "GROUP_RANK": "3"},
-        ("torchrun", 1, 2, 20, None, 3), master="1.2.3.4", port=500,
+        {
+            "MASTER_ADDR": "1.2.3.4",
+            "MASTER_PORT": "500",
+            "WORLD_SIZE": "20",
+            "RANK": "1",
+            "LOCAL_RANK": "2",
+            "GROUP_RANK": "3",
+        },
+        ("torchrun", 1, 2, 20, None, 3),
+        master="1.2.3.4",
+        port=500,
     ),
     # Lightning test_slurm.py test_attributes_from_environment_variables, as srun sets
     # them for one task (SLURM_STEP_ID added: the test's values describe an srun task).
     "lightning-slurm": Case(
         "Lightning test_slurm.py",
-        {"SLURM_NODELIST": "1.1.1.1, 1.1.1.2", "SLURM_JOB_ID": "0001234", "SLURM_NTASKS": "20",
-         "SLURM_TASKS_PER_NODE": "10(x2)", "SLURM_LOCALID": "2", "SLURM_PROCID": "1",
-         "SLURM_NODEID": "0", "SLURM_JOB_NAME": "JOB", "SLURM_STEP_ID": "0"},
-        ("slurm", 1, 2, 20, 10, 0), master="1.1.1.1", port=PORT_BASE + 1234 % PORT_SPAN,
+        {
+            "SLURM_NODELIST": "1.1.1.1, 1.1.1.2",
+            "SLURM_JOB_ID": "0001234",
+            "SLURM_NTASKS": "20",
+            "SLURM_TASKS_PER_NODE": "10(x2)",
+            "SLURM_LOCALID": "2",
+            "SLURM_PROCID": "1",
+            "SLURM_NODEID": "0",
+            "SLURM_JOB_NAME": "JOB",
+            "SLURM_STEP_ID": "0",
+        },
+        ("slurm", 1, 2, 20, 10, 0),
+        master="1.1.1.1",
+        port=PORT_BASE + 1234 % PORT_SPAN,
         differs="SLURM_NODEID=3 in the source does not exist in a 2-node list; 0 here",
     ),
     # submitit's SlurmJobEnvironment reads SLURM_PROCID/NTASKS/LOCALID/NODEID and
     # SLURM_JOB_NODELIST (submitit/slurm/slurm.py, _env mapping); 2 nodes x 4 tasks.
     "submitit-slurm": Case(
         "submitit slurm.py SlurmJobEnvironment",
-        {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_PROCID": "6", "SLURM_NTASKS": "8",
-         "SLURM_LOCALID": "2", "SLURM_NODEID": "1", "SLURM_JOB_NUM_NODES": "2",
-         "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "learnfair[0010-0011]"},
-        ("slurm", 6, 2, 8, 4, 1), master="learnfair0010", port=PORT_BASE + 77,
+        {
+            "SLURM_JOB_ID": "77",
+            "SLURM_STEP_ID": "0",
+            "SLURM_PROCID": "6",
+            "SLURM_NTASKS": "8",
+            "SLURM_LOCALID": "2",
+            "SLURM_NODEID": "1",
+            "SLURM_JOB_NUM_NODES": "2",
+            "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+            "SLURM_JOB_NODELIST": "learnfair[0010-0011]",
+        },
+        ("slurm", 6, 2, 8, 4, 1),
+        master="learnfair0010",
+        port=PORT_BASE + 77,
     ),
     # Accelerate's MPI path (commands/launch.py, utils/environment.py) reads
     # MV2_COMM_WORLD_* for MVAPICH; the variables mpirun_rsh sets (MVAPICH source).
     "accelerate-mvapich": Case(
         "Accelerate get_int_from_env + MVAPICH mpirun_rsh",
-        {"MV2_COMM_WORLD_RANK": "5", "MV2_COMM_WORLD_SIZE": "8",
-         "MV2_COMM_WORLD_LOCAL_RANK": "1", "MV2_COMM_WORLD_LOCAL_SIZE": "4", "PMI_ID": "5",
-         "MASTER_ADDR": "h0", "MASTER_PORT": "29500"},
-        ("mvapich", 5, 1, 8, 4, 1), master="h0", port=29500,
+        {
+            "MV2_COMM_WORLD_RANK": "5",
+            "MV2_COMM_WORLD_SIZE": "8",
+            "MV2_COMM_WORLD_LOCAL_RANK": "1",
+            "MV2_COMM_WORLD_LOCAL_SIZE": "4",
+            "PMI_ID": "5",
+            "MASTER_ADDR": "h0",
+            "MASTER_PORT": "29500",
+        },
+        ("mvapich", 5, 1, 8, 4, 1),
+        master="h0",
+        port=29500,
     ),
     # Open MPI's documented variables (docs: "Environment variables set for MPI
     # applications"); the same set Accelerate and Lightning's MPI env read.
     "openmpi-docs": Case(
         "Open MPI docs",
-        {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
-         "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
-         "OMPI_COMM_WORLD_NODE_RANK": "1", "MASTER_ADDR": "h0", "MASTER_PORT": "29500"},
-        ("openmpi", 3, 1, 4, 2, 1), master="h0", port=29500,
+        {
+            "OMPI_COMM_WORLD_RANK": "3",
+            "OMPI_COMM_WORLD_SIZE": "4",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+            "OMPI_COMM_WORLD_NODE_RANK": "1",
+            "MASTER_ADDR": "h0",
+            "MASTER_PORT": "29500",
+        },
+        ("openmpi", 3, 1, 4, 2, 1),
+        master="h0",
+        port=29500,
     ),
     # pytorch-ignite native.py _setup_ddp_vars_from_slurm_env, case 1: a hook (enroot's
     # 50-slurm-pytorch.sh) exports RANK/LOCAL_RANK/WORLD_SIZE equal to SLURM's.
     "ignite-enroot-hook": Case(
         "pytorch-ignite native.py (case 1)",
-        {"SLURM_JOB_ID": "12", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NTASKS": "2",
-         "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "2",
-         "SLURM_JOB_NODELIST": "c1", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2",
-         "MASTER_ADDR": "c1", "MASTER_PORT": "15012"},
-        ("torchrun", 1, 1, 2, 2, 0), master="c1", port=15012,
+        {
+            "SLURM_JOB_ID": "12",
+            "SLURM_STEP_ID": "0",
+            "SLURM_PROCID": "1",
+            "SLURM_NTASKS": "2",
+            "SLURM_LOCALID": "1",
+            "SLURM_NODEID": "0",
+            "SLURM_TASKS_PER_NODE": "2",
+            "SLURM_JOB_NODELIST": "c1",
+            "RANK": "1",
+            "LOCAL_RANK": "1",
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "c1",
+            "MASTER_PORT": "15012",
+        },
+        ("torchrun", 1, 1, 2, 2, 0),
+        master="c1",
+        port=15012,
     ),
     # pytorch-ignite case 2: torch.distributed.launch (pre-elastic) on 4 local GPUs inside
     # `srun -n 1`: RANK >= SLURM_PROCID and WORLD_SIZE >= SLURM_NTASKS.
     "ignite-launch-in-srun": Case(
         "pytorch-ignite native.py (case 2)",
-        {"SLURM_JOB_ID": "12", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "1",
-         "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "1",
-         "SLURM_JOB_NODELIST": "c1", "RANK": "2", "LOCAL_RANK": "2", "WORLD_SIZE": "4",
-         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
-        ("torchrun", 2, 2, 4, 4, 0), master="127.0.0.1", port=29500,
+        {
+            "SLURM_JOB_ID": "12",
+            "SLURM_STEP_ID": "0",
+            "SLURM_PROCID": "0",
+            "SLURM_NTASKS": "1",
+            "SLURM_LOCALID": "0",
+            "SLURM_NODEID": "0",
+            "SLURM_TASKS_PER_NODE": "1",
+            "SLURM_JOB_NODELIST": "c1",
+            "RANK": "2",
+            "LOCAL_RANK": "2",
+            "WORLD_SIZE": "4",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29500",
+        },
+        ("torchrun", 2, 2, 4, 4, 0),
+        master="127.0.0.1",
+        port=29500,
     ),
     # torch 1.x torch/distributed/launch.py without --use_env: RANK, WORLD_SIZE,
     # MASTER_ADDR/PORT in the environment and --local_rank=N on the command line.
@@ -114,7 +191,10 @@ CASES = {
     "torch-launch-legacy": Case(
         "torch 1.x distributed/launch.py",
         {"RANK": "5", "WORLD_SIZE": "8", "MASTER_ADDR": "n0", "MASTER_PORT": "29500"},
-        ("legacy", 5, 1, 8, None, None), master="n0", port=29500, argv=("--local_rank=1",),
+        ("legacy", 5, 1, 8, None, None),
+        master="n0",
+        port=29500,
+        argv=("--local_rank=1",),
         differs="ranks per node are not guessed (rank - local rank could be node 1 of 4/node "
         "or node 2 of 2/node); LOCAL_WORLD_SIZE/GROUP_RANK are left unset and the log says so",
     ),
@@ -122,21 +202,39 @@ CASES = {
     # variables and PMIX_RANK but no PMI_SIZE; world = nodes in PBS_NODEFILE x ppn.
     "alcf-pals-pmix": Case(
         "ALCF Aurora job scripts (mpiexec --pmi=pmix)",
-        {"PALS_RANKID": "13", "PALS_LOCAL_RANKID": "1", "PALS_LOCAL_SIZE": "12",
-         "PALS_NODEID": "1", "PMIX_RANK": "13", "PMIX_NAMESPACE": "pals-1",
-         "PBS_JOBID": "4242.aurora-pbs-0001.hostmgmt.cm.aurora.alcf.anl.gov"},
-        ("pals", 13, 1, 24, 12, 1), master="x4102c5s0b0n0.hostmgmt2415.cm.aurora.alcf.anl.gov",
+        {
+            "PALS_RANKID": "13",
+            "PALS_LOCAL_RANKID": "1",
+            "PALS_LOCAL_SIZE": "12",
+            "PALS_NODEID": "1",
+            "PMIX_RANK": "13",
+            "PMIX_NAMESPACE": "pals-1",
+            "PBS_JOBID": "4242.aurora-pbs-0001.hostmgmt.cm.aurora.alcf.anl.gov",
+        },
+        ("pals", 13, 1, 24, 12, 1),
+        master="x4102c5s0b0n0.hostmgmt2415.cm.aurora.alcf.anl.gov",
         port=PORT_BASE + 4242,
-        files={"PBS_NODEFILE": "x4102c5s0b0n0.hostmgmt2415.cm.aurora.alcf.anl.gov\n"
-               "x4102c5s1b0n0.hostmgmt2415.cm.aurora.alcf.anl.gov\n"},
+        files={
+            "PBS_NODEFILE": "x4102c5s0b0n0.hostmgmt2415.cm.aurora.alcf.anl.gov\n"
+            "x4102c5s1b0n0.hostmgmt2415.cm.aurora.alcf.anl.gov\n"
+        },
     ),
     # ALCF's documented PALS variables (PMI_* and PALS_*), 2 nodes x 12 tiles.
     "alcf-pals": Case(
         "ALCF Aurora docs (PALS mpiexec)",
-        {"PMI_RANK": "13", "PMI_SIZE": "24", "PMI_LOCAL_RANK": "1", "PMI_LOCAL_SIZE": "12",
-         "PALS_RANKID": "13", "PALS_LOCAL_RANKID": "1", "PALS_NODEID": "1",
-         "PBS_JOBID": "4242.aurora-pbs-0001", "DDP_MASTER_ADDR_SUFFIX": ".hsn.cm.aurora.alcf.anl.gov"},
-        ("pals", 13, 1, 24, 12, 1), master="x4102c5s0b0n0.hsn.cm.aurora.alcf.anl.gov",
+        {
+            "PMI_RANK": "13",
+            "PMI_SIZE": "24",
+            "PMI_LOCAL_RANK": "1",
+            "PMI_LOCAL_SIZE": "12",
+            "PALS_RANKID": "13",
+            "PALS_LOCAL_RANKID": "1",
+            "PALS_NODEID": "1",
+            "PBS_JOBID": "4242.aurora-pbs-0001",
+            "DDP_MASTER_ADDR_SUFFIX": ".hsn.cm.aurora.alcf.anl.gov",
+        },
+        ("pals", 13, 1, 24, 12, 1),
+        master="x4102c5s0b0n0.hsn.cm.aurora.alcf.anl.gov",
         files={"PBS_NODEFILE": "x4102c5s0b0n0\nx4102c5s1b0n0\n"},
     ),
     # MPICH hydra on a PBS job whose mpiexec gives no local rank: block placement over the
@@ -144,17 +242,31 @@ CASES = {
     "mpich-pbs-no-local-rank": Case(
         "MPICH hydra under PBS (ALCF Polaris-style node file)",
         {"PMI_RANK": "5", "PMI_SIZE": "8", "PBS_JOBID": "9.polaris"},
-        ("mpich", 5, 1, 8, 4, 1), master="x3000c0s1b0n0", hostname="x3000c0s13b0n0",
+        ("mpich", 5, 1, 8, 4, 1),
+        master="x3000c0s1b0n0",
+        hostname="x3000c0s13b0n0",
         files={"PBS_NODEFILE": "x3000c0s1b0n0\nx3000c0s13b0n0\n"},
     ),
     # NERSC sc22-dl-tutorial export_DDP_vars.sh: RANK=$SLURM_PROCID etc. in each srun task.
     "nersc-export-ddp-vars": Case(
         "NERSC sc22-dl-tutorial export_DDP_vars.sh",
-        {"SLURM_JOB_ID": "55", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_NTASKS": "8",
-         "SLURM_LOCALID": "3", "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "4(x2)",
-         "SLURM_JOB_NODELIST": "nid[001000-001001]", "RANK": "3", "LOCAL_RANK": "3",
-         "WORLD_SIZE": "8", "MASTER_ADDR": "nid001000"},
-        ("torchrun", 3, 3, 8, None, None), master="nid001000", port=PORT_BASE + 55,
+        {
+            "SLURM_JOB_ID": "55",
+            "SLURM_STEP_ID": "0",
+            "SLURM_PROCID": "3",
+            "SLURM_NTASKS": "8",
+            "SLURM_LOCALID": "3",
+            "SLURM_NODEID": "0",
+            "SLURM_TASKS_PER_NODE": "4(x2)",
+            "SLURM_JOB_NODELIST": "nid[001000-001001]",
+            "RANK": "3",
+            "LOCAL_RANK": "3",
+            "WORLD_SIZE": "8",
+            "MASTER_ADDR": "nid001000",
+        },
+        ("torchrun", 3, 3, 8, None, None),
+        master="nid001000",
+        port=PORT_BASE + 55,
         differs="without LOCAL_WORLD_SIZE the script's variables do not say ranks per node; "
         "SLURM's do, but the exported variables win, as they do under torchrun",
     ),
@@ -175,8 +287,14 @@ def _run(case: Case, tmp_path, monkeypatch):
 def test_peer_environment(name, tmp_path, monkeypatch):
     case = CASES[name]
     got = _run(case, tmp_path, monkeypatch)
-    assert (got.launcher, got.rank, got.local_rank, got.world_size, got.local_world_size,
-            got.node_rank) == case.want, case.source
+    assert (
+        got.launcher,
+        got.rank,
+        got.local_rank,
+        got.world_size,
+        got.local_world_size,
+        got.node_rank,
+    ) == case.want, case.source
     if case.master is not None:
         assert got.master_addr == case.master
     if case.port is not None:
@@ -186,10 +304,16 @@ def test_peer_environment(name, tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "text, first",
     [  # Lightning test_slurm.py test_main_address_from_slurm_node_list
-        ("127.0.0.1", "127.0.0.1"), ("alpha", "alpha"), ("alpha,beta,gamma", "alpha"),
-        ("alpha beta gamma", "alpha"), ("1.2.3.[100-110]", "1.2.3.100"),
-        ("1.2.3.[089, 100-110]", "1.2.3.089"), ("host[22]", "host22"), ("host[1,5-9]", "host1"),
-        ("host[5-9,1]", "host5"), ("alpha, host[5-9], gamma", "alpha"),
+        ("127.0.0.1", "127.0.0.1"),
+        ("alpha", "alpha"),
+        ("alpha,beta,gamma", "alpha"),
+        ("alpha beta gamma", "alpha"),
+        ("1.2.3.[100-110]", "1.2.3.100"),
+        ("1.2.3.[089, 100-110]", "1.2.3.089"),
+        ("host[22]", "host22"),
+        ("host[1,5-9]", "host1"),
+        ("host[5-9,1]", "host5"),
+        ("alpha, host[5-9], gamma", "alpha"),
         ("alpha[3,1], beta", "alpha3"),
     ],
 )
@@ -233,17 +357,31 @@ def test_forced_single_is_not_second_guessed():
     assert detect({"PMI_SIZE": "2", "DDP_LAUNCHER": "single"}, argv=[]).world_size == 1
 
 
-SRUN_2 = {"SLURM_JOB_ID": "31", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2",
-          "SLURM_TASKS_PER_NODE": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "c1"}
+SRUN_2 = {
+    "SLURM_JOB_ID": "31",
+    "SLURM_STEP_ID": "0",
+    "SLURM_NTASKS": "2",
+    "SLURM_TASKS_PER_NODE": "2",
+    "SLURM_NODEID": "0",
+    "SLURM_JOB_NODELIST": "c1",
+}
 
 
 @pytest.mark.parametrize("task", [0, 1])
 def test_stale_rank_variables_under_srun_are_refused(task):
     """`RANK=0 LOCAL_RANK=0 WORLD_SIZE=1` left in the shell, then `srun -n 2`."""
-    env = SRUN_2 | {"SLURM_PROCID": str(task), "SLURM_LOCALID": str(task),
-                    "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
-    with pytest.raises(ConfigError, match=r"stale.*RANK=0 WORLD_SIZE=1.*slurm.*rank "
-                                          rf"{task} of 2"):
+    env = SRUN_2 | {
+        "SLURM_PROCID": str(task),
+        "SLURM_LOCALID": str(task),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+    }
+    with pytest.raises(
+        ConfigError,
+        match=r"stale.*RANK=0 WORLD_SIZE=1.*slurm.*rank "
+        rf"{task} of 2",
+    ):
         detect(env, argv=[])
     # The user may choose either side explicitly.
     assert detect(env | {"DDP_LAUNCHER": "slurm"}, argv=[]).rank == task
@@ -251,23 +389,43 @@ def test_stale_rank_variables_under_srun_are_refused(task):
 
 
 def test_stale_rank_variables_under_mpich_are_refused():
-    env = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2",
-           "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h"}
+    env = {
+        "PMI_RANK": "1",
+        "PMI_SIZE": "2",
+        "MPI_LOCALRANKID": "1",
+        "MPI_LOCALNRANKS": "2",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "h",
+    }
     with pytest.raises(ConfigError, match="mpich, which started this process as rank 1 of 2"):
         detect(env, argv=[])
 
 
 def test_real_torchrun_inside_srun_wins():
     """torchrun (TORCHELASTIC_RUN_ID) under `srun -N1 -n1` starting 4 workers per task."""
-    env = SRUN_2 | {"SLURM_PROCID": "1", "SLURM_LOCALID": "1", "RANK": "0", "LOCAL_RANK": "0",
-                    "WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "31"}
+    env = SRUN_2 | {
+        "SLURM_PROCID": "1",
+        "SLURM_LOCALID": "1",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "TORCHELASTIC_RUN_ID": "31",
+    }
     assert detect(env, argv=[]).launcher == "torchrun"
 
 
 def test_stale_rank_beyond_the_nested_block_is_refused():
     """RANK=0 WORLD_SIZE=4 stale in both tasks of `srun -n 2`: task 1 cannot be ranks 2-3."""
-    env = SRUN_2 | {"SLURM_PROCID": "1", "SLURM_LOCALID": "1", "RANK": "0", "LOCAL_RANK": "0",
-                    "WORLD_SIZE": "4", "MASTER_ADDR": "c1"}
+    env = SRUN_2 | {
+        "SLURM_PROCID": "1",
+        "SLURM_LOCALID": "1",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "4",
+        "MASTER_ADDR": "c1",
+    }
     with pytest.raises(ConfigError, match="stale"):
         detect(env, argv=[])
 
@@ -310,8 +468,16 @@ def test_pmix_world_needs_the_node_file():
 def test_pmix_derivation_is_said(tmp_path):
     nodefile = tmp_path / "nodes"
     nodefile.write_text("x1\nx2\n")
-    got = detect({"PALS_RANKID": "0", "PALS_LOCAL_RANKID": "0", "PALS_LOCAL_SIZE": "12",
-                  "PALS_NODEID": "0", "PBS_NODEFILE": str(nodefile)}, argv=[])
+    got = detect(
+        {
+            "PALS_RANKID": "0",
+            "PALS_LOCAL_RANKID": "0",
+            "PALS_LOCAL_SIZE": "12",
+            "PALS_NODEID": "0",
+            "PBS_NODEFILE": str(nodefile),
+        },
+        argv=[],
+    )
     assert got.world_size == 24
     assert any("PMI_SIZE is not set" in note for note in got.notes)
 
@@ -324,17 +490,38 @@ def test_exec_exports_what_torchrun_exports(monkeypatch):
 
     from ddp.exec import exec_vars
 
-    env = {"SLURM_JOB_ID": "123", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5",
-           "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
-           "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "nid[001-002]"}
+    env = {
+        "SLURM_JOB_ID": "123",
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": "5",
+        "SLURM_NTASKS": "8",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODEID": "1",
+        "SLURM_TASKS_PER_NODE": "4(x2)",
+        "SLURM_JOB_NODELIST": "nid[001-002]",
+    }
     out = exec_vars(detect(env, argv=[]), env)
     # The keys torch's elastic agent sets for a worker (local_elastic_agent.py), plus
     # LOCAL_RANK (set per worker) and OMP_NUM_THREADS (run.py, several per node).
-    agent = {"RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
-             "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-             "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
-             "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "LOCAL_RANK",
-             "OMP_NUM_THREADS"}
+    agent = {
+        "RANK",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "LOCAL_WORLD_SIZE",
+        "WORLD_SIZE",
+        "GROUP_WORLD_SIZE",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_MAX_RESTARTS",
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_USE_AGENT_STORE",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        "LOCAL_RANK",
+        "OMP_NUM_THREADS",
+    }
     assert agent <= set(out)
     assert (out["GROUP_WORLD_SIZE"], out["GROUP_RANK"], out["LOCAL_WORLD_SIZE"]) == ("2", "1", "4")
     assert (out["ROLE_RANK"], out["ROLE_WORLD_SIZE"], out["ROLE_NAME"]) == ("5", "8", "default")
@@ -345,17 +532,36 @@ def test_exec_exports_what_torchrun_exports(monkeypatch):
     # The exported set reads back as torchrun with the same answer.
     again = detect(out, argv=[])
     assert (again.launcher, again.rank, again.local_world_size, again.node_rank) == (
-        "torchrun", 5, 4, 1)
+        "torchrun",
+        5,
+        4,
+        1,
+    )
 
 
 def test_exec_under_real_torchrun_keeps_the_agent_values():
     from ddp.exec import exec_vars
 
-    env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-           "GROUP_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1", "ROLE_NAME": "trainer",
-           "TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_USE_AGENT_STORE": "True",
-           "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_MAX_RESTARTS": "3"}
+    env = {
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": "h",
+        "MASTER_PORT": "1",
+        "ROLE_NAME": "trainer",
+        "TORCHELASTIC_RUN_ID": "abc",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "2",
+        "TORCHELASTIC_MAX_RESTARTS": "3",
+    }
     out = exec_vars(detect(env, argv=[]), env)
-    for key in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "ROLE_NAME",
-                "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"):
+    for key in (
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_USE_AGENT_STORE",
+        "ROLE_NAME",
+        "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_MAX_RESTARTS",
+    ):
         assert key not in out  # left as torchrun set them

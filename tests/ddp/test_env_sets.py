@@ -19,14 +19,29 @@ def _print_config(env_set: str | None, *args: str) -> subprocess.CompletedProces
     env["PYTHONPATH"] = f"{ROOT / 'src'}:{ROOT}"
     if env_set is not None:
         env["DDP_SET"] = env_set
-    return subprocess.run([sys.executable, "-m", "ddp", "uniref50", "--config",
-                           "configs/uniref50.yaml", "--print-config", *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ddp",
+            "uniref50",
+            "--config",
+            "configs/uniref50.yaml",
+            "--print-config",
+            *args,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_env_items_override_the_file_and_the_command_line_set_wins() -> None:
-    out = _print_config("model.d_model=96 'optim.lr=2e-3' training.max_steps=7",
-                        "--set", "training.max_steps=9")  # fmt: skip
+    out = _print_config(
+        "model.d_model=96 'optim.lr=2e-3' training.max_steps=7", "--set", "training.max_steps=9"
+    )
     assert out.returncode == 0, out.stderr
     cfg = yaml.safe_load(out.stdout)
     assert cfg["model"]["d_model"] == 96 and cfg["optim"]["lr"] == pytest.approx(2e-3)
@@ -35,11 +50,14 @@ def test_env_items_override_the_file_and_the_command_line_set_wins() -> None:
     assert plain["model"]["d_model"] == 768  # without it: the file's (the seed's) value
 
 
-@pytest.mark.parametrize("value, words", [
-    ("model.d_model", "is not KEY=VALUE"),
-    ("optim.lr='1e-3", "No closing quotation"),
-    ("nosuch.key=1", "nosuch"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "value, words",
+    [
+        ("model.d_model", "is not KEY=VALUE"),
+        ("optim.lr='1e-3", "No closing quotation"),
+        ("nosuch.key=1", "nosuch"),
+    ],
+)
 def test_bad_items_are_one_line_exit_2(value: str, words: str) -> None:
     out = _print_config(value)
     assert out.returncode == 2, out.stderr

@@ -31,9 +31,10 @@ def _run(tmp_path: Path, checkpoint: dict, n: int = 64, epochs: int = 2, **spec)
         "checkpoint": {"dir": str(ckpt), "keep_last": 1000, **checkpoint},
         "logging": {"every_n_steps": 1000, "progress": "off"},
         "preemption": {"check_interval_s": 0},  # a vote every step: no pacing by step time
-    }  # fmt: skip
-    results = _launch.run([WORKER, json.dumps({"config": cfg, "n": n, **spec})], world=2,
-                          timeout=120)  # fmt: skip
+    }
+    results = _launch.run(
+        [WORKER, json.dumps({"config": cfg, "n": n, **spec})], world=2, timeout=120
+    )
     for rank, (rc, out, err) in enumerate(results):
         assert rc == 0, f"rank {rank}: {out[-2000:]}\n{err[-3000:]}"
     saved: dict[int, list[str]] = {}
@@ -74,8 +75,7 @@ def test_rank0s_clock_decides_the_interval(tmp_path):
 
 def test_every_n_steps_and_every_s_together_count_from_the_latest_checkpoint(tmp_path):
     """A step-count checkpoint at 4 resets the clock: the next timed one is at 4 + 5."""
-    saved = _run(tmp_path, {"every_s": 2, "every_n_steps": 4}, n=128, epochs=1,
-                 clock_per_step=0.5)  # fmt: skip
+    saved = _run(tmp_path, {"every_s": 2, "every_n_steps": 4}, n=128, epochs=1, clock_per_step=0.5)
     assert list(saved) == [4, 8, 12, 16], saved  # every_n_steps keeps the clock from firing
 
 

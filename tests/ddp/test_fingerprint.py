@@ -34,13 +34,17 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def _spec(tmp: Path) -> str:
-    return json.dumps({
-        "config": {"training": {"batch_size": 4, "epochs": 1, "seed": 1},
-                   "optim": {"name": "sgd", "lr": 0.1},
-                   "checkpoint": {"dir": str(tmp / "ck")},
-                   "logging": {"every_n_steps": 2, "progress": "off"}},
-        "n": 16,
-    })  # fmt: skip
+    return json.dumps(
+        {
+            "config": {
+                "training": {"batch_size": 4, "epochs": 1, "seed": 1},
+                "optim": {"name": "sgd", "lr": 0.1},
+                "checkpoint": {"dir": str(tmp / "ck")},
+                "logging": {"every_n_steps": 2, "progress": "off"},
+            },
+            "n": 16,
+        }
+    )
 
 
 def _run(args: list[str], local_world: int | None = None, **env: str) -> None:
@@ -59,8 +63,12 @@ def _run(args: list[str], local_world: int | None = None, **env: str) -> None:
 
 
 def test_two_ranks_write_one_fingerprint_without_secrets(tmp_path: Path) -> None:
-    secrets = {"NCCL_AUTH_TOKEN": "s3cr3t-1", "CCL_PASSWORD": "s3cr3t-2",
-               "FI_SECRET_KEY": "s3cr3t-3", "HF_TOKEN": "s3cr3t-4"}  # fmt: skip
+    secrets = {
+        "NCCL_AUTH_TOKEN": "s3cr3t-1",
+        "CCL_PASSWORD": "s3cr3t-2",
+        "FI_SECRET_KEY": "s3cr3t-3",
+        "HF_TOKEN": "s3cr3t-4",
+    }
     _run([WORKER, _spec(tmp_path)], NCCL_DEBUG="WARN", **secrets)
     (path,) = (tmp_path / "ck").glob("env-*.json")
     text = path.read_text()
@@ -90,34 +98,58 @@ def test_a_node_with_other_software_is_named(tmp_path: Path) -> None:
 
 
 def test_variables_never_keep_a_secret_name() -> None:
-    env = {"NCCL_DEBUG": "INFO", "NCCL_IB_HCA": "mlx5", "NCCL_API_KEY": "x",
-           "SLURM_JOB_ID": "7", "CCL_AUTH": "x", "FI_CXI_PRIVATE": "x", "HOME": "/root",
-           "AWS_SECRET_ACCESS_KEY": "x", "TORCH_CREDENTIALS": "x", "PBS_SESSION_ID": "x"}  # fmt: skip
-    assert fingerprint.variables(env) == {"NCCL_DEBUG": "INFO", "NCCL_IB_HCA": "mlx5",
-                                          "SLURM_JOB_ID": "7"}  # fmt: skip
+    env = {
+        "NCCL_DEBUG": "INFO",
+        "NCCL_IB_HCA": "mlx5",
+        "NCCL_API_KEY": "x",
+        "SLURM_JOB_ID": "7",
+        "CCL_AUTH": "x",
+        "FI_CXI_PRIVATE": "x",
+        "HOME": "/root",
+        "AWS_SECRET_ACCESS_KEY": "x",
+        "TORCH_CREDENTIALS": "x",
+        "PBS_SESSION_ID": "x",
+    }
+    assert fingerprint.variables(env) == {
+        "NCCL_DEBUG": "INFO",
+        "NCCL_IB_HCA": "mlx5",
+        "SLURM_JOB_ID": "7",
+    }
 
 
-@pytest.mark.parametrize(("env", "job"), [
-    ({"SLURM_JOB_ID": "12", "SLURM_ARRAY_JOB_ID": "10", "SLURM_ARRAY_TASK_ID": "2"}, "10_2"),
-    ({"SLURM_JOB_ID": "12"}, "12"),
-    ({"PBS_JOBID": "7[3].server"}, "7[3].server"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("env", "job"),
+    [
+        ({"SLURM_JOB_ID": "12", "SLURM_ARRAY_JOB_ID": "10", "SLURM_ARRAY_TASK_ID": "2"}, "10_2"),
+        ({"SLURM_JOB_ID": "12"}, "12"),
+        ({"PBS_JOBID": "7[3].server"}, "7[3].server"),
+    ],
+)
 def test_job_id_and_a_safe_file_name(env: dict[str, str], job: str) -> None:
     assert fingerprint.job_id(env) == job
     assert fingerprint.file_name("../../etc/x y") == "env-.._.._etc_x_y.json"
-    assert "/" not in fingerprint.file_name("a/" * 500) and len(fingerprint.file_name("a" * 999)) < 220
+    assert (
+        "/" not in fingerprint.file_name("a/" * 500) and len(fingerprint.file_name("a" * 999)) < 220
+    )
 
 
 def _rec(job: str, t: float, packages: dict[str, str], **extra: object) -> dict[str, object]:
-    return {"job_id": job, "time": t, "nodes": {"n1": "h"}, "nodes_differ": [],
-            "software": {"python": "3.11.7", "modules": ["a"], "packages": packages},
-            "env": {"NCCL_DEBUG": "INFO", "SLURM_JOB_ID": job}, **extra}  # fmt: skip
+    return {
+        "job_id": job,
+        "time": t,
+        "nodes": {"n1": "h"},
+        "nodes_differ": [],
+        "software": {"python": "3.11.7", "modules": ["a"], "packages": packages},
+        "env": {"NCCL_DEBUG": "INFO", "SLURM_JOB_ID": job},
+        **extra,
+    }
 
 
 def test_report_lists_exactly_what_changed(tmp_path: Path) -> None:
     (tmp_path / "env-1.json").write_text(json.dumps(_rec("1", 1.0, {"torch": "2.13.0", "a": "1"})))
-    (tmp_path / "env-2.json").write_text(json.dumps(_rec("2", 2.0, {"torch": "2.13.0", "a": "2",
-                                                                    "b": "0.1"})))  # fmt: skip
+    (tmp_path / "env-2.json").write_text(
+        json.dumps(_rec("2", 2.0, {"torch": "2.13.0", "a": "2", "b": "0.1"}))
+    )
     lines = login.describe(tmp_path)
     assert lines[1] == "environment: job 1 -> job 2: 2 change(s)"
     assert lines[2:] == ["  package a: 1 -> 2", "  package b: + 0.1"]  # SLURM_JOB_ID: not a change

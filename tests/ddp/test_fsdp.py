@@ -28,14 +28,20 @@ WORKER = "tests/ddp/_train_worker.py"
 
 def _cfg(ck: Path, strategy: str = "fsdp", **training: object) -> dict:
     return {
-        "training": {"batch_size": 2, "accum": 2, "epochs": 1, "shuffle": True, "seed": 5,
-                     **training},
+        "training": {
+            "batch_size": 2,
+            "accum": 2,
+            "epochs": 1,
+            "shuffle": True,
+            "seed": 5,
+            **training,
+        },
         "optim": {"name": "adamw", "lr": 0.01, "grad_clip": 0.5},
         "ddp": {"strategy": strategy, "fsdp_blocks": ["0", "3"]},
         "checkpoint": {"dir": str(ck)},
         "logging": {"every_n_steps": 5, "progress": "plain"},
         "preemption": {"check_interval_s": 0},
-    }  # fmt: skip
+    }
 
 
 def _ok(results: list[tuple[int, str, str]]) -> None:
@@ -71,8 +77,12 @@ def test_fsdp_evaluation_is_exact_with_uneven_shards(tmp_path: Path) -> None:
     under FSDP (a padded batch of weight 0) and the result equals DDP's."""
     got = {}
     for strategy in ("ddp", "fsdp"):
-        spec = {"config": _cfg(tmp_path / strategy, strategy, max_steps=6), "n": 64,
-                "eval_n": 9, "summary": str(tmp_path / f"{strategy}.json")}  # fmt: skip
+        spec = {
+            "config": _cfg(tmp_path / strategy, strategy, max_steps=6),
+            "n": 64,
+            "eval_n": 9,
+            "summary": str(tmp_path / f"{strategy}.json"),
+        }
         _ok(_run(spec, world=2))
         got[strategy] = json.loads((tmp_path / f"{strategy}.json").read_text())["eval_loss"]
     assert got["fsdp"] == pytest.approx(got["ddp"], rel=1e-5)
@@ -83,8 +93,12 @@ def test_fsdp_resume_after_signal_is_bit_exact(tmp_path: Path) -> None:
     _ok(_run(full, world=2))
     ready = tmp_path / "ready"
     ready.mkdir()
-    part = {"config": _cfg(tmp_path / "part", epochs=2), "n": 64, "wait_signal_step": 5,
-            "ready_dir": str(ready)}  # fmt: skip
+    part = {
+        "config": _cfg(tmp_path / "part", epochs=2),
+        "n": 64,
+        "wait_signal_step": 5,
+        "ready_dir": str(ready),
+    }
     procs = _launch.start([WORKER, json.dumps(part)], world=2)
     pids = [ready / "0.pid", ready / "1.pid"]
     _wait_for(pids, procs, timeout=60)
@@ -117,10 +131,16 @@ def test_a_two_rank_checkpoint_reshards_to_other_world_sizes(tmp_path: Path, wor
     _ok(out)
     log = out[0][1]
     assert "resuming from" in log and "step_000000010" in log
-    losses = [float(line.split("loss=")[1].split()[0]) for line in log.splitlines()
-              if line.startswith("step ") and "loss=" in line]  # fmt: skip
-    before = [float(line.split("loss=")[1].split()[0]) for line in first[0][1].splitlines()
-              if line.startswith("step ") and "loss=" in line]  # fmt: skip
+    losses = [
+        float(line.split("loss=")[1].split()[0])
+        for line in log.splitlines()
+        if line.startswith("step ") and "loss=" in line
+    ]
+    before = [
+        float(line.split("loss=")[1].split()[0])
+        for line in first[0][1].splitlines()
+        if line.startswith("step ") and "loss=" in line
+    ]
     assert losses and before
     assert losses[0] < before[0], (before, losses)  # not back at the untrained start
 
@@ -164,8 +184,10 @@ def test_a_failed_shard_write_on_one_rank_stops_every_rank_with_one_line(tmp_pat
     spec["config"]["checkpoint"]["every_n_steps"] = 2
     results = _run(spec, world=2, timeout=120)
     assert [rc for rc, _, _ in results] == [2, 2], [r[2][-2000:] for r in results]
-    want = ("writing .step_000000002.tmp (rank 1) failed: No space left on device; the "
-            "earlier checkpoints are kept")  # fmt: skip
+    want = (
+        "writing .step_000000002.tmp (rank 1) failed: No space left on device; the "
+        "earlier checkpoints are kept"
+    )
     for rank, (_, _, err) in enumerate(results):
         lines = [line for line in err.splitlines() if "ddp: error:" in line]
         assert len(lines) == 1 and want in lines[0], err[-3000:]
@@ -270,8 +292,10 @@ def test_a_failed_shard_write_is_one_line(
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(FileSystemWriter, "write_data", full)
-    line = (r"writing \.step_000000004\.tmp \(rank 0\) failed: No space left on device; "
-            "the earlier checkpoints are kept$")  # fmt: skip
+    line = (
+        r"writing \.step_000000004\.tmp \(rank 0\) failed: No space left on device; "
+        "the earlier checkpoints are kept$"
+    )
     if background:
         cp.save(loop, model, 4, (0, 4))  # returns: the failure is in the background
     with pytest.raises(ConfigError, match=line):
@@ -303,16 +327,16 @@ def test_resume_ignores_a_staging_directory_left_by_a_kill(tmp_path: Path) -> No
     cp.save(loop, model, 7, (0, 7))
     cp.wait()
     assert not stale.exists()
-    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_000000003",
-                                                                "step_000000007"]  # fmt: skip
-
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_000000003", "step_000000007"]
 
 
 def test_find_blocks():
     from ddp.fsdp import find_blocks
 
-    stack = nn.Sequential(nn.Embedding(10, 8), nn.TransformerEncoder(
-        nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), num_layers=2))  # fmt: skip
+    stack = nn.Sequential(
+        nn.Embedding(10, 8),
+        nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), num_layers=2),
+    )
     layers = find_blocks(stack)
     assert len(layers) == 2 and all(isinstance(m, nn.TransformerEncoderLayer) for m in layers)
     mlp = make_model()
@@ -352,9 +376,18 @@ def test_recipes_run_with_fsdp(tmp_path: Path, recipe: str) -> None:
     """The seed recipes unchanged, `--set ddp.strategy=fsdp` (dpo: the policy is sharded,
     its frozen reference model stays a local copy)."""
     config = "configs/uniref50-tiny.yaml" if recipe == "uniref50" else f"configs/{recipe}.yaml"
-    args = ["-m", "ddp", recipe, "--config", config, "--set",
-            "ddp.strategy=fsdp", "training.max_steps=3", f"checkpoint.dir={tmp_path}",
-            "logging.progress=plain"]  # fmt: skip
+    args = [
+        "-m",
+        "ddp",
+        recipe,
+        "--config",
+        config,
+        "--set",
+        "ddp.strategy=fsdp",
+        "training.max_steps=3",
+        f"checkpoint.dir={tmp_path}",
+        "logging.progress=plain",
+    ]
     results = _launch.run(args, world=2, timeout=180)
     _ok(results)
     assert "done: steps=3" in results[0][1]

@@ -23,8 +23,17 @@ PLAIN = ["--set", "logging.progress=plain"]
 
 
 def _run(out: Path, *args: str, world: int = 2, ok: bool = True) -> list[tuple[int, str, str]]:
-    argv = ["-m", "ddp", "gnn", "--config", "configs/gnn.yaml", *PLAIN,
-            "--set", f"checkpoint.dir={out}", *args]  # fmt: skip
+    argv = [
+        "-m",
+        "ddp",
+        "gnn",
+        "--config",
+        "configs/gnn.yaml",
+        *PLAIN,
+        "--set",
+        f"checkpoint.dir={out}",
+        *args,
+    ]
     results = _launch.run(argv, world=world, timeout=240)
     if ok:
         for rank, (rc, o, e) in enumerate(results):
@@ -60,8 +69,10 @@ def _exact_eval(model: torch.nn.Module, evals) -> dict[str, float]:
     model.eval()
     with torch.no_grad():
         logits = model.logits(batch).double()
-    return {"eval_loss": float(F.cross_entropy(logits, batch["y"])),
-            "eval_acc": float((logits.argmax(1) == batch["y"]).double().mean())}  # fmt: skip
+    return {
+        "eval_loss": float(F.cross_entropy(logits, batch["y"])),
+        "eval_acc": float((logits.argmax(1) == batch["y"]).double().mean()),
+    }
 
 
 def _loaded(out: Path, sets: list[str]):
@@ -73,8 +84,11 @@ def _loaded(out: Path, sets: list[str]):
 
 
 def _writes(log: str) -> list[int]:
-    return [int(x.split(" at step ")[1].split()[0])
-            for x in log.splitlines() if x.startswith("best model:")]  # fmt: skip
+    return [
+        int(x.split(" at step ")[1].split()[0])
+        for x in log.splitlines()
+        if x.startswith("best model:")
+    ]
 
 
 def _improving_steps(evals: list[dict]) -> list[int]:
@@ -93,8 +107,7 @@ def test_library_free_graphs_train_on_two_ranks_with_node_and_edge_features(
     data = tmp_path / "graphs.pt"
     torch.save(make_graphs(128, 0), data)
     out = tmp_path / "ck"
-    results = _run(out, "--data", str(data), "--epochs", "3", "--hidden", "16",
-                   "--batch-size", "8")  # fmt: skip
+    results = _run(out, "--data", str(data), "--epochs", "3", "--hidden", "16", "--batch-size", "8")
     log = results[0][1] + results[0][2]
     assert "graphs: 103 train, 25 eval, node features 3, edge features 2, 4 classes" in log
     sets = [f"recipe.data={data}", "model.hidden=16"]
@@ -127,8 +140,12 @@ def test_edge_and_node_features_change_the_output() -> None:
 # ---- PyTorch Geometric ----------------------------------------------------------------------
 def _pyg_file(path: Path, n: int, seed: int) -> None:
     pyg_data = require_module("torch_geometric.data", reason="torch_geometric: test extra")
-    items = [pyg_data.Data(x=g["x"], edge_index=g["edge_index"], edge_attr=g["edge_attr"],
-                           y=torch.tensor([g["y"]])) for g in make_graphs(n, seed)]  # fmt: skip
+    items = [
+        pyg_data.Data(
+            x=g["x"], edge_index=g["edge_index"], edge_attr=g["edge_attr"], y=torch.tensor([g["y"]])
+        )
+        for g in make_graphs(n, seed)
+    ]
     pyg_data.InMemoryDataset.save(items, str(path))
 
 
@@ -138,17 +155,28 @@ def test_evaluation_is_exact_on_one_and_two_ranks(tmp_path: Path) -> None:
     data, evals_file = tmp_path / "train.pt", tmp_path / "eval.pt"
     _pyg_file(data, 16, 2)
     _pyg_file(evals_file, 31, 3)
-    args = ["--data", str(data), "--eval-data", str(evals_file), "--epochs", "0",
-            "--hidden", "16", "--batch-size", "4"]  # fmt: skip
+    args = [
+        "--data",
+        str(data),
+        "--eval-data",
+        str(evals_file),
+        "--epochs",
+        "0",
+        "--hidden",
+        "16",
+        "--batch-size",
+        "4",
+    ]
     got = {}
     for world in (1, 2):
         out = tmp_path / f"ck{world}"
         _run(out, *args, world=world)
         (rec,) = _records(out, "eval")
         got[world] = rec
-    model, evals = _loaded(tmp_path / "ck1", [f"recipe.data={data}",
-                                              f"recipe.eval_data={evals_file}",
-                                              "model.hidden=16"])  # fmt: skip
+    model, evals = _loaded(
+        tmp_path / "ck1",
+        [f"recipe.data={data}", f"recipe.eval_data={evals_file}", "model.hidden=16"],
+    )
     assert len(evals) == 31
     want = _exact_eval(model, evals)
     for world in (1, 2):
@@ -169,16 +197,20 @@ def _tu_dataset(root: Path, name: str, items: list[dict]) -> None:
         for s_, d_ in g["edge_index"].T.tolist():
             if s_ != d_:  # TUDataset drops self-loops; keep edge_attr aligned
                 a.append(f"{s_ + offset + 1}, {d_ + offset + 1}")
-        for (s_, d_), row in zip(g["edge_index"].T.tolist(), g["edge_attr"].tolist(),
-                                  strict=True):  # fmt: skip
+        for (s_, d_), row in zip(g["edge_index"].T.tolist(), g["edge_attr"].tolist(), strict=True):
             if s_ != d_:
                 eattr.append(", ".join(f"{v:.6f}" for v in row))
         ind += [str(gi + 1)] * g["x"].shape[0]
         nattr += [", ".join(f"{v:.6f}" for v in row) for row in g["x"].tolist()]
         labels.append(str(g["y"]))
         offset += g["x"].shape[0]
-    for suffix, lines in (("A", a), ("graph_indicator", ind), ("graph_labels", labels),
-                          ("node_attributes", nattr), ("edge_attributes", eattr)):  # fmt: skip
+    for suffix, lines in (
+        ("A", a),
+        ("graph_indicator", ind),
+        ("graph_labels", labels),
+        ("node_attributes", nattr),
+        ("edge_attributes", eattr),
+    ):
         (raw / f"{name}_{suffix}.txt").write_text("\n".join(lines) + "\n")
 
 
@@ -189,13 +221,25 @@ def test_pyg_tudataset_on_two_ranks(tmp_path: Path) -> None:
     root = tmp_path / "tu"
     _tu_dataset(root, "TOY", make_graphs(96, 4))
     out = tmp_path / "ck"
-    results = _run(out, "--pyg-dataset", "TUDataset:TOY", "--data", str(root), "--epochs",
-                   "3", "--hidden", "16", "--batch-size", "8")  # fmt: skip
+    results = _run(
+        out,
+        "--pyg-dataset",
+        "TUDataset:TOY",
+        "--data",
+        str(root),
+        "--epochs",
+        "3",
+        "--hidden",
+        "16",
+        "--batch-size",
+        "8",
+    )
     log = results[0][1] + results[0][2]
     assert "graphs: 77 train, 19 eval, node features 3, edge features 2, 4 classes" in log
     assert (root / "TOY" / "processed").is_dir()
-    model, evals = _loaded(out, ["recipe.pyg_dataset=TUDataset:TOY", f"recipe.data={root}",
-                                 "model.hidden=16"])  # fmt: skip
+    model, evals = _loaded(
+        out, ["recipe.pyg_dataset=TUDataset:TOY", f"recipe.data={root}", "model.hidden=16"]
+    )
     want = _exact_eval(model, evals)
     assert want["eval_acc"] >= 0.75, want
     assert _records(out, "eval")[-1]["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-6)
@@ -203,21 +247,31 @@ def test_pyg_tudataset_on_two_ranks(tmp_path: Path) -> None:
 
 # ---- crafted graph files: one line each ----------------------------------------------------
 def _g(**change: object) -> dict:
-    g = {"edge_index": torch.tensor([[0, 1], [1, 2]]), "x": torch.ones(3, 2),
-         "edge_attr": torch.ones(2, 1), "y": 1}  # fmt: skip
+    g = {
+        "edge_index": torch.tensor([[0, 1], [1, 2]]),
+        "x": torch.ones(3, 2),
+        "edge_attr": torch.ones(2, 1),
+        "y": 1,
+    }
     g.update(change)
     return {k: v for k, v in g.items() if v is not None}
 
 
 CRAFTED = [
-    ([_g(), _g(edge_index=torch.tensor([[0, 3], [1, 2]]))],
-     "graph 1: edge_index: node index 0..3; expected indices in [0, 3)"),
+    (
+        [_g(), _g(edge_index=torch.tensor([[0, 3], [1, 2]]))],
+        "graph 1: edge_index: node index 0..3; expected indices in [0, 3)",
+    ),
     ([_g(edge_index=torch.tensor([[0, -1], [1, 2]]))], "graph 0: edge_index: node index -1..2"),
-    ([_g(edge_index=torch.tensor([[0.0, 1.0], [1.0, 2.0]]))],
-     "graph 0: edge_index: dtype torch.float32; expected an integer tensor (2, E)"),
+    (
+        [_g(edge_index=torch.tensor([[0.0, 1.0], [1.0, 2.0]]))],
+        "graph 0: edge_index: dtype torch.float32; expected an integer tensor (2, E)",
+    ),
     ([_g(edge_index=torch.zeros(3, 2, dtype=torch.long))], "graph 0: edge_index: shape (3, 2)"),
-    ([_g(x=torch.tensor([[0.0, 1.0], [float("nan"), 0.0], [1.0, 1.0]]))],
-     "graph 0: x: holds nan or inf"),
+    (
+        [_g(x=torch.tensor([[0.0, 1.0], [float("nan"), 0.0], [1.0, 1.0]]))],
+        "graph 0: x: holds nan or inf",
+    ),
     ([_g(x=torch.ones(3, 2, 2))], "graph 0: x: shape (3, 2, 2)"),
     ([_g(x=torch.ones(0, 2))], "graph 0: x: shape (0, 2); expected (N >= 1 nodes, F)"),
     ([_g(edge_attr=torch.ones(5, 1))], "graph 0: edge_attr: shape (5, 1); expected (2, width"),
@@ -261,8 +315,14 @@ def test_unreadable_graph_files_are_one_line(tmp_path: Path, kind: str) -> None:
         torch.save([Evil()], path)
     elif kind == "pyg-list":  # torch.save of Data objects: not weights_only; PyG's own save is
         pyg_data = require_module("torch_geometric.data", reason="test extra")
-        torch.save([pyg_data.Data(x=torch.ones(2, 1), edge_index=torch.zeros(2, 0).long(),
-                                  y=torch.tensor([0]))], path)  # fmt: skip
+        torch.save(
+            [
+                pyg_data.Data(
+                    x=torch.ones(2, 1), edge_index=torch.zeros(2, 0).long(), y=torch.tensor([0])
+                )
+            ],
+            path,
+        )
     elif kind == "garbage":
         path.write_bytes(b"\x00\x01 not a torch file")
     elif kind == "fifo":
@@ -284,9 +344,14 @@ def test_a_bad_graph_file_through_the_cli_is_one_line_on_every_rank(tmp_path: Pa
     results = _run(tmp_path / "ck", "--data", str(data), world=2, ok=False)
     for rc, _, err in results:
         assert rc == 2
-        assert err.strip().splitlines()[-1].endswith(
-            f"{data}: graph 4: edge_index: node index 0..7; expected indices in [0, 3) "
-            "(the graph has 3 nodes)")  # fmt: skip
+        assert (
+            err.strip()
+            .splitlines()[-1]
+            .endswith(
+                f"{data}: graph 4: edge_index: node index 0..7; expected indices in [0, 3) "
+                "(the graph has 3 nodes)"
+            )
+        )
     assert not (tmp_path / "ck" / "final").exists()
 
 
@@ -297,8 +362,11 @@ SMALL = ["--set", "recipe.n_train=48", "--set", "recipe.n_eval=24", "--hidden", 
 def _wandb_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Offline W&B into tmp_path (the ranks inherit the test's environment)."""
     require_module("wandb", reason="wandb is in the test extra")
-    for k, v in {"WANDB_DIR": str(tmp_path), "WANDB_MODE": "offline",
-                 "WANDB_SILENT": "true"}.items():  # fmt: skip
+    for k, v in {
+        "WANDB_DIR": str(tmp_path),
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+    }.items():
         monkeypatch.setenv(k, v)
 
 
@@ -312,8 +380,9 @@ def _wandb_file(tmp_path: Path) -> bytes:
 def test_wandb_offline_run_has_the_run_name_and_epoch(tmp_path: Path, monkeypatch) -> None:
     _wandb_env(tmp_path, monkeypatch)
     out = tmp_path / "ck"
-    _run(out, "--epochs", "2", *SMALL, "--wandb-project", "cricket-gnn",
-         "--run-name", "seed-002-run")  # fmt: skip
+    _run(
+        out, "--epochs", "2", *SMALL, "--wandb-project", "cricket-gnn", "--run-name", "seed-002-run"
+    )
     data = _wandb_file(tmp_path)
     # wandb 0.31 writes protobuf records (read in Go only): the run record's display_name
     # (field 8) is the run name, and each history item is its key then its value as JSON.
@@ -329,21 +398,36 @@ def test_wandb_finishes_failed_when_rank_0_dies(tmp_path: Path, monkeypatch) -> 
     """A diverged run ends every rank through ddp.parts.die (os._exit, no `finally`):
     rank 0 still calls wandb.finish(exit_code=1) first."""
     _wandb_env(tmp_path, monkeypatch)
-    results = _run(tmp_path / "ck", "--epochs", "2", *SMALL, "--lr", "1e37",
-                   "--set", "optim.grad_clip=null", "--wandb-project", "cricket-gnn",
-                   ok=False)  # fmt: skip
+    results = _run(
+        tmp_path / "ck",
+        "--epochs",
+        "2",
+        *SMALL,
+        "--lr",
+        "1e37",
+        "--set",
+        "optim.grad_clip=null",
+        "--wandb-project",
+        "cricket-gnn",
+        ok=False,
+    )
     assert results[0][0] == 2 and "training diverged" in results[0][2]
     data = _wandb_file(tmp_path)
     assert re.search(rb"\x92\x01.\x08\x01", data), data[-200:]  # exit record, exit_code 1
 
 
-def test_pyg_sources_without_torch_geometric_are_one_line(tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch,
-                                                          ) -> None:  # fmt: skip
+def test_pyg_sources_without_torch_geometric_are_one_line(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     path = tmp_path / "pyg.pt"
     _pyg_file(path, 3, 0)
-    for name in ("torch_geometric", "torch_geometric.data", "torch_geometric.datasets",
-                 "torch_geometric.data.data"):  # fmt: skip
+    for name in (
+        "torch_geometric",
+        "torch_geometric.data",
+        "torch_geometric.datasets",
+        "torch_geometric.data.data",
+    ):
         monkeypatch.setitem(__import__("sys").modules, name, None)  # import fails
     with pytest.raises(ConfigError, match=r"needs pip install hpc-ddp\[gnn\]"):
         graphs.load_pyg_dataset("TUDataset:MUTAG", str(tmp_path))
@@ -351,13 +435,16 @@ def test_pyg_sources_without_torch_geometric_are_one_line(tmp_path: Path,
         graphs.load_file(path)
     # (torch resolves the Data class it already knows in this process: the file loads,
     # and slicing it into graphs is what needs torch_geometric)
-    assert str(err.value) == (f"recipe.data: {path} is a torch_geometric dataset file; "
-                              "reading it needs pip install hpc-ddp[gnn] (torch_geometric)")
+    assert str(err.value) == (
+        f"recipe.data: {path} is a torch_geometric dataset file; "
+        "reading it needs pip install hpc-ddp[gnn] (torch_geometric)"
+    )
 
 
-def test_wandb_init_gets_the_name_and_init_timeout(monkeypatch: pytest.MonkeyPatch,
-                                                   caplog: pytest.LogCaptureFixture,
-                                                   ) -> None:  # fmt: skip
+def test_wandb_init_gets_the_name_and_init_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     wandb = require_module("wandb", reason="wandb is in the test extra")
     from ddp import loggers
 
@@ -371,8 +458,16 @@ def test_wandb_init_gets_the_name_and_init_timeout(monkeypatch: pytest.MonkeyPat
     cfg = resolve(gnn, None, ["logging.wandb.project=cricket-gnn", "recipe.run_name=r1"])
     assert loggers.open_wandb(cfg) == "run"
     assert seen[-1]["name"] == "r1" and seen[-1]["settings"].init_timeout == 120
-    cfg = resolve(gnn, None, ["logging.wandb.project=p", "recipe.run_name=r1",
-                              "logging.wandb.name=explicit", "logging.wandb.init_timeout=300"])
+    cfg = resolve(
+        gnn,
+        None,
+        [
+            "logging.wandb.project=p",
+            "recipe.run_name=r1",
+            "logging.wandb.name=explicit",
+            "logging.wandb.init_timeout=300",
+        ],
+    )
     loggers.open_wandb(cfg)
     assert seen[-1]["name"] == "explicit" and seen[-1]["settings"].init_timeout == 300
 

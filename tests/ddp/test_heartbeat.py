@@ -38,9 +38,15 @@ def test_every_rank_publishes_its_step(tmp_path: Path, monkeypatch) -> None:
     hb = tmp_path / "heartbeats"
     monkeypatch.setenv("DDP_HEARTBEAT_DIR", str(hb))
     monkeypatch.setenv("DDP_HEARTBEAT_EVERY_S", "0")
-    spec = {"n": 64, "config": {"training": {"batch_size": 4, "epochs": 1, "max_steps": 5},
-                                "optim": {"name": "sgd", "lr": 0.01}, "checkpoint": {"dir": None},
-                                "logging": {"progress": "off"}}}  # fmt: skip
+    spec = {
+        "n": 64,
+        "config": {
+            "training": {"batch_size": 4, "epochs": 1, "max_steps": 5},
+            "optim": {"name": "sgd", "lr": 0.01},
+            "checkpoint": {"dir": None},
+            "logging": {"progress": "off"},
+        },
+    }
     procs = _launch.start([WORKER, json.dumps(spec)], world=2)
     pids = [p.pid for p in procs]
     results = _launch.finish(procs, timeout=120)
@@ -56,10 +62,18 @@ def test_stack_signal_dumps_where_a_rank_waits(tmp_path: Path, monkeypatch) -> N
     hb, ready = tmp_path / "heartbeats", tmp_path / "ready"
     ready.mkdir()
     monkeypatch.setenv("DDP_HEARTBEAT_DIR", str(hb))
-    spec = {"n": 64, "wait_signal_step": 2, "ready_dir": str(ready), "wait_timeout": 60,
-            "config": {"training": {"batch_size": 4, "epochs": 1, "max_steps": 4},
-                       "optim": {"name": "sgd", "lr": 0.01}, "checkpoint": {"dir": None},
-                       "logging": {"progress": "off"}}}  # fmt: skip
+    spec = {
+        "n": 64,
+        "wait_signal_step": 2,
+        "ready_dir": str(ready),
+        "wait_timeout": 60,
+        "config": {
+            "training": {"batch_size": 4, "epochs": 1, "max_steps": 4},
+            "optim": {"name": "sgd", "lr": 0.01},
+            "checkpoint": {"dir": None},
+            "logging": {"progress": "off"},
+        },
+    }
     procs = _launch.start([WORKER, json.dumps(spec)], world=2)
     try:
         _wait_for(lambda: (ready / "0.pid").exists() and (ready / "1.pid").exists())

@@ -33,8 +33,13 @@ TINY_UNIREF50 = str(Path(__file__).resolve().parents[2] / "configs" / "uniref50-
 
 
 def _ddp(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ddp", *args, "--set", "logging.progress=off"],
-                          capture_output=True, text=True, env=_env(), timeout=180)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "ddp", *args, "--set", "logging.progress=off"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=180,
+    )
 
 
 def _final(run: Path) -> dict[str, torch.Tensor]:
@@ -52,9 +57,21 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     lm = make_tiny_lm(root / "lm")
     data = write_pairs(root / "pairs.json", 10)
     run_a = root / "a"
-    proc = _ddp("dpo", "--model_name_or_path", str(lm), "--train_data", str(data),
-                "--output_dir", str(run_a), "--max_steps", "3", "--learning_rate", "1e-2",
-                "--set", "checkpoint.every_n_steps=2")  # fmt: skip
+    proc = _ddp(
+        "dpo",
+        "--model_name_or_path",
+        str(lm),
+        "--train_data",
+        str(data),
+        "--output_dir",
+        str(run_a),
+        "--max_steps",
+        "3",
+        "--learning_rate",
+        "1e-2",
+        "--set",
+        "checkpoint.every_n_steps=2",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {"root": root, "lm": lm, "data": data, "a": run_a}
 
@@ -63,9 +80,25 @@ def test_from_hf_folder_on_two_ranks(setup: dict[str, Path], tmp_path: Path) -> 
     """--init_from a model folder (the hub-id path) on 2 ranks: architecture and weights."""
     from safetensors.torch import load_file
 
-    results = _launch.run(["-m", "ddp", "dpo", "--init_from", str(setup["lm"]),
-                           "--train_data", str(setup["data"]), "--output_dir", str(tmp_path),
-                           "--num_epochs", "0", "--backend", "gloo"], world=2, timeout=180)  # fmt: skip
+    results = _launch.run(
+        [
+            "-m",
+            "ddp",
+            "dpo",
+            "--init_from",
+            str(setup["lm"]),
+            "--train_data",
+            str(setup["data"]),
+            "--output_dir",
+            str(tmp_path),
+            "--num_epochs",
+            "0",
+            "--backend",
+            "gloo",
+        ],
+        world=2,
+        timeout=180,
+    )
     for rc, _, err in results:
         assert rc == 0, err[-3000:]
     got, src = _final(tmp_path), load_file(setup["lm"] / "model.safetensors")
@@ -74,9 +107,19 @@ def test_from_hf_folder_on_two_ranks(setup: dict[str, Path], tmp_path: Path) -> 
 
 
 def test_from_final_export(setup: dict[str, Path], tmp_path: Path) -> None:
-    proc = _ddp("dpo", "--model_name_or_path", str(setup["lm"]), "--init_from",
-                str(setup["a"] / "final" / "model.pt"), "--train_data", str(setup["data"]),
-                "--output_dir", str(tmp_path), "--num_epochs", "0")  # fmt: skip
+    proc = _ddp(
+        "dpo",
+        "--model_name_or_path",
+        str(setup["lm"]),
+        "--init_from",
+        str(setup["a"] / "final" / "model.pt"),
+        "--train_data",
+        str(setup["data"]),
+        "--output_dir",
+        str(tmp_path),
+        "--num_epochs",
+        "0",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "model.init_from: weights loaded from" in proc.stderr + proc.stdout
     assert _same(_final(tmp_path), _final(setup["a"]))
@@ -90,14 +133,34 @@ def test_from_step_checkpoint_model_only(setup: dict[str, Path], tmp_path: Path)
     step2 = setup["a"] / "step_000000002.pt"
     saved = checkpoint.read_checkpoint(step2)["model"]
     assert not _same(saved, _final(setup["a"]))  # the two sources differ
-    proc = _ddp("dpo", "--model_name_or_path", str(setup["lm"]), "--init_from", str(step2),
-                "--train_data", str(setup["data"]), "--output_dir", str(tmp_path / "b"),
-                "--num_epochs", "0")  # fmt: skip
+    proc = _ddp(
+        "dpo",
+        "--model_name_or_path",
+        str(setup["lm"]),
+        "--init_from",
+        str(step2),
+        "--train_data",
+        str(setup["data"]),
+        "--output_dir",
+        str(tmp_path / "b"),
+        "--num_epochs",
+        "0",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _same(_final(tmp_path / "b"), saved)
-    proc = _ddp("dpo", "--model_name_or_path", str(setup["lm"]), "--init_from", str(setup["a"]),
-                "--train_data", str(setup["data"]), "--output_dir", str(tmp_path / "c"),
-                "--num_epochs", "0")  # fmt: skip
+    proc = _ddp(
+        "dpo",
+        "--model_name_or_path",
+        str(setup["lm"]),
+        "--init_from",
+        str(setup["a"]),
+        "--train_data",
+        str(setup["data"]),
+        "--output_dir",
+        str(tmp_path / "c"),
+        "--num_epochs",
+        "0",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _same(_final(tmp_path / "c"), _final(setup["a"]))
 
@@ -105,9 +168,21 @@ def test_from_step_checkpoint_model_only(setup: dict[str, Path], tmp_path: Path)
 def test_resume_wins_over_init_from(setup: dict[str, Path], tmp_path: Path) -> None:
     """A run that resumes continues from its checkpoint, whatever init_from says."""
     other = make_tiny_lm(tmp_path / "other", seed=3)
-    cmd = ["dpo", "--model_name_or_path", str(setup["lm"]), "--init_from", str(other),
-           "--train_data", str(setup["data"]), "--output_dir", str(tmp_path / "r"),
-           "--max_steps", "2", "--learning_rate", "1e-2"]  # fmt: skip
+    cmd = [
+        "dpo",
+        "--model_name_or_path",
+        str(setup["lm"]),
+        "--init_from",
+        str(other),
+        "--train_data",
+        str(setup["data"]),
+        "--output_dir",
+        str(tmp_path / "r"),
+        "--max_steps",
+        "2",
+        "--learning_rate",
+        "1e-2",
+    ]
     assert _ddp(*cmd).returncode == 0
     first = _final(tmp_path / "r")
     proc = _ddp(*cmd)  # resume: auto finds step 2, max_steps reached, exports again
@@ -121,8 +196,15 @@ def test_resume_wins_over_init_from(setup: dict[str, Path], tmp_path: Path) -> N
 
 def test_mismatch_is_one_line_exit_2(setup: dict[str, Path], tmp_path: Path) -> None:
     """The tiny LM's export into dpo's built-in demo GPT-2 (another width and vocabulary)."""
-    proc = _ddp("dpo", "--init_from", str(setup["a"] / "final" / "model.pt"),
-                "--train_data", str(setup["data"]), "--output_dir", str(tmp_path))  # fmt: skip
+    proc = _ddp(
+        "dpo",
+        "--init_from",
+        str(setup["a"] / "final" / "model.pt"),
+        "--train_data",
+        str(setup["data"]),
+        "--output_dir",
+        str(tmp_path),
+    )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("ddp: error: model.init_from: ")
@@ -132,25 +214,58 @@ def test_mismatch_is_one_line_exit_2(setup: dict[str, Path], tmp_path: Path) -> 
 
 def test_generic_recipe_export_and_mismatch(tmp_path: Path) -> None:
     """uniref50 (no init_from code of its own): the generic loader in ``python -m ddp``."""
-    base = ["uniref50", "--config", TINY_UNIREF50,
-            "--set", "training.epochs=1", "training.max_steps=2"]
+    base = [
+        "uniref50",
+        "--config",
+        TINY_UNIREF50,
+        "--set",
+        "training.epochs=1",
+        "training.max_steps=2",
+    ]
     assert _ddp(*base, "--output_dir", str(tmp_path / "a")).returncode == 0
     src = tmp_path / "a" / "final" / "model.pt"
-    proc = _ddp("uniref50", "--config", TINY_UNIREF50, "--init_from", str(src),
-                "--output_dir", str(tmp_path / "b"), "--set", "training.epochs=0")  # fmt: skip
+    proc = _ddp(
+        "uniref50",
+        "--config",
+        TINY_UNIREF50,
+        "--init_from",
+        str(src),
+        "--output_dir",
+        str(tmp_path / "b"),
+        "--set",
+        "training.epochs=0",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _same(_final(tmp_path / "b"), _final(tmp_path / "a"))
-    proc = _ddp("uniref50", "--config", TINY_UNIREF50, "--init_from", str(src),
-                "--output_dir", str(tmp_path / "c"), "--set", "model.d_model=32")  # fmt: skip
+    proc = _ddp(
+        "uniref50",
+        "--config",
+        TINY_UNIREF50,
+        "--init_from",
+        str(src),
+        "--output_dir",
+        str(tmp_path / "c"),
+        "--set",
+        "model.d_model=32",
+    )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "does not fit this model: 'embed.weight' is (23, 64) there and (23, 32) here" in lines[0]
-    for bad, msg in [(tmp_path / "nope.pt", "does not exist"),
-                     (tmp_path / "junk.pt", "is not a loadable weights file")]:  # fmt: skip
+    for bad, msg in [
+        (tmp_path / "nope.pt", "does not exist"),
+        (tmp_path / "junk.pt", "is not a loadable weights file"),
+    ]:
         if bad.name == "junk.pt":
             bad.write_bytes(b"\x00not a pickle")
-        proc = _ddp("uniref50", "--config", TINY_UNIREF50, "--init_from", str(bad),
-                    "--output_dir", str(tmp_path / "d"))
+        proc = _ddp(
+            "uniref50",
+            "--config",
+            TINY_UNIREF50,
+            "--init_from",
+            str(bad),
+            "--output_dir",
+            str(tmp_path / "d"),
+        )
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and msg in lines[0], proc.stderr
 

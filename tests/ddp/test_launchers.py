@@ -36,8 +36,17 @@ def test_plain_python_is_world_one(tmp_path):
 
 
 def test_torchrun_two_processes(tmp_path):
-    cmd = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(free_port()), TINY, str(tmp_path)]
+    cmd = [
+        PY,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        TINY,
+        str(tmp_path),
+    ]
     run(cmd, clean_env())
     recs = records(tmp_path, 2)
     assert_consistent(recs)
@@ -47,8 +56,17 @@ def test_torchrun_two_processes(tmp_path):
 
 def test_legacy_launch_local_rank_argument(tmp_path):
     # torch.distributed.launch without --use-env passes --local-rank=N on the command line.
-    cmd = [PY, "-m", "torch.distributed.launch", "--nproc_per_node", "2",
-           "--master_port", str(free_port()), TINY, str(tmp_path)]
+    cmd = [
+        PY,
+        "-m",
+        "torch.distributed.launch",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        TINY,
+        str(tmp_path),
+    ]
     env = clean_env(PYTHONWARNINGS="ignore")
     run(cmd, env)
     recs = records(tmp_path, 2)
@@ -109,8 +127,19 @@ def test_exec_runs_plain_script_under_mpich(tmp_path):
 @pytest.mark.mpi
 def test_exec_runs_plain_script_under_openmpi(tmp_path):
     mpiexec = require_exe("mpiexec.openmpi")
-    cmd = [mpiexec, "--oversubscribe", "-n", "2", PY, "-m", "ddp.exec", "--", PY, PLAIN,
-           str(tmp_path)]
+    cmd = [
+        mpiexec,
+        "--oversubscribe",
+        "-n",
+        "2",
+        PY,
+        "-m",
+        "ddp.exec",
+        "--",
+        PY,
+        PLAIN,
+        str(tmp_path),
+    ]
     run(cmd, clean_env(**OMPI_ROOT))
     recs = records(tmp_path, 2)
     assert_consistent(recs)
@@ -121,11 +150,24 @@ def test_exec_runs_plain_script_under_openmpi(tmp_path):
 def test_recipe_cli_under_mpich(tmp_path):
     """`python -m ddp RECIPE` unchanged under plain MPICH mpiexec (no MASTER_* given)."""
     mpiexec = require_exe("mpiexec.hydra", "mpiexec.mpich")
-    cmd = [mpiexec, "-n", "2", PY, "-m", "ddp", "uniref50", "--config",
-           "configs/uniref50-tiny.yaml", "--set", "training.max_steps=4",
-           f"checkpoint.dir={tmp_path}", "logging.progress=plain"]
-    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=180,
-                          cwd=ROOT)
+    cmd = [
+        mpiexec,
+        "-n",
+        "2",
+        PY,
+        "-m",
+        "ddp",
+        "uniref50",
+        "--config",
+        "configs/uniref50-tiny.yaml",
+        "--set",
+        "training.max_steps=4",
+        f"checkpoint.dir={tmp_path}",
+        "logging.progress=plain",
+    ]
+    proc = subprocess.run(
+        cmd, env=clean_env(), capture_output=True, text=True, timeout=180, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Initialized DDP: rank=0, world_size=2, local_rank=0" in proc.stdout
     assert "done: steps=4" in proc.stdout

@@ -28,9 +28,14 @@ PLAIN = str(SCRIPTS / "plain_torchrun_style.py")
 
 
 def _batch(path: Path, body: str, *directives: str) -> Path:
-    lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), "set -eu",
-             f"export PYTHONPATH={Path(__file__).resolve().parents[2] / 'src'}",
-             "export OMP_NUM_THREADS=1", body]
+    lines = [
+        "#!/bin/bash",
+        *(f"#SBATCH {d}" for d in directives),
+        "set -eu",
+        f"export PYTHONPATH={Path(__file__).resolve().parents[2] / 'src'}",
+        "export OMP_NUM_THREADS=1",
+        body,
+    ]
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -65,8 +70,9 @@ def test_srun_across_two_nodes_with_exec(slurm_cluster, tmp_path):
 def test_stale_rank_variables_before_srun_stop_the_job(slurm_cluster, tmp_path):
     """`RANK=0 LOCAL_RANK=0 WORLD_SIZE=1` left in the shell must not make `srun -n 2` two
     jobs of one rank each (each would train alone and write the same checkpoints)."""
-    body = ("export RANK=0 LOCAL_RANK=0 WORLD_SIZE=1\n"
-            f"srun --kill-on-bad-exit=1 {PY} {TINY} {tmp_path}")
+    body = (
+        f"export RANK=0 LOCAL_RANK=0 WORLD_SIZE=1\nsrun --kill-on-bad-exit=1 {PY} {TINY} {tmp_path}"
+    )
     job = slurm_cluster.submit(_batch(tmp_path / "job.sh", body, "-n 2", "-N 1"))
     assert slurm_cluster.wait(job, timeout=120) == "FAILED"
     log = slurm_cluster.output_path(job).read_text()
@@ -89,8 +95,21 @@ def test_pals_command_line_with_pbs_environment(pals_mpiexec, tmp_path):
     """What jobs/dpo_aurora.pbs does on Aurora: PALS mpiexec with its binding flags."""
     env = clean_env(**pbs_env(tmp_path))
     env["PATH"] = f"{pals_mpiexec}{os.pathsep}{env['PATH']}"
-    cmd = ["mpiexec", "-n", "2", "--ppn", "2", "--cpu-bind", "list:1:2", "--depth", "1",
-           "--envall", PY, TINY, str(tmp_path)]
+    cmd = [
+        "mpiexec",
+        "-n",
+        "2",
+        "--ppn",
+        "2",
+        "--cpu-bind",
+        "list:1:2",
+        "--depth",
+        "1",
+        "--envall",
+        PY,
+        TINY,
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     recs = records(tmp_path, 2)
@@ -103,8 +122,21 @@ def test_pals_command_line_with_pbs_environment(pals_mpiexec, tmp_path):
 def test_exec_under_pals(pals_mpiexec, tmp_path):
     env = clean_env(**pbs_env(tmp_path))
     env["PATH"] = f"{pals_mpiexec}{os.pathsep}{env['PATH']}"
-    cmd = ["mpiexec", "-n", "2", "--ppn", "2", "--envall", sys.executable, "-m", "ddp.exec",
-           "--", PY, PLAIN, str(tmp_path)]
+    cmd = [
+        "mpiexec",
+        "-n",
+        "2",
+        "--ppn",
+        "2",
+        "--envall",
+        sys.executable,
+        "-m",
+        "ddp.exec",
+        "--",
+        PY,
+        PLAIN,
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     recs = records(tmp_path, 2)

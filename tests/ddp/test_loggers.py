@@ -67,8 +67,12 @@ def test_tensorboard_events_hold_the_logged_scalars(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     ck = tmp_path / "ck"
-    _ok(_launch.run([WORKER, json.dumps({"config": _cfg(ck, tensorboard=True), "n": 32,
-                                         "eval_n": 8})], world=2))  # fmt: skip
+    _ok(
+        _launch.run(
+            [WORKER, json.dumps({"config": _cfg(ck, tensorboard=True), "n": 32, "eval_n": 8})],
+            world=2,
+        )
+    )
     acc = EventAccumulator(str(ck / "tensorboard"))
     acc.Reload()
     tags = acc.Tags()["scalars"]

@@ -68,8 +68,14 @@ def _init_timeout(**env: str) -> subprocess.CompletedProcess[str]:
     for k in ("DDP_TIMEOUT", "NCCL_TIMEOUT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         full.pop(k, None)
     full.update(env)
-    return subprocess.run([sys.executable, "-c", SHOW_TIMEOUT], env=full, text=True,
-                          capture_output=True, timeout=120, cwd=_launch.ROOT)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", SHOW_TIMEOUT],
+        env=full,
+        text=True,
+        capture_output=True,
+        timeout=120,
+        cwd=_launch.ROOT,
+    )
 
 
 def test_nccl_timeout_is_read_in_seconds_and_logged() -> None:

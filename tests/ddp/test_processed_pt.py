@@ -20,14 +20,22 @@ from ddp.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 # The seed's vocabulary, written out here independently of ddp.data.processed.
-SEED = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3, "<mask>": 4,
-        **{a: 5 + i for i, a in enumerate("ACDEFGHIKLMNPQRSTVWY")}}
+SEED = {
+    "<s>": 0,
+    "<pad>": 1,
+    "</s>": 2,
+    "<unk>": 3,
+    "<mask>": 4,
+    **{a: 5 + i for i, a in enumerate("ACDEFGHIKLMNPQRSTVWY")},
+}
 
 
 def _proteins(n: int = 24, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
-    return ["".join(rng.choice("ACDEFGHIKLMNPQRSTVWY") for _ in range(rng.randint(5, 40)))
-            for _ in range(n)]
+    return [
+        "".join(rng.choice("ACDEFGHIKLMNPQRSTVWY") for _ in range(rng.randint(5, 40)))
+        for _ in range(n)
+    ]
 
 
 def _seed_tokens(seq: str, max_len: int = 48, bos_eos: bool = False) -> torch.Tensor:
@@ -51,8 +59,10 @@ def _store_of(path: Path) -> TokenStore:
 def test_seed_records_become_the_same_proteins(tmp_path: Path) -> None:
     seqs = _proteins()
     # seed 004's layout: records {'protein_seq', 'prot_tokens', 'length'}
-    recs = [{"protein_seq": s, "prot_tokens": _seed_tokens(s, bos_eos=i % 2 == 0), "length": len(s)}
-            for i, s in enumerate(seqs)]
+    recs = [
+        {"protein_seq": s, "prot_tokens": _seed_tokens(s, bos_eos=i % 2 == 0), "length": len(s)}
+        for i, s in enumerate(seqs)
+    ]
     path = tmp_path / "processed_uniref50.pt"
     torch.save(recs, path)
     store = _store_of(path)
@@ -64,9 +74,13 @@ def test_seed_records_become_the_same_proteins(tmp_path: Path) -> None:
 def test_the_accepted_shapes(tmp_path: Path, shape: str) -> None:
     seqs = _proteins(10, seed=1)
     tensors = [_seed_tokens(s) for s in seqs]
-    obj = {"list": tensors, "dict": {"sequences": tensors, "n": 10, "name": "x"},
-           "tuple": tuple(tensors), "rows": {"data": torch.stack(tensors)},
-           "int32": [t.to(torch.int32) for t in tensors]}[shape]
+    obj = {
+        "list": tensors,
+        "dict": {"sequences": tensors, "n": 10, "name": "x"},
+        "tuple": tuple(tensors),
+        "rows": {"data": torch.stack(tensors)},
+        "int32": [t.to(torch.int32) for t in tensors],
+    }[shape]
     path = tmp_path / "data.pt"
     torch.save(obj, path)
     store = _store_of(path)
@@ -75,8 +89,9 @@ def test_the_accepted_shapes(tmp_path: Path, shape: str) -> None:
 
 def test_unk_is_kept_and_empty_records_are_skipped(tmp_path: Path) -> None:
     path = tmp_path / "p.pt"
-    torch.save([torch.tensor([5, 3, 6, 1, 1]), torch.tensor([1, 1, 1]), torch.tensor([0, 7, 2])],
-               path)
+    torch.save(
+        [torch.tensor([5, 3, 6, 1, 1]), torch.tensor([1, 1, 1]), torch.tensor([0, 7, 2])], path
+    )
     store = _store_of(path)
     assert store.n_seqs == 2
     assert store[0].tolist() == [5, 4, 6] and store[1].tolist() == [7]  # <unk> is ours (4)
@@ -110,8 +125,11 @@ def _hostile(tmp_path: Path) -> list[tuple[str, Path, str]]:
         ("3-d", [torch.zeros(2, 2, 2, dtype=torch.long)], "3-D torch.int64"),
         ("bool", [torch.tensor([True, False])], "torch.bool"),
         ("empty", [torch.tensor([1, 1]), torch.tensor([0, 2])], "no residues"),
-        ("record-two-tensors", [{"a": torch.tensor([5]), "b": torch.tensor([6])}],
-         "a dict with 2 tensors"),
+        (
+            "record-two-tensors",
+            [{"a": torch.tensor([5]), "b": torch.tensor([6])}],
+            "a dict with 2 tensors",
+        ),
         ("object", [_Thing()], "cannot be loaded with torch.load(weights_only=True)"),
     ]
     out = []
@@ -148,18 +166,32 @@ def test_a_huge_file_is_refused_before_loading(tmp_path: Path, monkeypatch) -> N
     torch.save([_seed_tokens("ACD")] * 100, path)
     monkeypatch.setattr(processed, "MAX_BYTES", 1024)
     monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("loaded a huge file"))
-    with pytest.raises(ConfigError, match=r"bytes, more than 1,024 \(.* GiB\); allowed: a smaller file"):
+    with pytest.raises(
+        ConfigError, match=r"bytes, more than 1,024 \(.* GiB\); allowed: a smaller file"
+    ):
         resolve_store(path)
 
 
 def test_the_recipe_flag_refuses_a_bad_file_in_one_line(tmp_path: Path) -> None:
     path = tmp_path / "processed_uniref50.pt"
     torch.save({"sequences": [torch.tensor([1.5, float("nan")])]}, path)
-    proc = subprocess.run([sys.executable, "-m", "ddp", "uniref50", "--datafile", str(path),
-                           "--work_dir", str(tmp_path / "w")], capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}",
-                               "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ddp",
+            "uniref50",
+            "--datafile",
+            str(path),
+            "--work_dir",
+            str(tmp_path / "w"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.splitlines() if "record 0 is a 1-D torch.float32" in ln]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]

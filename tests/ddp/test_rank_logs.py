@@ -36,8 +36,14 @@ ddp.shutdown()
 
 def _hpc(*args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}:{ROOT}")
-    return subprocess.run([sys.executable, "-m", "hpc", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "hpc", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 @pytest.fixture
@@ -55,8 +61,11 @@ def run(tmp_path: Path) -> tuple[Path, list[tuple[int, str, str]]]:
     assert results[0][0] == 0 and results[1][0] != 0, results
     # tee drains its pipe after the rank has gone: wait for the crash's last line
     last = run_dir / "ranks" / "rank-00001.log"
-    wait_until(lambda: last.is_file() and "crash-on-rank-1" in last.read_text(), 30,
-               "rank 1's traceback in its log")  # fmt: skip
+    wait_until(
+        lambda: last.is_file() and "crash-on-rank-1" in last.read_text(),
+        30,
+        "rank 1's traceback in its log",
+    )
     return run_dir, results
 
 
@@ -88,8 +97,11 @@ def test_hpc_logs_rank_and_grep(run: tuple[Path, list]) -> None:
     assert f"rank 1 ({node_name()}): [rank1]: RuntimeError: crash-on-rank-1" in found.stdout
     assert f"found in rank 1 ({node_name()})" in found.stderr
     assert _hpc("logs", str(run_dir), "--grep", "no such text").returncode == 1
-    for args, says in [(["--rank", "7"], "allowed: ranks 0-1"), (["--rank", "-1"], "a rank >= 0"),
-                       (["--grep", ""], "empty --grep")]:  # fmt: skip
+    for args, says in [
+        (["--rank", "7"], "allowed: ranks 0-1"),
+        (["--rank", "-1"], "a rank >= 0"),
+        (["--grep", ""], "empty --grep"),
+    ]:
         bad = _hpc("logs", str(run_dir), *args)
         assert bad.returncode == 2 and says in bad.stderr and bad.stderr.count("\n") == 1, bad
 

@@ -18,7 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _eval_loss(built: recipes.Built) -> float:
-    loader = torch.utils.data.DataLoader(built.eval_data, batch_size=64, collate_fn=built.collate_fn)
+    loader = torch.utils.data.DataLoader(
+        built.eval_data, batch_size=64, collate_fn=built.collate_fn
+    )
     fn = built.eval_fn or built.step_fn or (lambda m, b: m(b))
     built.model.eval()
     total, n = 0.0, 0
@@ -45,12 +47,21 @@ def _eval_loss(built: recipes.Built) -> float:
 )
 def test_recipe_loss_falls(name: str, sets: list[str], drop: float, tmp_path: Path) -> None:
     recipe = recipes.get(name)
-    config = ROOT / "configs" / "uniref50-tiny.yaml" if name == "uniref50" else None  # not SEDD small
-    cfg = recipes.resolve(recipe, config, [*sets, f"checkpoint.dir={tmp_path}", "logging.progress=off"])
+    config = (
+        ROOT / "configs" / "uniref50-tiny.yaml" if name == "uniref50" else None
+    )  # not SEDD small
+    cfg = recipes.resolve(
+        recipe, config, [*sets, f"checkpoint.dir={tmp_path}", "logging.progress=off"]
+    )
     built = recipe.build(cfg)
     before = _eval_loss(built)
     summary = Trainer(
-        built.model, built.train_data, cfg, built.step_fn, built.eval_data, built.eval_fn,
+        built.model,
+        built.train_data,
+        cfg,
+        built.step_fn,
+        built.eval_data,
+        built.eval_fn,
         built.collate_fn,
     ).fit()
     ddp.shutdown()
@@ -63,10 +74,18 @@ def test_recipe_loss_falls(name: str, sets: list[str], drop: float, tmp_path: Pa
 def test_dpo_flags_map_to_config() -> None:
     recipe = recipes.get("dpo")
     cfg = recipes.resolve(
-        recipe, None, ["optim.lr=2e-3"],
-        {"flag_batch_size": 2, "flag_num_epochs": 7, "flag_learning_rate": 1e-5,
-         "flag_output_dir": "out", "flag_backend": "gloo", "flag_beta": 0.5},
-    )  # fmt: skip
+        recipe,
+        None,
+        ["optim.lr=2e-3"],
+        {
+            "flag_batch_size": 2,
+            "flag_num_epochs": 7,
+            "flag_learning_rate": 1e-5,
+            "flag_output_dir": "out",
+            "flag_backend": "gloo",
+            "flag_beta": 0.5,
+        },
+    )
     assert (cfg.training.batch_size, cfg.training.epochs) == (2, 7)
     assert cfg.optim.lr == 2e-3  # --set wins over flags
     assert (cfg.checkpoint.dir, cfg.ddp.backend, cfg.recipe["beta"]) == ("out", "gloo", 0.5)
@@ -84,19 +103,34 @@ def test_cli_list_and_errors() -> None:
     assert out.returncode == 0 and "uniref50" in out.stdout and "dpo" in out.stdout
     bad = _cli("dpo", "--set", "optim.lrr=1")
     assert bad.returncode == 2
-    assert bad.stderr.strip().splitlines() == [
-        bad.stderr.strip()
-    ] and "ddp: error: unknown key 'optim.lrr'; did you mean 'optim.lr'?" in bad.stderr
+    assert (
+        bad.stderr.strip().splitlines() == [bad.stderr.strip()]
+        and "ddp: error: unknown key 'optim.lrr'; did you mean 'optim.lr'?" in bad.stderr
+    )
     assert _cli("dpoo").returncode == 2
 
 
 def test_cli_under_torchrun_two_ranks(tmp_path: Path) -> None:
     """The same command under torchrun: 2 Gloo ranks, one checkpoint dir, final export."""
     cmd = [
-        "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-        str(free_port()), "-m", "ddp", "dpo", "--output_dir", str(tmp_path),
-        "--num_epochs", "1", "--batch_size", "8", "--backend", "gloo",
-    ]  # fmt: skip
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "ddp",
+        "dpo",
+        "--output_dir",
+        str(tmp_path),
+        "--num_epochs",
+        "1",
+        "--batch_size",
+        "8",
+        "--backend",
+        "gloo",
+    ]
     out = subprocess.run(
         [sys.executable, *cmd], capture_output=True, text=True, timeout=120, env=base_env()
     )

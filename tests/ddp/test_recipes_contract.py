@@ -68,19 +68,34 @@ def test_main_needs_no_type_ignore() -> None:
 def test_common_flags_work_for_every_recipe(
     name: str, spelling: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    cfg = _print_config(capsys, [
-        name, "--backend", "gloo", f"--output{spelling}dir", "out/common", "--seed", "5",
-        f"--max{spelling}steps", "7",
-    ])  # fmt: skip
+    cfg = _print_config(
+        capsys,
+        [
+            name,
+            "--backend",
+            "gloo",
+            f"--output{spelling}dir",
+            "out/common",
+            "--seed",
+            "5",
+            f"--max{spelling}steps",
+            "7",
+        ],
+    )
     assert cfg["ddp"]["backend"] == "gloo" and cfg["checkpoint"]["dir"] == "out/common"
     assert (cfg["training"]["seed"], cfg["training"]["max_steps"]) == (5, 7)
 
 
 @pytest.mark.parametrize(
     ("name", "flag"),
-    [("uniref50", "--work_dir"), ("dpo", "--output_dir"), ("distill", "--output_dir"),
-     ("crowdbt", "--output-dir"), ("gnn", "--output-dir")],
-)  # fmt: skip
+    [
+        ("uniref50", "--work_dir"),
+        ("dpo", "--output_dir"),
+        ("distill", "--output_dir"),
+        ("crowdbt", "--output-dir"),
+        ("gnn", "--output-dir"),
+    ],
+)
 def test_each_seeds_own_output_flag_still_works(
     name: str, flag: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -128,8 +143,12 @@ SMALL = {
     "uniref50": [],
     "dpo": [],
     "distill": [],  # real local models: see _small
-    "crowdbt": ["recipe.n_images=16", "recipe.n_eval_images=8", "recipe.n_pairs=32",
-                "recipe.n_eval_pairs=16"],  # fmt: skip
+    "crowdbt": [
+        "recipe.n_images=16",
+        "recipe.n_eval_images=8",
+        "recipe.n_pairs=32",
+        "recipe.n_eval_pairs=16",
+    ],
     "gnn": ["recipe.n_train=6", "recipe.n_eval=3"],
 }
 
@@ -142,8 +161,12 @@ def _small(name: str, tmp_path: Path) -> list[str]:
     from tests.ddp import _distill_models
 
     m = _distill_models.shared()
-    return [f"recipe.teacher_model={m['teacher']}", f"recipe.student_model={m['student']}",
-            f"recipe.train_data={m['train']}", f"checkpoint.dir={tmp_path}"]  # fmt: skip
+    return [
+        f"recipe.teacher_model={m['teacher']}",
+        f"recipe.student_model={m['student']}",
+        f"recipe.train_data={m['train']}",
+        f"checkpoint.dir={tmp_path}",
+    ]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -168,9 +191,13 @@ def test_every_recipe_builds_the_same_weights_whatever_ran_before(
 def test_recipes_seed_weights_only_through_seeded_model(name: str) -> None:
     """One way to seed weights: no recipe reseeds the global RNG or forks it itself."""
     tree = ast.parse(Path(recipes.get(name).__file__ or "").read_text())
-    calls = {f"{n.func.value.id}.{n.func.attr}" for n in ast.walk(tree)
-             if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-             and isinstance(n.func.value, ast.Name)}  # fmt: skip
+    calls = {
+        f"{n.func.value.id}.{n.func.attr}"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and isinstance(n.func.value, ast.Name)
+    }
     assert not calls & {"torch.manual_seed", "random.fork_rng", "torch.seed"}, calls
 
 
@@ -196,7 +223,9 @@ def test_the_yaml_is_read_once_and_validated_once(monkeypatch: pytest.MonkeyPatc
     assert not any(data is reads[0] for data in built)  # not built once alone, then merged
 
 
-def test_a_bad_key_in_the_file_is_still_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_bad_key_in_the_file_is_still_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("optim:\n  lrr: 1\n")
     assert main(["dpo", "--config", str(bad)]) == 2
@@ -232,11 +261,27 @@ def test_recipe_help_defaults_follow_config_and_set(capsys: pytest.CaptureFixtur
 
 def test_help_as_a_command() -> None:
     """The real entry point: ``python -m ddp RECIPE --help`` exits 0 with the recipe's flags."""
-    out = subprocess.run([sys.executable, "-m", "ddp", "distill", "--help"], capture_output=True,
-                         text=True, timeout=120, env=base_env(), cwd=ROOT)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "ddp", "distill", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=base_env(),
+        cwd=ROOT,
+    )
     assert out.returncode == 0 and out.stderr == ""
     text = " ".join(out.stdout.split())  # unwrap argparse's line breaks
-    assert "distill flags" in text and "--phase1_lr" in text and "[phases.0.lr; default: 2e-05]" in text
-    top = subprocess.run([sys.executable, "-m", "ddp", "--help"], capture_output=True,
-                         text=True, timeout=120, env=base_env(), cwd=ROOT)  # fmt: skip
+    assert (
+        "distill flags" in text
+        and "--phase1_lr" in text
+        and "[phases.0.lr; default: 2e-05]" in text
+    )
+    top = subprocess.run(
+        [sys.executable, "-m", "ddp", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=base_env(),
+        cwd=ROOT,
+    )
     assert top.returncode == 0 and "python -m ddp RECIPE --help" in top.stdout

@@ -31,8 +31,17 @@ def _print_config(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict:
 
 def _run2(recipe: str, out: Path, *args: str, timeout: float = 240) -> str:
     """2 ranks of ``python -m ddp RECIPE``; returns rank 0's output (the logs)."""
-    argv = ["-m", "ddp", recipe, "--config", f"configs/{recipe}.yaml", *PLAIN,
-            "--set", f"checkpoint.dir={out}", *args]  # fmt: skip
+    argv = [
+        "-m",
+        "ddp",
+        recipe,
+        "--config",
+        f"configs/{recipe}.yaml",
+        *PLAIN,
+        "--set",
+        f"checkpoint.dir={out}",
+        *args,
+    ]
     results = _launch.run(argv, world=2, timeout=timeout)
     for rank, (rc, o, e) in enumerate(results):
         assert rc == 0, f"rank {rank} exit {rc}\n{o[-2000:]}\n{e[-3000:]}"
@@ -48,15 +57,39 @@ def _final(out: Path) -> dict[str, torch.Tensor]:
 
 # ---- flags ------------------------------------------------------------------------------
 def test_distill_seed_flags(capsys: pytest.CaptureFixture[str]) -> None:
-    cfg = _print_config(capsys, [
-        "distill", "--config", "configs/distill.yaml",
-        "--teacher_model", "org/teacher", "--student_model", "org/student",
-        "--use_projection=False", "--batch_size=128", "--phase1_epochs", "2",
-        "--phase2_epochs", "5", "--phase1_lr=3e-5", "--phase2_lr", "1e-5",
-        "--output_dir", "out/x", "--max_samples_phase1", "100", "--max_samples_phase2", "200",
-        "--skip_phase1", "true", "--skip_phase2=false",
-        "--save_to_artifacts", "yes", "--artifacts_dir=./my_models",
-    ])  # fmt: skip
+    cfg = _print_config(
+        capsys,
+        [
+            "distill",
+            "--config",
+            "configs/distill.yaml",
+            "--teacher_model",
+            "org/teacher",
+            "--student_model",
+            "org/student",
+            "--use_projection=False",
+            "--batch_size=128",
+            "--phase1_epochs",
+            "2",
+            "--phase2_epochs",
+            "5",
+            "--phase1_lr=3e-5",
+            "--phase2_lr",
+            "1e-5",
+            "--output_dir",
+            "out/x",
+            "--max_samples_phase1",
+            "100",
+            "--max_samples_phase2",
+            "200",
+            "--skip_phase1",
+            "true",
+            "--skip_phase2=false",
+            "--save_to_artifacts",
+            "yes",
+            "--artifacts_dir=./my_models",
+        ],
+    )
     p1, p2 = cfg["phases"]
     assert (p1["epochs"], p1["lr"], p1["max_samples"], p1["skip"]) == (2, 3e-5, 100, True)
     assert (p2["epochs"], p2["lr"], p2["max_samples"], p2["skip"]) == (5, 1e-5, 200, False)
@@ -74,12 +107,36 @@ def test_distill_bare_switches(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_crowdbt_seed_flags(capsys: pytest.CaptureFixture[str]) -> None:
-    cfg = _print_config(capsys, [
-        "crowdbt", "--config", "configs/crowdbt.yaml", "--distributed", "true",
-        "--world-size", "4", "--epochs", "20", "--batch-size", "16", "--lr", "4e-4",
-        "--backbone", "efficientnet_b5", "--input-size", "24", "--weight-decay", "1e-5",
-        "--num-workers", "0", "--data-source", "synthetic", "--local_rank=0", "--local-rank=1",
-    ])  # fmt: skip
+    cfg = _print_config(
+        capsys,
+        [
+            "crowdbt",
+            "--config",
+            "configs/crowdbt.yaml",
+            "--distributed",
+            "true",
+            "--world-size",
+            "4",
+            "--epochs",
+            "20",
+            "--batch-size",
+            "16",
+            "--lr",
+            "4e-4",
+            "--backbone",
+            "efficientnet_b5",
+            "--input-size",
+            "24",
+            "--weight-decay",
+            "1e-5",
+            "--num-workers",
+            "0",
+            "--data-source",
+            "synthetic",
+            "--local_rank=0",
+            "--local-rank=1",
+        ],
+    )
     assert (cfg["training"]["epochs"], cfg["training"]["batch_size"]) == (20, 16)
     assert (cfg["optim"]["lr"], cfg["optim"]["weight_decay"]) == (4e-4, 1e-5)
     assert cfg["model"]["backbone"] == "efficientnet_b5" and cfg["model"]["input_size"] == 24
@@ -96,10 +153,24 @@ def test_crowdbt_rejects_wrong_world_size_and_source() -> None:
 
 
 def test_gnn_seed_flags(capsys: pytest.CaptureFixture[str]) -> None:
-    cfg = _print_config(capsys, [
-        "gnn", "--config", "configs/gnn.yaml", "--epochs", "100", "--batch-size", "64",
-        "--lr", "1e-3", "--wandb-project", "cricket-gnn", "--run-name", "r1",
-    ])  # fmt: skip
+    cfg = _print_config(
+        capsys,
+        [
+            "gnn",
+            "--config",
+            "configs/gnn.yaml",
+            "--epochs",
+            "100",
+            "--batch-size",
+            "64",
+            "--lr",
+            "1e-3",
+            "--wandb-project",
+            "cricket-gnn",
+            "--run-name",
+            "r1",
+        ],
+    )
     assert (cfg["training"]["epochs"], cfg["training"]["batch_size"]) == (100, 64)
     assert cfg["optim"]["lr"] == 1e-3
     assert cfg["logging"]["wandb"]["project"] == "cricket-gnn"
@@ -118,11 +189,16 @@ def test_recipe_key_typo_is_one_clear_error(capsys: pytest.CaptureFixture[str]) 
 
 def test_crowdbt_two_ranks_ranks_quality_and_finds_adversary(tmp_path: Path) -> None:
     out = tmp_path / "ck"
-    sets = ["training.epochs=3", "training.batch_size=32", "recipe.n_pairs=2048",
-            "model.channels=8", "optim.lr=3e-3",  # tiny_cnn from scratch: not the seed's 1e-4
-            # A random CNN already ranks noise energy at |rho| up to 0.96, by its init; seed 4's
-            # untrained ranking is weak (0.56), so learning has room to show.
-            "training.seed=4"]  # fmt: skip
+    sets = [
+        "training.epochs=3",
+        "training.batch_size=32",
+        "recipe.n_pairs=2048",
+        "model.channels=8",
+        "optim.lr=3e-3",  # tiny_cnn from scratch: not the seed's 1e-4
+        # A random CNN already ranks noise energy at |rho| up to 0.96, by its init; seed 4's
+        # untrained ranking is weak (0.56), so learning has room to show.
+        "training.seed=4",
+    ]
     log = _run2("crowdbt", out, "--world-size", "2", *[x for s in sets for x in ("--set", s)])
     assert "eval_order_acc=" in log
     cfg = resolve(crowdbt, ROOT / "configs/crowdbt.yaml", sets)

@@ -157,8 +157,9 @@ def test_second_run_on_a_live_checkpoint_dir_stops_naming_the_owner(tmp_path):
 def test_lock_of_a_dead_run_is_taken_over(tmp_path):
     d = tmp_path / "ckpt"
     d.mkdir()
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True).stdout.strip()  # fmt: skip
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
     info = {**ckpt.DirLock.owner(), "pid": int(dead), "job": None}
     (d / ckpt.LOCK).write_text(json.dumps(info))
     lock = ckpt.DirLock.acquire(d)
@@ -187,10 +188,23 @@ _TINY = str(Path(__file__).resolve().parents[2] / "configs" / "uniref50-tiny.yam
 
 def _python_m_ddp(tmp_path: Path, *sets: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "ddp", "uniref50", "--config", _TINY, "--set",
-         "training.max_steps=2", *sets],
-        env=_launch.base_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ddp",
+            "uniref50",
+            "--config",
+            _TINY,
+            "--set",
+            "training.max_steps=2",
+            *sets,
+        ],
+        env=_launch.base_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
 
 
 def _mount_tmpfs(path: Path, options: str) -> None:
@@ -227,8 +241,7 @@ def test_full_disk_is_one_line_and_keeps_older_checkpoints(tmp_path):
 
 def test_checkpoint_of_another_model_is_one_line(tmp_path):
     assert _python_m_ddp(tmp_path, "checkpoint.dir=ck").returncode == 0
-    proc = _python_m_ddp(tmp_path, "checkpoint.dir=ck", "model.d_model=32",
-                         "training.max_steps=4")  # fmt: skip
+    proc = _python_m_ddp(tmp_path, "checkpoint.dir=ck", "model.d_model=32", "training.max_steps=4")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "different model" in lines[0], proc.stderr
@@ -236,8 +249,9 @@ def test_checkpoint_of_another_model_is_one_line(tmp_path):
 
 def test_changed_batch_size_on_resume_stops_with_one_line(tmp_path):
     assert _python_m_ddp(tmp_path, "checkpoint.dir=ck").returncode == 0
-    proc = _python_m_ddp(tmp_path, "checkpoint.dir=ck", "training.batch_size=4",
-                         "training.max_steps=4")  # fmt: skip
+    proc = _python_m_ddp(
+        tmp_path, "checkpoint.dir=ck", "training.batch_size=4", "training.max_steps=4"
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "training.batch_size" in lines[0], proc.stderr

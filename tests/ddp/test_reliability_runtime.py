@@ -56,12 +56,19 @@ def test_ddp_timeout_env_is_honoured_by_the_trainer(monkeypatch, tmp_path):
 
     monkeypatch.setenv("DDP_TIMEOUT", "7")
     for key, expected in ((None, 7.0), (9, 9.0)):
-        raw = {"training": {"epochs": 1, "batch_size": 8}, "checkpoint": {"dir": None},
-               "logging": {"progress": "off"}}  # fmt: skip
+        raw = {
+            "training": {"epochs": 1, "batch_size": 8},
+            "checkpoint": {"dir": None},
+            "logging": {"progress": "off"},
+        }
         if key is not None:
             raw["ddp"] = {"timeout_s": key}
-        trainer = Trainer(make_model(), make_data(16), TrainConfig.from_dict(raw),
-                          lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
+        trainer = Trainer(
+            make_model(),
+            make_data(16),
+            TrainConfig.from_dict(raw),
+            lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
+        )
         trainer.fit()
         assert trainer.ctx.timeout_s == expected
         ddp.shutdown()
@@ -71,9 +78,14 @@ def test_ddp_timeout_env_is_honoured_by_the_trainer(monkeypatch, tmp_path):
 def test_bad_ddp_timeout_is_one_line(value, tmp_path):
     env = _launch.base_env()
     env["DDP_TIMEOUT"] = value
-    proc = subprocess.run([sys.executable, "-m", "ddp", "uniref50", "--set",
-                           "training.max_steps=1"], env=env, capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddp", "uniref50", "--set", "training.max_steps=1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "DDP_TIMEOUT" in proc.stderr, proc.stderr
 
@@ -84,8 +96,13 @@ def test_hung_rank_ends_on_sigterm_within_seconds(tmp_path):
     seconds with their stacks on stderr, not after the 120 s collective timeout."""
     ready = tmp_path / "ready"
     ready.mkdir()
-    spec = {"config": _config(tmp_path, preemption={"grace_s": 4}), "n": 64,
-            "ready_dir": str(ready), "hang_step": 3, "hang_rank": 1}  # fmt: skip
+    spec = {
+        "config": _config(tmp_path, preemption={"grace_s": 4}),
+        "n": 64,
+        "ready_dir": str(ready),
+        "hang_step": 3,
+        "hang_rank": 1,
+    }
     procs = _launch.start([WORKER, json.dumps(spec)], world=2)
     _wait_ready(ready, 2, procs)
     time.sleep(1.0)  # let rank 0 enter the all-reduce
@@ -133,17 +150,31 @@ def test_taken_master_port_is_one_line_on_every_rank(tmp_path):
     mute = _Mute()
     try:
         # Shorten the handshake wait the same way for both ranks (default 60 s).
-        code = ("import runpy, sys, ddp.rendezvous as d; d.STORE_ANSWER_S = 3; "
-                f"sys.argv = [{TINY!r}, {str(tmp_path)!r}]; "
-                f"runpy.run_path({TINY!r}, run_name='__main__')")  # fmt: skip
+        code = (
+            "import runpy, sys, ddp.rendezvous as d; d.STORE_ANSWER_S = 3; "
+            f"sys.argv = [{TINY!r}, {str(tmp_path)!r}]; "
+            f"runpy.run_path({TINY!r}, run_name='__main__')"
+        )
         procs = []
         for rank in range(2):
             env = _launch.base_env()
-            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                       LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(mute.port))  # fmt: skip
-            procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))  # fmt: skip
+            env.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE="2",
+                LOCAL_WORLD_SIZE="2",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(mute.port),
+            )
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", code],
+                    env=env,
+                    text=True,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                )
+            )
         results = _launch.finish(procs, timeout=60)
     finally:
         mute.close()
@@ -166,8 +197,14 @@ def test_sigterm_during_evaluation_acts_within_seconds(tmp_path):
     full = {"config": full_cfg, "n": 32, "eval_n": 64, "out": str(tmp_path / "full.pt")}
     _ok(_launch.run([WORKER, json.dumps(full)], world=2, timeout=120))
 
-    part = {"config": cfg, "n": 32, "eval_n": 64, "slow_eval": 1.0, "ready_dir": str(ready),
-            "out": str(tmp_path / "part.pt")}  # fmt: skip
+    part = {
+        "config": cfg,
+        "n": 32,
+        "eval_n": 64,
+        "slow_eval": 1.0,
+        "ready_dir": str(ready),
+        "out": str(tmp_path / "part.pt"),
+    }
     procs = _launch.start([WORKER, json.dumps(part)], world=2)
     _wait_ready(ready, 2, procs)
     t0 = time.monotonic()
@@ -195,7 +232,7 @@ def _ok(results: list[tuple[int, str, str]]) -> None:
 def _bomb(levels: int = 9) -> str:
     text = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n'
     prev = "a"
-    for name in "bcdefghijk"[:levels - 1]:
+    for name in "bcdefghijk"[: levels - 1]:
         text += f"{name}: &{name} [" + ", ".join([f"*{prev}"] * 9) + "]\n"
         prev = name
     return text
@@ -248,16 +285,26 @@ def test_bad_config_file_is_one_line_exit_2(case, content, expected, tmp_path):
     else:
         path.write_bytes(content)
     proc = subprocess.run(
-        [sys.executable, "-m", "ddp", "uniref50", "--config", str(path), "--set",
-         "training.max_steps=1"],
-        env=_launch.base_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ddp",
+            "uniref50",
+            "--config",
+            str(path),
+            "--set",
+            "training.max_steps=1",
+        ],
+        env=_launch.base_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0], proc.stderr
     assert not (tmp_path / "checkpoints").exists()
-
-
 
 
 @pytest.mark.parametrize(
@@ -270,10 +317,23 @@ def test_bad_config_file_is_one_line_exit_2(case, content, expected, tmp_path):
 )
 def test_recipe_model_values_out_of_range_are_one_line(assignment, expected, tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "ddp", "uniref50", "--config",
-         str(Path(__file__).resolve().parents[2] / "configs" / "uniref50-tiny.yaml"), "--set", "training.max_steps=1", assignment],
-        env=_launch.base_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ddp",
+            "uniref50",
+            "--config",
+            str(Path(__file__).resolve().parents[2] / "configs" / "uniref50-tiny.yaml"),
+            "--set",
+            "training.max_steps=1",
+            assignment,
+        ],
+        env=_launch.base_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0], proc.stderr
@@ -316,7 +376,7 @@ def test_gloo_worker_threads_are_visible_by_name(tmp_path):
         "for t in os.listdir('/proc/self/task')]\n"
         "print('WORKERS', sum(n.startswith('pt_gloo') for n in names), d._gloo_busy() in (True, False))\n"
         "ddp.shutdown()\n"
-    )  # fmt: skip
+    )
     results = _launch.run(["-c", code], world=2)
     for rank, (rc, out, err) in enumerate(results):
         assert rc == 0, f"rank {rank}: {err[-2000:]}"

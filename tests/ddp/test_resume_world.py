@@ -24,15 +24,21 @@ N, BATCH, SEED = 50, 4, 5
 def _spec(tmp: Path, ckpt: Path, logs: Path, **training: object) -> dict:
     logs.mkdir(parents=True, exist_ok=True)
     return {
-        "n": N, "log_dir": str(logs),
+        "n": N,
+        "log_dir": str(logs),
         "config": {
-            "training": {"batch_size": BATCH, "epochs": 2, "shuffle": True, "seed": SEED,
-                         **training},
+            "training": {
+                "batch_size": BATCH,
+                "epochs": 2,
+                "shuffle": True,
+                "seed": SEED,
+                **training,
+            },
             "optim": {"name": "sgd", "lr": 0.01},
             "checkpoint": {"dir": str(ckpt), "save_final": False},
             "logging": {"every_n_steps": 2, "progress": "plain"},
         },
-    }  # fmt: skip
+    }
 
 
 def _run(spec: dict, world: int) -> list[tuple[int, str, str]]:
@@ -104,17 +110,35 @@ def test_old_checkpoint_without_sample_count_resumes_at_the_same_position() -> N
     from ddp.dist import Context
 
     cfg = TrainConfig.from_dict({"training": {"batch_size": 4, "accum": 2}})
-    for world, saved_world, batches, want in [(2, 2, 6, (6, 0)), (3, 2, 6, (4, 0)),
-                                              (1, 2, 4, (8, 0)), (3, 2, 5, (2, 16))]:  # fmt: skip
-        ctx = Context(rank=0, local_rank=0, world_size=world, local_world_size=world,
-                      node_rank=0, device=torch.device("cpu"), backend="gloo",
-                      launcher="test", master_addr="127.0.0.1", master_port=1)  # fmt: skip
+    for world, saved_world, batches, want in [
+        (2, 2, 6, (6, 0)),
+        (3, 2, 6, (4, 0)),
+        (1, 2, 4, (8, 0)),
+        (3, 2, 5, (2, 16)),
+    ]:
+        ctx = Context(
+            rank=0,
+            local_rank=0,
+            world_size=world,
+            local_world_size=world,
+            node_rank=0,
+            device=torch.device("cpu"),
+            backend="gloo",
+            launcher="test",
+            master_addr="127.0.0.1",
+            master_port=1,
+        )
         model = torch.nn.Linear(1, 1)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         loop = LoopState(0, 0, 0, 10, 0, opt, sched, None, per_batch=4 * world)
-        state = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "epoch": 1,
-                 "batches_in_epoch": batches, "world_size": saved_world}  # fmt: skip
+        state = {
+            "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(),
+            "epoch": 1,
+            "batches_in_epoch": batches,
+            "world_size": saved_world,
+        }
         Checkpointer(cfg, ctx).restore_loop(state, loop, 0.1, model)
         assert loop.epoch == 1
         assert loop.samples_done() == batches * saved_world * 4  # the same global position

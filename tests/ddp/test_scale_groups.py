@@ -60,8 +60,9 @@ def test_a_round_grows_with_the_log_of_the_world():
     for world in (2, 4, 16, 64, 1000, 3072, 75_264, 127_488):
         for block in (1, 4, 8, 12):
             nodes = -(-world // block)
-            bound = 2 * ((block > 1) + math.ceil(math.log(max(nodes, 1) * (FANOUT - 1) + 1,
-                                                           FANOUT)))
+            bound = 2 * (
+                (block > 1) + math.ceil(math.log(max(nodes, 1) * (FANOUT - 1) + 1, FANOUT))
+            )
             assert Layout(0, world, block).hops <= bound, (world, block)
     assert Layout(0, 127_488, 12).hops == 12  # Aurora: 10,624 nodes x 12 ranks
 

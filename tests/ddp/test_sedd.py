@@ -18,8 +18,9 @@ from ddp import sedd
 from ddp.errors import ConfigError
 
 
-def _by_hand(graph: sedd.Graph, log_s: torch.Tensor, x_t: torch.Tensor, x0: torch.Tensor,
-             sigma_bar: float) -> torch.Tensor:  # fmt: skip
+def _by_hand(
+    graph: sedd.Graph, log_s: torch.Tensor, x_t: torch.Tensor, x0: torch.Tensor, sigma_bar: float
+) -> torch.Tensor:
     """The paper's denoising score entropy, term by term, from Q and exp(sigma_bar Q) as
     matrices (float64, plain Python loops): sum_{y != x} Q[x, y] (s_y - r_y log s_y +
     K(r_y)), r_y = p(y|x0) / p(x|x0), K(a) = a (log a - 1)."""
@@ -99,22 +100,34 @@ def test_noise_schedules_rate_is_the_derivative_of_the_total() -> None:
         h = 1e-6
         numeric = (noise.total(t + h) - noise.total(t - h)) / (2 * h)
         assert torch.allclose(noise.rate(t), numeric, rtol=1e-5)
-    assert float(sedd.LogLinear(1e-3).total(torch.tensor(1.0, dtype=torch.float64))) == pytest.approx(-math.log(1e-3))
+    assert float(
+        sedd.LogLinear(1e-3).total(torch.tensor(1.0, dtype=torch.float64))
+    ) == pytest.approx(-math.log(1e-3))
 
 
 def test_bad_names_are_one_line_config_errors() -> None:
     with pytest.raises(ConfigError, match="allowed: absorbing, uniform"):
         sedd.make_graph("absorb", 4)
     with pytest.raises(ConfigError, match="mdlm needs model.graph: absorbing"):
-        sedd.diffusion_loss(lambda x, s: torch.zeros(*x.shape, 4), torch.zeros(1, 3).long(),
-                            sedd.Uniform(4), sedd.Geometric(), torch.rand(1), "mdlm")
+        sedd.diffusion_loss(
+            lambda x, s: torch.zeros(*x.shape, 4),
+            torch.zeros(1, 3).long(),
+            sedd.Uniform(4),
+            sedd.Geometric(),
+            torch.rand(1),
+            "mdlm",
+        )
 
 
 # ---- a toy language ----------------------------------------------------------------------
-CHAIN = torch.tensor([[0.05, 0.80, 0.10, 0.05],
-                      [0.10, 0.05, 0.80, 0.05],
-                      [0.05, 0.10, 0.05, 0.80],
-                      [0.80, 0.05, 0.10, 0.05]])  # fmt: skip
+CHAIN = torch.tensor(
+    [
+        [0.05, 0.80, 0.10, 0.05],
+        [0.10, 0.05, 0.80, 0.05],
+        [0.05, 0.10, 0.05, 0.80],
+        [0.80, 0.05, 0.10, 0.05],
+    ]
+)
 LENGTH = 16
 # Stated tolerances. The chain's rows put 0.8 on one successor; an untrained model (or a
 # sampler that ignores context) samples successors near 0.25 each: bigram error >= 0.5.
@@ -134,19 +147,23 @@ def _chain(n: int, g: torch.Generator) -> torch.Tensor:
 def _stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = torch.bincount(x.flatten(), minlength=4).float()
     pairs = torch.zeros(4, 4)
-    pairs.index_put_((x[:, :-1].flatten(), x[:, 1:].flatten()), torch.ones(x[:, 1:].numel()),
-                     accumulate=True)  # fmt: skip
+    pairs.index_put_(
+        (x[:, :-1].flatten(), x[:, 1:].flatten()), torch.ones(x[:, 1:].numel()), accumulate=True
+    )
     return tokens / tokens.sum(), pairs / pairs.sum(1, keepdim=True).clamp(min=1)
 
 
 # The uniform graph learns more slowly (as in the paper, where it trails absorbing):
 # it gets twice the steps and a looser bigram bound (UNIFORM_BIGRAM_TOL).
-@pytest.mark.parametrize(("graph_name", "schedule", "loss", "predictor", "steps"), [
-    ("absorbing", "loglinear", "sedd", "analytic", 400),
-    ("absorbing", "loglinear", "sedd", "euler", 400),
-    ("uniform", "geometric", "sedd", "analytic", 800),
-    ("absorbing", "loglinear", "mdlm", "analytic", 400),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("graph_name", "schedule", "loss", "predictor", "steps"),
+    [
+        ("absorbing", "loglinear", "sedd", "analytic", 400),
+        ("absorbing", "loglinear", "sedd", "euler", 400),
+        ("uniform", "geometric", "sedd", "analytic", 800),
+        ("absorbing", "loglinear", "mdlm", "analytic", 400),
+    ],
+)
 def test_toy_language_samples_match_token_and_bigram_frequencies(
     graph_name: str, schedule: str, loss: str, predictor: str, steps: int
 ) -> None:
@@ -158,8 +175,7 @@ def test_toy_language_samples_match_token_and_bigram_frequencies(
         torch.set_num_threads(threads)
 
 
-def _train_and_check(graph_name: str, schedule: str, loss: str, predictor: str,
-                     steps: int) -> None:
+def _train_and_check(graph_name: str, schedule: str, loss: str, predictor: str, steps: int) -> None:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     graph = sedd.make_graph(graph_name, 4)
@@ -174,8 +190,16 @@ def _train_and_check(graph_name: str, schedule: str, loss: str, predictor: str,
         value.backward()
         opt.step()
     model.eval()
-    out = sedd.sample(model, graph, noise, (256, LENGTH), 32, predictor, loss,
-                      generator=torch.Generator().manual_seed(5))  # fmt: skip
+    out = sedd.sample(
+        model,
+        graph,
+        noise,
+        (256, LENGTH),
+        32,
+        predictor,
+        loss,
+        generator=torch.Generator().manual_seed(5),
+    )
     assert out.max() < 4  # no mask left, only data states
     tok, big = _stats(out)
     ref_tok, ref_big = _stats(_chain(4096, torch.Generator().manual_seed(9)))
@@ -188,8 +212,14 @@ def test_an_untrained_model_fails_the_bigram_check() -> None:
     """The tolerance can fail: the zero-initialised DiT samples context-free tokens."""
     graph = sedd.make_graph("absorbing", 4)
     model = sedd.DiT(graph.n, 32, 1, 2, cond_dim=16, max_len=LENGTH, dropout=0.0).eval()
-    out = sedd.sample(model, graph, sedd.LogLinear(), (256, LENGTH), 16,
-                      generator=torch.Generator().manual_seed(5))  # fmt: skip
+    out = sedd.sample(
+        model,
+        graph,
+        sedd.LogLinear(),
+        (256, LENGTH),
+        16,
+        generator=torch.Generator().manual_seed(5),
+    )
     _, big = _stats(out)
     _, ref_big = _stats(_chain(4096, torch.Generator().manual_seed(9)))
     assert (big - ref_big).abs().max() > BIGRAM_TOL

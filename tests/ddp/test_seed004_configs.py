@@ -49,8 +49,12 @@ def test_the_seeds_gpu_configs_give_the_seeds_lr_and_warmup(
     assert cfg.scaled_warmup(world) == warmup
     assert cfg.effective_batch(world) == batch
     info = run_info(cfg, world)  # what W&B and metrics.jsonl get
-    assert info == {"ddp/world_size": world, "ddp/effective_batch_size": batch,
-                    "ddp/scaled_lr": pytest.approx(lr), "ddp/scaled_warmup": warmup}  # fmt: skip
+    assert info == {
+        "ddp/world_size": world,
+        "ddp/effective_batch_size": batch,
+        "ddp/scaled_lr": pytest.approx(lr),
+        "ddp/scaled_warmup": warmup,
+    }
 
 
 def test_the_recipes_own_config_scales_the_seeds_base_values() -> None:
@@ -69,7 +73,11 @@ def test_recipe_defaults_are_the_seeds() -> None:
     t, o, m = cfg.training, cfg.optim, cfg.model
     assert (t.batch_size, t.accum, o.lr, o.warmup_steps) == (16, 4, 5e-5, 5000)
     assert (m["d_model"], m["n_layers"], m["n_heads"], m["loss"]) == (768, 12, 12, "sedd")
-    assert (cfg.precision, cfg.memory.max_memory_fraction, cfg.data.num_workers) == ("bf16", 0.85, 4)
+    assert (cfg.precision, cfg.memory.max_memory_fraction, cfg.data.num_workers) == (
+        "bf16",
+        0.85,
+        4,
+    )
     assert cfg.monitoring.sample_frequency == 5000
     assert cfg.scaled_lr(8) == pytest.approx(4e-4)  # the seed's linear table: 5e-5 x 8
 
@@ -101,11 +109,13 @@ def test_the_seeds_aliases_map_to_the_canonical_keys_each_noted_once() -> None:
         logger.setLevel(level)
         logger.disabled = disabled
     text = seen
-    for alias, canonical in [("optim.warmup", "optim.warmup_steps"),
-                             ("memory.mixed_precision", "precision"),
-                             ("memory.max_memory_per_gpu", "memory.max_memory_fraction"),
-                             ("training.num_workers", "data.num_workers"),
-                             ("model.hidden_size", "model.d_model")]:  # fmt: skip
+    for alias, canonical in [
+        ("optim.warmup", "optim.warmup_steps"),
+        ("memory.mixed_precision", "precision"),
+        ("memory.max_memory_per_gpu", "memory.max_memory_fraction"),
+        ("training.num_workers", "data.num_workers"),
+        ("model.hidden_size", "model.d_model"),
+    ]:
         hits = [m for m in text if f"{alias} is the seed's name for {canonical}" in m]
         assert len(hits) == 1, (alias, text)
     for name in ("gpus2.yaml", "gpus4.yaml", "gpus8.yaml"):  # each file: its values are final
@@ -126,9 +136,13 @@ def test_an_alias_and_its_key_that_disagree_are_one_line_exit_2(tmp_path: Path) 
     bad.write_text("optim:\n  warmup: 10\n  warmup_steps: 20\n")
     with pytest.raises(ConfigError, match="optim.warmup: 10 and optim.warmup_steps: 20 disagree"):
         _resolve(bad)
-    proc = subprocess.run([sys.executable, "-m", "ddp", "uniref50", "--config", str(bad)],
-                          capture_output=True, text=True, timeout=120,
-                          env=_launch.base_env())  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddp", "uniref50", "--config", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_launch.base_env(),
+    )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "disagree" in proc.stderr
 
@@ -144,14 +158,35 @@ def test_two_ranks_from_the_seeds_2gpu_config_log_and_sample(tmp_path: Path) -> 
     metrics.jsonl record holds the seed's ddp/* values, samples are written at exactly the
     frequency, and per-layer norms come with the log points."""
     out = tmp_path / "run"
-    args = ["-m", "ddp", "uniref50", "--config", str(SEED / "gpus2.yaml"), "--work_dir", str(out),
-            "--set", "training.batch_size=4", "training.accum=1", "training.max_steps=4",
-            "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.cond_dim=16",
-            "model.max_len=32", "model.dropout=0", "precision=fp32", "data.num_workers=0",
-            "memory.max_memory_fraction=null", "logging.every_n_steps=2",
-            "logging.progress=plain", "monitoring.sample_frequency=2",
-            "monitoring.num_samples=3", "monitoring.sample_steps=4",
-            "monitoring.log_gradients=true", "monitoring.log_weights=true"]  # fmt: skip
+    args = [
+        "-m",
+        "ddp",
+        "uniref50",
+        "--config",
+        str(SEED / "gpus2.yaml"),
+        "--work_dir",
+        str(out),
+        "--set",
+        "training.batch_size=4",
+        "training.accum=1",
+        "training.max_steps=4",
+        "model.d_model=32",
+        "model.n_layers=1",
+        "model.n_heads=2",
+        "model.cond_dim=16",
+        "model.max_len=32",
+        "model.dropout=0",
+        "precision=fp32",
+        "data.num_workers=0",
+        "memory.max_memory_fraction=null",
+        "logging.every_n_steps=2",
+        "logging.progress=plain",
+        "monitoring.sample_frequency=2",
+        "monitoring.num_samples=3",
+        "monitoring.sample_steps=4",
+        "monitoring.log_gradients=true",
+        "monitoring.log_weights=true",
+    ]
     results = _launch.run(args, world=2, timeout=240)
     for rank, (rc, o, e) in enumerate(results):
         assert rc == 0, f"rank {rank} exit {rc}\n{o[-2000:]}\n{e[-3000:]}"
@@ -166,8 +201,10 @@ def test_two_ranks_from_the_seeds_2gpu_config_log_and_sample(tmp_path: Path) -> 
     assert all(set(q) <= set("ACDEFGHIKLMNPQRSTVWYX") for q in fasta[1::2])
     samples = [r for r in recs if r["kind"] == "samples"]
     assert [r["step"] for r in samples] == [2, 4] and "len_mean" in samples[0]
-    assert abs(sum(v for k, v in samples[0].items() if k.startswith("aa_")) - 1) < 1e-6 or \
-        samples[0]["len_mean"] == 0  # fmt: skip
+    assert (
+        abs(sum(v for k, v in samples[0].items() if k.startswith("aa_")) - 1) < 1e-6
+        or samples[0]["len_mean"] == 0
+    )
     train = [r for r in recs if r["kind"] == "train"]
     assert [r["step"] for r in train] == [2, 4]
     for r in train:
@@ -187,24 +224,34 @@ def test_wandb_config_holds_the_scaled_values(tmp_path: Path, monkeypatch) -> No
     pytest.importorskip("wandb", reason="wandb is in the test extra")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
-    cfg = {"training": {"batch_size": 4, "accum": 3, "epochs": 1},
-           "optim": {"name": "sgd", "lr": 0.0125, "warmup_steps": 7},
-           "scaling": {"rule": "linear", "scale_warmup": True},
-           "checkpoint": {"dir": str(tmp_path / "ck")},
-           "logging": {"every_n_steps": 1, "progress": "off",
-                       "wandb": {"project": "hpc-ddp-test", "mode": "offline"}}}  # fmt: skip
-    results = _launch.run(["tests/ddp/_train_worker.py", json.dumps({"config": cfg, "n": 16})],
-                          world=2, timeout=120)  # fmt: skip
+    cfg = {
+        "training": {"batch_size": 4, "accum": 3, "epochs": 1},
+        "optim": {"name": "sgd", "lr": 0.0125, "warmup_steps": 7},
+        "scaling": {"rule": "linear", "scale_warmup": True},
+        "checkpoint": {"dir": str(tmp_path / "ck")},
+        "logging": {
+            "every_n_steps": 1,
+            "progress": "off",
+            "wandb": {"project": "hpc-ddp-test", "mode": "offline"},
+        },
+    }
+    results = _launch.run(
+        ["tests/ddp/_train_worker.py", json.dumps({"config": cfg, "n": 16})], world=2, timeout=120
+    )
     for rank, (rc, o, e) in enumerate(results):
         assert rc == 0, f"rank {rank} exit {rc}\n{o[-2000:]}\n{e[-3000:]}"
     (run,) = list((tmp_path / "wandb").glob("offline-run-*"))
     (history,) = run.glob("run-*.wandb")
     data = history.read_bytes()
-    for key, value in (("ddp/world_size", b"2"), ("ddp/effective_batch_size", b"24"),
-                       ("ddp/scaled_lr", b"0.025"), ("ddp/scaled_warmup", b"14")):  # fmt: skip
+    for key, value in (
+        ("ddp/world_size", b"2"),
+        ("ddp/effective_batch_size", b"24"),
+        ("ddp/scaled_lr", b"0.025"),
+        ("ddp/scaled_warmup", b"14"),
+    ):
         assert key.encode() in data, key
         at = data.index(key.encode())
-        assert value in data[at: at + 80], (key, data[at: at + 80])
+        assert value in data[at : at + 80], (key, data[at : at + 80])
     first = json.loads((tmp_path / "ck" / "metrics.jsonl").read_text().splitlines()[0])
     assert (first["kind"], first["ddp/scaled_lr"], first["ddp/scaled_warmup"]) == ("run", 0.025, 14)
 
@@ -212,11 +259,19 @@ def test_wandb_config_holds_the_scaled_values(tmp_path: Path, monkeypatch) -> No
 def test_layer_norms_add_no_host_reads_between_log_points(tmp_path: Path) -> None:
     """monitoring.log_gradients/log_weights: still no host read of a tensor between log
     points (the harness of test_trainer_sync), and each log point still reads once."""
-    spec = {"out": str(tmp_path), "n": 512, "start": 3, "stop": 13,
-            "config": {"training": {"batch_size": 4, "epochs": 1, "max_steps": 20},
-                       "optim": {"name": "sgd", "lr": 0.01}, "checkpoint": {"dir": None},
-                       "logging": {"every_n_steps": 1000, "progress": "off"},
-                       "monitoring": {"log_gradients": True, "log_weights": True}}}  # fmt: skip
+    spec = {
+        "out": str(tmp_path),
+        "n": 512,
+        "start": 3,
+        "stop": 13,
+        "config": {
+            "training": {"batch_size": 4, "epochs": 1, "max_steps": 20},
+            "optim": {"name": "sgd", "lr": 0.01},
+            "checkpoint": {"dir": None},
+            "logging": {"every_n_steps": 1000, "progress": "off"},
+            "monitoring": {"log_gradients": True, "log_weights": True},
+        },
+    }
     results = _launch.run(["tests/ddp/_sync_worker.py", json.dumps(spec)], world=2, timeout=120)
     for rank, (rc, o, e) in enumerate(results):
         assert rc == 0, f"rank {rank}: {o[-2000:]}\n{e[-3000:]}"

@@ -14,11 +14,19 @@ from ddp import backends, dist
 from ddp.env import DistEnv
 
 
-@pytest.mark.parametrize(("device", "version", "fixed"), [
-    ("xpu", "2.8.0", True), ("xpu", "2.8.1+xpu", True), ("xpu", "2.8.0a0+gitabc", True),
-    ("xpu", "2.9.0", False), ("xpu", "2.7.1+xpu", False), ("xpu", "2.10.0", False),
-    ("cuda", "2.8.0", False), ("cpu", "2.8.0", False),
-])
+@pytest.mark.parametrize(
+    ("device", "version", "fixed"),
+    [
+        ("xpu", "2.8.0", True),
+        ("xpu", "2.8.1+xpu", True),
+        ("xpu", "2.8.0a0+gitabc", True),
+        ("xpu", "2.9.0", False),
+        ("xpu", "2.7.1+xpu", False),
+        ("xpu", "2.10.0", False),
+        ("cuda", "2.8.0", False),
+        ("cpu", "2.8.0", False),
+    ],
+)
 def test_the_fix_switches_at_torch_2_8_on_xpu(device: str, version: str, fixed: bool) -> None:
     got = dist.xccl_p2p_env(device, version, {})
     assert got == ({"CCL_SEND": "direct", "CCL_RECV": "direct"} if fixed else {})
@@ -28,21 +36,29 @@ def test_a_value_the_user_set_wins() -> None:
     assert dist.xccl_p2p_env("xpu", "2.8.0", {"CCL_SEND": "epoll"}) == {"CCL_RECV": "direct"}
 
 
-def test_init_sets_it_before_the_process_group_and_says_so(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_init_sets_it_before_the_process_group_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     """Through ddp.dist's own init with two seams: the device choice (an xpu device on a
     CPU machine) and _set_device (no XPU runtime here)."""
     monkeypatch.setattr(dist, "_CONTEXT", None)
-    monkeypatch.setattr(backends, "choose",
-                        lambda *a: backends.Choice(torch.device("xpu", 0), "gloo"))
+    monkeypatch.setattr(
+        backends, "choose", lambda *a: backends.Choice(torch.device("xpu", 0), "gloo")
+    )
     monkeypatch.setattr(dist, "_set_device", lambda device: None)
     monkeypatch.setattr(torch, "__version__", "2.8.1+xpu")
     for key in ("CCL_SEND", "CCL_RECV"):  # set, then removed: undone after the test
         monkeypatch.setenv(key, "x")
         monkeypatch.delenv(key)
     monkeypatch.delenv("DDP_RANK_LOGS", raising=False)
-    one = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0,
-                  master_addr="127.0.0.1", master_port=29500, launcher="none")
+    one = DistEnv(
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        local_world_size=1,
+        node_rank=0,
+        master_addr="127.0.0.1",
+        master_port=29500,
+        launcher="none",
+    )
     seen: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]

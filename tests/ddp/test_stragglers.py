@@ -19,14 +19,18 @@ WORKER = str(_launch.ROOT / "tests/ddp/_train_worker.py")
 
 
 def _spec(tmp: Path, n: int, every: int, **extra: object) -> str:
-    return json.dumps({
-        "config": {"training": {"batch_size": 4, "epochs": 1, "seed": 1},
-                   "optim": {"name": "sgd", "lr": 0.05},
-                   "checkpoint": {"dir": str(tmp / "ck")},
-                   "logging": {"every_n_steps": every, "progress": "plain",
-                               "fingerprint": False}},
-        "n": n, **extra,
-    })  # fmt: skip
+    return json.dumps(
+        {
+            "config": {
+                "training": {"batch_size": 4, "epochs": 1, "seed": 1},
+                "optim": {"name": "sgd", "lr": 0.05},
+                "checkpoint": {"dir": str(tmp / "ck")},
+                "logging": {"every_n_steps": every, "progress": "plain", "fingerprint": False},
+            },
+            "n": n,
+            **extra,
+        }
+    )
 
 
 def _run(spec: str) -> str:
@@ -94,13 +98,18 @@ def test_the_judgement_itself() -> None:
     assert t.found == []
 
 
-@pytest.mark.parametrize(("key", "value"), [
-    ("straggler_factor", 1.0), ("straggler_factor", float("nan")), ("straggler_factor", -2),
-    ("straggler_points", 0), ("straggler_min_s", float("inf")), ("straggler_min_s", -1),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("straggler_factor", 1.0),
+        ("straggler_factor", float("nan")),
+        ("straggler_factor", -2),
+        ("straggler_points", 0),
+        ("straggler_min_s", float("inf")),
+        ("straggler_min_s", -1),
+    ],
+)
 def test_bad_settings_are_one_line(key: str, value: float) -> None:
     with pytest.raises(ConfigError, match=key) as info:
         TrainConfig.from_dict({"logging": {key: value}})
     assert "\n" not in str(info.value)
-
-

@@ -29,24 +29,43 @@ def _spec(tmp: Path, **extra: object) -> dict:
     logs = tmp / "seen"
     logs.mkdir(exist_ok=True)
     return {
-        "n": N, "log_dir": str(logs), **extra,
+        "n": N,
+        "log_dir": str(logs),
+        **extra,
         "config": {
             "training": {"batch_size": BATCH, "epochs": 1, "shuffle": True, "seed": 3},
             "optim": {"name": "sgd", "lr": 0.01},
             "checkpoint": {"dir": str(tmp / "ckpt"), "every_n_steps": 2, "save_final": False},
             "logging": {"every_n_steps": 2, "progress": "off"},
         },
-    }  # fmt: skip
+    }
 
 
 def _start(tmp: Path, spec: dict, *opts: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "ddp.supervise", "--run-dir", str(tmp / "run"), "--poll-s",
-           "0.1", *opts, "--", sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", "2", WORKER, json.dumps(spec)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddp.supervise",
+        "--run-dir",
+        str(tmp / "run"),
+        "--poll-s",
+        "0.1",
+        *opts,
+        "--",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        WORKER,
+        json.dumps(spec),
+    ]
     env = _launch.base_env()
     env.pop("HPC_RUN_DIR", None)
-    return subprocess.Popen(cmd, env=env, cwd=_launch.ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return subprocess.Popen(
+        cmd, env=env, cwd=_launch.ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120.0) -> None:
@@ -138,28 +157,62 @@ def test_a_launcher_exit_is_seen_at_once_not_at_the_next_poll(tmp_path: Path) ->
     """The watch loop wakes on the launcher's exit: with a 60 s poll interval a crash
     is still recorded at once (a fixed sleep would hold it for the whole interval)."""
     start = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "ddp.supervise", "--run-dir", str(tmp_path),
-                        "--poll-s", "60", "--max-restarts", "0", "--", sys.executable, "-c",
-                        "import time; time.sleep(0.5); exit(1)"],
-                       env=_launch.base_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ddp.supervise",
+            "--run-dir",
+            str(tmp_path),
+            "--poll-s",
+            "60",
+            "--max-restarts",
+            "0",
+            "--",
+            sys.executable,
+            "-c",
+            "import time; time.sleep(0.5); exit(1)",
+        ],
+        env=_launch.base_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 1, p.stderr
     assert time.monotonic() - start < 30, "the exit waited for the poll interval"
     assert [e["event"] for e in _events_in(tmp_path)] == ["failure", "stopped"]
 
 
 def test_no_launcher_command_is_one_line_exit_2() -> None:
-    p = subprocess.run([sys.executable, "-m", "ddp.supervise", "--hang-timeout-s", "5"],
-                       env=_launch.base_env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-m", "ddp.supervise", "--hang-timeout-s", "5"],
+        env=_launch.base_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 2
     assert p.stderr.strip().splitlines()[-1].startswith("supervise: error: no launcher command")
 
 
 def _sup(tmp: Path, code: str) -> subprocess.CompletedProcess:
     """The supervisor around a plain Python 'launcher' that fails as ``code`` says."""
-    cmd = [sys.executable, "-m", "ddp.supervise", "--run-dir", str(tmp), "--poll-s", "0.05",
-           "--max-restarts", "3", "--", sys.executable, "-c", code]  # fmt: skip
-    return subprocess.run(cmd, env=_launch.base_env(), capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddp.supervise",
+        "--run-dir",
+        str(tmp),
+        "--poll-s",
+        "0.05",
+        "--max-restarts",
+        "3",
+        "--",
+        sys.executable,
+        "-c",
+        code,
+    ]
+    return subprocess.run(cmd, env=_launch.base_env(), capture_output=True, text=True, timeout=120)
 
 
 def test_enospc_and_config_errors_are_not_node_failures(tmp_path: Path) -> None:
@@ -167,8 +220,10 @@ def test_enospc_and_config_errors_are_not_node_failures(tmp_path: Path) -> None:
     assert full.returncode == 1
     events = _events_in(tmp_path / "a")
     assert [e["event"] for e in events] == ["failure", "stopped"] and "ENOSPC" in events[0]["why"]
-    config = _sup(tmp_path / "b", "import sys; print('ddp: error: rank 0 failed: bad key', "
-                                  "file=sys.stderr); exit(2)")  # fmt: skip
+    config = _sup(
+        tmp_path / "b",
+        "import sys; print('ddp: error: rank 0 failed: bad key', file=sys.stderr); exit(2)",
+    )
     assert config.returncode == 2
     assert "configuration error" in _events_in(tmp_path / "b")[0]["why"]
     # a plain crash is taken for a node failure: relaunched up to --max-restarts
@@ -214,15 +269,25 @@ def _supervised_two_nodes(slurm_cluster, tmp_path: Path, supervise: str, sig: in
     hold.mkdir()
     spec = _spec(tmp_path, hold={"rank": 1, "step": 4, "dir": str(hold)})
     script = tmp_path / "job.sh"
-    script.write_text("\n".join([
-        "#!/bin/bash", "#SBATCH -N 2", "#SBATCH --ntasks-per-node=1", "#SBATCH --no-kill",
-        "set -eu", f"export PYTHONPATH={_launch.ROOT / 'src'}:{_launch.ROOT}",
-        # a free port: the default is derived from the job id, which every private test
-        # cluster starts at 1, so another test process's job may hold it
-        f"export OMP_NUM_THREADS=1 MASTER_PORT={free_port()}",
-        f"{sys.executable} -m ddp.supervise --run-dir {tmp_path / 'run'} {supervise} "
-        f"-- srun --kill-on-bad-exit=1 {sys.executable} "
-        f"{_launch.ROOT / WORKER} {shlex.quote(json.dumps(spec))}"]) + "\n")  # fmt: skip
+    script.write_text(
+        "\n".join(
+            [
+                "#!/bin/bash",
+                "#SBATCH -N 2",
+                "#SBATCH --ntasks-per-node=1",
+                "#SBATCH --no-kill",
+                "set -eu",
+                f"export PYTHONPATH={_launch.ROOT / 'src'}:{_launch.ROOT}",
+                # a free port: the default is derived from the job id, which every private test
+                # cluster starts at 1, so another test process's job may hold it
+                f"export OMP_NUM_THREADS=1 MASTER_PORT={free_port()}",
+                f"{sys.executable} -m ddp.supervise --run-dir {tmp_path / 'run'} {supervise} "
+                f"-- srun --kill-on-bad-exit=1 {sys.executable} "
+                f"{_launch.ROOT / WORKER} {shlex.quote(json.dumps(spec))}",
+            ]
+        )
+        + "\n"
+    )
     job = slurm_cluster.submit(script)
     deadline = time.monotonic() + 120
     while not (hold / "ready").exists():
@@ -239,8 +304,12 @@ def test_slurm_node_lost_relaunches_alone_on_the_other(slurm_cluster, tmp_path: 
     """2 nodes, one rank each; n2's rank is SIGKILLed mid-epoch: srun names n2, the
     supervisor excludes it and relaunches on n1 at half the world size; the job completes
     and the epoch's every sample is trained exactly once."""
-    job = _supervised_two_nodes(slurm_cluster, tmp_path, "--hang-timeout-s 60 --max-restarts 2 "
-                                "--min-nodes 1", signal.SIGKILL)
+    job = _supervised_two_nodes(
+        slurm_cluster,
+        tmp_path,
+        "--hang-timeout-s 60 --max-restarts 2 --min-nodes 1",
+        signal.SIGKILL,
+    )
     state = slurm_cluster.wait(job, timeout=180)
     log = slurm_cluster.job_log(job)
     assert state == "COMPLETED", log[-5000:]
@@ -255,12 +324,14 @@ def test_slurm_node_lost_relaunches_alone_on_the_other(slurm_cluster, tmp_path: 
 
 @pytest.mark.slurm
 def test_slurm_hung_rank_on_the_other_node_is_probed_named_and_excluded(
-        slurm_cluster, tmp_path: Path) -> None:
+    slurm_cluster, tmp_path: Path
+) -> None:
     """2 nodes; n2's rank is SIGSTOPped. The supervisor (on n1) cannot signal it, so a
     probe (``srun --overlap`` on n2) takes its stack, reports it stopped and kills it: n2
     alone is named and excluded, and the job completes on n1."""
-    job = _supervised_two_nodes(slurm_cluster, tmp_path, "--hang-timeout-s 10 --max-restarts 1 "
-                                "--poll-s 0.2", signal.SIGSTOP)
+    job = _supervised_two_nodes(
+        slurm_cluster, tmp_path, "--hang-timeout-s 10 --max-restarts 1 --poll-s 0.2", signal.SIGSTOP
+    )
     state = slurm_cluster.wait(job, timeout=180)
     log = slurm_cluster.job_log(job)
     assert state == "COMPLETED", log[-5000:]
@@ -282,12 +353,32 @@ def test_srun_relaunch_line_names_nodes_tasks_and_exclusions(monkeypatch) -> Non
 
     monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
     monkeypatch.setenv("SLURM_NTASKS", "8")
-    line = ["srun", "--kill-on-bad-exit=1", "-N", "2", "--ntasks=8", "--cpu-bind=none", "python", "t.py", "-n", "3"]
+    line = [
+        "srun",
+        "--kill-on-bad-exit=1",
+        "-N",
+        "2",
+        "--ntasks=8",
+        "--cpu-bind=none",
+        "python",
+        "t.py",
+        "-n",
+        "3",
+    ]
     per = tasks_per_node(line, 2)
     assert per == 4
     assert srun_command(line, ["n1"], ["n2"], per) == [
-        "srun", "--nodes=1", "--ntasks=4", "--ntasks-per-node=4", "--exclude=n2",
-        "--cpu-bind=none", "python", "t.py", "-n", "3"]  # fmt: skip
+        "srun",
+        "--nodes=1",
+        "--ntasks=4",
+        "--ntasks-per-node=4",
+        "--exclude=n2",
+        "--cpu-bind=none",
+        "python",
+        "t.py",
+        "-n",
+        "3",
+    ]
 
 
 def test_a_stopped_rank_dumps_its_stack_and_is_stopped_again(tmp_path: Path) -> None:
@@ -298,14 +389,16 @@ def test_a_stopped_rank_dumps_its_stack_and_is_stopped_again(tmp_path: Path) -> 
 
     hb = tmp_path / "hb"
     hb.mkdir()
-    code = ("import faulthandler, signal, sys, time\n"
-            f"f = open({str(hb / 'stack-rank-0.txt')!r}, 'w')\n"
-            "faulthandler.register(signal.SIGUSR2, file=f, all_threads=True)\n"
-            # "up" from inside stuck_here: a stop right after "up" (before the call) was
-            # a stack of <module> only, one run in a few on a loaded machine
-            "def stuck_here():\n    print('up', flush=True)\n"
-            "    while True: time.sleep(0.01)\n"
-            "stuck_here()\n")  # fmt: skip
+    code = (
+        "import faulthandler, signal, sys, time\n"
+        f"f = open({str(hb / 'stack-rank-0.txt')!r}, 'w')\n"
+        "faulthandler.register(signal.SIGUSR2, file=f, all_threads=True)\n"
+        # "up" from inside stuck_here: a stop right after "up" (before the call) was
+        # a stack of <module> only, one run in a few on a loaded machine
+        "def stuck_here():\n    print('up', flush=True)\n"
+        "    while True: time.sleep(0.01)\n"
+        "stuck_here()\n"
+    )
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None and child.stdout.readline() == "up\n"
@@ -314,8 +407,9 @@ def test_a_stopped_rank_dumps_its_stack_and_is_stopped_again(tmp_path: Path) -> 
         while _proc_state(child.pid) not in ("T", "t"):
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        states = collect_stacks(hb, tmp_path / "out", {0: {"pid": child.pid, "host": _node()}},
-                                int(signal.SIGUSR2))  # fmt: skip
+        states = collect_stacks(
+            hb, tmp_path / "out", {0: {"pid": child.pid, "host": _node()}}, int(signal.SIGUSR2)
+        )
         assert states == {0: "stopped"}
         assert "stuck_here" in (tmp_path / "out" / "rank-0.txt").read_text()
         assert not list((tmp_path / "out").glob("nccl-trace-*"))  # no recorder: not NCCL
@@ -342,24 +436,26 @@ def test_a_hang_collects_the_nccl_flight_recorder_through_its_pipe(tmp_path: Pat
     assert env["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"] == env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
     stem = env["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"]
     assert stem == str(hb / FR_STEM) and int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
-    code = ("import faulthandler, os, signal, threading, time\n"
-            f"stem, hb = {stem!r}, {str(hb)!r}\n"
-            "f = open(os.path.join(hb, 'stack-rank-0.txt'), 'w')\n"
-            "faulthandler.register(signal.SIGUSR2, file=f, all_threads=True)\n"
-            "os.mkfifo(stem + '0.pipe')\n"
-            # open for reading before "up", non-blocking, as DumpPipe does: a reader that
-            # opened later let the supervisor's write fail (ENXIO) on a loaded machine
-            "fd = os.open(stem + '0.pipe', os.O_RDONLY | os.O_NONBLOCK)\n"
-            "def poll():\n"
-            "    try: return os.read(fd, 1)\n"
-            "    except BlockingIOError: return b''\n"
-            "def watchdog():\n"
-            "    while not poll(): time.sleep(0.01)\n"
-            "    with open(stem + '0', 'w') as out: out.write('entries: all_reduce seq 7')\n"
-            "threading.Thread(target=watchdog, daemon=True).start()\n"
-            "def stuck_here():\n    print('up', flush=True)\n"
-            "    while True: time.sleep(0.01)\n"
-            "stuck_here()\n")  # fmt: skip
+    code = (
+        "import faulthandler, os, signal, threading, time\n"
+        f"stem, hb = {stem!r}, {str(hb)!r}\n"
+        "f = open(os.path.join(hb, 'stack-rank-0.txt'), 'w')\n"
+        "faulthandler.register(signal.SIGUSR2, file=f, all_threads=True)\n"
+        "os.mkfifo(stem + '0.pipe')\n"
+        # open for reading before "up", non-blocking, as DumpPipe does: a reader that
+        # opened later let the supervisor's write fail (ENXIO) on a loaded machine
+        "fd = os.open(stem + '0.pipe', os.O_RDONLY | os.O_NONBLOCK)\n"
+        "def poll():\n"
+        "    try: return os.read(fd, 1)\n"
+        "    except BlockingIOError: return b''\n"
+        "def watchdog():\n"
+        "    while not poll(): time.sleep(0.01)\n"
+        "    with open(stem + '0', 'w') as out: out.write('entries: all_reduce seq 7')\n"
+        "threading.Thread(target=watchdog, daemon=True).start()\n"
+        "def stuck_here():\n    print('up', flush=True)\n"
+        "    while True: time.sleep(0.01)\n"
+        "stuck_here()\n"
+    )
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None and child.stdout.readline() == "up\n"

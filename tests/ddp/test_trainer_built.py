@@ -19,9 +19,14 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "ddp"
 
 
 def _config(**preemption: object) -> TrainConfig:
-    return TrainConfig.from_dict({"training": {"epochs": 1, "batch_size": 4},
-                                  "checkpoint": {"dir": None}, "logging": {"progress": "off"},
-                                  "preemption": preemption})  # fmt: skip
+    return TrainConfig.from_dict(
+        {
+            "training": {"epochs": 1, "batch_size": 4},
+            "checkpoint": {"dir": None},
+            "logging": {"progress": "off"},
+            "preemption": preemption,
+        }
+    )
 
 
 def test_the_trainer_hides_no_type_errors():

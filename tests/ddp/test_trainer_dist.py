@@ -65,8 +65,10 @@ def equivalence(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     for name, (world, training) in runs.items():  # all four jobs run at once
         spec = {
             "config": _cfg(None, training=training),
-            "n": 64, "eval_n": 101, "out": str(tmp / f"{name}.pt"),
-        }  # fmt: skip
+            "n": 64,
+            "eval_n": 101,
+            "out": str(tmp / f"{name}.pt"),
+        }
         procs[name] = _launch.start([WORKER, json.dumps(spec)], world=world)
     for procs_ in procs.values():
         _ok(_launch.finish(procs_, timeout=90))
@@ -114,14 +116,24 @@ def test_resume_after_signal_matches_uninterrupted(tmp_path: Path) -> None:
         "training": {"shuffle": True, "epochs": 2, "seed": 7},
         "optim": {"name": "adamw", "lr": 0.01, "warmup_steps": 2, "schedule": "linear"},
     }
-    full = {"config": _cfg(tmp_path / "full", **sections), "n": 64, "dropout": 0.2,
-            "out": str(tmp_path / "full.pt")}  # fmt: skip
+    full = {
+        "config": _cfg(tmp_path / "full", **sections),
+        "n": 64,
+        "dropout": 0.2,
+        "out": str(tmp_path / "full.pt"),
+    }
     full_procs = _launch.start([WORKER, json.dumps(full)], world=2)
 
     ready = tmp_path / "ready"
     ready.mkdir()
-    part = {"config": _cfg(tmp_path / "part", **sections), "n": 64, "dropout": 0.2,
-            "out": str(tmp_path / "part.pt"), "wait_signal_step": 3, "ready_dir": str(ready)}  # fmt: skip
+    part = {
+        "config": _cfg(tmp_path / "part", **sections),
+        "n": 64,
+        "dropout": 0.2,
+        "out": str(tmp_path / "part.pt"),
+        "wait_signal_step": 3,
+        "ready_dir": str(ready),
+    }
     procs = _launch.start([WORKER, json.dumps(part)], world=2)
     pids = [ready / "0.pid", ready / "1.pid"]
     _wait_for(pids, procs, timeout=60)
@@ -131,7 +143,9 @@ def test_resume_after_signal_matches_uninterrupted(tmp_path: Path) -> None:
     from ddp.trainer import PREEMPTED_EXIT_CODE
 
     assert [r[0] for r in results] == [PREEMPTED_EXIT_CODE] * 2, results
-    assert (tmp_path / "part" / "latest").read_text().strip() == "step_000000005.pt"  # signalled in step 4, agreed at 5
+    assert (
+        tmp_path / "part" / "latest"
+    ).read_text().strip() == "step_000000005.pt"  # signalled in step 4, agreed at 5
     assert not (tmp_path / "part.pt").exists()
 
     part.pop("wait_signal_step")
@@ -148,8 +162,12 @@ def test_resume_after_max_steps_matches_uninterrupted(tmp_path: Path) -> None:
         "training": {"shuffle": True, "epochs": 2, "seed": 3, "batch_size": 8},
         "optim": {"name": "adamw", "lr": 0.01, "warmup_steps": 3},
     }
-    full = {"config": _cfg(tmp_path / "full", **sections), "n": 64, "dropout": 0.2,
-            "out": str(tmp_path / "full.pt")}  # fmt: skip
+    full = {
+        "config": _cfg(tmp_path / "full", **sections),
+        "n": 64,
+        "dropout": 0.2,
+        "out": str(tmp_path / "full.pt"),
+    }
     part_cfg = _cfg(tmp_path / "part", **sections)
     part_cfg["training"]["max_steps"] = 5
     part = {"config": part_cfg, "n": 64, "dropout": 0.2, "out": str(tmp_path / "part.pt")}
@@ -195,8 +213,11 @@ def test_export_loads_with_plain_torch(tmp_path: Path) -> None:
     assert (final / "config.yaml").is_file()
     out = subprocess.run(
         [sys.executable, "-c", EXPORT_CHECK, str(final / "model.pt")],
-        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": ""},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
     assert out.returncode == 0, out.stderr
     model = make_model()
     model.load_state_dict(_state(tmp_path / "out.pt")["state"])
@@ -207,8 +228,11 @@ def test_export_loads_with_plain_torch(tmp_path: Path) -> None:
 
 
 def test_rerun_of_a_finished_max_steps_run_trains_nothing_more(tmp_path: Path) -> None:
-    spec = {"config": _cfg(tmp_path / "ck", training={"max_steps": 3}), "n": 64,
-            "out": str(tmp_path / "out.pt")}
+    spec = {
+        "config": _cfg(tmp_path / "ck", training={"max_steps": 3}),
+        "n": 64,
+        "out": str(tmp_path / "out.pt"),
+    }
     _ok(_run(spec, world=1))
     first = _state(tmp_path / "out.pt")
     _ok(_run(spec, world=1))  # resume: auto finds step 3 and stops there

@@ -19,14 +19,17 @@ WORKER = "tests/ddp/_sync_worker.py"
 def _spec(out, log_every: int) -> dict:
     """20 steps, checkpoints off; host reads counted from step 3 to step 13."""
     return {
-        "out": str(out), "n": 512, "start": 3, "stop": 13,
+        "out": str(out),
+        "n": 512,
+        "start": 3,
+        "stop": 13,
         "config": {
             "training": {"batch_size": 4, "epochs": 1, "max_steps": 20},
             "optim": {"name": "sgd", "lr": 0.01},
             "checkpoint": {"dir": None},
             "logging": {"every_n_steps": log_every, "progress": "off"},
         },
-    }  # fmt: skip
+    }
 
 
 def _run_both(tmp_path, spec: dict) -> list[dict]:

@@ -60,22 +60,27 @@ class FakeAccelerator:
         self.calls.append(("set_device", torch.device(device)))
 
 
-@pytest.mark.parametrize(("device", "backend", "bound"), [
-    (torch.device("xpu", 3), "xccl", torch.device("xpu", 3)),
-    (torch.device("xpu", 0), "xccl", torch.device("xpu", 0)),
-    (torch.device("xpu"), "xccl", None),  # no index: nothing to bind to
-    (torch.device("xpu", 1), "ccl", None),  # oneCCL bindings: not what ezpz #149 fixed
-    (torch.device("xpu", 1), "gloo", None),  # Gloo has no xpu backend
-    (torch.device("cuda", 1), "nccl", None),
-    (torch.device("cpu"), "gloo", None),
-])
-def test_the_rule_binds_xpu_on_xccl_only(device: torch.device, backend: str,
-                                         bound: torch.device | None) -> None:
+@pytest.mark.parametrize(
+    ("device", "backend", "bound"),
+    [
+        (torch.device("xpu", 3), "xccl", torch.device("xpu", 3)),
+        (torch.device("xpu", 0), "xccl", torch.device("xpu", 0)),
+        (torch.device("xpu"), "xccl", None),  # no index: nothing to bind to
+        (torch.device("xpu", 1), "ccl", None),  # oneCCL bindings: not what ezpz #149 fixed
+        (torch.device("xpu", 1), "gloo", None),  # Gloo has no xpu backend
+        (torch.device("cuda", 1), "nccl", None),
+        (torch.device("cpu"), "gloo", None),
+    ],
+)
+def test_the_rule_binds_xpu_on_xccl_only(
+    device: torch.device, backend: str, bound: torch.device | None
+) -> None:
     assert dist.bound_device(device, backend) == bound
 
 
-def _init_recorded(monkeypatch: pytest.MonkeyPatch, node: str, device: str, backend: str,
-                   local_rank: int) -> list[tuple[str, Any]]:
+def _init_recorded(
+    monkeypatch: pytest.MonkeyPatch, node: str, device: str, backend: str, local_rank: int
+) -> list[tuple[str, Any]]:
     """``ddp.dist.init`` of rank ``local_rank`` of 4 on a node with 4 fake ``node``
     devices (``xpu`` or ``cuda``; ``cpu``: none); what it did, in order: set_device, then
     init_process_group's kwargs."""
@@ -88,8 +93,9 @@ def _init_recorded(monkeypatch: pytest.MonkeyPatch, node: str, device: str, back
         monkeypatch.setattr(torch, node, FakeAccelerator(4, calls))
     monkeypatch.setattr(backends, "_xccl_builtin", lambda: True)  # an XPU build has it
     monkeypatch.setattr(tdist, "is_nccl_available", lambda: True)  # a CUDA build has it
-    monkeypatch.setattr(tdist, "init_process_group",
-                        lambda **kw: calls.append(("init_process_group", kw)))
+    monkeypatch.setattr(
+        tdist, "init_process_group", lambda **kw: calls.append(("init_process_group", kw))
+    )
     # The rendezvous and the side groups are not under test (and want real peers).
     monkeypatch.setattr(dist, "resolve_master", lambda info: (info, info.master_addr))
     monkeypatch.setattr(dist, "rendezvous_store", lambda *a, **k: tdist.HashStore())
@@ -100,11 +106,19 @@ def _init_recorded(monkeypatch: pytest.MonkeyPatch, node: str, device: str, back
     for key in ("CCL_SEND", "CCL_RECV"):  # set on torch 2.8 only; undone after the test
         monkeypatch.setenv(key, "x")
         monkeypatch.delenv(key)
-    env = DistEnv(rank=local_rank, local_rank=local_rank, world_size=4, local_world_size=4,
-                  node_rank=0, master_addr="127.0.0.1", master_port=29500, launcher="torchrun")
+    env = DistEnv(
+        rank=local_rank,
+        local_rank=local_rank,
+        world_size=4,
+        local_world_size=4,
+        node_rank=0,
+        master_addr="127.0.0.1",
+        master_port=29500,
+        launcher="torchrun",
+    )
     for key in env.torchrun_vars():  # init exports them; undone after the test (they
         monkeypatch.setenv(key, "x")  # leaked RANK=2 WORLD_SIZE=4 into later tests'
-        monkeypatch.delenv(key)       # local ranks: test_python_api)
+        monkeypatch.delenv(key)  # local ranks: test_python_api)
     try:
         dist.init(backend=backend, device=device, env=env, exit_on_error=False)
     finally:
@@ -114,7 +128,8 @@ def _init_recorded(monkeypatch: pytest.MonkeyPatch, node: str, device: str, back
 
 @pytest.mark.parametrize("local_rank", [0, 3])
 def test_xccl_default_group_is_bound_to_this_ranks_xpu_after_set_device(
-        monkeypatch: pytest.MonkeyPatch, local_rank: int) -> None:
+    monkeypatch: pytest.MonkeyPatch, local_rank: int
+) -> None:
     """device auto -> xpu:LOCAL, backend auto -> xccl: set_device(xpu:LOCAL) first, then
     init_process_group(..., device_id=xpu:LOCAL) (ezpz #149's order)."""
     calls = _init_recorded(monkeypatch, "xpu", "auto", "auto", local_rank)
@@ -126,13 +141,17 @@ def test_xccl_default_group_is_bound_to_this_ranks_xpu_after_set_device(
     assert kwargs["rank"] == local_rank and kwargs["world_size"] == 4
 
 
-@pytest.mark.parametrize(("node", "device", "backend", "expected"), [
-    ("xpu", "xpu", "gloo", ("xpu:2", "gloo")),  # an XPU rank on Gloo: Gloo cannot serve xpu
-    ("cuda", "auto", "auto", ("cuda:2", "nccl")),  # NCCL's binding: another change
-    ("cpu", "auto", "auto", ("cpu", "gloo")),
-])
-def test_no_device_id_on_gloo_and_nccl(monkeypatch: pytest.MonkeyPatch, node: str, device: str,
-                                       backend: str, expected: tuple[str, str]) -> None:
+@pytest.mark.parametrize(
+    ("node", "device", "backend", "expected"),
+    [
+        ("xpu", "xpu", "gloo", ("xpu:2", "gloo")),  # an XPU rank on Gloo: Gloo cannot serve xpu
+        ("cuda", "auto", "auto", ("cuda:2", "nccl")),  # NCCL's binding: another change
+        ("cpu", "auto", "auto", ("cpu", "gloo")),
+    ],
+)
+def test_no_device_id_on_gloo_and_nccl(
+    monkeypatch: pytest.MonkeyPatch, node: str, device: str, backend: str, expected: tuple[str, str]
+) -> None:
     calls = _init_recorded(monkeypatch, node, device, backend, 2)
     (kwargs,) = [kw for name, kw in calls if name == "init_process_group"]
     set_to = [str(d) for name, d in calls if name == "set_device"]
@@ -149,9 +168,16 @@ def test_checkpoint_group_works_beside_a_bound_default_group(tmp_path: Path) -> 
 
     port = free_port()
     env = clean_env(PYTHONPATH=f"{ROOT / 'src'}:{ROOT}")
-    procs = [subprocess.Popen([sys.executable, __file__, str(rank), str(port), str(tmp_path)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for rank in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, str(rank), str(port), str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
     outs = []
     for proc in procs:
         try:
@@ -172,8 +198,9 @@ def test_checkpoint_group_works_beside_a_bound_default_group(tmp_path: Path) -> 
     # unprotected, new_group fails on every rank; torch's own reason on at least one (a
     # rank whose peer had already raised may see the pair closed instead)
     assert "made" not in unprotected, unprotected
-    assert any("No backend type associated with device type xpu" in u for u in unprotected), \
+    assert any("No backend type associated with device type xpu" in u for u in unprotected), (
         unprotected
+    )
 
 
 def _worker(rank: int, port: int, out: Path) -> None:
@@ -188,8 +215,16 @@ def _worker(rank: int, port: int, out: Path) -> None:
         tdist.group.WORLD.bound_device_id = torch.device("xpu", rank)
 
     tdist.init_process_group = bound_init
-    env = DistEnv(rank=rank, local_rank=rank, world_size=2, local_world_size=2, node_rank=0,
-                  master_addr="127.0.0.1", master_port=port, launcher="torchrun")
+    env = DistEnv(
+        rank=rank,
+        local_rank=rank,
+        world_size=2,
+        local_world_size=2,
+        node_rank=0,
+        master_addr="127.0.0.1",
+        master_port=port,
+        launcher="torchrun",
+    )
     dist.init(backend="gloo", device="cpu", env=env, timeout=60, exit_on_error=False)
     assert tdist.group.WORLD.bound_device_id == torch.device("xpu", rank)
     group = dist.checkpoint_group()
@@ -211,11 +246,20 @@ def _worker(rank: int, port: int, out: Path) -> None:
     with contextlib.suppress(RuntimeError):
         tdist.barrier(group=group)
     bound = tdist.group.WORLD.bound_device_id
-    (out / f"rank{rank}.json").write_text(json.dumps({
-        "gathered": gathered, "broadcast": box[0], "reduced": value.item(),
-        "group_bound": None if group.bound_device_id is None else str(group.bound_device_id),
-        "default_bound_after": str(bound), "unprotected": unprotected,
-    }))
+    (out / f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "gathered": gathered,
+                "broadcast": box[0],
+                "reduced": value.item(),
+                "group_bound": None
+                if group.bound_device_id is None
+                else str(group.bound_device_id),
+                "default_bound_after": str(bound),
+                "unprotected": unprotected,
+            }
+        )
+    )
     dist.shutdown()
 
 

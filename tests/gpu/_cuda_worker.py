@@ -48,8 +48,9 @@ def main() -> None:
     if spec.get("nccl_group"):
         import torch.distributed as tdist
 
-        tdist.init_process_group("nccl", init_method="env://", rank=0, world_size=1,
-                                 device_id=torch.device("cuda", 0))  # fmt: skip
+        tdist.init_process_group(
+            "nccl", init_method="env://", rank=0, world_size=1, device_id=torch.device("cuda", 0)
+        )
         ddp.dist._distributed = lambda: True  # world 1 skips collectives; here they run
     cfg = TrainConfig.from_dict(spec["config"])
     losses: list[torch.Tensor] = []
@@ -66,24 +67,30 @@ def main() -> None:
         return loss
 
     eval_data = make_data(spec["eval_n"], seed=1) if spec.get("eval_n") else None
-    trainer = Trainer(make_model(spec.get("dropout", 0.0)), make_data(spec.get("n", 64)), cfg,
-                      step, eval_data)  # fmt: skip
+    trainer = Trainer(
+        make_model(spec.get("dropout", 0.0)), make_data(spec.get("n", 64)), cfg, step, eval_data
+    )
     summary = trainer.fit()
     ctx = ddp.get_context()
     report = {
-        "device": str(ctx.device), "backend": ctx.backend, "world": ctx.world_size,
+        "device": str(ctx.device),
+        "backend": ctx.backend,
+        "world": ctx.world_size,
         "wrapped": type(trainer.wrapped).__name__,
         "param_device": str(next(trainer.model.parameters()).device),
         "losses": torch.stack(losses).cpu().tolist() if losses else [],
         "summary": {k: v for k, v in summary.items() if isinstance(v, int | float)},
-        "last_metrics": trainer.last_metrics, **seen,
-        "scalers": [{"loaded": s.loaded, "final": dict(s.state_dict())}
-                    for s in RecordingScaler.instances],
-    }  # fmt: skip
+        "last_metrics": trainer.last_metrics,
+        **seen,
+        "scalers": [
+            {"loaded": s.loaded, "final": dict(s.state_dict())} for s in RecordingScaler.instances
+        ],
+    }
     if spec.get("probe_alloc_gb"):
         try:
-            block = torch.empty(int(spec["probe_alloc_gb"] * 2**30), dtype=torch.uint8,
-                                device=ctx.device)  # fmt: skip
+            block = torch.empty(
+                int(spec["probe_alloc_gb"] * 2**30), dtype=torch.uint8, device=ctx.device
+            )
             del block
             report["probe"] = "allocated"
         except torch.OutOfMemoryError:

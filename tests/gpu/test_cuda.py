@@ -25,8 +25,9 @@ from tests.ddp.test_trainer_dist import EXPORT_CHECK, _assert_same, _cfg, _ok
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(),
-                       reason="needs a CUDA GPU: torch.cuda.is_available() is False"),  # fmt: skip
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU: torch.cuda.is_available() is False"
+    ),
 ]
 
 WORKER = "tests/gpu/_cuda_worker.py"
@@ -35,13 +36,22 @@ N, BATCH, EPOCHS, STOP = 128, 8, 2, 10  # 32 optimizer steps; the partial run st
 
 
 def _spec(tmp: Path, name: str, precision: str, ck: Path | None, **extra: object) -> dict:
-    cfg = _cfg(ck, training={"shuffle": True, "epochs": EPOCHS, "seed": 3, "batch_size": BATCH},
-               optim={"name": "adamw", "lr": 0.01, "warmup_steps": 3})  # fmt: skip
+    cfg = _cfg(
+        ck,
+        training={"shuffle": True, "epochs": EPOCHS, "seed": 3, "batch_size": BATCH},
+        optim={"name": "adamw", "lr": 0.01, "warmup_steps": 3},
+    )
     cfg["precision"] = precision
     for section, values in extra.pop("sections", {}).items():  # type: ignore[union-attr]
         cfg.setdefault(section, {}).update(values)
-    return {"config": cfg, "n": N, "dropout": 0.2, "report": str(tmp / f"{name}.json"),
-            "out": str(tmp / f"{name}.pt"), **extra}  # fmt: skip
+    return {
+        "config": cfg,
+        "n": N,
+        "dropout": 0.2,
+        "report": str(tmp / f"{name}.json"),
+        "out": str(tmp / f"{name}.pt"),
+        **extra,
+    }
 
 
 def _start(spec: dict) -> list[subprocess.Popen]:
@@ -88,19 +98,37 @@ def test_init_picks_cuda_and_nccl(tmp_path: Path, how: str) -> None:
     script = tmp_path / "init.py"
     script.write_text(INIT_SCRIPT)
     if how == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
-               "--master-port", str(free_port()), str(script)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "1",
+            "--master-port",
+            str(free_port()),
+            str(script),
+        ]
         env = clean_env()
     else:
         cmd = [sys.executable, str(script)]
-        env = clean_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # fmt: skip
+        env = clean_env(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+        )
     out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("REPORT "))
-    got = json.loads(line[len("REPORT "):])
+    got = json.loads(line[len("REPORT ") :])
     assert (got["device"], got["backend"], got["world"], got["current"]) == (
-        "cuda:0", "nccl", 1, 0), got  # fmt: skip
+        "cuda:0",
+        "nccl",
+        1,
+        0,
+    ), got
 
 
 # ---- AMP, GradScaler, resume, export ----------------------------------------------------
@@ -130,14 +158,24 @@ def resumed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     checkpoint = _latest(tmp / "part")
     part["config"]["training"]["max_steps"] = None
     _ok(_launch.run([WORKER, json.dumps(part)], world=1, timeout=180))
-    return {"precision": precision, "tmp": tmp, "full": full, "part": part,
-            "stopped": stopped, "checkpoint": checkpoint}  # fmt: skip
+    return {
+        "precision": precision,
+        "tmp": tmp,
+        "full": full,
+        "part": part,
+        "stopped": stopped,
+        "checkpoint": checkpoint,
+    }
 
 
 def test_trains_on_cuda_with_amp(resumed: dict) -> None:
     r = _report(resumed["full"])
     assert (r["device"], r["backend"], r["param_device"], r["batch_device"]) == (
-        "cuda:0", "nccl", "cuda:0", "cuda:0"), r  # fmt: skip
+        "cuda:0",
+        "nccl",
+        "cuda:0",
+        "cuda:0",
+    ), r
     assert r["out_dtype"] == PRECISIONS[resumed["precision"]]  # autocast really on (or off)
     losses = r["losses"]
     assert len(losses) == N // BATCH * EPOCHS
@@ -181,8 +219,13 @@ def test_final_model_loads_on_a_machine_without_cuda(resumed: dict) -> None:
     env = {**os.environ, "PYTHONPATH": "", "CUDA_VISIBLE_DEVICES": ""}
     check = "import torch; assert not torch.cuda.is_available()\n" + EXPORT_CHECK
     check = check.replace("nn.Dropout(0.0)", "nn.Dropout(0.2)")
-    out = subprocess.run([sys.executable, "-c", check, str(final)], capture_output=True,
-                         text=True, timeout=120, env=env)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", check, str(final)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     state = torch.load(final, weights_only=True)
     assert {t.device.type for t in state.values()} == {"cpu"}
@@ -228,9 +271,14 @@ def test_trainer_collectives_run_over_nccl(tmp_path: Path) -> None:
 # ---- CUDA-only options ------------------------------------------------------------------
 def test_max_memory_fraction_caps_the_allocator(tmp_path: Path) -> None:
     total_gb = torch.cuda.get_device_properties(0).total_memory / 2**30
-    spec = _spec(tmp_path, "cap", "fp32", None,
-                 sections={"memory": {"max_memory_fraction": 0.1}},
-                 probe_alloc_gb=0.5 * total_gb)  # fmt: skip
+    spec = _spec(
+        tmp_path,
+        "cap",
+        "fp32",
+        None,
+        sections={"memory": {"max_memory_fraction": 0.1}},
+        probe_alloc_gb=0.5 * total_gb,
+    )
     _ok(_launch.run([WORKER, json.dumps(spec)], world=1, timeout=180))
     assert _report(spec)["probe"] == "oom"
     spec = _spec(tmp_path, "nocap", "fp32", None, probe_alloc_gb=0.5 * total_gb)

@@ -17,17 +17,36 @@ QSUB_COUNTER = 'n=$(( $(cat "$FAKE_LOG" | grep -c "^qsub") )); echo "$((100 + n)
 
 def _calls(fake_bin, name: str) -> list[str]:
     log = fake_bin.log
-    return [line for line in log.read_text().splitlines() if line.startswith(name + " ")] \
-        if log.exists() else []
+    return (
+        [line for line in log.read_text().splitlines() if line.startswith(name + " ")]
+        if log.exists()
+        else []
+    )
 
 
 def _submit(tmp_path: Path, *flags: str, cluster: str = "pbs") -> int:
-    return main(["submit", "--cluster", cluster, "--account", "p", "--name", "t",
-                 "--runs-dir", str(tmp_path / "runs"), *flags, "--", "python", "train.py"])
+    return main(
+        [
+            "submit",
+            "--cluster",
+            cluster,
+            "--account",
+            "p",
+            "--name",
+            "t",
+            "--runs-dir",
+            str(tmp_path / "runs"),
+            *flags,
+            "--",
+            "python",
+            "train.py",
+        ]
+    )
 
 
-def test_chain_queues_each_segment_afterany_the_one_before(fake_bin, tmp_path: Path,
-                                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_chain_queues_each_segment_afterany_the_one_before(
+    fake_bin, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     fake_bin("qsub", QSUB_COUNTER)
     assert _submit(tmp_path, "--chain", "3") == 0
     calls = _calls(fake_bin, "qsub")
@@ -55,10 +74,14 @@ def test_plain_submit_has_no_chain_lines(fake_bin, tmp_path: Path) -> None:
     assert "chain" not in record and "chain.done" not in Path(record["script"]).read_text()
 
 
-def test_a_refused_segment_cancels_the_queued_ones(fake_bin, tmp_path: Path,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    fake_bin("qsub", 'n=$(grep -c "^qsub" "$FAKE_LOG"); [ "$n" -ge 3 ] && '
-                     '{ echo "qsub: would exceed queue limit" >&2; exit 38; }; echo "$((100 + n)).server"')
+def test_a_refused_segment_cancels_the_queued_ones(
+    fake_bin, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_bin(
+        "qsub",
+        'n=$(grep -c "^qsub" "$FAKE_LOG"); [ "$n" -ge 3 ] && '
+        '{ echo "qsub: would exceed queue limit" >&2; exit 38; }; echo "$((100 + n)).server"',
+    )
     fake_bin("qdel", "exit 0")
     assert _submit(tmp_path, "--chain", "4") == 3
     err = capsys.readouterr().err.strip().splitlines()
@@ -70,14 +93,26 @@ def test_a_refused_segment_cancels_the_queued_ones(fake_bin, tmp_path: Path,
     assert record["state"] == "CANCELLED" and "segment 3 of 4" in record["error"]
 
 
-@pytest.mark.parametrize("flags", [
-    ("--chain", "0"), ("--chain", "-1"), ("--chain", "101"), ("--chain", "99999999999"),
-    ("--chain", "x"), ("--chain", "٣"), ("--after", "garbage"), ("--after", "12:maybe"),
-    ("--after", "12;rm -rf ~"), ("--after", ""), ("--after", ":ok"),
-    ("--chain", "2", "--sweep", "optim.lr=1,2"),
-])
-def test_bad_input_is_one_line_and_nothing_submitted(fake_bin, tmp_path: Path, flags: tuple[str, ...],
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--chain", "0"),
+        ("--chain", "-1"),
+        ("--chain", "101"),
+        ("--chain", "99999999999"),
+        ("--chain", "x"),
+        ("--chain", "٣"),
+        ("--after", "garbage"),
+        ("--after", "12:maybe"),
+        ("--after", "12;rm -rf ~"),
+        ("--after", ""),
+        ("--after", ":ok"),
+        ("--chain", "2", "--sweep", "optim.lr=1,2"),
+    ],
+)
+def test_bad_input_is_one_line_and_nothing_submitted(
+    fake_bin, tmp_path: Path, flags: tuple[str, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
     fake_bin("qsub", QSUB_COUNTER)
     assert _submit(tmp_path, *flags) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -86,22 +121,28 @@ def test_bad_input_is_one_line_and_nothing_submitted(fake_bin, tmp_path: Path, f
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
 
-@pytest.mark.parametrize(("cluster", "after", "words"), [
-    ("pbs", "7.server", "-W depend=afterok:7.server"),
-    ("pbs", "7[].server:any", "-W depend=afterany:7[].server"),  # not Torque's afteranyarray
-    ("pbs", "7[].server:notok", "-W depend=afternotok:7[].server"),
-    ("pbs", "7[3].server:ok", "-W depend=afterok:7[3].server"),
-    ("slurm", "42", "--dependency=afterok:42"),
-    ("slurm", "42_3:any", "--dependency=afterany:42_3"),
-])
-def test_after_renders_the_scheduler_dependency(tmp_path: Path, cluster: str, after: str, words: str,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("cluster", "after", "words"),
+    [
+        ("pbs", "7.server", "-W depend=afterok:7.server"),
+        ("pbs", "7[].server:any", "-W depend=afterany:7[].server"),  # not Torque's afteranyarray
+        ("pbs", "7[].server:notok", "-W depend=afternotok:7[].server"),
+        ("pbs", "7[3].server:ok", "-W depend=afterok:7[3].server"),
+        ("slurm", "42", "--dependency=afterok:42"),
+        ("slurm", "42_3:any", "--dependency=afterany:42_3"),
+    ],
+)
+def test_after_renders_the_scheduler_dependency(
+    tmp_path: Path, cluster: str, after: str, words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert _submit(tmp_path, "--dry-run", "--after", after, cluster=cluster) == 0
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("# submit:")]
     assert f" {shlex.join(words.split())} " in line
 
 
-def test_dry_run_of_a_chain_shows_every_segment(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_dry_run_of_a_chain_shows_every_segment(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert _submit(tmp_path, "--dry-run", "--chain", "3", cluster="slurm") == 0
     out = capsys.readouterr().out
     assert "--dependency=afterany:SEGMENT1" in out and "--dependency=afterany:SEGMENT2" in out
@@ -113,7 +154,9 @@ def test_local_has_no_dependencies(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "has no job dependencies" in capsys.readouterr().err
 
 
-def test_status_lists_the_segments(fake_bin, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_status_lists_the_segments(
+    fake_bin, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """One squeue names every segment; hpc status prints a line per segment."""
     fake_bin("sbatch", 'n=$(grep -c "^sbatch" "$FAKE_LOG"); echo "$((500 + n))"')
     fake_bin("squeue", 'printf "501|501|RUNNING\\n502|502|PENDING\\n503|503|PENDING\\n"')
@@ -123,20 +166,25 @@ def test_status_lists_the_segments(fake_bin, tmp_path: Path, capsys: pytest.Capt
     assert main(["status", str(run_dir)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "501 RUNNING"
-    assert lines[1:] == ["501 RUNNING segment 1/3", "502 PENDING segment 2/3",
-                         "503 PENDING segment 3/3"]
+    assert lines[1:] == [
+        "501 RUNNING segment 1/3",
+        "502 PENDING segment 2/3",
+        "503 PENDING segment 3/3",
+    ]
     assert len(_calls(fake_bin, "squeue")) == 1
 
 
-def test_site_rules_refuse_before_submitting(fake_bin, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_site_rules_refuse_before_submitting(
+    fake_bin, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A profile's no_dependencies / max_queued: one line, exit 2, nothing queued."""
     profiles = tmp_path / "profiles"
     profiles.mkdir()
     (profiles / "site.yaml").write_text(
         "scheduler: pbs\ndevice: cpu\nppn: 1\nqueues:\n"
         "  debug: {nodes: 1-2, walltime: '01:00:00', no_dependencies: 'site docs: no chains'}\n"
-        "  small: {nodes: 1-2, walltime: '01:00:00', max_queued: 2}\n")
+        "  small: {nodes: 1-2, walltime: '01:00:00', max_queued: 2}\n"
+    )
     fake_bin("qsub", QSUB_COUNTER)
     monkeypatch.setenv("HPC_DDP_CLUSTERS", str(profiles))
     assert _submit(tmp_path, "--chain", "2", "--queue", "debug", cluster="site") == 2
@@ -151,11 +199,14 @@ def test_pbs_status_of_several_finished_jobs_asks_again_for_those_json_left_out(
     on the real server with a chain's segments): B is read from ``qstat -x -f``."""
     from hpc.schedulers.pbs import PBS
 
-    fake_bin("qstat", r'''if [ "$3" = "-F" ]; then
+    fake_bin(
+        "qstat",
+        r"""if [ "$3" = "-F" ]; then
   printf '{"Jobs": {"1.s": {"job_state": "F", "Exit_status": -29, "substate": 93}}}\n'
 else
   printf 'Job Id: 1.s\n    job_state = F\n    Exit_status = -29\n    substate = 93\n\n'
   printf 'Job Id: 2.s\n    job_state = F\n    Exit_status = 0\n    substate = 92\n\n'
-fi''')
+fi""",
+    )
     states = PBS().statuses(["1.s", "2.s"])
     assert {k: str(v) for k, v in states.items()} == {"1.s": "TIMEOUT", "2.s": "COMPLETED"}

@@ -40,40 +40,65 @@ def _no_user_profiles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
 
 
-@pytest.mark.parametrize(("queue", "nodes", "walltime", "expected"), [
-    ("batch", "6", "01:00:00", "6"),          # [FC] "6 nodes * 1 hour = *6 node-hours*"
-    ("batch", "2000", "08:00:00", "16000"),   # [FC] "8-hour, 2,000 node ... 16,000 node-hours"
-    ("extended", "6", "01:00:00", "6"),       # [FC] the formula has no partition factor
-    ("debug", "6", "01:00:00", "6"),          # [FC] ... and no QOS factor
-])
+@pytest.mark.parametrize(
+    ("queue", "nodes", "walltime", "expected"),
+    [
+        ("batch", "6", "01:00:00", "6"),  # [FC] "6 nodes * 1 hour = *6 node-hours*"
+        ("batch", "2000", "08:00:00", "16000"),  # [FC] "8-hour, 2,000 node ... 16,000 node-hours"
+        ("extended", "6", "01:00:00", "6"),  # [FC] the formula has no partition factor
+        ("debug", "6", "01:00:00", "6"),  # [FC] ... and no QOS factor
+    ],
+)
 def test_frontier_max_charge_is_the_pages_node_hours(
-    queue: str, nodes: str, walltime: str, expected: str, capsys: pytest.CaptureFixture[str],
+    queue: str,
+    nodes: str,
+    walltime: str,
+    expected: str,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    line = _charge_line(capsys, "--cluster", "frontier", "--queue", queue, "--nodes", nodes,
-                        "--walltime", walltime)
+    line = _charge_line(
+        capsys, "--cluster", "frontier", "--queue", queue, "--nodes", nodes, "--walltime", walltime
+    )
     assert line.startswith(f"hpc: maximum charge: {expected} node-hours (")
     assert f"queue {queue} factor 1;" in line and FRONTIER_PAGE in line
     assert "unverified" not in line
 
 
-@pytest.mark.parametrize(("cluster", "queue", "source"), [
-    ("aurora", "debug-scaling",
-     "https://www.alcf.anl.gov/managing-your-award/managing-your-allocation"),
-    ("aurora", "prod", "https://www.alcf.anl.gov/managing-your-award/managing-your-allocation"),
-    ("polaris", "debug", "https://www.alcf.anl.gov/managing-your-award/managing-your-allocation"),
-    ("polaris", "prod", "https://www.alcf.anl.gov/managing-your-award/managing-your-allocation"),
-    ("perlmutter", "regular", "https://docs.nersc.gov/policies/charging-policy/"),
-    ("perlmutter", "premium", "https://docs.nersc.gov/policies/charging-policy/"),
-    ("perlmutter", "debug", "https://docs.nersc.gov/policies/charging-policy/"),
-])
+@pytest.mark.parametrize(
+    ("cluster", "queue", "source"),
+    [
+        (
+            "aurora",
+            "debug-scaling",
+            "https://www.alcf.anl.gov/managing-your-award/managing-your-allocation",
+        ),
+        ("aurora", "prod", "https://www.alcf.anl.gov/managing-your-award/managing-your-allocation"),
+        (
+            "polaris",
+            "debug",
+            "https://www.alcf.anl.gov/managing-your-award/managing-your-allocation",
+        ),
+        (
+            "polaris",
+            "prod",
+            "https://www.alcf.anl.gov/managing-your-award/managing-your-allocation",
+        ),
+        ("perlmutter", "regular", "https://docs.nersc.gov/policies/charging-policy/"),
+        ("perlmutter", "premium", "https://docs.nersc.gov/policies/charging-policy/"),
+        ("perlmutter", "debug", "https://docs.nersc.gov/policies/charging-policy/"),
+    ],
+)
 def test_unread_factors_stay_unverified(
-    cluster: str, queue: str, source: str, capsys: pytest.CaptureFixture[str],
+    cluster: str,
+    queue: str,
+    source: str,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """No factor could be read for these queues: node-hours only, and the page to read."""
-    nodes = "256" if queue == "prod" and cluster == "aurora" else (
-        "10" if queue == "prod" else "2")
-    line = _charge_line(capsys, "--cluster", cluster, "--queue", queue, "--nodes", nodes,
-                        "--walltime", "00:30:00")
+    nodes = "256" if queue == "prod" and cluster == "aurora" else ("10" if queue == "prod" else "2")
+    line = _charge_line(
+        capsys, "--cluster", cluster, "--queue", queue, "--nodes", nodes, "--walltime", "00:30:00"
+    )
     hours = int(nodes) * 0.5
     assert f"{nodes} nodes x 0.5 h = {hours:g} node-hours; charge factor unverified" in line
     assert f"(queue {queue}; see {source})" in line
@@ -85,7 +110,7 @@ def test_unread_factors_stay_unverified(
 #: (https://docs.olcf.ornl.gov/systems/frontier_user_guide.html#viewing-usage, olcf-user-docs
 #: @2745903), its example row kept (abc123: 20000 allocated, 19873.7 remaining) and a second
 #: project added so that the row is picked by project, not by position.
-FAKE_SHOWUSAGE = r'''
+FAKE_SHOWUSAGE = r"""
 cat <<'OUT'
   Usage:
                            Project Totals
@@ -94,41 +119,84 @@ cat <<'OUT'
   xyz999           |  500         |   499.0   |  1.0       |   0.00
   abc123           |  20000       |   126.3   |  19873.7   |   1560.80
 OUT
-'''
+"""
 
 
-@pytest.mark.parametrize(("nodes", "walltime", "warned"), [
-    ("2000", "12:00:00", True),   # 24,000 node-hours > 19,873.7 remaining
-    ("2000", "08:00:00", False),  # 16,000 fits
-])
+@pytest.mark.parametrize(
+    ("nodes", "walltime", "warned"),
+    [
+        ("2000", "12:00:00", True),  # 24,000 node-hours > 19,873.7 remaining
+        ("2000", "08:00:00", False),  # 16,000 fits
+    ],
+)
 def test_frontier_submit_warns_past_showusage_remaining(
-    nodes: str, walltime: str, warned: bool, fake_bin, capsys: pytest.CaptureFixture[str],
+    nodes: str,
+    walltime: str,
+    warned: bool,
+    fake_bin,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     fake_bin("showusage", FAKE_SHOWUSAGE)
-    code = main(["submit", "--dry-run", "--account", "ABC123", "--name", "t", "--cluster",
-                 "frontier", "--nodes", nodes, "--walltime", walltime, "--", "true"])
+    code = main(
+        [
+            "submit",
+            "--dry-run",
+            "--account",
+            "ABC123",
+            "--name",
+            "t",
+            "--cluster",
+            "frontier",
+            "--nodes",
+            nodes,
+            "--walltime",
+            walltime,
+            "--",
+            "true",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 0, err
     assert fake_bin.log.read_text().startswith("showusage")
     warning = [ln for ln in err.splitlines() if "remaining" in ln]
     if warned:
-        assert warning == ["hpc: warning: this request may charge up to 24000 node-hours, more "
-                           "than project ABC123's remaining 19873.7 on frontier (showusage)"]
+        assert warning == [
+            "hpc: warning: this request may charge up to 24000 node-hours, more "
+            "than project ABC123's remaining 19873.7 on frontier (showusage)"
+        ]
     else:
         assert warning == []
 
 
 def test_frontier_without_showusage_or_its_project_says_nothing(
-    fake_bin, capsys: pytest.CaptureFixture[str],
+    fake_bin,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     fake_bin("showusage", FAKE_SHOWUSAGE)
-    code = main(["submit", "--dry-run", "--account", "other1", "--name", "t", "--cluster",
-                 "frontier", "--nodes", "2000", "--walltime", "12:00:00", "--", "true"])
+    code = main(
+        [
+            "submit",
+            "--dry-run",
+            "--account",
+            "other1",
+            "--name",
+            "t",
+            "--cluster",
+            "frontier",
+            "--nodes",
+            "2000",
+            "--walltime",
+            "12:00:00",
+            "--",
+            "true",
+        ]
+    )
     assert code == 0 and "remaining" not in capsys.readouterr().err
 
 
 def test_unknown_balance_command_is_one_line_exit_2(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     d = tmp_path / ".hpc" / "clusters"
     d.mkdir(parents=True)

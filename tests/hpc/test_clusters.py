@@ -25,13 +25,19 @@ def test_user_project_and_env_dirs_merge_per_key(tmp_path: Path) -> None:
     home = tmp_path / "home"
     user = home / ".config" / "hpc-ddp" / "clusters"
     user.mkdir(parents=True)
-    (user / "aurora.yaml").write_text("env: {USER_VAR: u}\nqueues: {debug: {walltime: '00:30:00'}}\n")
+    (user / "aurora.yaml").write_text(
+        "env: {USER_VAR: u}\nqueues: {debug: {walltime: '00:30:00'}}\n"
+    )
     project = tmp_path / "proj"
     (project / ".hpc" / "clusters").mkdir(parents=True)
-    (project / ".hpc" / "clusters" / "aurora.yaml").write_text("env: {USER_VAR: p}\nmodules: [mine]\n")
+    (project / ".hpc" / "clusters" / "aurora.yaml").write_text(
+        "env: {USER_VAR: p}\nmodules: [mine]\n"
+    )
     extra = tmp_path / "extra"
     extra.mkdir()
-    (extra / "mysite.yaml").write_text("extends: slurm\nqueues: {short: {nodes: 1-4, walltime: '02:00:00'}}\n")
+    (extra / "mysite.yaml").write_text(
+        "extends: slurm\nqueues: {short: {nodes: 1-4, walltime: '02:00:00'}}\n"
+    )
     env = {"HOME": str(home), "HPC_DDP_CLUSTERS": str(extra)}
     aurora = clusters.load("aurora", environ=env, cwd=project)
     assert aurora.env["USER_VAR"] == "p"  # project beats user
@@ -82,15 +88,19 @@ def test_a_queue_name_with_a_line_break_is_refused_at_load(tmp_path: Path, brk: 
         clusters.load("site", environ={"HPC_DDP_CLUSTERS": str(d)}, cwd=tmp_path)
 
 
-@pytest.mark.parametrize("key", ["directives", "queues.debug.directives", "queues.debug.notes",
-                                 "modules", "module_use"])
+@pytest.mark.parametrize(
+    "key", ["directives", "queues.debug.directives", "queues.debug.notes", "modules", "module_use"]
+)
 @pytest.mark.parametrize("brk", BREAKS)
 def test_profile_lines_hold_one_line_of_text(tmp_path: Path, key: str, brk: str) -> None:
     import json
 
     value = json.dumps([f"-l x{brk}#PBS -l y"])
-    body = (f"queues: {{debug: {{{key.rsplit('.', 1)[1]}: {value}}}}}" if key.startswith("queues")
-            else f"{key}: {value}")
+    body = (
+        f"queues: {{debug: {{{key.rsplit('.', 1)[1]}: {value}}}}}"
+        if key.startswith("queues")
+        else f"{key}: {value}"
+    )
     d = _profile(tmp_path, f"extends: pbs\n{body}\n")
     with pytest.raises(UserError, match=r"one line of printable text"):
         clusters.load("site", environ={"HPC_DDP_CLUSTERS": str(d)}, cwd=tmp_path)
@@ -106,9 +116,12 @@ def test_account_env_names_are_variable_names(tmp_path: Path, name: str) -> None
 
 
 def test_plain_profile_values_still_load(tmp_path: Path) -> None:
-    d = _profile(tmp_path, "extends: slurm\naccount_env: [MY_ACCT]\nmodules: [cuda/12.4, 'gcc@13']\n"
-                           "directives: ['--exclusive', '--mail-type=END\tx']\n"
-                           "queues: {'gpu_a100': {nodes: 1-4, notes: ['a note: ok']}}\n")
+    d = _profile(
+        tmp_path,
+        "extends: slurm\naccount_env: [MY_ACCT]\nmodules: [cuda/12.4, 'gcc@13']\n"
+        "directives: ['--exclusive', '--mail-type=END\tx']\n"
+        "queues: {'gpu_a100': {nodes: 1-4, notes: ['a note: ok']}}\n",
+    )
     site = clusters.load("site", environ={"HPC_DDP_CLUSTERS": str(d)}, cwd=tmp_path)
     assert site.queues["gpu_a100"].notes == ("a note: ok",) and site.account_env == ("MY_ACCT",)
 
@@ -145,7 +158,9 @@ def test_a_huge_spec_is_refused_before_it_is_read(tmp_path: Path) -> None:
 
 
 def test_a_profile_from_the_working_directory_is_announced_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Its ``setup`` lines run in every job: a render should not change silently with the
     folder it runs in (as for ./templates)."""
@@ -157,7 +172,9 @@ def test_a_profile_from_the_working_directory_is_announced_once(
     monkeypatch.setattr(clusters, "_ANNOUNCED", set())
     with caplog.at_level(logging.INFO, logger="hpc.profiles"):
         for _ in range(2):
-            assert clusters.load("slurm", environ={}, cwd=tmp_path).setup == ("echo from the project",)
+            assert clusters.load("slurm", environ={}, cwd=tmp_path).setup == (
+                "echo from the project",
+            )
         clusters.load("pbs", environ={}, cwd=tmp_path)
     notes = [r.getMessage() for r in caplog.records if r.name == "hpc.profiles"]
     assert len(notes) == 1 and str(own) in notes[0] and "working directory" in notes[0], notes

@@ -18,12 +18,20 @@ from tests.support.fakeconda import make_conda, make_env
 PROBE = ["bash", "-c", 'echo "prefix=$CONDA_PREFIX"; hpc-probe']
 
 
-def _run(text: str, tmp_path: Path, path: str = "/usr/bin:/bin") -> subprocess.CompletedProcess[str]:
+def _run(
+    text: str, tmp_path: Path, path: str = "/usr/bin:/bin"
+) -> subprocess.CompletedProcess[str]:
     """The script in a shell as a batch job's: no conda function, no CONDA_* variables."""
     script = tmp_path / "job.sh"
     script.write_text(text)
-    return subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60,
-                          cwd=tmp_path, env={"PATH": path, "HOME": str(tmp_path)})
+    return subprocess.run(
+        ["bash", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env={"PATH": path, "HOME": str(tmp_path)},
+    )
 
 
 def _script(cluster: str, env: str) -> str:
@@ -32,7 +40,9 @@ def _script(cluster: str, env: str) -> str:
 
 
 @pytest.mark.parametrize("conda_on_path", [False, True], ids=["no-conda-on-PATH", "conda-on-PATH"])
-def test_a_recorded_prefix_activates_without_conda_init(tmp_path: Path, conda_on_path: bool) -> None:
+def test_a_recorded_prefix_activates_without_conda_init(
+    tmp_path: Path, conda_on_path: bool
+) -> None:
     root = make_conda(tmp_path / "miniconda3")
     env = make_env(root)
     path = f"{root / 'bin'}:/usr/bin:/bin" if conda_on_path else "/usr/bin:/bin"
@@ -83,7 +93,9 @@ def test_a_name_uses_the_conda_of_the_jobs_path(tmp_path: Path) -> None:
 
 def test_a_missing_environment_stops_the_job(tmp_path: Path) -> None:
     root = make_conda(tmp_path / "conda")
-    proc = _run(_script("local", str(root / "envs" / "gone")), tmp_path, f"{root / 'bin'}:/usr/bin:/bin")
+    proc = _run(
+        _script("local", str(root / "envs" / "gone")), tmp_path, f"{root / 'bin'}:/usr/bin:/bin"
+    )
     assert proc.returncode != 0 and "prefix=" not in proc.stdout
     assert "EnvironmentLocationNotFound" in proc.stderr, proc.stderr
 
@@ -93,8 +105,11 @@ def test_every_scheduler_activates_the_same_way(tmp_path: Path, cluster: str) ->
     """The common template: the batch scripts carry the lines the local script runs above."""
     root = make_conda(tmp_path / "conda")
     env = make_env(root)
-    lines = [ln for ln in _script("local", str(env)).splitlines()
-             if "conda" in ln and not ln.startswith("#")]
+    lines = [
+        ln
+        for ln in _script("local", str(env)).splitlines()
+        if "conda" in ln and not ln.startswith("#")
+    ]
     assert len(lines) == 2 and lines[1] == f"conda activate {env}", lines
     assert "\n".join(lines) + "\n" in _script(cluster, str(env))
 

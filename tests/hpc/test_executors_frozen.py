@@ -48,7 +48,8 @@ def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def test_the_profile_is_read_once_per_executor_and_submit(
-        fake_bin: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_bin: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     fake_bin("qsub", 'echo "77.vm-pbs"')
     reads = _count_reads(monkeypatch)
     core.build_job(None, {"cluster": "pbs", "command": ["python", "x.py"]})
@@ -65,7 +66,8 @@ def test_the_profile_is_read_once_per_executor_and_submit(
 
 
 def test_the_executor_keeps_a_frozen_job_and_an_array_is_a_replace(
-        fake_bin: Any, tmp_path: Path) -> None:
+    fake_bin: Any, tmp_path: Path
+) -> None:
     fake_bin("qsub", 'echo "78[].vm-pbs"')
     ex = hpc.executor(cluster="pbs", folder=tmp_path / "jobs", walltime="00:10:00")
     assert isinstance(ex, sp.PBSExecutor)
@@ -87,20 +89,24 @@ def test_pbs_job_cancel_refused_is_a_scheduler_error(fake_bin: Any, tmp_path: Pa
     job: Any = sp.PBSJob(folder=tmp_path, job_id="999999.vm-pbs")
     with pytest.raises(SchedulerError) as exc:
         job.cancel()
-    assert str(exc.value) == ("qdel 999999.vm-pbs failed (exit 153): "
-                              "qdel: Unknown Job Id 999999.vm-pbs")
+    assert str(exc.value) == (
+        "qdel 999999.vm-pbs failed (exit 153): qdel: Unknown Job Id 999999.vm-pbs"
+    )
     job.cancel(check=False)  # submitit's unchecked cancel (at deletion): no error
     assert fake_bin.log.read_text().splitlines() == ["qdel 999999.vm-pbs"] * 2
 
 
-def test_qsub_refusal_and_run_record(fake_bin: Any, tmp_path: Path,
-                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_qsub_refusal_and_run_record(
+    fake_bin: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """qsub's refusal is PBS.submit's line; the run record is the CLI's (hpc.runs.new_record)
     with the submitit executor's ids in the form qstat takes (a subjob 78[1].vm-pbs)."""
     monkeypatch.chdir(tmp_path)
     fake_bin("qsub", 'echo "qsub: Unknown queue" >&2; exit 170')
     ex = hpc.executor(cluster="pbs", name="rec")
-    with pytest.raises(SchedulerError, match=r"^qsub refused the job \(exit 170\): qsub: Unknown queue$"):
+    with pytest.raises(
+        SchedulerError, match=r"^qsub refused the job \(exit 170\): qsub: Unknown queue$"
+    ):
         ex.submit(add, 1, 2)
     fake_bin("qsub", 'echo "78[].vm-pbs"')
     ex.map_array(add, [1, 2], [3, 4])
@@ -109,6 +115,9 @@ def test_qsub_refusal_and_run_record(fake_bin: Any, tmp_path: Path,
     assert record["job_ids"] == ["78[0].vm-pbs", "78[1].vm-pbs"]
     assert record["job_id"] == "78[1].vm-pbs"
     assert (record["scheduler"], record["cluster"], record["executor"]) == (
-        "pbs", "pbs", "submitit PBSExecutor")
+        "pbs",
+        "pbs",
+        "submitit PBSExecutor",
+    )
     for key in ("cwd", "created", "git_commit", "spec", "name", "folder"):
         assert key in record

@@ -20,10 +20,15 @@ import pytest
 from hpc import failure
 
 DATA = Path(__file__).parent / "data" / "failing-rank"
-TAIL = ["rank1-line-18", "rank1-line-19", "bad bytes: \ufffd[31m\ufffd\ufffd end",
-        "\ufffd\ufffd not utf-8", "[rank1]: Traceback (most recent call last):",
-        '[rank1]:     raise RuntimeError("boom-on-rank-1")',
-        "[rank1]: RuntimeError: boom-on-rank-1"]
+TAIL = [
+    "rank1-line-18",
+    "rank1-line-19",
+    "bad bytes: \ufffd[31m\ufffd\ufffd end",
+    "\ufffd\ufffd not utf-8",
+    "[rank1]: Traceback (most recent call last):",
+    '[rank1]:     raise RuntimeError("boom-on-rank-1")',
+    "[rank1]: RuntimeError: boom-on-rank-1",
+]
 
 
 def _run(tmp_path: Path, layout: str) -> Path:
@@ -38,8 +43,9 @@ def _job_log(run_dir: Path) -> Path:
 
 
 def _drop_lines(path: Path, needle: bytes) -> None:
-    path.write_bytes(b"".join(ln for ln in path.read_bytes().splitlines(keepends=True)
-                              if needle not in ln))
+    path.write_bytes(
+        b"".join(ln for ln in path.read_bytes().splitlines(keepends=True) if needle not in ln)
+    )
 
 
 def _quoted(lines: list[str]) -> list[str]:
@@ -49,32 +55,42 @@ def _quoted(lines: list[str]) -> list[str]:
 
 @pytest.mark.parametrize("layout", ["rank-files", "labelled-log"])
 def test_srun_names_rank_1_and_its_node_and_its_last_lines_are_quoted(
-    tmp_path: Path, layout: str,
+    tmp_path: Path,
+    layout: str,
 ) -> None:
     run_dir = _run(tmp_path, layout)
     lines = failure.failing_rank_lines(run_dir)
     where = run_dir / "ranks" / "rank-00001.log" if layout == "rank-files" else _job_log(run_dir)
-    assert lines[0] == (f"hpc: rank 1 (n2) failed (srun: exited with exit code 1); its last 8 "
-                        f"lines ({where}):")
+    assert lines[0] == (
+        f"hpc: rank 1 (n2) failed (srun: exited with exit code 1); its last 8 lines ({where}):"
+    )
     quoted = _quoted(lines)
     assert len(quoted) == 8
     assert quoted[:5] == TAIL[:5] and quoted[-2:] == TAIL[-2:]
     assert not any("rank0-" in q for q in quoted)
 
 
-@pytest.mark.parametrize(("layout", "why"), [
-    ("rank-files", "its log holds an error"),
-    ("labelled-log", "the first error line of the job log"),
-])
+@pytest.mark.parametrize(
+    ("layout", "why"),
+    [
+        ("rank-files", "its log holds an error"),
+        ("labelled-log", "the first error line of the job log"),
+    ],
+)
 def test_without_srun_report_the_rank_with_the_traceback(
-    tmp_path: Path, layout: str, why: str,
+    tmp_path: Path,
+    layout: str,
+    why: str,
 ) -> None:
     """A launcher that reports no task exits (rule 3): the rank's own error lines."""
     run_dir = _run(tmp_path, layout)
     _drop_lines(_job_log(run_dir), b"srun: ")
     lines = failure.failing_rank_lines(run_dir, lines=3)
-    assert lines[0].startswith(f"hpc: rank 1 (n2) failed ({why}); its last 3 lines (") \
-        if layout == "rank-files" else lines[0].startswith(f"hpc: rank 1 (?) failed ({why})")
+    assert (
+        lines[0].startswith(f"hpc: rank 1 (n2) failed ({why}); its last 3 lines (")
+        if layout == "rank-files"
+        else lines[0].startswith(f"hpc: rank 1 (?) failed ({why})")
+    )
     quoted = _quoted(lines)
     assert quoted[0].startswith('[rank1]:   File "') and quoted[1:] == TAIL[-2:]
 
@@ -86,12 +102,16 @@ def test_pals_names_the_rank_that_exited_by_error_not_the_cascade(tmp_path: Path
     log = _job_log(run_dir)
     _drop_lines(log, b"srun: ")
     with log.open("ab") as fh:
-        fh.write(b"x4102c5s0b0n0.hostmgmt2000.cm.aurora.alcf.anl.gov: rank 0 died from signal 15\n"
-                 b"x4102c5s1b0n0.hostmgmt2000.cm.aurora.alcf.anl.gov: rank 2 exited with code 0\n"
-                 b"x4102c5s1b0n0.hostmgmt2000.cm.aurora.alcf.anl.gov: rank 1 exited with code 1\n")
+        fh.write(
+            b"x4102c5s0b0n0.hostmgmt2000.cm.aurora.alcf.anl.gov: rank 0 died from signal 15\n"
+            b"x4102c5s1b0n0.hostmgmt2000.cm.aurora.alcf.anl.gov: rank 2 exited with code 0\n"
+            b"x4102c5s1b0n0.hostmgmt2000.cm.aurora.alcf.anl.gov: rank 1 exited with code 1\n"
+        )
     lines = failure.failing_rank_lines(run_dir)
-    assert lines[0].startswith("hpc: rank 1 (x4102c5s1b0n0.hostmgmt2000.cm.aurora.alcf.anl.gov) "
-                               "failed (mpiexec: exited with exit code 1); its last 8 lines")
+    assert lines[0].startswith(
+        "hpc: rank 1 (x4102c5s1b0n0.hostmgmt2000.cm.aurora.alcf.anl.gov) "
+        "failed (mpiexec: exited with exit code 1); its last 8 lines"
+    )
     assert _quoted(lines)[-1] == "[rank1]: RuntimeError: boom-on-rank-1"
 
 
@@ -111,18 +131,23 @@ def test_supervisor_failure_record_names_the_rank(tmp_path: Path) -> None:
     _drop_lines(_job_log(run_dir), b"srun: ")
     _drop_lines(run_dir / "ranks" / "rank-00001.log", b"[rank1]")
     record = json.loads((run_dir / "run.json").read_text())
-    record["supervisor"] = {"events": [
-        {"event": "failure", "attempt": 1, "ranks": [0], "nodes": ["n1"]},
-        {"event": "restart", "attempt": 2},
-        {"event": "failure", "attempt": 2, "ranks": [1], "nodes": ["n2"]}]}
+    record["supervisor"] = {
+        "events": [
+            {"event": "failure", "attempt": 1, "ranks": [0], "nodes": ["n1"]},
+            {"event": "restart", "attempt": 2},
+            {"event": "failure", "attempt": 2, "ranks": [1], "nodes": ["n2"]},
+        ]
+    }
     lines = failure.failing_rank_lines(run_dir, record, lines=2)
-    assert lines[0].startswith("hpc: rank 1 (n2) failed (the supervisor's failure record "
-                               "(run.json)); its last 2 lines")
+    assert lines[0].startswith(
+        "hpc: rank 1 (n2) failed (the supervisor's failure record (run.json)); its last 2 lines"
+    )
     assert _quoted(lines) == TAIL[2:4]
 
 
-@pytest.mark.parametrize("bad", [{"events": "x"}, {"events": [{"event": "failure",
-                                                                 "ranks": ["1", True, -1]}]}])
+@pytest.mark.parametrize(
+    "bad", [{"events": "x"}, {"events": [{"event": "failure", "ranks": ["1", True, -1]}]}]
+)
 def test_malformed_supervisor_record_names_nothing(tmp_path: Path, bad: dict) -> None:
     run_dir = _run(tmp_path, "rank-files")
     _drop_lines(_job_log(run_dir), b"srun: ")
@@ -138,15 +163,22 @@ def test_no_failure_evidence_is_no_lines(tmp_path: Path) -> None:
     assert failure.failing_rank_lines(run_dir) == []
 
 
-def test_huge_binary_log_is_read_from_its_end_only(tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_huge_binary_log_is_read_from_its_end_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """8 MiB of binary without a newline before the real lines, and a 1 MiB last line:
     at most TAIL_BYTES are read, each quoted line is cut to MAX_CHARS."""
     run_dir = _run(tmp_path, "rank-files")
     path = run_dir / "ranks" / "rank-00001.log"
     real = path.read_bytes()
-    path.write_bytes(real[:40] + os.urandom(8 << 20).replace(b"\n", b"x") + b"\n"
-                     + real[40:] + b"Z" * (1 << 20) + b"\n")
+    path.write_bytes(
+        real[:40]
+        + os.urandom(8 << 20).replace(b"\n", b"x")
+        + b"\n"
+        + real[40:]
+        + b"Z" * (1 << 20)
+        + b"\n"
+    )
     reads: list[int] = []
     real_tail = failure._tail
 
@@ -176,7 +208,8 @@ def test_a_fifo_as_rank_log_does_not_block(tmp_path: Path) -> None:
     # ranks/ lists regular files only: rank 1 has no file, the job log has no line of it
     assert failure.failing_rank_lines(run_dir) == [
         f"hpc: rank 1 (n2) failed (srun: exited with exit code 1); no lines of it in the "
-        f"end of {_job_log(run_dir)}"]
+        f"end of {_job_log(run_dir)}"
+    ]
     (run_dir / "e2e-1.out").unlink()
     os.mkfifo(run_dir / "e2e-1.out")  # the job log a FIFO: one line, not a hang
     with pytest.raises(UserError, match="regular file"):

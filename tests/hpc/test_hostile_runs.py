@@ -91,8 +91,15 @@ def test_a_record_of_the_wrong_shape_is_one_line(command, record, tmp_path, caps
 
 
 def test_an_earlier_submission_without_scheduler_is_one_line_when_asked_by_id(tmp_path):
-    run = _run(tmp_path, {"scheduler": "slurm", "job_id": "6", "name": "t",
-                          "submissions": [{"job_id": "5", "name": "t"}]})  # fmt: skip
+    run = _run(
+        tmp_path,
+        {
+            "scheduler": "slurm",
+            "job_id": "6",
+            "name": "t",
+            "submissions": [{"job_id": "5", "name": "t"}],
+        },
+    )
     with pytest.raises(UserError):
         logs.find_log(run, "5")
 
@@ -124,8 +131,13 @@ def test_an_overlong_report_path_is_one_line(tmp_path, capsys, monkeypatch):
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "metrics.jsonl").write_text('{"step": 1, "loss": 1}\n')
     long = "a" * 5000
-    for argv in ([long], [long + "/metrics.jsonl"], [long, "r"], ["r", "-o", long],
-                 ["r", "-o", f"r/{long}/x.png"]):  # fmt: skip
+    for argv in (
+        [long],
+        [long + "/metrics.jsonl"],
+        [long, "r"],
+        ["r", "-o", long],
+        ["r", "-o", f"r/{long}/x.png"],
+    ):
         assert main(["report", *argv]) == 2
         _one_line(capsys)
 
@@ -133,8 +145,9 @@ def test_an_overlong_report_path_is_one_line(tmp_path, capsys, monkeypatch):
 def test_times_whose_span_overflows_give_no_wall_time(tmp_path, capsys):
     run = tmp_path / "r"
     run.mkdir()
-    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1, "time": 1e308}\n'
-                                       '{"step": 2, "loss": 1, "time": -1e308}\n')  # fmt: skip
+    (run / "metrics.jsonl").write_text(
+        '{"step": 1, "loss": 1, "time": 1e308}\n{"step": 2, "loss": 1, "time": -1e308}\n'
+    )
     assert main(["report", str(run)]) == 0
     assert "Traceback" not in capsys.readouterr().err
 
@@ -176,17 +189,25 @@ def test_sweep_usage_errors_are_one_line(argv, capsys):
 def test_shell_output_evals_to_the_exact_values(tmp_path):
     """Values full of shell syntax come back from bash ``eval`` byte for byte."""
     value = "$(touch PWNED)'\"`id`;|&<>*?[]{}~#!\\ \t"
-    run = _manifest(tmp_path / "r $(id) 'x'", overrides={"a": value.replace("\t", " ")},
-                    label="a=$(touch PWNED2)'")  # fmt: skip
-    script = (f"cd {str(tmp_path)!r} && task=$({sys.executable} -m hpc.sweep shell "
-              f"\"$RUN\" --index 0) || exit 2\neval \"$task\"\n"
-              'printf "%s\\0" "$HPC_RUN_DIR" "$HPC_SWEEP_LABEL" "${HPC_SWEEP_ARGS[@]}"')  # fmt: skip
-    env = {"PATH": "/usr/bin:/bin", "RUN": str(run),
-           "PYTHONPATH": f"{REPO / 'src'}:{REPO}"}  # fmt: skip
+    run = _manifest(
+        tmp_path / "r $(id) 'x'",
+        overrides={"a": value.replace("\t", " ")},
+        label="a=$(touch PWNED2)'",
+    )
+    script = (
+        f"cd {str(tmp_path)!r} && task=$({sys.executable} -m hpc.sweep shell "
+        f'"$RUN" --index 0) || exit 2\neval "$task"\n'
+        'printf "%s\\0" "$HPC_RUN_DIR" "$HPC_SWEEP_LABEL" "${HPC_SWEEP_ARGS[@]}"'
+    )
+    env = {"PATH": "/usr/bin:/bin", "RUN": str(run), "PYTHONPATH": f"{REPO / 'src'}:{REPO}"}
     out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, check=True)
     fields = out.stdout.decode().split("\0")[:-1]
-    assert fields == [str(run / "000-a-1"), "a=$(touch PWNED2)'", "--set",
-                      f"a={value.replace(chr(9), ' ')}"]  # fmt: skip
+    assert fields == [
+        str(run / "000-a-1"),
+        "a=$(touch PWNED2)'",
+        "--set",
+        f"a={value.replace(chr(9), ' ')}",
+    ]
     assert not list(tmp_path.rglob("PWNED*"))
 
 
@@ -204,8 +225,14 @@ def test_an_index_of_other_digits_or_too_long_is_refused(index, tmp_path, capsys
 def _hpc(*args: str, cwd: Path, module: str = "hpc") -> subprocess.CompletedProcess[str]:
     """The CLI in a subprocess; ``timeout`` only bounds a true hang (the bug under test)."""
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{REPO / 'src'}:{REPO}"}
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def _err_line(proc: subprocess.CompletedProcess[str]) -> str:
@@ -228,11 +255,18 @@ def test_a_fifo_as_run_json_does_not_hang_a_lookup_by_job_id(tmp_path):
     fifo = tmp_path / "runs" / "z-fifo"  # scanned first (newest name first)
     fifo.mkdir()
     os.mkfifo(fifo / "run.json")
-    code = "import sys; from pathlib import Path; from hpc import runs; " \
-           "print(runs.find('5', Path('runs'))[0].name)"  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120,  # a bound against the hang under test
-                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{REPO / 'src'}:{REPO}"})
+    code = (
+        "import sys; from pathlib import Path; from hpc import runs; "
+        "print(runs.find('5', Path('runs'))[0].name)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,  # a bound against the hang under test
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{REPO / 'src'}:{REPO}"},
+    )
     assert (proc.returncode, proc.stdout.strip()) == (0, "a-good"), proc.stderr
 
 
@@ -240,15 +274,33 @@ def test_a_fifo_as_run_json_does_not_hang_a_lookup_by_job_id(tmp_path):
 def test_the_lock_of_a_run_is_never_a_fifo_or_a_link(kind, tmp_path):
     """``hpc submit --resume`` locks ``RUN/.lock``: a FIFO there hung it in ``open``; a
     link made it create (and lock) whatever file the link named."""
-    run = _run(tmp_path, {"scheduler": "local", "job_id": "local-1-2", "name": "t",
-                          "state": "COMPLETED", "exit_code": 0})  # fmt: skip
+    run = _run(
+        tmp_path,
+        {
+            "scheduler": "local",
+            "job_id": "local-1-2",
+            "name": "t",
+            "state": "COMPLETED",
+            "exit_code": 0,
+        },
+    )
     target = tmp_path / "elsewhere"
     if kind == "fifo":
         os.mkfifo(run / ".lock")
     else:
         (run / ".lock").symlink_to(target)
-    proc = _hpc("submit", "--cluster", "local", "--runs-dir", "runs", "--resume", str(run),
-                "--", "true", cwd=tmp_path)  # fmt: skip
+    proc = _hpc(
+        "submit",
+        "--cluster",
+        "local",
+        "--runs-dir",
+        "runs",
+        "--resume",
+        str(run),
+        "--",
+        "true",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2
     assert ".lock" in _err_line(proc)
     assert not target.exists()
@@ -259,23 +311,34 @@ def test_a_symlink_loop_as_runs_dir_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     loop = tmp_path / "loop"
     loop.symlink_to(loop)
-    for argv in (["run", "--runs-dir", "loop", "--", "true"],
-                 ["submit", "--cluster", "slurm", "--runs-dir", "loop", "--dry-run", "--", "true"],
-                 ["submit", "--cluster", "pbs", "--runs-dir", "loop", "--dry-run", "--", "true"]):
+    for argv in (
+        ["run", "--runs-dir", "loop", "--", "true"],
+        ["submit", "--cluster", "slurm", "--runs-dir", "loop", "--dry-run", "--", "true"],
+        ["submit", "--cluster", "pbs", "--runs-dir", "loop", "--dry-run", "--", "true"],
+    ):
         assert main(argv) == 2, argv
         assert "symlink loop" in _one_line(capsys)
 
 
-OTHER_DIGITS = ["\u0661\u0662\u0663", "\uff11\uff12\uff13", "12\uff13", "123_\u0663",
-                "\u0661\u0662\u0663.server", "1\u06623[4].srv", "123[\u0664].srv",
-                "local-\u0661-2", "local-1-\u0662"]  # fmt: skip
+OTHER_DIGITS = [
+    "\u0661\u0662\u0663",
+    "\uff11\uff12\uff13",
+    "12\uff13",
+    "123_\u0663",
+    "\u0661\u0662\u0663.server",
+    "1\u06623[4].srv",
+    "123[\u0664].srv",
+    "local-\u0661-2",
+    "local-1-\u0662",
+]
 
 
 @pytest.mark.parametrize("ident", OTHER_DIGITS)
 @pytest.mark.parametrize("cluster", ["slurm", "pbs", "local"])
 @pytest.mark.parametrize("command", ["status", "cancel"])
-def test_a_job_id_in_other_digits_is_not_a_job_id(command, cluster, ident, fake_bin, tmp_path,
-                                                  capsys, monkeypatch):  # fmt: skip
+def test_a_job_id_in_other_digits_is_not_a_job_id(
+    command, cluster, ident, fake_bin, tmp_path, capsys, monkeypatch
+):
     """``str.isdigit``, ``\\d`` and ``int()`` take Arabic-Indic and full-width digits; no
     scheduler gives them. One line, and no client is asked (it said nothing, or 'done')."""
     for client in ("scancel", "squeue", "scontrol", "sacct", "qdel", "qstat"):
@@ -294,8 +357,11 @@ def test_every_scheduler_id_parser_takes_ascii_digits_only(scheduler):
     for ident in OTHER_DIGITS:
         assert not sched.owns_id(ident), ident
         assert sched.split_id(ident) is None, ident
-    good = {"slurm": ["123", "123_4"], "pbs": ["123.server", "123[4].server", "123[].s"],
-            "local": ["local-12-34", "local-12"]}[scheduler]  # fmt: skip
+    good = {
+        "slurm": ["123", "123_4"],
+        "pbs": ["123.server", "123[4].server", "123[].s"],
+        "local": ["local-12-34", "local-12"],
+    }[scheduler]
     assert all(sched.owns_id(i) for i in good)
 
 
@@ -305,16 +371,16 @@ def test_log_names_in_other_digits_are_not_logs(tmp_path):
 
     from hpc import schedulers
 
-    names = ["t-\u0661\u0662.out", "\u0661\u0662.server.OU", "t.o\u0661\u0662",
-             "output-\u0662.log"]  # fmt: skip
+    names = ["t-\u0661\u0662.out", "\u0661\u0662.server.OU", "t.o\u0661\u0662", "output-\u0662.log"]
     for name in schedulers.names():
         for pattern in schedulers.get(name).log_patterns:
             assert not [n for n in names if re.fullmatch(pattern, n)], (name, pattern)
 
 
 @pytest.mark.parametrize("command", ["status", "cancel"])
-def test_a_record_whose_job_id_is_not_its_schedulers_is_one_line(command, tmp_path, capsys,
-                                                                 fake_bin):  # fmt: skip
+def test_a_record_whose_job_id_is_not_its_schedulers_is_one_line(
+    command, tmp_path, capsys, fake_bin
+):
     fake_bin("scancel", "exit 0")
     fake_bin("squeue", "echo RUNNING")
     run = _run(tmp_path, {"scheduler": "slurm", "job_id": "\u0661\u0662\u0663", "name": "t"})
@@ -330,8 +396,9 @@ def test_a_record_whose_job_id_is_not_its_schedulers_is_one_line(command, tmp_pa
 def test_profile_and_queue_names_with_brackets_print_as_they_are(tmp_path, capsys, monkeypatch):
     """A user's profile named ``[bold]w`` printed as markup before (bold ``w``); a queue
     named ``[/x]`` raised MarkupError, and is now refused at load (it reaches a directive)."""
-    (tmp_path / "[bold]w.yaml").write_text('scheduler: slurm\nppn: 1\nqueues:\n  "q":\n'
-                                           "    nodes: 1-2\n")  # fmt: skip
+    (tmp_path / "[bold]w.yaml").write_text(
+        'scheduler: slurm\nppn: 1\nqueues:\n  "q":\n    nodes: 1-2\n'
+    )
     monkeypatch.setenv("HPC_DDP_CLUSTERS", str(tmp_path))
     assert main(["clusters"]) == 0
     out = capsys.readouterr().out
@@ -357,8 +424,13 @@ def test_git_file_names_that_are_not_utf8_do_not_stop_a_submission(tmp_path):
     from hpc import runs
 
     def git(*args: str) -> None:
-        subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=tmp_path,
-                       check=True, capture_output=True, timeout=60)  # fmt: skip
+        subprocess.run(
+            ["git", "-c", "user.email=t@t", "-c", "user.name=t", *args],
+            cwd=tmp_path,
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
 
     git("init", "-q")
     git("config", "core.quotepath", "false")
@@ -381,8 +453,10 @@ def test_output_onto_a_fifo_is_refused_and_the_fifo_kept(command, tmp_path, caps
     os.mkfifo("out")
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 1}\n')
-    argv = {"render": ["render", "--cluster", "slurm", "-o", "out", "--", "true"],
-            "report": ["report", "run", "-o", "out"]}[command]  # fmt: skip
+    argv = {
+        "render": ["render", "--cluster", "slurm", "-o", "out", "--", "true"],
+        "report": ["report", "run", "-o", "out"],
+    }[command]
     assert main(argv) == 2
     assert "not a regular file" in _one_line(capsys)
     assert stat.S_ISFIFO(os.stat("out").st_mode)

@@ -24,8 +24,7 @@ PRINT = 'echo "out of $PMI_RANK"; echo "err of $PMI_RANK" >&2; echo "  0: not a 
 def _launch(argv: list[str], path: Path, env_path: str | None = None) -> None:
     env = dict(os.environ, PATH=env_path or os.environ["PATH"])
     with path.open("wb") as fh:
-        subprocess.run(argv, stdout=fh, stderr=subprocess.STDOUT, env=env, check=True,
-                       timeout=120)
+        subprocess.run(argv, stdout=fh, stderr=subprocess.STDOUT, env=env, check=True, timeout=120)
 
 
 def _run_dir(tmp_path: Path) -> Path:
@@ -35,21 +34,33 @@ def _run_dir(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("launcher", ["hydra", "pals"])
-def test_rank_and_grep_read_a_labelled_merged_log(launcher: str, tmp_path: Path,
-                                                  request: pytest.FixtureRequest,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_rank_and_grep_read_a_labelled_merged_log(
+    launcher: str,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     run = _run_dir(tmp_path)
     log = run / "job-7.out"
     if launcher == "hydra":
-        hydra = next((p for p in ("/usr/bin/mpiexec.hydra", "/usr/bin/mpiexec.mpich")
-                      if os.access(p, os.X_OK)), None)  # fmt: skip
+        hydra = next(
+            (
+                p
+                for p in ("/usr/bin/mpiexec.hydra", "/usr/bin/mpiexec.mpich")
+                if os.access(p, os.X_OK)
+            ),
+            None,
+        )
         if hydra is None:
             pytest.skip("MPICH hydra not installed")
         _launch([hydra, "-n", "3", "-prepend-rank", "bash", "-c", PRINT], log)
     else:
         shim = request.getfixturevalue("pals_mpiexec")
-        _launch(["mpiexec", "-n", "3", "--ppn", "3", "--label", "--line-buffer", "bash", "-c",
-                 PRINT], log, f"{shim}{os.pathsep}{os.environ['PATH']}")  # fmt: skip
+        _launch(
+            ["mpiexec", "-n", "3", "--ppn", "3", "--label", "--line-buffer", "bash", "-c", PRINT],
+            log,
+            f"{shim}{os.pathsep}{os.environ['PATH']}",
+        )
         assert "1: out of 1" in log.read_text()  # PALS's format, not hydra's [1]
     with log.open("a") as fh:
         fh.write("a batch script line without a label\n")

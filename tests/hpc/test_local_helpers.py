@@ -28,8 +28,14 @@ def _helper(name: str, *args: str, cwd: Path, timeout: float = 240) -> subproces
     env["OMP_NUM_THREADS"] = "1"
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID"):
         env.pop(k, None)
-    return subprocess.run(["bash", str(ROOT / "jobs" / name), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        ["bash", str(ROOT / "jobs" / name), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _configs(out: str) -> list[dict]:
@@ -53,8 +59,16 @@ def _script(cwd: Path) -> str:
 
 def test_crowdbt_helper_count_first_and_words_verbatim(tmp_path: Path) -> None:
     hostile = "a b;$(touch pwned)`touch pwned2`'\""
-    p = _helper("crowdbt_local.sh", "2", "--print-config", "--batch-size", "16",
-                "--data-dir", hostile, cwd=tmp_path)  # fmt: skip
+    p = _helper(
+        "crowdbt_local.sh",
+        "2",
+        "--print-config",
+        "--batch-size",
+        "16",
+        "--data-dir",
+        hostile,
+        cwd=tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     configs = _configs(p.stdout)
     assert len(configs) == 2, p.stdout[-2000:]  # one per rank: 2 ranks started
@@ -76,14 +90,17 @@ def test_distill_helper_projection_word(tmp_path: Path, word: str | None, expect
     assert "--nproc_per_node 2 -m ddp distill" in _script(tmp_path)
 
 
-@pytest.mark.parametrize(("name", "args", "needle"), [
-    ("crowdbt_local.sh", [], "usage: "),
-    ("crowdbt_local.sh", ["x", "--epochs", "1"], "device count 'x' is not allowed"),
-    ("crowdbt_local.sh", ["0"], "device count '0' is not allowed"),
-    ("crowdbt_local.sh", ["--epochs", "20"], "device count '--epochs' is not allowed"),
-    ("distill_local.sh", ["4", "maybe"], "use_projection 'maybe' is not allowed"),
-    ("distill_local.sh", ["-1"], "device count '-1' is not allowed"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "args", "needle"),
+    [
+        ("crowdbt_local.sh", [], "usage: "),
+        ("crowdbt_local.sh", ["x", "--epochs", "1"], "device count 'x' is not allowed"),
+        ("crowdbt_local.sh", ["0"], "device count '0' is not allowed"),
+        ("crowdbt_local.sh", ["--epochs", "20"], "device count '--epochs' is not allowed"),
+        ("distill_local.sh", ["4", "maybe"], "use_projection 'maybe' is not allowed"),
+        ("distill_local.sh", ["-1"], "device count '-1' is not allowed"),
+    ],
+)
 def test_bad_words_are_one_line(tmp_path: Path, name: str, args: list[str], needle: str) -> None:
     p = _helper(name, *args, cwd=tmp_path, timeout=60)
     assert p.returncode == 2, (p.returncode, p.stderr)
@@ -93,13 +110,31 @@ def test_bad_words_are_one_line(tmp_path: Path, name: str, args: list[str], need
 
 
 def test_crowdbt_helper_trains_on_two_ranks(tmp_path: Path) -> None:
-    p = _helper("crowdbt_local.sh", "2", "--epochs", "1", "--batch-size", "8",
-                "--output-dir", "ck", "--lr", "3e-3",
-                "--set", "recipe.n_images=16", "--set", "recipe.n_pairs=32",
-                "--set", "recipe.n_eval_images=8", "--set", "recipe.n_eval_pairs=16",
-                "--set", "logging.progress=plain", cwd=tmp_path)  # fmt: skip
+    p = _helper(
+        "crowdbt_local.sh",
+        "2",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "8",
+        "--output-dir",
+        "ck",
+        "--lr",
+        "3e-3",
+        "--set",
+        "recipe.n_images=16",
+        "--set",
+        "recipe.n_pairs=32",
+        "--set",
+        "recipe.n_eval_images=8",
+        "--set",
+        "recipe.n_eval_pairs=16",
+        "--set",
+        "logging.progress=plain",
+        cwd=tmp_path,
+    )
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
-    log = (next(tmp_path.glob("runs/*/output.log")).read_text() + p.stdout + p.stderr)
+    log = next(tmp_path.glob("runs/*/output.log")).read_text() + p.stdout + p.stderr
     assert "world=2" in log
     # a relative checkpoint.dir is taken from the run folder hpc run made ($HPC_RUN_DIR)
     assert len(list(tmp_path.glob("runs/*/ck/final/model.pt"))) == 1

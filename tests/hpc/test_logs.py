@@ -19,8 +19,10 @@ from hpc.errors import UserError
 
 def _record(run_dir: Path, scheduler: str, *job_ids: str, name: str = "train") -> None:
     """A run record whose submissions have ``job_ids``, oldest first."""
-    subs = [{"name": name, "scheduler": scheduler, "job_id": j, "script": f"job-{i}"}
-            for i, j in enumerate(job_ids)]  # fmt: skip
+    subs = [
+        {"name": name, "scheduler": scheduler, "job_id": j, "script": f"job-{i}"}
+        for i, j in enumerate(job_ids)
+    ]
     record = dict(subs[-1])
     if subs[:-1]:
         record["submissions"] = subs[:-1]
@@ -180,11 +182,16 @@ def _append(path: Path, data: bytes):
 def test_follow_truncation_starts_over(tmp_path: Path):
     log = tmp_path / "job.out"
     out = io.StringIO()
-    logs.follow(log, _steps(
-        _append(log, b"one\ntwo\n"),
-        lambda: log.write_bytes(b""),  # copytruncate
-        _append(log, b"3\n"),
-    ), out, poll_s=0)  # fmt: skip
+    logs.follow(
+        log,
+        _steps(
+            _append(log, b"one\ntwo\n"),
+            lambda: log.write_bytes(b""),  # copytruncate
+            _append(log, b"3\n"),
+        ),
+        out,
+        poll_s=0,
+    )
     assert out.getvalue() == "one\ntwo\n3\n"
 
 
@@ -197,8 +204,9 @@ def test_follow_rotation_prints_the_rest_of_the_old_file(tmp_path: Path):
         log.rename(tmp_path / "job.out.1")
         log.write_bytes(b"new 1\n")
 
-    logs.follow(log, _steps(_append(log, b"old 1\n"), rotate, _append(log, b"new 2\n")),
-                out, poll_s=0)  # fmt: skip
+    logs.follow(
+        log, _steps(_append(log, b"old 1\n"), rotate, _append(log, b"new 2\n")), out, poll_s=0
+    )
     assert out.getvalue() == "old 1\nold tail\nnew 1\nnew 2\n"
 
 
@@ -261,10 +269,15 @@ def _not_a_file(kind: str, path: Path) -> None:
 
 
 @pytest.mark.parametrize("follow", [False, True], ids=["print", "follow"])
-@pytest.mark.parametrize(("kind", "says"), [
-    ("fifo", "is a named pipe"), ("device", "not a regular file"), ("dir", "is a directory"),
-    ("loop", "cannot read"),
-])
+@pytest.mark.parametrize(
+    ("kind", "says"),
+    [
+        ("fifo", "is a named pipe"),
+        ("device", "not a regular file"),
+        ("dir", "is a directory"),
+        ("loop", "cannot read"),
+    ],
+)
 def test_a_log_that_is_not_a_regular_file_is_one_line_not_a_hang(
     kind: str, says: str, follow: bool, tmp_path: Path
 ) -> None:
@@ -274,8 +287,9 @@ def test_a_log_that_is_not_a_regular_file_is_one_line_not_a_hang(
     _record(run, "local", "local-1-1")  # finished: ends at once, after one read of its log
     _not_a_file(kind, run / "output.log")
     argv = [sys.executable, "-m", "hpc", "logs", *(["-f"] if follow else []), str(run)]
-    proc = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                          env=ENV, timeout=60)  # only against a true hang  # fmt: skip
+    proc = subprocess.run(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV, timeout=60
+    )  # only against a true hang
     assert proc.returncode == 2, proc.stderr
     (line,) = proc.stderr.splitlines()
     assert line.startswith("hpc: error: logs: ") and says in line and "output.log" in line
@@ -337,8 +351,9 @@ FAIL_3 = ["bash", "-c", "echo about to fail; exit 3"]
 def _hpc(*args: str) -> subprocess.CompletedProcess[str]:
     """The CLI with the environment as the fixtures left it (SLURM_CONF, PBS's PATH)."""
     env = {**os.environ, "PYTHONPATH": ENV["PYTHONPATH"]}
-    return subprocess.run([sys.executable, "-m", "hpc", *args], capture_output=True, text=True,
-                          env=env, timeout=240)  # only against a true hang  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "hpc", *args], capture_output=True, text=True, env=env, timeout=240
+    )  # only against a true hang
 
 
 def _follow_exit(runs: Path, *submit: str) -> tuple[str, int, str]:
@@ -352,9 +367,19 @@ def _follow_exit(runs: Path, *submit: str) -> tuple[str, int, str]:
 
 @pytest.mark.slurm
 def test_follow_of_a_slurm_job_exits_with_its_exit_code(slurm_cluster, tmp_path: Path) -> None:
-    job_id, code, printed = _follow_exit(tmp_path / "runs", "--cluster", "slurm", "--queue",
-                                         "debug", "--ppn", "1", "--walltime", "00:05:00", "--",
-                                         *FAIL_3)  # fmt: skip
+    job_id, code, printed = _follow_exit(
+        tmp_path / "runs",
+        "--cluster",
+        "slurm",
+        "--queue",
+        "debug",
+        "--ppn",
+        "1",
+        "--walltime",
+        "00:05:00",
+        "--",
+        *FAIL_3,
+    )
     assert code == 3, printed
     assert "about to fail" in printed and "job ended: FAILED" in printed
     assert slurm_cluster.wait(job_id) == "FAILED"
@@ -366,9 +391,18 @@ def test_follow_of_a_pbs_job_exits_with_its_exit_code(openpbs, tmp_path: Path) -
 
     require_exe("mpiexec.hydra", "mpiexec.mpich")
     spec = tmp_path / "three.yaml"
-    spec.write_text(json.dumps({"name": "three", "cluster": "pbs", "wrap": "never",
-                                "launcher": "mpiexec", "walltime": "00:05:00",
-                                "command": FAIL_3}))  # fmt: skip
+    spec.write_text(
+        json.dumps(
+            {
+                "name": "three",
+                "cluster": "pbs",
+                "wrap": "never",
+                "launcher": "mpiexec",
+                "walltime": "00:05:00",
+                "command": FAIL_3,
+            }
+        )
+    )
     job_id, code, printed = "", -1, ""
     try:
         job_id, code, printed = _follow_exit(tmp_path / "runs", str(spec))
@@ -381,10 +415,10 @@ def test_follow_of_a_pbs_job_exits_with_its_exit_code(openpbs, tmp_path: Path) -
 # the scheduler's exit code as a shell says it, from the clients' real answers
 SCONTROL = {  # `scontrol show job` of SLURM 22.05 (tests/support/slurm.py), cut to the fields
     "3": "JobId=7 JobName=wrap JobState=FAILED Reason=NonZeroExitCode Dependency=(null) "
-         "ExitCode=3:0 DerivedExitCode=0:0",
+    "ExitCode=3:0 DerivedExitCode=0:0",
     "signal": "JobId=8 JobState=FAILED Reason=NonZeroExitCode ExitCode=0:12 DerivedExitCode=0:0",
     "array": "JobId=9 ArrayJobId=9 ArrayTaskId=1 JobState=FAILED ExitCode=1:0\n\n"
-             "JobId=10 ArrayJobId=9 ArrayTaskId=0 JobState=COMPLETED ExitCode=0:0",
+    "JobId=10 ArrayJobId=9 ArrayTaskId=0 JobState=COMPLETED ExitCode=0:0",
 }
 
 
@@ -400,17 +434,25 @@ def test_slurm_exit_code_from_the_jobcomp_log_once_scontrol_forgot(fake_bin) -> 
     from hpc.schedulers import get
 
     fake_bin("scontrol", "echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1")
-    fake_bin("sacct", 'if [ "$1" = "-c" ]; then printf "0:0\\n2:0\\n"; '  # requeued: last run
-                      "else echo 'Slurm accounting storage is disabled' >&2; fi")  # fmt: skip
+    fake_bin(
+        "sacct",
+        'if [ "$1" = "-c" ]; then printf "0:0\\n2:0\\n"; '  # requeued: last run
+        "else echo 'Slurm accounting storage is disabled' >&2; fi",
+    )
     assert get("slurm").exit_code("7") == 2
     fake_bin("sacct", "exit 1")
     assert get("slurm").exit_code("7") is None
 
 
-@pytest.mark.parametrize(("data", "code"), [
-    ("failed-exit3.json", 3), ("shared-deleted.json", 143), ("shared-walltime.json", None),
-    ("shared-finished.json", 0),
-])
+@pytest.mark.parametrize(
+    ("data", "code"),
+    [
+        ("failed-exit3.json", 3),
+        ("shared-deleted.json", 143),
+        ("shared-walltime.json", None),
+        ("shared-finished.json", 0),
+    ],
+)
 def test_pbs_exit_code_from_qstat(data: str, code: int | None, fake_bin) -> None:
     """Recorded ``qstat -x -f -F json`` answers of the real OpenPBS (tests/hpc/data/openpbs)."""
     from hpc.schedulers import get
@@ -425,10 +467,25 @@ def test_status_and_follow_of_an_earlier_local_job_use_its_own_entry(tmp_path: P
     runs_dir = tmp_path / "runs"
     run = runs_dir / "r"
     run.mkdir(parents=True)
-    first = {"name": "t", "scheduler": "local", "job_id": "local-11-1", "script": "job.sh",
-             "state": "COMPLETED", "exit_code": 0}  # fmt: skip
-    runs.write_record(run, {**first, "job_id": "local-12-2", "script": "job-2.sh",
-                            "state": "FAILED", "exit_code": 5, "submissions": [first]})  # fmt: skip
+    first = {
+        "name": "t",
+        "scheduler": "local",
+        "job_id": "local-11-1",
+        "script": "job.sh",
+        "state": "COMPLETED",
+        "exit_code": 0,
+    }
+    runs.write_record(
+        run,
+        {
+            **first,
+            "job_id": "local-12-2",
+            "script": "job-2.sh",
+            "state": "FAILED",
+            "exit_code": 5,
+            "submissions": [first],
+        },
+    )
     _touch(run / "output.log", "first\n")
     _touch(run / "output-2.log", "second\n")
     status = _hpc("status", "local-11-1", "--runs-dir", str(runs_dir))
@@ -439,9 +496,13 @@ def test_status_and_follow_of_an_earlier_local_job_use_its_own_entry(tmp_path: P
     assert (follow.returncode, follow.stdout) == (5, "second\n"), follow.stderr
 
 
-@pytest.mark.parametrize(("command", "out"), [
-    ("logs", "found\n"), ("status", "local-11-1 UNKNOWN\n"),  # ended, no state recorded
-])
+@pytest.mark.parametrize(
+    ("command", "out"),
+    [
+        ("logs", "found\n"),
+        ("status", "local-11-1 UNKNOWN\n"),  # ended, no state recorded
+    ],
+)
 def test_a_named_pipe_as_another_runs_record_does_not_hang_the_job_id_lookup(
     command: str, out: str, tmp_path: Path
 ) -> None:

@@ -33,7 +33,7 @@ from tests.support.polling import wait_until
 # Job functions travel by value: the toy's jobs need not import this test module.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-TOY = '''
+TOY = """
 import os
 import re
 import signal
@@ -130,7 +130,7 @@ class Toy(Scheduler):
 
 
 SCHEDULER = Toy
-'''
+"""
 
 TEMPLATE = """#!{{ shell }}
 # {{ header|comment }}
@@ -160,17 +160,22 @@ def toy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, s
     (tmp_path / "templates" / "toy.sh.j2").write_text(TEMPLATE)
     (tmp_path / "profiles").mkdir()
     (tmp_path / "profiles" / "toybox.yaml").write_text(
-        "scheduler: toy\nppn: 2\nlauncher:\n  kind: mpiexec\n  flavor: hydra\n")
+        "scheduler: toy\nppn: 2\nlauncher:\n  kind: mpiexec\n  flavor: hydra\n"
+    )
     monkeypatch.chdir(tmp_path)  # ./templates is the project's template folder
     yield {"HPC_DDP_CLUSTERS": str(tmp_path / "profiles")}
     sys.modules.pop("hpc.schedulers.toy", None)
 
 
-def test_a_toy_scheduler_renders_submits_dry_and_finds_its_logs(toy: dict[str, str],
-                                                                tmp_path: Path) -> None:
+def test_a_toy_scheduler_renders_submits_dry_and_finds_its_logs(
+    toy: dict[str, str], tmp_path: Path
+) -> None:
     assert "toy" in schedulers.names()
-    job = core.build_job(None, {"cluster": "toybox", "nodes": 2, "name": "t1",
-                                "command": ["python", "train.py"]}, environ=toy)
+    job = core.build_job(
+        None,
+        {"cluster": "toybox", "nodes": 2, "name": "t1", "command": ["python", "train.py"]},
+        environ=toy,
+    )
     assert job.cluster.script_suffix == ".toy" and job.launcher == "mpiexec"
     script = core.render_job(job)
     assert "#TOY nodes=2 name=t1" in script and "# toy preamble" in script
@@ -190,9 +195,15 @@ def test_a_toy_scheduler_renders_submits_dry_and_finds_its_logs(toy: dict[str, s
 
 def test_without_the_module_the_profile_is_refused(tmp_path: Path) -> None:
     (tmp_path / "toybox.yaml").write_text("scheduler: toy\n")
-    with pytest.raises(core.UserError, match="scheduler: 'toy' is not allowed; allowed: local, pbs, slurm"):
-        core.build_job(None, {"cluster": "toybox", "command": ["python", "x.py"]},
-                       environ={"HPC_DDP_CLUSTERS": str(tmp_path)}, cwd=tmp_path)
+    with pytest.raises(
+        core.UserError, match="scheduler: 'toy' is not allowed; allowed: local, pbs, slurm"
+    ):
+        core.build_job(
+            None,
+            {"cluster": "toybox", "command": ["python", "x.py"]},
+            environ={"HPC_DDP_CLUSTERS": str(tmp_path)},
+            cwd=tmp_path,
+        )
 
 
 def _error(fn, *args) -> str:
@@ -216,8 +227,9 @@ def test_every_scheduler_launches_with_known_launcher_kinds() -> None:
 
 
 @pytest.fixture()
-def toyrun(toy: dict[str, str], tmp_path: Path,
-           monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
+def toyrun(
+    toy: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[dict[str, str]]:
     """The toy launcher in the launcher table (and the choices read from it at import),
     the toy's job state folder, and the toy's profiles for this process."""
     kind = schedulers.LauncherKind("toyrun", per_rank=False)  # it exports torchrun's variables
@@ -227,7 +239,8 @@ def toyrun(toy: dict[str, str], tmp_path: Path,
     state = tmp_path / "toy-state"
     state.mkdir()
     (tmp_path / "profiles" / "toyrunbox.yaml").write_text(
-        "scheduler: toy\nppn: 2\nlauncher:\n  kind: toyrun\n")
+        "scheduler: toy\nppn: 2\nlauncher:\n  kind: toyrun\n"
+    )
     monkeypatch.setenv("TOY_STATE", str(state))
     for key, value in toy.items():
         monkeypatch.setenv(key, value)
@@ -245,12 +258,17 @@ def wait_cancelled(marker: str) -> str:
 
 
 def _done(job: Any, timeout: float = 60) -> None:
-    wait_until(lambda: job.done(force_check=True), timeout, f"toy job {job.job_id} done",
-               log=lambda: job.stderr() or "")
+    wait_until(
+        lambda: job.done(force_check=True),
+        timeout,
+        f"toy job {job.job_id} done",
+        log=lambda: job.stderr() or "",
+    )
 
 
 def test_the_python_api_runs_through_the_toy_scheduler_and_launcher(
-        toyrun: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    toyrun: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from hpc.executors.script import ScriptExecutor
 
     ex = hpc.executor(cluster="toybox", ppn=2, launcher="toyrun", name="fn")
@@ -294,7 +312,8 @@ def test_the_python_api_runs_through_the_toy_scheduler_and_launcher(
 
 
 def test_the_python_api_refuses_a_scheduler_without_a_job_id_variable(
-        toyrun: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    toyrun: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The script executor needs the job's id inside the job: one line, nothing left."""
     import importlib
 
@@ -306,26 +325,57 @@ def test_the_python_api_refuses_a_scheduler_without_a_job_id_variable(
 
 
 def test_a_sweep_runs_through_the_toy_scheduler_and_launcher(
-        toyrun: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    toyrun: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``hpc submit --sweep`` on a profile whose default launcher is the toy's: one toy
     array, each task in its own folder with its overrides, on every rank; ``hpc status``
     asks the toy for the array and each task."""
     probe = tmp_path / "probe.py"
-    probe.write_text("import json, os, sys\n"
-                     "name = f\"argv-{os.environ['RANK']}.json\"\n"
-                     "json.dump(sys.argv[1:], open(os.path.join(os.environ['HPC_RUN_DIR'], name), 'w'))\n")
-    assert cli_main(["submit", "--cluster", "toyrunbox", "--runs-dir", "runs",
-                     "--sweep", "a=1,2", "--", sys.executable, str(probe)]) == 0
+    probe.write_text(
+        "import json, os, sys\n"
+        "name = f\"argv-{os.environ['RANK']}.json\"\n"
+        "json.dump(sys.argv[1:], open(os.path.join(os.environ['HPC_RUN_DIR'], name), 'w'))\n"
+    )
+    assert (
+        cli_main(
+            [
+                "submit",
+                "--cluster",
+                "toyrunbox",
+                "--runs-dir",
+                "runs",
+                "--sweep",
+                "a=1,2",
+                "--",
+                sys.executable,
+                str(probe),
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.strip() == "T1"
     (run,) = (tmp_path / "runs").iterdir()
     script = (run / "job.toy").read_text()
     assert "#TOY array=0-1\n" in script and "toyrun 2" in script
     toy_sched = schedulers.get("toy")
-    wait_until(lambda: toy_sched.status("T1") == "COMPLETED", 60, "toy sweep ended",
-               log=lambda: "".join(p.read_text() for p in run.glob("toy-*.log")))
-    seen = {p.relative_to(run).as_posix(): json.loads(p.read_text()) for p in run.glob("*/argv-*.json")}
-    assert seen == {"000-a-1/argv-0.json": ["--set", "a=1"], "000-a-1/argv-1.json": ["--set", "a=1"],
-                    "001-a-2/argv-0.json": ["--set", "a=2"], "001-a-2/argv-1.json": ["--set", "a=2"]}
+    wait_until(
+        lambda: toy_sched.status("T1") == "COMPLETED",
+        60,
+        "toy sweep ended",
+        log=lambda: "".join(p.read_text() for p in run.glob("toy-*.log")),
+    )
+    seen = {
+        p.relative_to(run).as_posix(): json.loads(p.read_text()) for p in run.glob("*/argv-*.json")
+    }
+    assert seen == {
+        "000-a-1/argv-0.json": ["--set", "a=1"],
+        "000-a-1/argv-1.json": ["--set", "a=1"],
+        "001-a-2/argv-0.json": ["--set", "a=2"],
+        "001-a-2/argv-1.json": ["--set", "a=2"],
+    }
     assert cli_main(["status", str(run), "--runs-dir", "runs"]) == 0
     assert capsys.readouterr().out.splitlines() == [
-        "T1 COMPLETED", "T1_0 COMPLETED a=1", "T1_1 COMPLETED a=2"]
+        "T1 COMPLETED",
+        "T1_0 COMPLETED a=1",
+        "T1_1 COMPLETED a=2",
+    ]

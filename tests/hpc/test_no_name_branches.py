@@ -64,8 +64,11 @@ def branches(source: str, wanted: set[str]) -> list[tuple[int, str, str]]:
     for node in ast.walk(tree):  # NAME = ("slurm", "pbs"): compared later by its name
         if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            held = _named(node.value, wanted, {}) if not isinstance(
-                node.value, ast.Constant) else set()
+            held = (
+                _named(node.value, wanted, {})
+                if not isinstance(node.value, ast.Constant)
+                else set()
+            )
             for target in targets:
                 if held and isinstance(target, ast.Name):
                     consts[target.id] = held
@@ -76,9 +79,15 @@ def branches(source: str, wanted: set[str]) -> list[tuple[int, str, str]]:
                 for name in _named(operand, wanted, consts):
                     found.append((node.lineno, name, "comparison"))
         elif isinstance(node, (ast.Subscript, ast.Call)):
-            table = node.value if isinstance(node, ast.Subscript) else (
-                node.func.value if isinstance(node.func, ast.Attribute)
-                and node.func.attr == "get" else None)
+            table = (
+                node.value
+                if isinstance(node, ast.Subscript)
+                else (
+                    node.func.value
+                    if isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                    else None
+                )
+            )
             if isinstance(table, ast.Dict):
                 for key in table.keys:
                     if key is not None:
@@ -105,15 +114,17 @@ def test_no_branch_on_a_scheduler_or_launcher_name_outside_its_module() -> None:
                 allowed_seen.add((rel, name))
                 continue
             offenders.append(f"{rel}:{line}: {what} on {name!r}")
-    assert not offenders, ("branches on a scheduler's or launcher's name outside "
-                           "hpc/schedulers/ (move each into its module):\n" + "\n".join(offenders))
+    assert not offenders, (
+        "branches on a scheduler's or launcher's name outside "
+        "hpc/schedulers/ (move each into its module):\n" + "\n".join(offenders)
+    )
     assert allowed_seen == set(ALLOWED), f"stale allow-list entries: {set(ALLOWED) - allowed_seen}"
 
 
 def test_the_reader_finds_each_form_of_branch() -> None:
     """The reader itself: each form a branch takes is caught; command words are not."""
     wanted = {"slurm", "pbs", "srun"}
-    source = '''
+    source = """
 KNOWN = ("slurm", "debug")
 def f(kind, job, x):
     if kind == "slurm": pass
@@ -125,7 +136,14 @@ def f(kind, job, x):
         case "pbs": pass
     words = ["srun", "--label"]
     return "pbs" if x else kind
-'''
+"""
     got = sorted((line, name) for line, name, _ in branches(source, wanted))
-    assert got == [(4, "slurm"), (5, "srun"), (6, "pbs"), (7, "slurm"), (8, "pbs"),
-                   (8, "slurm"), (10, "pbs")]
+    assert got == [
+        (4, "slurm"),
+        (5, "srun"),
+        (6, "pbs"),
+        (7, "slurm"),
+        (8, "pbs"),
+        (8, "slurm"),
+        (10, "pbs"),
+    ]

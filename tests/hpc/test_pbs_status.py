@@ -60,12 +60,22 @@ def test_array_subjobs_of_the_real_server() -> None:
     assert info["3[1].vm-pbs"]["array_index"] == "1"
 
 
-@pytest.mark.parametrize(("sub", "code", "state"), [
-    ("91", 0, "CANCELLED"), ("91", 271, "CANCELLED"), ("91", 143, "CANCELLED"),
-    ("91", None, "CANCELLED"), ("92", 0, "COMPLETED"), ("93", 3, "FAILED"),
-    ("93", -29, "TIMEOUT"), ("93", 271, "FAILED"), (None, 271, "CANCELLED"),
-    (None, -29, "TIMEOUT"), (None, 143, "FAILED"),
-])
+@pytest.mark.parametrize(
+    ("sub", "code", "state"),
+    [
+        ("91", 0, "CANCELLED"),
+        ("91", 271, "CANCELLED"),
+        ("91", 143, "CANCELLED"),
+        ("91", None, "CANCELLED"),
+        ("92", 0, "COMPLETED"),
+        ("93", 3, "FAILED"),
+        ("93", -29, "TIMEOUT"),
+        ("93", 271, "FAILED"),
+        (None, 271, "CANCELLED"),
+        (None, -29, "TIMEOUT"),
+        (None, 143, "FAILED"),
+    ],
+)
 def test_substate_decides_before_exit_status(sub: str | None, code: int | None, state: str) -> None:
     assert pbs_mod.normalize("F", code, sub) == state
     # a job still exiting (E) or running with substate 91 is not finished yet

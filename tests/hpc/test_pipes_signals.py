@@ -45,15 +45,15 @@ def _no_reader() -> Iterator[int]:
 def _quiet_exit(argv: list[str], cwd: Path, **kw) -> subprocess.CompletedProcess[str]:
     """Run ``argv`` with stdout a pipe nobody reads; returns it (stdout unused)."""
     with _no_reader() as out:
-        proc = subprocess.run(argv, stdout=out, stderr=subprocess.PIPE, text=True, cwd=cwd,
-                              env=ENV, timeout=120, **kw)  # fmt: skip
+        proc = subprocess.run(
+            argv, stdout=out, stderr=subprocess.PIPE, text=True, cwd=cwd, env=ENV, timeout=120, **kw
+        )
     return proc
 
 
 def _head_1(argv: list[str], cwd: Path) -> tuple[str, int, str]:
     """``argv | head -1``: the first line, then the read end closed; (line, rc, stderr)."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
-                            env=ENV)  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=ENV)
     try:
         assert proc.stdout is not None and proc.stderr is not None
         line = proc.stdout.readline().decode()
@@ -73,8 +73,13 @@ def _hpc(*args: str) -> list[str]:
 
 def _local_run(tmp_path: Path, command: str) -> Path:
     """A finished ``hpc run`` of ``bash -c command`` in tmp_path/runs; its run directory."""
-    proc = subprocess.run(_hpc("run", "--runs-dir", "runs", "--", "bash", "-c", command),
-                          cwd=tmp_path, env=ENV, capture_output=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        _hpc("run", "--runs-dir", "runs", "--", "bash", "-c", command),
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     (run,) = (tmp_path / "runs").iterdir()
     return run
@@ -90,10 +95,14 @@ def test_hpc_logs_into_head_exits_141_without_a_traceback(tmp_path: Path) -> Non
     assert (rc, err) == (SIGPIPE_EXIT, "")
 
 
-@pytest.mark.parametrize("argv", [
-    ["render", "--cluster", "slurm", "--queue", "debug", "--", "python", "t.py"],
-    ["clusters"],  # rich's table (rich exits 1 itself on a closed pipe)
-], ids=["render", "clusters"])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["render", "--cluster", "slurm", "--queue", "debug", "--", "python", "t.py"],
+        ["clusters"],  # rich's table (rich exits 1 itself on a closed pipe)
+    ],
+    ids=["render", "clusters"],
+)
 def test_hpc_with_no_reader_exits_141_and_says_nothing(argv: list[str], tmp_path: Path) -> None:
     proc = _quiet_exit(_hpc(*argv), tmp_path)
     assert (proc.returncode, proc.stderr) == (SIGPIPE_EXIT, "")
@@ -119,17 +128,25 @@ def test_hpc_sweep_shell_with_no_reader(tmp_path: Path) -> None:
     from hpc.sweep import tasks_from_flags, write_manifest
 
     write_manifest(tmp_path, tasks_from_flags(["optim.lr=1,2"]))
-    proc = _quiet_exit([sys.executable, "-m", "hpc.sweep", "shell", str(tmp_path), "--index",
-                        "1"], tmp_path)  # fmt: skip
+    proc = _quiet_exit(
+        [sys.executable, "-m", "hpc.sweep", "shell", str(tmp_path), "--index", "1"], tmp_path
+    )
     assert (proc.returncode, proc.stderr) == (SIGPIPE_EXIT, "")
 
 
-@pytest.mark.parametrize(("argv", "exits"), [
-    (["ddp", "--list"], (SIGPIPE_EXIT,)), (["ddp.exec", "--help"], (SIGPIPE_EXIT,)),
-    (["ddp", "--help"], HELP_EXITS), (["ddp.data", "--help"], HELP_EXITS),
-], ids=lambda v: " ".join(v) if isinstance(v, list) else "")
-def test_ddp_entry_points_with_no_reader(argv: list[str], exits: tuple[int, ...],
-                                         tmp_path: Path) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("argv", "exits"),
+    [
+        (["ddp", "--list"], (SIGPIPE_EXIT,)),
+        (["ddp.exec", "--help"], (SIGPIPE_EXIT,)),
+        (["ddp", "--help"], HELP_EXITS),
+        (["ddp.data", "--help"], HELP_EXITS),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else "",
+)
+def test_ddp_entry_points_with_no_reader(
+    argv: list[str], exits: tuple[int, ...], tmp_path: Path
+) -> None:
     proc = _quiet_exit([sys.executable, "-m", *argv], tmp_path)
     assert proc.returncode in exits and proc.stderr == "", proc.stderr
 
@@ -182,8 +199,9 @@ def test_hpc_run_into_head_keeps_the_job_alive_and_logged(tmp_path: Path) -> Non
 
 
 def test_hpc_run_with_no_reader_from_the_start(tmp_path: Path) -> None:
-    proc = _quiet_exit(_hpc("run", "--runs-dir", "runs", "--", "bash", "-c", f"{SPEW}; exit 4"),
-                       tmp_path)  # fmt: skip
+    proc = _quiet_exit(
+        _hpc("run", "--runs-dir", "runs", "--", "bash", "-c", f"{SPEW}; exit 4"), tmp_path
+    )
     assert proc.returncode == 4 and "Traceback" not in proc.stderr, proc.stderr
     assert len(_log_lines(tmp_path)) == LINES
     assert (_record(tmp_path)["state"], _record(tmp_path)["exit_code"]) == ("FAILED", 4)
@@ -198,9 +216,15 @@ def test_hpc_run_whose_log_cannot_grow_still_passes_every_line_on(tmp_path: Path
     def small_files() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    proc = subprocess.run(_hpc("run", "--runs-dir", "runs", "--", "bash", "-c", SPEW),
-                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120,
-                          preexec_fn=small_files)  # fmt: skip
+    proc = subprocess.run(
+        _hpc("run", "--runs-dir", "runs", "--", "bash", "-c", SPEW),
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=small_files,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [f"line {i}" for i in range(1, LINES + 1)]
     err = [ln for ln in proc.stderr.splitlines() if ln.startswith("hpc:")]
@@ -221,18 +245,33 @@ echo never
 """
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1,
-                                    signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR2,
-                                    signal.SIGALRM, signal.SIGCONT],
-                         ids=lambda s: s.name)  # fmt: skip
+@pytest.mark.parametrize(
+    "signum",
+    [
+        signal.SIGINT,
+        signal.SIGTERM,
+        signal.SIGUSR1,
+        signal.SIGHUP,
+        signal.SIGQUIT,
+        signal.SIGUSR2,
+        signal.SIGALRM,
+        signal.SIGCONT,
+    ],
+    ids=lambda s: s.name,
+)
 def test_hpc_run_passes_signals_to_the_job_and_exits_with_its_status(
     signum: signal.Signals, tmp_path: Path
 ) -> None:
     name = signum.name.removeprefix("SIG")
-    proc = subprocess.Popen(_hpc("run", "--runs-dir", "runs", "--", "bash", "-c",
-                                 TRAPPER.format(name=name)),
-                            cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=default_signals)  # fmt: skip
+    proc = subprocess.Popen(
+        _hpc("run", "--runs-dir", "runs", "--", "bash", "-c", TRAPPER.format(name=name)),
+        cwd=tmp_path,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=default_signals,
+    )
     try:
         wait_until((tmp_path / "ready").exists, 60, "the job to set its trap")
         proc.send_signal(signum)
@@ -265,9 +304,13 @@ def test_a_signal_while_the_start_is_recorded_reaches_the_job(name: str, tmp_pat
     between ended hpc and left the job running with nobody reading its output."""
     script = tmp_path / "job.sh"
     script.write_text(f"echo $$ > {tmp_path / 'pid'}\nexec sleep 60\n")
-    proc = subprocess.run([sys.executable, "-c", RECEIVER.format(name=name), str(script),
-                           str(tmp_path)], env=ENV, capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", RECEIVER.format(name=name), str(script), str(tmp_path)],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     try:
         signum = getattr(signal, name)
         assert (proc.returncode, proc.stdout.strip()) == (0, str(128 + signum)), proc.stderr
@@ -287,10 +330,12 @@ def test_hpc_run_of_a_sweep_stops_after_the_signalled_task_with_its_status(tmp_p
     """The sweep's loop is a shell of its own: it must let the running task answer the
     signal, start no further task, and end with that task's status (it died of the
     signal before, 143, whatever the task did)."""
-    argv = _hpc("run", "--runs-dir", "runs", "--sweep", "optim.lr=1,2", "--", "bash", "-c",
-                SWEEP_TASK)  # fmt: skip
-    proc = subprocess.Popen(argv, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    argv = _hpc(
+        "run", "--runs-dir", "runs", "--sweep", "optim.lr=1,2", "--", "bash", "-c", SWEEP_TASK
+    )
+    proc = subprocess.Popen(
+        argv, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         wait_until(lambda: any((tmp_path / "runs").glob("*/*/ready")), 60, "task 0 to start")
         proc.send_signal(signal.SIGTERM)
@@ -311,11 +356,15 @@ def test_hpc_logs_follow_ends_when_its_reader_leaves_though_the_job_writes_nothi
     """`hpc logs -f RUN | grep -m1 started`: grep leaves at once, the job goes on
     quietly for hours; hpc must notice its reader is gone (as tail -f does) instead of
     following until the job ends."""
-    job = subprocess.Popen(_hpc("run", "--runs-dir", "runs", "--", "bash", "-c",
-                                "echo started; sleep 600"),
-                           cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)  # fmt: skip
+    job = subprocess.Popen(
+        _hpc("run", "--runs-dir", "runs", "--", "bash", "-c", "echo started; sleep 600"),
+        cwd=tmp_path,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
+
         def started() -> bool:
             found = list((tmp_path / "runs").glob("*/output.log"))
             return bool(found) and "started" in found[0].read_text()
@@ -338,13 +387,23 @@ def test_training_whose_stdout_reader_left_goes_on_quietly(tmp_path: Path) -> No
     from tests.support.parts import require
 
     require(importlib.util.find_spec("torch") is not None, "torch is not installed")
-    argv = [sys.executable, "-m", "ddp", "gnn", "--max_steps", "6", "--set",
-            "logging.every_n_steps=1", "checkpoint.dir=" + str(tmp_path / "ck")]
+    argv = [
+        sys.executable,
+        "-m",
+        "ddp",
+        "gnn",
+        "--max_steps",
+        "6",
+        "--set",
+        "logging.every_n_steps=1",
+        "checkpoint.dir=" + str(tmp_path / "ck"),
+    ]
     proc = _quiet_exit(argv, tmp_path)  # no reader from the first line on
     err = proc.stderr
     assert proc.returncode == 0 and "Traceback" not in err and "Logging error" not in err, err
-    steps = [json.loads(ln)["step"] for ln in (tmp_path / "ck" / "metrics.jsonl").open()
-             if "loss" in ln]  # fmt: skip
+    steps = [
+        json.loads(ln)["step"] for ln in (tmp_path / "ck" / "metrics.jsonl").open() if "loss" in ln
+    ]
     assert steps and max(steps) == 6
 
 
@@ -360,12 +419,26 @@ def test_hpc_run_of_the_trainer_passes_the_preemption_signal_on(
 
     require(importlib.util.find_spec("torch") is not None, "torch is not installed")
     ck = tmp_path / "ck"
-    argv = _hpc("run", "--runs-dir", "runs", "--", sys.executable, "-m", "ddp", "gnn",
-                "--epochs", "100000", "--set", "logging.every_n_steps=1",
-                f"checkpoint.dir={ck}")  # fmt: skip
-    proc = subprocess.Popen(argv, cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    argv = _hpc(
+        "run",
+        "--runs-dir",
+        "runs",
+        "--",
+        sys.executable,
+        "-m",
+        "ddp",
+        "gnn",
+        "--epochs",
+        "100000",
+        "--set",
+        "logging.every_n_steps=1",
+        f"checkpoint.dir={ck}",
+    )
+    proc = subprocess.Popen(
+        argv, cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     try:
+
         def stepping() -> bool:  # the trainer's metrics go to its run directory
             found = list((tmp_path / "runs").glob("*/metrics.jsonl"))
             return bool(found) and '"loss"' in found[0].read_text()

@@ -47,32 +47,56 @@ def add(a: int, b: int) -> int:
 
 
 def test_import_hpc_stays_free_of_submitit_and_torch() -> None:
-    code = ("import sys, hpc; hpc.executor; hpc.distributed; "
-            "print('submitit' in sys.modules, 'torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], env=clean_env(), check=True,
-                         capture_output=True, text=True).stdout
+    code = (
+        "import sys, hpc; hpc.executor; hpc.distributed; "
+        "print('submitit' in sys.modules, 'torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=clean_env(), check=True, capture_output=True, text=True
+    ).stdout
     assert out.split() == ["False", "False"]
     assert hpc.executor is api.executor and hpc.distributed is ranks.distributed
 
 
-@pytest.mark.parametrize(("kwargs", "flags"), [
-    ({}, []),
-    ({"cluster": "auroar"}, ["--cluster", "auroar"]),
-    ({"cluster": "aurora"}, ["--cluster", "aurora"]),  # no account
-    ({"cluster": "aurora", "nodes": 3, "queue": "debug", "account": "p"},
-     ["--cluster", "aurora", "--nodes", "3", "--queue", "debug", "--account", "p"]),
-    ({"cluster": "aurora", "ppn": 13, "account": "p"},
-     ["--cluster", "aurora", "--ppn", "13", "--account", "p"]),
-    ({"cluster": "aurora", "account": "p", "gpus_per_node": 2},
-     ["--cluster", "aurora", "--account", "p", "--gpus-per-node", "2"]),
-    ({"cluster": "perlmutter", "account": "m1_g", "queue": "debug", "walltime": "01:00:00"},
-     ["--cluster", "perlmutter", "--account", "m1_g", "--queue", "debug", "--walltime", "01:00:00"]),
-    ({"cluster": "slurm", "walltime": "1:00"}, ["--cluster", "slurm", "--walltime", "1:00"]),
-    ({"cluster": "slurm", "account": "a b"}, ["--cluster", "slurm", "--account", "a b"]),
-    ({"cluster": "local", "nodes": 2}, ["--cluster", "local", "--nodes", "2"]),
-])
-def test_same_user_error_as_the_cli(kwargs: dict[str, Any], flags: list[str], tmp_path: Path,
-                                    capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("kwargs", "flags"),
+    [
+        ({}, []),
+        ({"cluster": "auroar"}, ["--cluster", "auroar"]),
+        ({"cluster": "aurora"}, ["--cluster", "aurora"]),  # no account
+        (
+            {"cluster": "aurora", "nodes": 3, "queue": "debug", "account": "p"},
+            ["--cluster", "aurora", "--nodes", "3", "--queue", "debug", "--account", "p"],
+        ),
+        (
+            {"cluster": "aurora", "ppn": 13, "account": "p"},
+            ["--cluster", "aurora", "--ppn", "13", "--account", "p"],
+        ),
+        (
+            {"cluster": "aurora", "account": "p", "gpus_per_node": 2},
+            ["--cluster", "aurora", "--account", "p", "--gpus-per-node", "2"],
+        ),
+        (
+            {"cluster": "perlmutter", "account": "m1_g", "queue": "debug", "walltime": "01:00:00"},
+            [
+                "--cluster",
+                "perlmutter",
+                "--account",
+                "m1_g",
+                "--queue",
+                "debug",
+                "--walltime",
+                "01:00:00",
+            ],
+        ),
+        ({"cluster": "slurm", "walltime": "1:00"}, ["--cluster", "slurm", "--walltime", "1:00"]),
+        ({"cluster": "slurm", "account": "a b"}, ["--cluster", "slurm", "--account", "a b"]),
+        ({"cluster": "local", "nodes": 2}, ["--cluster", "local", "--nodes", "2"]),
+    ],
+)
+def test_same_user_error_as_the_cli(
+    kwargs: dict[str, Any], flags: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(UserError) as exc:
         hpc.executor(folder=tmp_path, **kwargs)
     assert cli_main(["render", *flags, "--", "python", "train.py"]) == 2
@@ -96,7 +120,9 @@ def test_unknown_and_refused_keywords(tmp_path: Path) -> None:
         hpc.executor(cluster="local", folder=tmp_path, submitit_parameters={"visible_gpus": 5})
 
 
-def test_slurm_without_srun_is_a_user_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_slurm_without_srun_is_a_user_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(UserError, match="srun is not on PATH"):
         hpc.executor(cluster="slurm", folder=tmp_path / "f")
@@ -109,29 +135,55 @@ def test_slurm_parameters_from_the_frontier_profile(tmp_path: Path) -> None:
     from submitit.slurm.slurm import _make_sbatch_string
 
     value = "a b; $(touch pwned) 'q'"
-    job = api.resolve(None, {"cluster": "frontier", "account": "proj123", "nodes": 2,
-                                    "walltime": "01:30:00", "env": {"X": value},
-                                    "directives": ["--mail-type=END"], "requeue": True})
+    job = api.resolve(
+        None,
+        {
+            "cluster": "frontier",
+            "account": "proj123",
+            "nodes": 2,
+            "walltime": "01:30:00",
+            "env": {"X": value},
+            "directives": ["--mail-type=END"],
+            "requeue": True,
+        },
+    )
     params = exparams.slurm_parameters(job)
     assert params["srun_args"] == ["--gpus-per-task=1", "--gpu-bind=closest", "--cpus-per-task=7"]
-    text = _make_sbatch_string(command="python -u -m submitit.core._submit F", folder=tmp_path,
-                               **params)
-    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
-                 "#SBATCH --cpus-per-task=7", "#SBATCH --time=90", "#SBATCH --partition=batch",
-                 "#SBATCH --account=proj123", "#SBATCH --job-name=submitit",
-                 "#SBATCH --signal=USR2@90", "#SBATCH --requeue", "#SBATCH --mail-type=END",
-                 "module load PrgEnv-gnu", "module load rccl-net-plugin",
-                 "export NCCL_SOCKET_IFNAME=hsn0,hsn1,hsn2,hsn3"):
+    text = _make_sbatch_string(
+        command="python -u -m submitit.core._submit F", folder=tmp_path, **params
+    )
+    for line in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=8",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --cpus-per-task=7",
+        "#SBATCH --time=90",
+        "#SBATCH --partition=batch",
+        "#SBATCH --account=proj123",
+        "#SBATCH --job-name=submitit",
+        "#SBATCH --signal=USR2@90",
+        "#SBATCH --requeue",
+        "#SBATCH --mail-type=END",
+        "module load PrgEnv-gnu",
+        "module load rccl-net-plugin",
+        "export NCCL_SOCKET_IFNAME=hsn0,hsn1,hsn2,hsn3",
+    ):
         assert line in text.splitlines(), line
     export = next(ln for ln in params["setup"] if ln.startswith("export X="))
-    shown = subprocess.run(["bash", "-c", f'{export}; printf %s "$X"'], cwd=tmp_path,
-                           capture_output=True, text=True, check=True).stdout
+    shown = subprocess.run(
+        ["bash", "-c", f'{export}; printf %s "$X"'],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert shown == value and not (tmp_path / "pwned").exists()
 
 
 def test_slurm_qos_constraint_and_signal() -> None:
-    job = api.resolve(None, {"cluster": "perlmutter", "account": "m1_g", "queue": "debug",
-                                    "signal": "USR1@120"})
+    job = api.resolve(
+        None, {"cluster": "perlmutter", "account": "m1_g", "queue": "debug", "signal": "USR1@120"}
+    )
     params = exparams.slurm_parameters(job)
     assert params["qos"] == "debug" and "partition" not in params
     assert params["constraint"] == "gpu" and params["gpus_per_node"] == 4
@@ -139,15 +191,18 @@ def test_slurm_qos_constraint_and_signal() -> None:
     assert params["additional_parameters"]["signal"] == "USR1@120"
     assert "export SUBMITIT_PREEMPT_SIGNAL=USR1" in params["setup"]
     with pytest.raises(UserError, match="^directives: '-N 2' cannot be passed"):
-        exparams.slurm_parameters(api.resolve(None, {"cluster": "slurm",
-                                                              "directives": ["-N 2"]}))
+        exparams.slurm_parameters(api.resolve(None, {"cluster": "slurm", "directives": ["-N 2"]}))
 
 
 def test_local_parameters() -> None:
-    job = api.resolve(None, {"cluster": "local", "ppn": 3, "walltime": "00:02:00",
-                                    "env": {"A": "x y"}})
+    job = api.resolve(
+        None, {"cluster": "local", "ppn": 3, "walltime": "00:02:00", "env": {"A": "x y"}}
+    )
     assert exparams.local_parameters(job) == {
-        "nodes": 1, "tasks_per_node": 3, "timeout_min": 2.0, "signal_delay_s": 90,
+        "nodes": 1,
+        "tasks_per_node": 3,
+        "timeout_min": 2.0,
+        "signal_delay_s": 90,
         "setup": ["export A='x y'"],
     }
 
@@ -174,7 +229,9 @@ class Resumable(submitit.helpers.Checkpointable):
         return super().checkpoint(*args, **kwargs)
 
 
-def test_distributed_wrapper_pickles_and_forwards_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_distributed_wrapper_pickles_and_forwards_checkpoint(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
     wrapped = hpc.distributed(add)
     assert not hasattr(wrapped, "checkpoint")  # submitit would call it on preemption
@@ -188,11 +245,24 @@ def test_distributed_wrapper_pickles_and_forwards_checkpoint(monkeypatch: pytest
 
 
 def test_rank_env_from_a_job_environment() -> None:
-    env = SimpleNamespace(job_id="4242", global_rank=3, local_rank=1, num_tasks=4, num_nodes=2,
-                          node=1, hostnames=["nodeA", "nodeB"])
+    env = SimpleNamespace(
+        job_id="4242",
+        global_rank=3,
+        local_rank=1,
+        num_tasks=4,
+        num_nodes=2,
+        node=1,
+        hostnames=["nodeA", "nodeB"],
+    )
     assert ranks.rank_env(env) == {
-        "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
-        "GROUP_RANK": "1", "NODE_RANK": "1", "MASTER_ADDR": "nodeA", "MASTER_PORT": "24242",
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "1",
+        "NODE_RANK": "1",
+        "MASTER_ADDR": "nodeA",
+        "MASTER_PORT": "24242",
     }
     one_node = SimpleNamespace(**{**vars(env), "num_nodes": 1, "node": 0, "hostnames": ["vm"]})
     assert ranks.rank_env(one_node)["MASTER_ADDR"] == "127.0.0.1"
@@ -202,7 +272,9 @@ def test_rank_env_from_a_job_environment() -> None:
 # --- laptop executors (local, debug) -------------------------------------------------------
 
 
-def test_local_executor_leaves_a_run_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_local_executor_leaves_a_run_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     ex = hpc.executor(cluster="local", name="adder")
     assert isinstance(ex, submitit.LocalExecutor)
@@ -267,8 +339,9 @@ CRED_EXPIRE_S = 10  # AuthInfo=...,cred_expire=10 in tests/support/slurm.py
 
 
 def slurm_executor(cluster: Any, folder: Path, **kwargs: Any) -> Any:
-    return hpc.executor(cluster="slurm", queue=cluster.partition, walltime="00:05:00",
-                        folder=folder, **kwargs)
+    return hpc.executor(
+        cluster="slurm", queue=cluster.partition, walltime="00:05:00", folder=folder, **kwargs
+    )
 
 
 @pytest.mark.slurm
@@ -352,14 +425,16 @@ def test_slurm_checkpointable_requeued(slurm_cluster: Any, tmp_path: Path) -> No
 
     def finished() -> bool:
         show = slurm_cluster.run("scontrol", "show", "job", "-o", job.job_id, check=False).stdout
-        seen.add(" ".join(w for w in show.split()
-                          if w.startswith(("JobState=", "Reason=", "Restarts="))))
+        seen.add(
+            " ".join(w for w in show.split() if w.startswith(("JobState=", "Reason=", "Restarts=")))
+        )
         if "Restarts=1" in show and "JobState=PENDING" in show:
             if not pending_since:
                 pending_since.append(time.monotonic())
             elif time.monotonic() - pending_since[0] > CRED_EXPIRE_S + 1:
-                slurm_cluster.run("scontrol", "update", f"JobId={job.job_id}", "StartTime=now",
-                                  check=False)
+                slurm_cluster.run(
+                    "scontrol", "update", f"JobId={job.job_id}", "StartTime=now", check=False
+                )
         return job.done()
 
     try:

@@ -35,20 +35,46 @@ def _cluster(request: pytest.FixtureRequest) -> object:
 @pytest.mark.slurm
 def test_sbatch_test_only_accepts_checked_in_script(request: pytest.FixtureRequest) -> None:
     cluster = _cluster(request)
-    proc = cluster.run("sbatch", "--test-only", str(REPO / "jobs" / "uniref50.slurm"),  # type: ignore[attr-defined]
-                       check=False)
+    proc = cluster.run(
+        "sbatch",
+        "--test-only",
+        str(REPO / "jobs" / "uniref50.slurm"),  # type: ignore[attr-defined]
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "to start at" in proc.stderr
 
 
 @pytest.mark.slurm
-def test_submit_and_follow_a_job(request: pytest.FixtureRequest, tmp_path: Path,
-                                 monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_submit_and_follow_a_job(
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     _cluster(request)
     monkeypatch.chdir(tmp_path)
-    argv = ["submit", "--cluster", "slurm", "--ppn", "2", "--name", "hpc probe", "--wrap", "never",
-            "--walltime", "00:05:00", "--runs-dir", "runs", "--",
-            "bash", "-c", 'echo "rank=$SLURM_PROCID arg=$1"', "_", "a b;$(x)"]
+    argv = [
+        "submit",
+        "--cluster",
+        "slurm",
+        "--ppn",
+        "2",
+        "--name",
+        "hpc probe",
+        "--wrap",
+        "never",
+        "--walltime",
+        "00:05:00",
+        "--runs-dir",
+        "runs",
+        "--",
+        "bash",
+        "-c",
+        'echo "rank=$SLURM_PROCID arg=$1"',
+        "_",
+        "a b;$(x)",
+    ]
     assert main(argv) == 0
     job_id = capsys.readouterr().out.strip()
     assert job_id.isdigit()
@@ -74,10 +100,18 @@ def test_aurora_script_runs_under_pals_shim(pals_mpiexec: Path, tmp_path: Path) 
     script torchrun's variables."""
     from tests.support.pals import pbs_env
 
-    code = ("import os; e = os.environ; "  # one write per rank: lines never interleave
-            "os.write(1, f\"R {e['RANK']} {e['LOCAL_RANK']} {e['WORLD_SIZE']}\\n\".encode())")
-    job = make_job("aurora", account="p", nodes="1", ppn="2", command=[sys.executable, "-c", code],
-                   env={"DDP_MASTER_ADDR_SUFFIX": ""})
+    code = (
+        "import os; e = os.environ; "  # one write per rank: lines never interleave
+        "os.write(1, f\"R {e['RANK']} {e['LOCAL_RANK']} {e['WORLD_SIZE']}\\n\".encode())"
+    )
+    job = make_job(
+        "aurora",
+        account="p",
+        nodes="1",
+        ppn="2",
+        command=[sys.executable, "-c", code],
+        env={"DDP_MASTER_ADDR_SUFFIX": ""},
+    )
     assert job.wrapped
     script = tmp_path / "job.pbs"
     script.write_text(render(job))
@@ -88,8 +122,9 @@ def test_aurora_script_runs_under_pals_shim(pals_mpiexec: Path, tmp_path: Path) 
     env = dict(os.environ, **pbs_env(tmp_path, workdir=tmp_path))
     env["PATH"] = os.pathsep.join([str(pals_mpiexec), str(fake), env["PATH"]])
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        ["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # PALS --label: each line under its rank's "N: " (per-rank files off: issue 31)
     ranks = sorted(ln for ln in proc.stdout.splitlines() if ": R " in ln)

@@ -51,17 +51,37 @@ def test_resume_keeps_the_earlier_log(tmp_path, monkeypatch, capfd):
 def test_concurrent_resumes_lose_no_submission(tmp_path, monkeypatch, fake_bin):
     counter = tmp_path / "n"
     counter.write_text("0")
-    fake_bin("sbatch", f'flock {counter} bash -c \'n=$(( $(cat {counter}) + 1 )); echo $n > {counter}; '
-                       'echo "Submitted batch job 10$n"\'')  # fmt: skip
+    fake_bin(
+        "sbatch",
+        f"flock {counter} bash -c 'n=$(( $(cat {counter}) + 1 )); echo $n > {counter}; "
+        'echo "Submitted batch job 10$n"\'',
+    )
     monkeypatch.chdir(tmp_path)
     assert main(["submit", "--cluster", "slurm", "--runs-dir", "runs", "--", "true"]) == 0
     (run,) = (tmp_path / "runs").iterdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
 
     def resume() -> None:
-        subprocess.run([sys.executable, "-m", "hpc", "submit", "--cluster", "slurm",
-                        "--runs-dir", "runs", "--resume", str(run), "--", "true"],
-                       env=env, cwd=tmp_path, capture_output=True, check=True)  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "hpc",
+                "submit",
+                "--cluster",
+                "slurm",
+                "--runs-dir",
+                "runs",
+                "--resume",
+                str(run),
+                "--",
+                "true",
+            ],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            check=True,
+        )
 
     threads = [threading.Thread(target=resume) for _ in range(4)]
     for t in threads:
@@ -75,8 +95,9 @@ def test_concurrent_resumes_lose_no_submission(tmp_path, monkeypatch, fake_bin):
 
 
 # ---- item 8: '%' in the runs directory on SLURM ---------------------------------------
-def test_percent_in_runs_dir_refused_on_slurm_before_writing(tmp_path, monkeypatch,
-                                                                 capsys, fake_bin):  # fmt: skip
+def test_percent_in_runs_dir_refused_on_slurm_before_writing(
+    tmp_path, monkeypatch, capsys, fake_bin
+):
     fake_bin("sbatch", "echo 'Submitted batch job 5'")
     monkeypatch.chdir(tmp_path)
     assert main(["submit", "--cluster", "slurm", "--runs-dir", "r%j", "--", "true"]) == 2
@@ -148,8 +169,11 @@ def test_status_refuses_empty_or_several_ids(ident, tmp_path, capsys):
 def test_cancel_of_an_unknown_job_reports_the_refusal(fake_bin, tmp_path, capsys):
     # What SLURM 22.05's scancel does: the error on stderr, exit status 0.
     fake_bin("squeue", "exit 0")
-    fake_bin("scancel", "echo 'scancel: error: Kill job error on job id 99999999: "
-                        "Invalid job id specified' >&2; exit 0")  # fmt: skip
+    fake_bin(
+        "scancel",
+        "echo 'scancel: error: Kill job error on job id 99999999: "
+        "Invalid job id specified' >&2; exit 0",
+    )
     assert main(["cancel", "99999999", "--runs-dir", str(tmp_path)]) != 0
     assert "Invalid job id" in _one_error_line(capsys)
 
@@ -165,9 +189,13 @@ def test_damaged_run_record_is_one_line(content, tmp_path, capsys):
 
 def test_status_and_cancel_work_while_hpc_run_runs(tmp_path, monkeypatch):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
-    proc = subprocess.Popen([sys.executable, "-m", "hpc", "run", "--runs-dir", "runs", "--",
-                             "sleep", "60"], env=env, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpc", "run", "--runs-dir", "runs", "--", "sleep", "60"],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         from tests.support.polling import wait_until
 
@@ -179,11 +207,21 @@ def test_status_and_cancel_work_while_hpc_run_runs(tmp_path, monkeypatch):
 
         wait_until(recorded, timeout=30, what="the run to record its job id")
         run = rec_path[0].parent
-        status = subprocess.run([sys.executable, "-m", "hpc", "status", str(run)], env=env,
-                                capture_output=True, text=True, cwd=tmp_path)  # fmt: skip
+        status = subprocess.run(
+            [sys.executable, "-m", "hpc", "status", str(run)],
+            env=env,
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+        )
         assert status.returncode == 0 and status.stdout.strip().endswith("RUNNING"), status
-        cancel = subprocess.run([sys.executable, "-m", "hpc", "cancel", str(run)], env=env,
-                                capture_output=True, text=True, cwd=tmp_path)  # fmt: skip
+        cancel = subprocess.run(
+            [sys.executable, "-m", "hpc", "cancel", str(run)],
+            env=env,
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+        )
         assert cancel.returncode == 0, cancel.stderr
         assert proc.wait(timeout=30) != 0
         assert json.loads((run / "run.json").read_text())["state"] == "FAILED"
@@ -200,9 +238,25 @@ def test_hpc_run_passes_sigterm_on_to_the_whole_job(tmp_path):
     from tests.support.polling import wait_until
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
-    proc = subprocess.Popen([sys.executable, "-m", "hpc", "run", "--runs-dir", "runs", "--",
-                             "bash", "-c", "sleep 60; echo never"], env=env, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hpc",
+            "run",
+            "--runs-dir",
+            "runs",
+            "--",
+            "bash",
+            "-c",
+            "sleep 60; echo never",
+        ],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         records: list[Path] = []
 

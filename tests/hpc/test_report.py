@@ -20,12 +20,30 @@ def _lines(lr: float, steps: int = 60, t0: float = 1000.0, every: int = 20) -> l
     """What the trainer writes: train lines each step, an eval line every ``every``."""
     recs: list[dict] = []
     for step in range(1, steps + 1):
-        recs.append({"kind": "train", "step": step, "epoch": 0, "time": t0 + step,
-                     "loss": 2.0 * math.exp(-lr * step), "lr": lr, "samples_per_s": 100.0 * (1 + lr),
-                     "step_time_s": 0.01, "memory_mb": 12.5})  # fmt: skip
+        recs.append(
+            {
+                "kind": "train",
+                "step": step,
+                "epoch": 0,
+                "time": t0 + step,
+                "loss": 2.0 * math.exp(-lr * step),
+                "lr": lr,
+                "samples_per_s": 100.0 * (1 + lr),
+                "step_time_s": 0.01,
+                "memory_mb": 12.5,
+            }
+        )
         if step % every == 0:
-            recs.append({"kind": "eval", "step": step, "epoch": 0, "time": t0 + step,
-                         "loss": 2.1 * math.exp(-lr * step), "accuracy": 0.5})  # fmt: skip
+            recs.append(
+                {
+                    "kind": "eval",
+                    "step": step,
+                    "epoch": 0,
+                    "time": t0 + step,
+                    "loss": 2.1 * math.exp(-lr * step),
+                    "accuracy": 0.5,
+                }
+            )
     return recs
 
 
@@ -158,9 +176,15 @@ def test_nan_and_inf_do_not_crash(tmp_path: Path):
 
 
 def test_a_step_logged_twice_keeps_the_last(tmp_path: Path):
-    recs = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}, {"step": 1, "loss": 1.0},
-            {"kind": "other", "step": 3, "loss": 9.0}, {"step": True, "loss": 9.0},
-            {"step": 2**60, "loss": 9.0}, {"step": 4, "loss": "9", "lr": None}]  # fmt: skip
+    recs = [
+        {"step": 1, "loss": 3.0},
+        {"step": 2, "loss": 2.0},
+        {"step": 1, "loss": 1.0},
+        {"kind": "other", "step": 3, "loss": 9.0},
+        {"step": True, "loss": 9.0},
+        {"step": 2**60, "loss": 9.0},
+        {"step": 4, "loss": "9", "lr": None},
+    ]
     series = rpt.read_metrics(_write(tmp_path / "m.jsonl", recs), "r")
     assert series.train == {"loss": [(1, 1.0), (2, 2.0)]}
 
@@ -308,8 +332,9 @@ def test_cli_report_of_a_bracketed_run_exits_0(tmp_path: Path, capsys: pytest.Ca
     ],
     ids=["one-huge", "all-huge-equal", "both-signs", "non-finite", "all-nan"],
 )
-def test_huge_and_non_finite_values_are_gaps_with_a_note(losses: list[float], left_out: str,
-                                                        tmp_path: Path):  # fmt: skip
+def test_huge_and_non_finite_values_are_gaps_with_a_note(
+    losses: list[float], left_out: str, tmp_path: Path
+):
     """Two points at 1e308 raised ``ValueError: arange: cannot compute length`` inside
     matplotlib; now such points are gaps in the line, each series says how many."""
     from rich.console import Console
@@ -344,8 +369,9 @@ def test_the_png_has_the_mode_of_the_runs_other_files(umask: int, tmp_path: Path
 
 
 @pytest.mark.parametrize("kind", ["fifo", "char-device", "link-to-device"])
-def test_output_onto_what_is_not_a_regular_file_is_refused_and_left_alone(kind: str,
-                                                                          tmp_path: Path):  # fmt: skip
+def test_output_onto_what_is_not_a_regular_file_is_refused_and_left_alone(
+    kind: str, tmp_path: Path
+):
     """``-o /dev/null`` as root replaced the device with a PNG (os.replace over it); a
     device node or FIFO made here stands in for /dev/null."""
     import os

@@ -31,10 +31,16 @@ def _sweep_run(runs_dir: Path, scheduler: str, job_id: str, n: int = N_TASKS) ->
     """A sweep run's record as ``hpc submit --sweep`` writes it (n tasks)."""
     run = runs_dir / "sweep-1"
     run.mkdir(parents=True)
-    runs.write_record(run, {
-        "name": "sweep", "cluster": scheduler, "scheduler": scheduler, "job_id": job_id,
-        "sweep": [{"index": i, "label": f"x={i}", "dir": f"{i:03d}-x-{i}"} for i in range(n)],
-    })
+    runs.write_record(
+        run,
+        {
+            "name": "sweep",
+            "cluster": scheduler,
+            "scheduler": scheduler,
+            "job_id": job_id,
+            "sweep": [{"index": i, "label": f"x={i}", "dir": f"{i:03d}-x-{i}"} for i in range(n)],
+        },
+    )
     return run
 
 
@@ -59,8 +65,11 @@ def test_status_of_a_1000_task_slurm_sweep_is_one_squeue_call(fake_bin, tmp_path
 def _qstat_array_json(number: int, n: int, server: str = "srv", state: str = "Q") -> str:
     jobs = {f"{number}[].{server}": {"job_state": "B", "array": "True"}}
     for i in range(n):
-        jobs[f"{number}[{i}].{server}"] = {"job_state": state, "array_index": str(i),
-                                           "array_id": f"{number}[].{server}"}
+        jobs[f"{number}[{i}].{server}"] = {
+            "job_state": state,
+            "array_index": str(i),
+            "array_id": f"{number}[].{server}",
+        }
     return json.dumps({"pbs_version": "23.06", "Jobs": jobs}, indent=4)
 
 
@@ -115,8 +124,11 @@ def test_slurm_sacct_fallback_reads_a_pending_array_range(fake_bin):
     """Past squeue and scontrol: ``sacct`` prints an array not started as ``N_[a-b]``."""
     fake_bin("squeue", "exit 1")
     fake_bin("scontrol", "exit 1")
-    fake_bin("sacct", """if [ "$1" = "-c" ]; then printf '9_0|COMPLETED\\n9_[1-3%%2]|PENDING\\n'; else
-echo 'Slurm accounting storage is disabled' >&2; exit 1; fi""")
+    fake_bin(
+        "sacct",
+        """if [ "$1" = "-c" ]; then printf '9_0|COMPLETED\\n9_[1-3%%2]|PENDING\\n'; else
+echo 'Slurm accounting storage is disabled' >&2; exit 1; fi""",
+    )
     states = schedulers.get("slurm").statuses(["9", "9_0", "9_2", "9_7"])
     assert states == {"9": "PENDING", "9_0": "COMPLETED", "9_2": "PENDING", "9_7": "UNKNOWN"}
 
@@ -167,8 +179,9 @@ def test_logs_follow_finds_the_run_once_not_every_poll(tmp_path, monkeypatch, fa
     fake_bin("squeue", "echo '5|5|RUNNING'")
     run = tmp_path / "runs" / "r"
     run.mkdir(parents=True)
-    runs.write_record(run, {"scheduler": "slurm", "cluster": "perlmutter", "job_id": "5",
-                            "name": "t"})
+    runs.write_record(
+        run, {"scheduler": "slurm", "cluster": "perlmutter", "job_id": "5", "name": "t"}
+    )
     found = []
     real = runs.find
     monkeypatch.setattr(runs, "find", lambda *a, **k: found.append(a) or real(*a, **k))
@@ -182,8 +195,9 @@ def test_logs_follow_finds_the_run_once_not_every_poll(tmp_path, monkeypatch, fa
 def test_a_bad_poll_interval_in_a_profile_is_one_line(value, tmp_path):
     folder = tmp_path / "profiles"
     folder.mkdir()
-    (folder / "mine.yaml").write_text(f"extends: slurm\npoll_s: {json.dumps(value)}\n"
-                                      .replace("NaN", ".nan"))
+    (folder / "mine.yaml").write_text(
+        f"extends: slurm\npoll_s: {json.dumps(value)}\n".replace("NaN", ".nan")
+    )
     from hpc import profiles
 
     with pytest.raises(UserError) as info:
@@ -200,8 +214,12 @@ def _many_runs(runs_dir: Path, n: int) -> None:
     for i in range(n):
         run = runs_dir / f"job-{i:05d}"
         run.mkdir()
-        rec = {"name": "job", "scheduler": "pbs", "cluster": "pbs",
-               "job_id": f"{100000 + i}.pbs-01.site.example"}
+        rec = {
+            "name": "job",
+            "scheduler": "pbs",
+            "cluster": "pbs",
+            "job_id": f"{100000 + i}.pbs-01.site.example",
+        }
         (run / "run.json").write_text(json.dumps(rec))
 
 
@@ -223,8 +241,11 @@ def test_a_job_id_lookup_among_10000_records_reads_one_record(tmp_path, monkeypa
     _many_runs(runs_dir, 10_000)
     assert runs.find("100005", runs_dir) is not None  # the first lookup builds the index
     opened = _count_record_reads(monkeypatch)
-    for ident, run in [("107777.pbs-01.site.example", "job-07777"), ("100042", "job-00042"),
-                       ("109999.pbs-01", "job-09999")]:  # another spelling of the server
+    for ident, run in [
+        ("107777.pbs-01.site.example", "job-07777"),
+        ("100042", "job-00042"),
+        ("109999.pbs-01", "job-09999"),
+    ]:  # another spelling of the server
         del opened[:]
         found = runs.find(ident, runs_dir)
         assert found is not None and found[0].name == run
@@ -241,10 +262,30 @@ def test_the_index_keeps_every_entry_of_concurrent_submits(tmp_path, fake_bin):
     _many_runs(runs_dir, 3)
     assert runs.find("100001", runs_dir) is not None  # the index exists from here on
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}:{REPO}"}
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "hpc", "submit", "--cluster", "slurm", "--runs-dir", str(runs_dir),
-         "--name", f"c{i}", "--", "true"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True) for i in range(6)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hpc",
+                "submit",
+                "--cluster",
+                "slurm",
+                "--runs-dir",
+                str(runs_dir),
+                "--name",
+                f"c{i}",
+                "--",
+                "true",
+            ],
+            env=env,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(6)
+    ]
     ids = []
     for proc in procs:
         out, err = proc.communicate(timeout=120)
@@ -282,8 +323,10 @@ def test_a_deleted_or_damaged_index_is_rebuilt_and_never_followed_outside(damage
     elif damage == "binary":
         index.write_bytes(os.urandom(4096))
     elif damage == "outside":  # entries naming folders outside runs/
-        index.write_text('@99999999999999999999\n"100007"\t"../outside"\n"100007"\t"/"\n'
-                         f'"100007"\t{json.dumps(str(outside))}\n')
+        index.write_text(
+            '@99999999999999999999\n"100007"\t"../outside"\n"100007"\t"/"\n'
+            f'"100007"\t{json.dumps(str(outside))}\n'
+        )
     elif damage == "gone":  # the run it names was removed (and another holds the id now)
         index.write_text(f'@{os.stat(runs_dir).st_mtime_ns}\n"100007"\t"job-99999"\n')
     elif damage == "fifo":
@@ -328,8 +371,10 @@ def test_a_read_only_runs_dir_is_still_searched(tmp_path, monkeypatch):
 
 def test_submit_without_a_lookup_leaves_runs_holding_only_runs(tmp_path, fake_bin):
     fake_bin("sbatch", "echo 12")
-    assert main(["submit", "--cluster", "slurm", "--runs-dir", str(tmp_path / "runs"),
-                 "--", "true"]) == 0
+    assert (
+        main(["submit", "--cluster", "slurm", "--runs-dir", str(tmp_path / "runs"), "--", "true"])
+        == 0
+    )
     assert [p.name for p in (tmp_path / "runs").iterdir()] != []
     assert not (tmp_path / "runs" / runs_index.INDEX_DIR).exists()
 
@@ -351,12 +396,20 @@ def test_an_index_that_exists_gets_each_new_record(tmp_path, fake_bin, monkeypat
 def _qstat_file(path: Path, n: int) -> Path:
     """``qstat -x -f -F json`` of ``n`` jobs, each with a realistic few hundred bytes."""
     with path.open("w") as fh:
-        fh.write('{\n    "timestamp":1795475428,\n    "pbs_version":"23.06.06",\n'
-                 '    "pbs_server":"srv",\n    "Jobs":{\n')
+        fh.write(
+            '{\n    "timestamp":1795475428,\n    "pbs_version":"23.06.06",\n'
+            '    "pbs_server":"srv",\n    "Jobs":{\n'
+        )
         for i in range(n):
-            attrs = {"Job_Name": f"job{i}", "job_state": "F", "substate": 92, "Exit_status": 0,
-                     "queue": "debug", "Resource_List": {"ncpus": 1, "select": "1:ncpus=1"},
-                     "Variable_List": {"PBS_O_PATH": "/usr/bin:/bin" * 20, "PBS_O_HOME": "/h"}}
+            attrs = {
+                "Job_Name": f"job{i}",
+                "job_state": "F",
+                "substate": 92,
+                "Exit_status": 0,
+                "queue": "debug",
+                "Resource_List": {"ncpus": 1, "select": "1:ncpus=1"},
+                "Variable_List": {"PBS_O_PATH": "/usr/bin:/bin" * 20, "PBS_O_HOME": "/h"},
+            }
             sep = "," if i < n - 1 else ""
             fh.write(f'        "{i}.srv.example":{json.dumps(attrs, indent=12)}{sep}\n')
         fh.write("    }\n}\n")
@@ -390,9 +443,18 @@ def test_the_streamed_reader_reads_what_the_whole_reader_read(tmp_path, monkeypa
     """Chunks as small as 7 characters: every job, value and escape cut at a chunk
     boundary somewhere; old servers' unescaped backslashes read leniently per job."""
     monkeypatch.setattr(_pbs_json, "_CHUNK", 7)
-    jobs = {f"{i}.s": {"job_state": "R" if i % 2 else "Q", "Exit_status": i, "n": 1.5e3,
-                       "ok": True, "none": None, "list": [1, {"a": "}{]["}],
-                       "comment": 'say "hi" caf\u00e9 \u2603'} for i in range(40)}
+    jobs = {
+        f"{i}.s": {
+            "job_state": "R" if i % 2 else "Q",
+            "Exit_status": i,
+            "n": 1.5e3,
+            "ok": True,
+            "none": None,
+            "list": [1, {"a": "}{]["}],
+            "comment": 'say "hi" caf\u00e9 \u2603',
+        }
+        for i in range(40)
+    }
     text = json.dumps({"Jobs": jobs, "timestamp": 1})
     text = text.replace('"3.s": {', '"3.s": {"Variable_List": "PS1=\\u@\\h", ')  # old PBS
     import io
@@ -401,7 +463,11 @@ def test_the_streamed_reader_reads_what_the_whole_reader_read(tmp_path, monkeypa
         info = pbs_mod.read_qstat_json(source)
         assert sorted(k for k in info if "_" not in k) == sorted(jobs), type(source)
         assert [info[f"{i}.s"]["State"] for i in range(4)] == [
-            "PENDING", "RUNNING", "PENDING", "RUNNING"]
+            "PENDING",
+            "RUNNING",
+            "PENDING",
+            "RUNNING",
+        ]
     assert pbs_mod.read_qstat_json("") == {} and pbs_mod.read_qstat_json("  \n") == {}
     for bad in ('{"Jobs": [1]}', '{"Jobs": {"1.s": {"job_state": "R"', "[1, 2]", '{"Jobs" 1}'):
         with pytest.raises(ValueError):
@@ -436,18 +502,24 @@ def test_another_spelling_of_the_server_needs_no_scan(monkeypatch):
 
 def test_unknown_ids_in_qstats_errors_are_matched_without_a_scan():
     ids = [f"{i}.s" for i in range(10_000)]
-    gone = _pbs_qstat._gone("qstat: Unknown Job Id 4242.s.example\nqstat: 17.s Job has finished, "
-                         "use -x or -H to obtain historical job information\n", ids)
+    gone = _pbs_qstat._gone(
+        "qstat: Unknown Job Id 4242.s.example\nqstat: 17.s Job has finished, "
+        "use -x or -H to obtain historical job information\n",
+        ids,
+    )
     assert gone == {"4242.s", "17.s"}
 
 
 def test_a_damaged_streamed_answer_ends_the_client_and_tries_the_next_form(fake_bin):
     """The reader stops at the damage; the client, still writing, is ended (not waited
     for), and the next form answers."""
-    fake_bin("qstat", """case "$*" in
+    fake_bin(
+        "qstat",
+        """case "$*" in
   *"-F json"*) echo '{"Jobs": {"1.s": [oops, "the rest of a damaged line"],'; exec sleep 600 ;;
   *) printf 'Job Id: 1.s\\n    job_state = R\\n' ;;
-esac""")
+esac""",
+    )
     assert pbs_mod.query(["1.s"])["1.s"]["State"] == "RUNNING"
     assert [c.split()[3] for c in _calls(fake_bin)] == ["-F", "1.s"]
 

@@ -14,29 +14,51 @@ def test_parse_job_ids() -> None:
     assert get("slurm").parse_job_id("4242;cluster1\n") == "4242"
     assert get("slurm").parse_job_id("Submitted batch job 17\n") == "17"
     assert get("pbs").parse_job_id("123.aurora-pbs-0001.hostmgmt.cm.aurora.alcf.anl.gov\n") == (
-        "123.aurora-pbs-0001.hostmgmt.cm.aurora.alcf.anl.gov")
+        "123.aurora-pbs-0001.hostmgmt.cm.aurora.alcf.anl.gov"
+    )
     assert get("pbs").parse_job_id("55\n") == "55"
     for name in ("slurm", "pbs"):
         with pytest.raises(SchedulerError, match="no job id"):
             get(name).parse_job_id("error: nope\n")
 
 
-@pytest.mark.parametrize(("raw", "state"), [
-    ("PENDING", "PENDING"), ("CONFIGURING", "RUNNING"), ("COMPLETING", "RUNNING"),
-    ("COMPLETED", "COMPLETED"), ("CANCELLED by 0", "CANCELLED"), ("CANCELLED+", "CANCELLED"),
-    ("TIMEOUT", "TIMEOUT"), ("NODE_FAIL", "FAILED"), ("OUT_OF_MEMORY", "FAILED"),
-    ("PREEMPTED", "PREEMPTED"), ("REQUEUED", "PENDING"), ("WEIRD", "UNKNOWN"), ("", "UNKNOWN"),
-])
+@pytest.mark.parametrize(
+    ("raw", "state"),
+    [
+        ("PENDING", "PENDING"),
+        ("CONFIGURING", "RUNNING"),
+        ("COMPLETING", "RUNNING"),
+        ("COMPLETED", "COMPLETED"),
+        ("CANCELLED by 0", "CANCELLED"),
+        ("CANCELLED+", "CANCELLED"),
+        ("TIMEOUT", "TIMEOUT"),
+        ("NODE_FAIL", "FAILED"),
+        ("OUT_OF_MEMORY", "FAILED"),
+        ("PREEMPTED", "PREEMPTED"),
+        ("REQUEUED", "PENDING"),
+        ("WEIRD", "UNKNOWN"),
+        ("", "UNKNOWN"),
+    ],
+)
 def test_slurm_normalize(raw: str, state: str) -> None:
     assert slurm_mod.normalize(raw) == state
     assert state in STATES
 
 
-@pytest.mark.parametrize(("letter", "code", "state"), [
-    ("Q", None, "PENDING"), ("H", None, "PENDING"), ("R", None, "RUNNING"), ("E", None, "RUNNING"),
-    ("F", 0, "COMPLETED"), ("F", 1, "FAILED"), ("F", -29, "TIMEOUT"), ("F", 271, "CANCELLED"),
-    ("Z", None, "UNKNOWN"),
-])
+@pytest.mark.parametrize(
+    ("letter", "code", "state"),
+    [
+        ("Q", None, "PENDING"),
+        ("H", None, "PENDING"),
+        ("R", None, "RUNNING"),
+        ("E", None, "RUNNING"),
+        ("F", 0, "COMPLETED"),
+        ("F", 1, "FAILED"),
+        ("F", -29, "TIMEOUT"),
+        ("F", 271, "CANCELLED"),
+        ("Z", None, "UNKNOWN"),
+    ],
+)
 def test_pbs_normalize(letter: str, code: int | None, state: str) -> None:
     assert pbs_mod.normalize(letter, code) == state
 
@@ -52,8 +74,11 @@ def test_pbs_qstat_parsers() -> None:
 
 def test_slurm_status_falls_back_past_disabled_accounting(fake_bin) -> None:
     fake_bin("squeue", "echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1")
-    fake_bin("sacct", """if [ "$1" = "-c" ]; then echo '12|COMPLETED'; else
-echo 'Slurm accounting storage is disabled' >&2; exit 1; fi""")
+    fake_bin(
+        "sacct",
+        """if [ "$1" = "-c" ]; then echo '12|COMPLETED'; else
+echo 'Slurm accounting storage is disabled' >&2; exit 1; fi""",
+    )
     fake_bin("scontrol", "exit 1")
     assert get("slurm").status("12") == "COMPLETED"
     log = fake_bin.log.read_text()
@@ -72,14 +97,20 @@ def test_slurm_status_of_a_requeued_job_is_its_latest_run(fake_bin) -> None:
     """The jobcomp log holds one record a run: the first REQUEUED, the last the outcome."""
     fake_bin("squeue", "exit 0")
     fake_bin("scontrol", "echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1")
-    fake_bin("sacct", """if [ "$1" = "-c" ]; then printf '12|REQUEUED\n12|COMPLETED\n'; else
-echo 'Slurm accounting storage is disabled' >&2; exit 1; fi""")
+    fake_bin(
+        "sacct",
+        """if [ "$1" = "-c" ]; then printf '12|REQUEUED\n12|COMPLETED\n'; else
+echo 'Slurm accounting storage is disabled' >&2; exit 1; fi""",
+    )
     assert get("slurm").status("12") == "COMPLETED"
 
 
 def test_pbs_status_falls_back_to_plain_qstat(fake_bin) -> None:
-    fake_bin("qstat", """if [ "$1" = "-x" ]; then echo 'qstat: invalid option -- x' >&2; exit 2; fi
-printf 'Job Id: 3.s\\n    job_state = Q\\n'""")
+    fake_bin(
+        "qstat",
+        """if [ "$1" = "-x" ]; then echo 'qstat: invalid option -- x' >&2; exit 2; fi
+printf 'Job Id: 3.s\\n    job_state = Q\\n'""",
+    )
     assert get("pbs").status("3.s") == "PENDING"
 
 
@@ -106,8 +137,11 @@ def test_pbs_job_deleted_while_queued_has_no_exit_status() -> None:
 def test_scancel_that_exits_0_with_an_error_line_is_a_refusal(fake_bin) -> None:
     """What SLURM 22.05's scancel -v really says for an unknown id (exit 0; without -v it
     says nothing at all): tests/test_e2e_clients.py checks it on the real cluster."""
-    fake_bin("scancel", "echo \"scancel: Terminating job $2\" >&2; echo \"scancel: error: Kill job "
-                        "error on job id $2: Invalid job id specified\" >&2; exit 0")
+    fake_bin(
+        "scancel",
+        'echo "scancel: Terminating job $2" >&2; echo "scancel: error: Kill job '
+        'error on job id $2: Invalid job id specified" >&2; exit 0',
+    )
     with pytest.raises(SchedulerError, match="Invalid job id specified") as info:
         get("slurm").cancel("99999999")
     assert "\n" not in str(info.value)
@@ -115,7 +149,7 @@ def test_scancel_that_exits_0_with_an_error_line_is_a_refusal(fake_bin) -> None:
 
 
 def test_scancel_that_says_nothing_but_terminating_is_a_success(fake_bin) -> None:
-    fake_bin("scancel", "echo \"scancel: Terminating job $2\" >&2; exit 0")
+    fake_bin("scancel", 'echo "scancel: Terminating job $2" >&2; exit 0')
     get("slurm").cancel("7")
 
 

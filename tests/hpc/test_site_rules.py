@@ -24,18 +24,36 @@ from tests.hpc.conftest import REPO
 SOCKET0 = set(range(0, 52)) | set(range(104, 156))
 
 
-def _hpc(*argv: str, cwd: Path = REPO, env: dict[str, str] | None = None,
-         ) -> subprocess.CompletedProcess[str]:
-    full = {k: v for k, v in os.environ.items()
-            if k not in ("PBS_ACCOUNT", "HPC_ACCOUNT", "HPC_DDP_CLUSTERS")}
+def _hpc(
+    *argv: str,
+    cwd: Path = REPO,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    full = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PBS_ACCOUNT", "HPC_ACCOUNT", "HPC_DDP_CLUSTERS")
+    }
     full.update({"PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}", **(env or {})})
-    return subprocess.run([sys.executable, "-m", "hpc", *argv], cwd=cwd, env=full,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "hpc", *argv],
+        cwd=cwd,
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def _spec(tmp_path: Path, cluster: str = "aurora", **extra: object) -> Path:
-    data = {"cluster": cluster, "nodes": 2, "queue": "debug", "walltime": "00:30:00",
-            "command": ["python", "-m", "ddp", "dpo"], **extra}
+    data = {
+        "cluster": cluster,
+        "nodes": 2,
+        "queue": "debug",
+        "walltime": "00:30:00",
+        "command": ["python", "-m", "ddp", "dpo"],
+        **extra,
+    }
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(data), encoding="utf-8")
     return path
@@ -84,16 +102,33 @@ def test_aurora_ppn12_keeps_one_rank_per_tile(tmp_path: Path) -> None:
     assert "idle" not in proc.stderr
 
 
-@pytest.mark.parametrize(("ppn", "said", "composite"), [
-    ("4", "2 GPUs idle of 6", True), ("5", "1 GPU idle of 6", True),
-    ("8", "4 GPU tiles idle of 12", False), ("11", "1 GPU tile idle of 12", False),
-])
-def test_aurora_idle_devices_are_said_once(tmp_path: Path, ppn: str, said: str,
-                                           composite: bool) -> None:
+@pytest.mark.parametrize(
+    ("ppn", "said", "composite"),
+    [
+        ("4", "2 GPUs idle of 6", True),
+        ("5", "1 GPU idle of 6", True),
+        ("8", "4 GPU tiles idle of 12", False),
+        ("11", "1 GPU tile idle of 12", False),
+    ],
+)
+def test_aurora_idle_devices_are_said_once(
+    tmp_path: Path, ppn: str, said: str, composite: bool
+) -> None:
     spec = str(_spec(tmp_path))
-    for argv in (["render", spec, "--ppn", ppn, "--no-account"],
-                 ["submit", spec, "--ppn", ppn, "--account", "proj", "--dry-run",
-                  "--runs-dir", str(tmp_path / "runs")]):
+    for argv in (
+        ["render", spec, "--ppn", ppn, "--no-account"],
+        [
+            "submit",
+            spec,
+            "--ppn",
+            ppn,
+            "--account",
+            "proj",
+            "--dry-run",
+            "--runs-dir",
+            str(tmp_path / "runs"),
+        ],
+    ):
         proc = _hpc(*argv)
         assert proc.returncode == 0, proc.stderr
         lines = [ln for ln in proc.stderr.splitlines() if "idle" in ln]
@@ -115,8 +150,12 @@ def test_tiles_that_do_not_divide_the_devices_are_one_line(tmp_path: Path) -> No
     site = tmp_path / "sites"
     site.mkdir()
     (site / "tiled.yaml").write_text("extends: aurora\ntiles: {per_gpu: 5}\n", encoding="utf-8")
-    proc = _hpc("render", str(_spec(tmp_path, cluster="tiled")), "--no-account",
-                env={"HPC_DDP_CLUSTERS": str(site)})
+    proc = _hpc(
+        "render",
+        str(_spec(tmp_path, cluster="tiled")),
+        "--no-account",
+        env={"HPC_DDP_CLUSTERS": str(site)},
+    )
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "tiles: per_gpu: 5" in proc.stderr, proc.stderr
 
@@ -173,8 +212,9 @@ def test_alcf_tmpdir_is_short_unless_the_spec_sets_it(tmp_path: Path, cluster: s
     proc = _hpc("render", str(_spec(tmp_path, cluster=cluster)), "--no-account")
     assert proc.returncode == 0, proc.stderr
     assert "export TMPDIR=/tmp" in proc.stdout.splitlines()
-    own = _hpc("render", str(_spec(tmp_path, cluster=cluster, env={"TMPDIR": "/local/t"})),
-               "--no-account")
+    own = _hpc(
+        "render", str(_spec(tmp_path, cluster=cluster, env={"TMPDIR": "/local/t"})), "--no-account"
+    )
     assert "export TMPDIR=/local/t" in own.stdout.splitlines() and "TMPDIR=/tmp" not in own.stdout
     slurm = _hpc("render", str(_spec(tmp_path, cluster="perlmutter")), "--account", "m1")
     assert "TMPDIR" not in slurm.stdout  # a rule of the ALCF profiles, not of every site
@@ -222,35 +262,57 @@ def test_polaris_aws_ofi_nccl_switch(tmp_path: Path) -> None:
     assert "export NCCL_NET='AWS Libfabric'" in default.stdout.splitlines()
     mine = tmp_path / "mine"
     mine.mkdir()
-    (mine / "polaris.yaml").write_text("rules: {aws_ofi_nccl_off: {enabled: true}}\n",
-                                       encoding="utf-8")
+    (mine / "polaris.yaml").write_text(
+        "rules: {aws_ofi_nccl_off: {enabled: true}}\n", encoding="utf-8"
+    )
     proc = _hpc("render", spec, "--no-account", env={"HPC_DDP_CLUSTERS": str(mine)})
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert f"unset {' '.join(PLUGIN_VARS)}" in lines
     at = lines.index(f"unset {' '.join(PLUGIN_VARS)}")
     assert not [ln for ln in lines if ln.startswith(tuple(f"export {v}=" for v in PLUGIN_VARS))]
-    assert max(i for i, ln in enumerate(lines) if ln.startswith("export ") and "=" in ln
-               and not ln.startswith("export LD_LIBRARY_PATH")) < at
+    assert (
+        max(
+            i
+            for i, ln in enumerate(lines)
+            if ln.startswith("export ")
+            and "=" in ln
+            and not ln.startswith("export LD_LIBRARY_PATH")
+        )
+        < at
+    )
     said = [ln for ln in proc.stderr.splitlines() if "aws_ofi_nccl_off" in ln]
     assert len(said) == 1 and "/libraries/nccl/" in said[0]
     # the job's shell really has them unset when a module had set them
-    run = subprocess.run(["bash", "-c", "export NCCL_NET=x NCCL_CROSS_NIC=1; "
-                          + "\n".join(lines[at:at + 1]) + "\necho \"[${NCCL_NET-}${NCCL_CROSS_NIC-}]\""],
-                         capture_output=True, text=True, check=True)
+    run = subprocess.run(
+        [
+            "bash",
+            "-c",
+            "export NCCL_NET=x NCCL_CROSS_NIC=1; "
+            + "\n".join(lines[at : at + 1])
+            + '\necho "[${NCCL_NET-}${NCCL_CROSS_NIC-}]"',
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert run.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize(("rule", "said"), [
-    ("{x: {env: {A: b}}}", "rules: x: source: ''"),
-    ("{x: {when: {nodes: 0-1}, warn: w, source: 'https://a'}}", "rules: x: when: nodes"),
-    ("{x: {when: {queue: debug}, source: 'https://a'}}", "queue"),
-])
+@pytest.mark.parametrize(
+    ("rule", "said"),
+    [
+        ("{x: {env: {A: b}}}", "rules: x: source: ''"),
+        ("{x: {when: {nodes: 0-1}, warn: w, source: 'https://a'}}", "rules: x: when: nodes"),
+        ("{x: {when: {queue: debug}, source: 'https://a'}}", "queue"),
+    ],
+)
 def test_a_bad_rule_is_one_line(tmp_path: Path, rule: str, said: str) -> None:
     site = tmp_path / "sites"
     site.mkdir()
     (site / "ruled.yaml").write_text(f"extends: pbs\nrules: {rule}\n", encoding="utf-8")
-    proc = _hpc("render", str(_spec(tmp_path, cluster="ruled")),
-                env={"HPC_DDP_CLUSTERS": str(site)})
+    proc = _hpc(
+        "render", str(_spec(tmp_path, cluster="ruled")), env={"HPC_DDP_CLUSTERS": str(site)}
+    )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert said in proc.stderr

@@ -24,8 +24,15 @@ from tests.hpc.conftest import REPO
 def _fresh_clone(dest: Path) -> Path:
     """The tracked files of jobs/ and logs/ as a clone gets them (working-tree content,
     untracked files such as a local logs/*.OU left out)."""
-    tracked = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z", "jobs", "logs"],
-                             capture_output=True, check=True).stdout.decode().split("\0")
+    tracked = (
+        subprocess.run(
+            ["git", "-C", str(REPO), "ls-files", "-z", "jobs", "logs"],
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for rel in filter(None, tracked):
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(REPO / rel, dest / rel)
@@ -41,8 +48,9 @@ def test_checked_in_pbs_jobs_qsub_from_a_fresh_clone(openpbs: Any, tmp_path: Pat
         for script in scripts:
             # -h: held, never run (the jobs train real models); -A: the account the
             # checked-in scripts leave to the submitter, as their comment says
-            proc = openpbs.run("qsub", "-h", "-A", "proj", f"jobs/{script.name}", cwd=clone,
-                               check=False)
+            proc = openpbs.run(
+                "qsub", "-h", "-A", "proj", f"jobs/{script.name}", cwd=clone, check=False
+            )
             assert proc.returncode == 0, f"{script.name}: {proc.stderr.strip()}"
             ids.append(proc.stdout.strip())
             attrs = openpbs.attrs(ids[-1])

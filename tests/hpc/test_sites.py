@@ -33,12 +33,28 @@ def _render(cluster: str, **overrides: object) -> str:
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     """``python -m hpc render ARGS`` with this checkout first on the path, no account env."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")]))
-    for var in ("HPC_ACCOUNT", "PBS_ACCOUNT", "SBATCH_ACCOUNT", "SLURM_ACCOUNT", "HPC_DDP_CLUSTERS"):
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            [str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")]
+        ),
+    )
+    for var in (
+        "HPC_ACCOUNT",
+        "PBS_ACCOUNT",
+        "SBATCH_ACCOUNT",
+        "SLURM_ACCOUNT",
+        "HPC_DDP_CLUSTERS",
+    ):
         env.pop(var, None)
-    return subprocess.run([sys.executable, "-m", "hpc", "render", *args, "--", "python", "t.py"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "hpc", "render", *args, "--", "python", "t.py"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def _refused(*args: str) -> str:
@@ -52,7 +68,7 @@ def _refused(*args: str) -> str:
 
 
 def _directives(text: str, prefix: str) -> list[str]:
-    return [ln[len(prefix):].strip() for ln in text.splitlines() if ln.startswith(prefix)]
+    return [ln[len(prefix) :].strip() for ln in text.splitlines() if ln.startswith(prefix)]
 
 
 # --- Polaris: https://docs.alcf.anl.gov/polaris/ ---------------------------------------
@@ -63,8 +79,10 @@ def test_polaris_enables_aws_ofi_nccl_plugin() -> None:
     text = _render("polaris", nodes="2")
     lines = text.splitlines()
     assert "export NCCL_NET='AWS Libfabric'" in lines
-    plugin = ("export LD_LIBRARY_PATH=/soft/libraries/aws-ofi-nccl/v1.9.1-aws/lib"
-              "${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}")
+    plugin = (
+        "export LD_LIBRARY_PATH=/soft/libraries/aws-ofi-nccl/v1.9.1-aws/lib"
+        "${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    )
     hwloc = "export LD_LIBRARY_PATH=/soft/libraries/hwloc/lib/${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     assert lines.index(plugin) < lines.index(hwloc)  # the page's order
     # both before the launch line, so every rank inherits them
@@ -74,9 +92,14 @@ def test_polaris_enables_aws_ofi_nccl_plugin() -> None:
 def test_polaris_sets_every_variable_of_alcf_nccl_page() -> None:
     """[PN] "the following best environment setup": every variable, none left out."""
     text = _render("polaris", nodes="2")
-    for line in ("export NCCL_NET_GDR_LEVEL=PHB", "export NCCL_CROSS_NIC=1",
-                 "export NCCL_COLLNET_ENABLE=1", "export FI_CXI_DISABLE_HOST_REGISTER=1",
-                 "export FI_MR_CACHE_MONITOR=userfaultfd", "export FI_CXI_DEFAULT_CQ_SIZE=131072"):
+    for line in (
+        "export NCCL_NET_GDR_LEVEL=PHB",
+        "export NCCL_CROSS_NIC=1",
+        "export NCCL_COLLNET_ENABLE=1",
+        "export FI_CXI_DISABLE_HOST_REGISTER=1",
+        "export FI_MR_CACHE_MONITOR=userfaultfd",
+        "export FI_CXI_DEFAULT_CQ_SIZE=131072",
+    ):
         assert line in text.splitlines(), line
 
 
@@ -97,7 +120,9 @@ def test_polaris_ranks_drive_the_gpu_nearest_their_cores() -> None:
 
 def test_polaris_job_that_fits_no_regular_queue_is_refused_not_preemptable() -> None:
     """[PJ] preemptable jobs "can be killed at any time": never chosen for the user."""
-    line = _refused("--cluster", "polaris", "--nodes", "5", "--walltime", "02:00:00", "--account", "p")
+    line = _refused(
+        "--cluster", "polaris", "--nodes", "5", "--walltime", "02:00:00", "--account", "p"
+    )
     assert line.startswith("hpc: error: nodes/walltime: no queue of polaris takes 5 nodes")
     assert "preemptable 1-10 nodes, <= 72:00:00 (by request: --queue preemptable)" in line
     with pytest.raises(UserError, match="no queue of polaris takes 10 nodes for 06:00:00"):
@@ -120,7 +145,9 @@ def test_polaris_capacity_queue_takes_4_nodes_for_48_hours() -> None:
     assert "-q capacity" in _directives(_render("polaris", nodes="4", walltime="48:00:00"), "#PBS")
     assert "-q capacity" in _directives(_render("polaris", nodes="1", walltime="168:00:00"), "#PBS")
     with pytest.raises(UserError, match="does not fit queue capacity of polaris; allowed: 1-4"):
-        make_job("polaris", nodes="5", walltime="48:00:00", queue="capacity", account="p", command=CMD)
+        make_job(
+            "polaris", nodes="5", walltime="48:00:00", queue="capacity", account="p", command=CMD
+        )
 
 
 def test_polaris_prod_bins_limit_walltime_by_size() -> None:
@@ -134,8 +161,10 @@ def test_polaris_prod_bins_limit_walltime_by_size() -> None:
 def test_polaris_minimum_walltime_is_5_minutes() -> None:
     """[PJ] "Time Min 5 min" for every queue."""
     line = _refused("--cluster", "polaris", "--walltime", "00:04:00", "--account", "p")
-    assert line == ("hpc: error: walltime: 00:04:00 is below the minimum of queue debug of polaris; "
-                    "allowed: 00:05:00 or more")
+    assert line == (
+        "hpc: error: walltime: 00:04:00 is below the minimum of queue debug of polaris; "
+        "allowed: 00:05:00 or more"
+    )
     assert "#PBS -l walltime=00:05:00" in _render("polaris", walltime="00:05:00")
 
 
@@ -154,30 +183,52 @@ def test_polaris_script_is_a_login_shell() -> None:
 
 def test_aurora_prod_300_nodes_20h_refused() -> None:
     """[AJ] prod routes 256-1024 nodes to small, at most 12 hrs."""
-    line = _refused("--cluster", "aurora", "--nodes", "300", "--walltime", "20:00:00",
-                    "--account", "p")
-    assert line.startswith("hpc: error: nodes/walltime: no queue of aurora takes 300 nodes for 20:00:00")
+    line = _refused(
+        "--cluster", "aurora", "--nodes", "300", "--walltime", "20:00:00", "--account", "p"
+    )
+    assert line.startswith(
+        "hpc: error: nodes/walltime: no queue of aurora takes 300 nodes for 20:00:00"
+    )
     assert "prod 256-10624 nodes, <= 12:00:00 for 256-1024" in line
-    line = _refused("--cluster", "aurora", "--nodes", "300", "--walltime", "20:00:00",
-                    "--queue", "prod", "--account", "p")
-    assert line == ("hpc: error: walltime: 20:00:00 exceeds queue prod of aurora for 300 nodes; "
-                    "allowed: up to 12:00:00")
+    line = _refused(
+        "--cluster",
+        "aurora",
+        "--nodes",
+        "300",
+        "--walltime",
+        "20:00:00",
+        "--queue",
+        "prod",
+        "--account",
+        "p",
+    )
+    assert line == (
+        "hpc: error: walltime: 20:00:00 exceeds queue prod of aurora for 300 nodes; "
+        "allowed: up to 12:00:00"
+    )
 
 
 def test_aurora_prod_bins_small_medium_large() -> None:
     """[AJ] small 256-1024 12 hrs, medium 1025-1999 18 hrs, large 2000-10,624 24 hrs."""
-    for nodes, ok, too_long in (("1024", "12:00:00", "12:00:01"), ("1025", "18:00:00", "18:00:01"),
-                                ("2000", "24:00:00", "24:00:01")):
+    for nodes, ok, too_long in (
+        ("1024", "12:00:00", "12:00:01"),
+        ("1025", "18:00:00", "18:00:01"),
+        ("2000", "24:00:00", "24:00:01"),
+    ):
         assert "-q prod" in _directives(_render("aurora", nodes=nodes, walltime=ok), "#PBS")
         with pytest.raises(UserError, match=f"allowed: up to {ok}"):
-            make_job("aurora", nodes=nodes, walltime=too_long, queue="prod", account="p", command=CMD)
+            make_job(
+                "aurora", nodes=nodes, walltime=too_long, queue="prod", account="p", command=CMD
+            )
 
 
 def test_aurora_minimum_walltime_is_5_minutes() -> None:
     """[AJ] "Time Min 5 min" for every queue."""
     line = _refused("--cluster", "aurora", "--walltime", "00:04:59", "--account", "p")
-    assert line == ("hpc: error: walltime: 00:04:59 is below the minimum of queue debug of aurora; "
-                    "allowed: 00:05:00 or more")
+    assert line == (
+        "hpc: error: walltime: 00:04:59 is below the minimum of queue debug of aurora; "
+        "allowed: 00:05:00 or more"
+    )
 
 
 def test_aurora_keeps_output_streaming_with_k_doe() -> None:
@@ -205,8 +256,12 @@ def test_frontier_loads_rccl_net_plugin_after_rocm_and_gfx90a() -> None:
     """[FP] "load the rccl-net-plugin module after having loaded rocm"; craype-accel-amd-gfx90a."""
     lines = _render("frontier", nodes="2").splitlines()
     order = [ln for ln in lines if ln.startswith("module load ")]
-    assert order == ["module load PrgEnv-gnu", "module load rocm", "module load rccl-net-plugin",
-                     "module load craype-accel-amd-gfx90a"]
+    assert order == [
+        "module load PrgEnv-gnu",
+        "module load rocm",
+        "module load rccl-net-plugin",
+        "module load craype-accel-amd-gfx90a",
+    ]
 
 
 def test_frontier_sets_a_per_job_miopen_cache(tmp_path: Path) -> None:
@@ -215,19 +270,24 @@ def test_frontier_sets_a_per_job_miopen_cache(tmp_path: Path) -> None:
     text = _render("frontier", nodes="2")
     start = text.index("export MIOPEN_USER_DB_PATH=")
     end = text.index("\n", text.index("mkdir -p", start))
-    block = text[start:end + 1]
+    block = text[start : end + 1]
     block = block.replace("/tmp/", f"{tmp_path}/")
-    out = subprocess.run(["bash", "-c", block + 'echo "$MIOPEN_USER_DB_PATH $MIOPEN_CUSTOM_CACHE_DIR"'],
-                         env={"PATH": os.environ["PATH"], "SLURM_JOB_ID": "4242"},
-                         capture_output=True, text=True, check=True).stdout.split()
+    out = subprocess.run(
+        ["bash", "-c", block + 'echo "$MIOPEN_USER_DB_PATH $MIOPEN_CUSTOM_CACHE_DIR"'],
+        env={"PATH": os.environ["PATH"], "SLURM_JOB_ID": "4242"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     assert out == [f"{tmp_path}/miopen-cache-4242"] * 2
     assert (tmp_path / "miopen-cache-4242").is_dir()
 
 
 def test_frontier_refuses_torchrun_launcher() -> None:
     """[FP] torchrun "can take up to 10 minutes"; "nesting torchrun within srun ... does not help"."""
-    line = _refused("--cluster", "frontier", "--nodes", "2", "--launcher", "torchrun",
-                    "--account", "p")
+    line = _refused(
+        "--cluster", "frontier", "--nodes", "2", "--launcher", "torchrun", "--account", "p"
+    )
     assert line.startswith("hpc: error: launcher: 'torchrun' is refused on frontier: OLCF reports")
     assert "https://docs.olcf.ornl.gov/software/analytics/pytorch_frontier.html" in line
     assert line.endswith("; allowed: auto, srun")
@@ -236,9 +296,18 @@ def test_frontier_refuses_torchrun_launcher() -> None:
 def test_frontier_refusal_is_profile_data_a_user_profile_can_lift(tmp_path: Path) -> None:
     """The refusal is ``launcher.refuse`` in the profile, not code: ``null`` lifts it."""
     (tmp_path / "frontier.yaml").write_text("launcher: {refuse: {torchrun: null}}\n")
-    job = build_job(None, {"cluster": "frontier", "account": "p", "nodes": "2", "launcher": "torchrun",
-                           "command": ["python", "t.py"]},
-                    environ={"HPC_DDP_CLUSTERS": str(tmp_path)}, cwd=REPO)
+    job = build_job(
+        None,
+        {
+            "cluster": "frontier",
+            "account": "p",
+            "nodes": "2",
+            "launcher": "torchrun",
+            "command": ["python", "t.py"],
+        },
+        environ={"HPC_DDP_CLUSTERS": str(tmp_path)},
+        cwd=REPO,
+    )
     assert job.launcher == "torchrun"
 
 
@@ -253,9 +322,12 @@ def test_frontier_batch_takes_up_to_9472_nodes() -> None:
 def test_frontier_batch_bins_limit_walltime_by_size() -> None:
     """[FU] Bin 5 1-91 2 h, Bin 4 92-183 6 h, Bins 3-1 184-9,472 12 h."""
     with pytest.raises(UserError, match="allowed: up to 02:00:00"):
-        make_job("frontier", nodes="91", walltime="02:00:01", queue="batch", account="p", command=CMD)
-    assert "--partition=batch" in _directives(_render("frontier", nodes="92", walltime="06:00:00"),
-                                              "#SBATCH")
+        make_job(
+            "frontier", nodes="91", walltime="02:00:01", queue="batch", account="p", command=CMD
+        )
+    assert "--partition=batch" in _directives(
+        _render("frontier", nodes="92", walltime="06:00:00"), "#SBATCH"
+    )
 
 
 def test_frontier_debug_qos_renders_q_debug_on_the_default_partition() -> None:
@@ -267,8 +339,9 @@ def test_frontier_debug_qos_renders_q_debug_on_the_default_partition() -> None:
 
 def test_frontier_debug_qos_is_at_most_2_hours() -> None:
     """[FU] "cannot have a walltime greater than 2 hours"."""
-    line = _refused("--cluster", "frontier", "--queue", "debug", "--walltime", "02:00:01",
-                    "--account", "p")
+    line = _refused(
+        "--cluster", "frontier", "--queue", "debug", "--walltime", "02:00:01", "--account", "p"
+    )
     assert "exceeds queue debug of frontier for 1 nodes; allowed: up to 02:00:00" in line
 
 
@@ -291,8 +364,9 @@ def test_frontier_nccl_socket_ifname_as_olcf_recommends() -> None:
 def test_frontier_srun_binds_one_gcd_per_task() -> None:
     """[FP] "srun -N2 -n16 -c7 --gpus-per-task=1 --gpu-bind=closest"."""
     launch = _render("frontier", nodes="2").splitlines()[-1]
-    assert launch.startswith("srun --kill-on-bad-exit=1 --cpus-per-task=7 --gpus-per-task=1 "
-                             "--gpu-bind=closest ")
+    assert launch.startswith(
+        "srun --kill-on-bad-exit=1 --cpus-per-task=7 --gpus-per-task=1 --gpu-bind=closest "
+    )
 
 
 # --- Perlmutter: https://docs.nersc.gov/ -----------------------------------------------
@@ -300,8 +374,9 @@ def test_frontier_srun_binds_one_gcd_per_task() -> None:
 
 def test_perlmutter_queue_is_a_qos_on_gpu_nodes() -> None:
     """[NP] "Each queue corresponds to a Quality of Service (QOS)"; -C gpu (unverified)."""
-    sbatch = _directives(_render("perlmutter", nodes="2", walltime="02:00:00", account="m1_g"),
-                         "#SBATCH")
+    sbatch = _directives(
+        _render("perlmutter", nodes="2", walltime="02:00:00", account="m1_g"), "#SBATCH"
+    )
     assert "--qos=regular" in sbatch and "--constraint=gpu" in sbatch
 
 
@@ -374,14 +449,18 @@ def test_sites_render_at_1_2_64_300_nodes(site: str, nodes: str, tmp_path: Path)
     script.write_text(text)
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     first_cmd = next(i for i, ln in enumerate(text.splitlines()) if ln and not ln.startswith("#"))
-    assert all(i < first_cmd for i, ln in enumerate(text.splitlines())
-               if ln.startswith(("#PBS", "#SBATCH")))
+    assert all(
+        i < first_cmd
+        for i, ln in enumerate(text.splitlines())
+        if ln.startswith(("#PBS", "#SBATCH"))
+    )
 
 
 def test_new_profile_keys_are_still_checked(tmp_path: Path) -> None:
     """User profiles use the same keys; a misspelt one is named with the nearest key."""
     (tmp_path / "site.yaml").write_text(
-        "extends: polaris\nqueues: {special: {nodes: 1-2, walltime: '01:00:00', by_requst: true}}\n")
+        "extends: polaris\nqueues: {special: {nodes: 1-2, walltime: '01:00:00', by_requst: true}}\n"
+    )
     with pytest.raises(UserError, match="unknown key 'by_requst' .did you mean by_request"):
         clusters.load("site", environ={"HPC_DDP_CLUSTERS": str(tmp_path)}, cwd=REPO)
     (tmp_path / "site.yaml").write_text("extends: polaris\nmin_walltme: '00:05:00'\n")
@@ -390,12 +469,14 @@ def test_new_profile_keys_are_still_checked(tmp_path: Path) -> None:
     (tmp_path / "site.yaml").write_text("extends: polaris\ndevice_order: [0, 0, 1, 2]\n")
     with pytest.raises(UserError, match="device_order"):
         clusters.load("site", environ={"HPC_DDP_CLUSTERS": str(tmp_path)}, cwd=REPO)
-    for bad, match in (("device_order: [a, b, c, d]", "device_order"),
-                       ("shell: 'bash; rm -rf /'", "shell: .* allowed: an absolute path"),
-                       ("launcher: {refuse: {mpirun: no}}", "refuse: .* allowed: a mapping of launcher"),
-                       ("env_prepend: {LD_LIBRARY_PATH: ['/a:/b']}", "without ':'"),
-                       ("queues: {debug: {by_request: maybe}}", "by_request: 'maybe'"),
-                       ('directives: ["-k doe\\n#PBS -l x"]', "one line of printable text")):
+    for bad, match in (
+        ("device_order: [a, b, c, d]", "device_order"),
+        ("shell: 'bash; rm -rf /'", "shell: .* allowed: an absolute path"),
+        ("launcher: {refuse: {mpirun: no}}", "refuse: .* allowed: a mapping of launcher"),
+        ("env_prepend: {LD_LIBRARY_PATH: ['/a:/b']}", "without ':'"),
+        ("queues: {debug: {by_request: maybe}}", "by_request: 'maybe'"),
+        ('directives: ["-k doe\\n#PBS -l x"]', "one line of printable text"),
+    ):
         (tmp_path / "site.yaml").write_text(f"extends: polaris\n{bad}\n")
         with pytest.raises(UserError, match=match):
             clusters.load("site", environ={"HPC_DDP_CLUSTERS": str(tmp_path)}, cwd=REPO)

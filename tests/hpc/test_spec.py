@@ -38,9 +38,18 @@ def test_unknown_spec_key_suggests_the_nearest(tmp_path: Path) -> None:
 def test_queue_is_picked_by_nodes_and_walltime() -> None:
     assert make_job("aurora", account="p", command=CMD, nodes="2").queue == "debug"
     assert make_job("aurora", account="p", command=CMD, nodes="64").queue == "debug-scaling"
-    assert make_job("aurora", account="p", command=CMD, nodes="8", walltime="48:00:00").queue == "capacity"
-    assert make_job("aurora", account="p", command=CMD, nodes="512", walltime="12:00:00").queue == "prod"
-    assert make_job("perlmutter", account="m", command=CMD, nodes="2", walltime="00:20:00").queue == "debug"
+    assert (
+        make_job("aurora", account="p", command=CMD, nodes="8", walltime="48:00:00").queue
+        == "capacity"
+    )
+    assert (
+        make_job("aurora", account="p", command=CMD, nodes="512", walltime="12:00:00").queue
+        == "prod"
+    )
+    assert (
+        make_job("perlmutter", account="m", command=CMD, nodes="2", walltime="00:20:00").queue
+        == "debug"
+    )
     assert make_job("perlmutter", account="m", command=CMD, nodes="2").queue == "regular"
 
 
@@ -61,7 +70,10 @@ def test_walltime_over_the_queue_limit() -> None:
 
 
 def test_frontier_walltime_bins_by_job_size() -> None:
-    assert make_job("frontier", account="a", command=CMD, nodes="100", walltime="05:00:00").queue == "batch"
+    assert (
+        make_job("frontier", account="a", command=CMD, nodes="100", walltime="05:00:00").queue
+        == "batch"
+    )
     msg = _err("frontier", account="a", queue="batch", nodes="10", walltime="05:00:00")
     assert "allowed: up to 02:00:00" in msg
 
@@ -106,7 +118,9 @@ def test_generic_slurm_needs_no_account_and_asks_no_gpus() -> None:
 
 
 def test_gpus_per_node_refused_where_nodes_are_whole() -> None:
-    assert _err("aurora", account="p", gpus_per_node="2").startswith("gpus_per_node: 2 cannot be asked")
+    assert _err("aurora", account="p", gpus_per_node="2").startswith(
+        "gpus_per_node: 2 cannot be asked"
+    )
 
 
 def test_launcher_must_suit_the_scheduler() -> None:
@@ -132,10 +146,16 @@ def test_partition_is_an_alias_of_queue() -> None:
 
 
 def test_types_are_checked() -> None:
-    for data, field in (({"nodes": 0}, "nodes"), ({"nodes": True}, "nodes"), ({"env": ["A"]}, "env"),
-                        ({"env": {"1A": "x"}}, "env"), ({"requeue": "yes"}, "requeue"),
-                        ({"python": {"pip": "x"}}, "python"), ({"wrap": "sometimes"}, "wrap"),
-                        ({"command": {"a": 1}}, "command")):
+    for data, field in (
+        ({"nodes": 0}, "nodes"),
+        ({"nodes": True}, "nodes"),
+        ({"env": ["A"]}, "env"),
+        ({"env": {"1A": "x"}}, "env"),
+        ({"requeue": "yes"}, "requeue"),
+        ({"python": {"pip": "x"}}, "python"),
+        ({"wrap": "sometimes"}, "wrap"),
+        ({"command": {"a": 1}}, "command"),
+    ):
         with pytest.raises(UserError) as info:
             JobSpec.from_mapping(data)
         assert str(info.value).startswith(field), (data, str(info.value))
@@ -144,7 +164,11 @@ def test_types_are_checked() -> None:
 
 def test_command_string_is_split_and_missing_command_refused() -> None:
     assert JobSpec.from_mapping({"command": "python train.py --x 'a b'"}).command == [
-        "python", "train.py", "--x", "a b"]
+        "python",
+        "train.py",
+        "--x",
+        "a b",
+    ]
     with pytest.raises(UserError, match="command: missing"):
         build_job(None, {"cluster": "slurm"}, environ={}, cwd=REPO)
 
@@ -188,8 +212,13 @@ def test_resolved_spec_round_trips(tmp_path: Path) -> None:
 
 
 def test_trailing_newlines_never_pass_a_check() -> None:
-    for data in ({"env": {"A\n": "x"}}, {"account": "p\n"}, {"queue": "q\n"},
-                 {"signal": "USR1\n"}, {"output_dir": "logs\n"}):
+    for data in (
+        {"env": {"A\n": "x"}},
+        {"account": "p\n"},
+        {"queue": "q\n"},
+        {"signal": "USR1\n"},
+        {"output_dir": "logs\n"},
+    ):
         with pytest.raises(UserError):
             JobSpec.from_mapping({**data, "command": CMD})
 
@@ -205,8 +234,6 @@ def test_a_same_size_edit_in_the_same_second_is_read(tmp_path: Path) -> None:
     path.write_text("nodes: 3\n")  # same size
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # same mtime, as `cp -p` leaves it
     assert load_yaml(path, "spec") == {"nodes": 3}
-
-
 
 
 def test_unquoted_walltime_is_read_as_written_or_refused(tmp_path: Path) -> None:

@@ -58,12 +58,16 @@ def _record(run_dir: Path, scheduler: str, job_id: str, split: bool) -> None:
     runs.write_record(run_dir, record)
 
 
-@pytest.mark.parametrize(("scheduler", "job_id", "out", "err"), [
-    ("slurm", "101", "t-101.out", "t-101.err"),
-    ("pbs", "7.server", "7.server.OU", "7.server.ER"),
-])  # fmt: skip
-def test_err_log_beside_the_out_log(tmp_path: Path, scheduler: str, job_id: str,
-                                    out: str, err: str) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("scheduler", "job_id", "out", "err"),
+    [
+        ("slurm", "101", "t-101.out", "t-101.err"),
+        ("pbs", "7.server", "7.server.OU", "7.server.ER"),
+    ],
+)
+def test_err_log_beside_the_out_log(
+    tmp_path: Path, scheduler: str, job_id: str, out: str, err: str
+) -> None:
     _record(tmp_path, scheduler, job_id, split=True)
     found = logs.find_log(tmp_path)
     assert found == tmp_path / out  # not started yet: the names it will write

@@ -51,13 +51,16 @@ def test_queued_and_running_samples() -> None:
     assert running[AURORA_ID]["exec_host"].startswith("x4102c5s0b0n0/0*208")
 
 
-@pytest.mark.parametrize(("seq", "state"), [
-    (4100, "COMPLETED"),  # Exit_status 0
-    (4101, "FAILED"),  # Exit_status 1
-    (4102, "CANCELLED"),  # 271 = 256 + SIGTERM: qdel of a running job
-    (4103, "TIMEOUT"),  # -29: killed at the walltime
-    (4104, "CANCELLED"),  # deleted before it ran: no Exit_status, substate 91
-])
+@pytest.mark.parametrize(
+    ("seq", "state"),
+    [
+        (4100, "COMPLETED"),  # Exit_status 0
+        (4101, "FAILED"),  # Exit_status 1
+        (4102, "CANCELLED"),  # 271 = 256 + SIGTERM: qdel of a running job
+        (4103, "TIMEOUT"),  # -29: killed at the walltime
+        (4104, "CANCELLED"),  # deleted before it ran: no Exit_status, substate 91
+    ],
+)
 def test_finished_jobs_from_history(seq: int, state: str) -> None:
     info = client.read_qstat_json((DATA / "qstat_history.json").read_text())
     assert info[f"{seq}.polaris-pbs-01.hsn.cm.polaris.alcf.anl.gov"]["State"] == state
@@ -72,7 +75,10 @@ def test_array_subjobs_are_keyed_by_submitit_ids() -> None:
     # the PBS form of a subjob id answers too
     assert info["2000100[1].aurora-pbs-0001.hostmgmt.cm.aurora.alcf.anl.gov"]["State"] == "FAILED"
     assert client.pbs_query_id(f"{parent}_3") == parent
-    assert client.submitit_id("12[3].srv") == "12[].srv_3" and client.pbs_id("12[].srv_3") == "12[3].srv"
+    assert (
+        client.submitit_id("12[3].srv") == "12[].srv_3"
+        and client.pbs_id("12[].srv_3") == "12[3].srv"
+    )
     assert client.pbs_id("12.srv") == "12.srv"
 
 
@@ -102,12 +108,15 @@ def test_lookup_matches_other_forms_of_the_server_name() -> None:
 def test_query_falls_back_and_reads_unknown_ids(fake_bin: Any) -> None:
     """JSON refused (an old server) -> qstat -x -f text; an id it does not know is done."""
     sample = (SAMPLES / "qstat_f.txt").read_text().replace("'", "'\\''")
-    fake_bin("qstat", f"""
+    fake_bin(
+        "qstat",
+        f"""
 case "$*" in
   *"-F json"*) echo "qstat: invalid option -- 'F'" >&2; exit 2 ;;
   *-f*) printf '%s' '{sample}'; echo "qstat: Unknown Job Id 99.aurora-pbs-0001" >&2; exit 153 ;;
 esac
-exit 1""")
+exit 1""",
+    )
     out = client.query([AURORA_ID, "99.aurora-pbs-0001"])
     assert out[AURORA_ID]["State"] == "RUNNING"
     assert out["99.aurora-pbs-0001"]["State"] == client.GONE
@@ -118,10 +127,18 @@ exit 1""")
 # --- the compute side ----------------------------------------------------------------
 
 
-def test_job_environment_reads_pals_and_pbs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_job_environment_reads_pals_and_pbs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     env = pbs_env(tmp_path, ["x4102c5s0b0n0", "x4102c5s1b0n0"], mpiprocs=1)
-    for key, value in {**env, "PALS_RANKID": "13", "PALS_LOCAL_RANKID": "1", "PMI_SIZE": "24",
-                       "PALS_NODEID": "1", "SUBMITIT_EXECUTOR": "pbs"}.items():
+    for key, value in {
+        **env,
+        "PALS_RANKID": "13",
+        "PALS_LOCAL_RANKID": "1",
+        "PMI_SIZE": "24",
+        "PALS_NODEID": "1",
+        "SUBMITIT_EXECUTOR": "pbs",
+    }.items():
         monkeypatch.setenv(key, value)
     e = pbs_env_mod.PBSJobEnvironment()
     assert (e.global_rank, e.local_rank, e.num_tasks, e.node, e.num_nodes) == (13, 1, 24, 1, 2)
@@ -141,19 +158,40 @@ def test_requeue_script_drops_the_array_and_keeps_the_id() -> None:
     out = pbs_env_mod.requeue_script(text, "12[].srv_2")
     assert "#PBS -J" not in out
     lines = out.splitlines()
-    assert lines.index("#PBS -N a") < lines.index(
-        "export SUBMITIT_PBS_JOB_ID='12[].srv_2'  # requeued by submitit") < lines.index("set -e")
+    assert (
+        lines.index("#PBS -N a")
+        < lines.index("export SUBMITIT_PBS_JOB_ID='12[].srv_2'  # requeued by submitit")
+        < lines.index("set -e")
+    )
 
 
-def test_parameters_are_checked_like_the_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_parameters_are_checked_like_the_cli(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     for var in ("PBS_ACCOUNT", "HPC_ACCOUNT"):
         monkeypatch.delenv(var, raising=False)
     ex = sp.PBSExecutor(tmp_path, cluster="aurora")
     with pytest.raises(UserError) as exc:
         ex.update_parameters(nodes=3, queue="debug", account="p")
-    assert cli_main(["render", "--cluster", "aurora", "--nodes", "3", "--queue", "debug",
-                         "--account", "p", "--", "python", "x.py"]) == 2
+    assert (
+        cli_main(
+            [
+                "render",
+                "--cluster",
+                "aurora",
+                "--nodes",
+                "3",
+                "--queue",
+                "debug",
+                "--account",
+                "p",
+                "--",
+                "python",
+                "x.py",
+            ]
+        )
+        == 2
+    )
     assert capsys.readouterr().err.strip() == f"hpc: error: {exc.value}"
     with pytest.raises(UserError, match="did you mean nodes"):
         ex.update_parameters(nodez=2)
@@ -206,7 +244,10 @@ def test_submit_gets_the_result(pbs: Path, capsys: pytest.CaptureFixture[str]) -
     assert "#PBS -N adder\n" in script and "#PBS -l select=1\n" in script
     assert f"#PBS -o {run_dir}/\n" in script
     # -prepend-rank: the merged .OU is rank-labelled (issue 31); each rank's own log as before
-    assert f"mpiexec -n 1 -ppn 1 -prepend-rank {sys.executable} -u -m hpc.executors.pbs {run_dir}" in script
+    assert (
+        f"mpiexec -n 1 -ppn 1 -prepend-rank {sys.executable} -u -m hpc.executors.pbs {run_dir}"
+        in script
+    )
     assert "INFO" in job.stdout()  # the rank's own log, as srun --output writes on SLURM
     assert (run_dir / f"{job.job_id}.OU").is_file()  # the batch shell's, from #PBS -o
     assert cli_main(["status", str(run_dir)]) == 0  # the run directory names the job
@@ -228,17 +269,29 @@ def ranks_and_sum() -> tuple[int, int, float, str]:
 def test_two_ranks_through_the_pals_mpiexec(pbs: Path, lmod_frameworks: Path) -> None:
     """Aurora's script as rendered (``module load frameworks`` is real Lmod loading the
     test's modulefile, which also puts the PALS shim on PATH: no PALS exists here)."""
-    ex = hpc.executor(cluster="aurora-here", ppn=2, queue="debug", account="MyProject",
-                      walltime="00:10:00", folder=pbs / "jobs")
+    ex = hpc.executor(
+        cluster="aurora-here",
+        ppn=2,
+        queue="debug",
+        account="MyProject",
+        walltime="00:10:00",
+        folder=pbs / "jobs",
+    )
     job = ex.submit(hpc.distributed(ranks_and_sum))
     wait_done(job, 120)
     assert job.results() == [(0, 2, 3.0, "pals"), (1, 2, 3.0, "pals")], job.stderr()
     assert job.task(0).result() == (0, 2, 3.0, "pals")
     script = job.paths.submission_file.read_text()
-    for line in ("#PBS -l select=1:system=aurora", "#PBS -l place=scatter",
-                 "#PBS -l filesystems=home:flare", "#PBS -q debug", "#PBS -A MyProject",
-                 "#PBS -l walltime=00:10:00", "export CCL_ATL_TRANSPORT=mpi",
-                 "module load frameworks"):
+    for line in (
+        "#PBS -l select=1:system=aurora",
+        "#PBS -l place=scatter",
+        "#PBS -l filesystems=home:flare",
+        "#PBS -q debug",
+        "#PBS -A MyProject",
+        "#PBS -l walltime=00:10:00",
+        "export CCL_ATL_TRANSPORT=mpi",
+        "module load frameworks",
+    ):
         assert line in script
     assert "mpiexec -n 2 --ppn 2 --cpu-bind list:1-16:17-32:" in script  # one rank per GPU
 
@@ -339,19 +392,27 @@ def test_map_array_is_one_pbs_array(pbs: Path) -> None:
         wait_done(job, 120)
     assert [j.result() for j in jobs] == [11, 22, 33]
     assert "#PBS -J 0-2" in jobs[0].paths.submission_file.read_text()
-    wait_until(lambda: [j.get_info().get("State") for j in jobs] == ["COMPLETED"] * 3, 30,
-               "subjobs ended (substate 92)")
+    wait_until(
+        lambda: [j.get_info().get("State") for j in jobs] == ["COMPLETED"] * 3,
+        30,
+        "subjobs ended (substate 92)",
+    )
 
 
 def test_old_server_without_json(pbs: Path, fake_bin: Any, openpbs: OpenPBS) -> None:
     """A server before PBS Pro 19 (or Torque) refuses ``-F json``: the real qstat behind a
     wrapper that refuses it, so the plugin reads real ``qstat -x -f`` text instead."""
     require_exe("mpiexec.hydra", "mpiexec.mpich")
-    fake_bin("qstat", f"""case " $* " in *" -F "*) echo "qstat: invalid option -- 'F'" >&2; exit 2;; esac
-exec {openpbs.bin / "qstat"} "$@"\n""")
+    fake_bin(
+        "qstat",
+        f"""case " $* " in *" -F "*) echo "qstat: invalid option -- 'F'" >&2; exit 2;; esac
+exec {openpbs.bin / "qstat"} "$@"\n""",
+    )
     ex = hpc.executor(cluster="pbs", folder=pbs / "jobs")
     job = ex.submit(sleep_long)
-    wait_until(lambda: job.get_info().get("State") == "RUNNING", 60, "running, seen through qstat -f")
+    wait_until(
+        lambda: job.get_info().get("State") == "RUNNING", 60, "running, seen through qstat -f"
+    )
     job.cancel()
     wait_done(job, 60)
     assert job.state == "CANCELLED"
@@ -365,7 +426,9 @@ def test_qsub_refusal_is_one_line(pbs: Path) -> None:
     assert str(exc.value) == "qsub refused the job (exit 170): qsub: Unknown queue"
 
 
-def test_submitit_auto_executor_finds_the_pbs_plugin_through_its_entry_points(tmp_path: Path) -> None:
+def test_submitit_auto_executor_finds_the_pbs_plugin_through_its_entry_points(
+    tmp_path: Path,
+) -> None:
     """setup.cfg's ``submitit`` entry points name hpc.executors.pbs (hpc_submitit is gone)."""
     from submitit.core import plugins
 

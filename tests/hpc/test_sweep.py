@@ -44,8 +44,10 @@ def test_parse_keeps_order_and_strings():
         (["../x=1"], "not a config key"),
         (["a=1\n2"], "control character"),
         (["a=" + "x" * 300], "at most 256"),
-        ([f"a={','.join(map(str, range(21)))}", f"b={','.join(map(str, range(1000)))}"],
-         "21 x 1000 = 21000 tasks; allowed: at most 20000"),
+        (
+            [f"a={','.join(map(str, range(21)))}", f"b={','.join(map(str, range(1000)))}"],
+            "21 x 1000 = 21000 tasks; allowed: at most 20000",
+        ),
     ],
 )
 def test_parse_refuses_with_one_line(items, expected):
@@ -59,8 +61,9 @@ def test_cap_is_checked_before_expanding():
 
 
 def test_exactly_the_cap_is_allowed():
-    tasks = sweep.tasks_from_flags(["a=" + ",".join(map(str, range(20))),
-                                    "b=" + ",".join(map(str, range(1000)))])  # fmt: skip
+    tasks = sweep.tasks_from_flags(
+        ["a=" + ",".join(map(str, range(20))), "b=" + ",".join(map(str, range(1000)))]
+    )
     assert len(tasks) == sweep.MAX_TASKS
     assert len({t.dirname for t in tasks}) == sweep.MAX_TASKS
 
@@ -69,9 +72,13 @@ def test_expand_is_the_cartesian_product_last_key_fastest():
     tasks = sweep.tasks_from_flags(["optim.lr=0.1,0.01", "training.batch_size=32,64,128"])
     assert [t.index for t in tasks] == list(range(6))
     assert [tuple(t.overrides.values()) for t in tasks] == [
-        ("0.1", "32"), ("0.1", "64"), ("0.1", "128"),
-        ("0.01", "32"), ("0.01", "64"), ("0.01", "128"),
-    ]  # fmt: skip
+        ("0.1", "32"),
+        ("0.1", "64"),
+        ("0.1", "128"),
+        ("0.01", "32"),
+        ("0.01", "64"),
+        ("0.01", "128"),
+    ]
     assert tasks[4].label == "optim.lr=0.01 training.batch_size=64"
     assert tasks[4].dirname == "004-lr-0.01_batch_size-64"
     assert sweep.set_args(tasks[4]) == ["--set", "optim.lr=0.01", "training.batch_size=64"]
@@ -144,8 +151,11 @@ def test_task_for_refuses_bad_index(tmp_path: Path, index, environ, expected):
 
 
 def _good() -> dict:
-    return {"version": 1, "max_parallel": None,
-            "tasks": [t._asdict() for t in sweep.tasks_from_flags(["a=1,2"])]}  # fmt: skip
+    return {
+        "version": 1,
+        "max_parallel": None,
+        "tasks": [t._asdict() for t in sweep.tasks_from_flags(["a=1,2"])],
+    }
 
 
 def _set(data: dict, path: tuple, value) -> dict:
@@ -209,7 +219,12 @@ def test_read_manifest_missing(tmp_path: Path):
 
 def test_sweep_task_is_plain_data():
     task = SweepTask(0, {"a": "1"}, "a=1", "000-a-1")
-    assert task.overrides == {"a": "1"} and task._fields == ("index", "overrides", "label", "dirname")
+    assert task.overrides == {"a": "1"} and task._fields == (
+        "index",
+        "overrides",
+        "label",
+        "dirname",
+    )
 
 
 def test_array_task_evals_its_overrides_in_bash(tmp_path: Path):
@@ -225,20 +240,31 @@ def test_array_task_evals_its_overrides_in_bash(tmp_path: Path):
         'task=$("$PY" -m hpc.sweep shell "$RUN") || exit 2\neval "$task"\n'
         'printf "%s\\n" "$HPC_RUN_DIR" "$HPC_SWEEP_INDEX" "$HPC_SWEEP_LABEL" "${HPC_SWEEP_ARGS[@]}"\n'
     )
-    env = {**os.environ, "PY": sys.executable, "RUN": str(run), "SLURM_ARRAY_TASK_ID": "3",
-           "PYTHONPATH": os.pathsep.join(sys.path)}  # fmt: skip
-    done = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, check=True)  # fmt: skip
+    env = {
+        **os.environ,
+        "PY": sys.executable,
+        "RUN": str(run),
+        "SLURM_ARRAY_TASK_ID": "3",
+        "PYTHONPATH": os.pathsep.join(sys.path),
+    }
+    done = subprocess.run(
+        ["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, check=True
+    )
     task = tasks[3]
     assert done.stdout.splitlines() == [
-        str(run / task.dirname), "3", task.label,
-        "--set", "optim.lr=1e-3", "model.name=$(touch pwned);'x'",
-    ]  # fmt: skip
+        str(run / task.dirname),
+        "3",
+        task.label,
+        "--set",
+        "optim.lr=1e-3",
+        "model.name=$(touch pwned);'x'",
+    ]
     assert (run / task.dirname).is_dir() and not (tmp_path / "pwned").exists()
 
     env["SLURM_ARRAY_TASK_ID"] = "4"
-    bad = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True,
-                         text=True)  # fmt: skip
+    bad = subprocess.run(
+        ["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.strip().splitlines() == [
         f"hpc sweep: error: sweep: array index 4 is past the 4 tasks of "

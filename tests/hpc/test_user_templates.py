@@ -20,7 +20,9 @@ MARK = "hpc_template_pwned"
 
 
 def _job(cluster: str = "slurm"):
-    return make_job(cluster, command=["python", "train.py"], **({"account": "p"} if cluster == "aurora" else {}))
+    return make_job(
+        cluster, command=["python", "train.py"], **({"account": "p"} if cluster == "aurora" else {})
+    )
 
 
 def _user(tmp_path: Path, files: dict[str, str | bytes]) -> Path:
@@ -57,7 +59,9 @@ ESCAPES = [
 
 @pytest.mark.parametrize("payload", ESCAPES)
 def test_python_escapes_are_refused_and_nothing_runs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, payload: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    payload: str,
 ) -> None:
     monkeypatch.chdir(tmp_path)
     message = _error(tmp_path, {"slurm.sh.j2": "#!/bin/bash\n" + payload + "\n"})
@@ -66,18 +70,23 @@ def test_python_escapes_are_refused_and_nothing_runs(
 
 
 def test_methods_of_the_project_objects_cannot_be_called(
-    tmp_path: Path, fake_bin, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    fake_bin,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``job.scheduler.cancel(...)`` would run scancel: data may be read, behaviour not."""
     fake_bin("scancel", "exit 0")
-    message = _error(tmp_path, {"slurm.sh.j2": "#!/bin/bash\n# {{ job.nodes }}\n"
-                                               "{{ job.scheduler.cancel('1') }}\n"})
+    message = _error(
+        tmp_path,
+        {"slurm.sh.j2": "#!/bin/bash\n# {{ job.nodes }}\n{{ job.scheduler.cancel('1') }}\n"},
+    )
     assert "slurm.sh.j2 line 3" in message and "not safely callable" in message, message
     assert not fake_bin.log.exists(), fake_bin.log.read_text()
 
 
 def test_a_user_common_block_included_by_a_builtin_template_is_sandboxed_too(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The built-in slurm.sh.j2 includes ``_common.sh.j2``: a user's one is found first."""
     monkeypatch.chdir(tmp_path)
@@ -87,7 +96,8 @@ def test_a_user_common_block_included_by_a_builtin_template_is_sandboxed_too(
 
 
 def test_the_python_api_setup_lines_render_the_user_common_block_sandboxed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from hpc.executors.params import setup_lines
 
@@ -127,9 +137,15 @@ def test_extending_the_builtin_of_the_same_name_says_how(tmp_path: Path) -> None
 
 
 def test_templates_that_include_each_other(tmp_path: Path) -> None:
-    message = _error(tmp_path, {"slurm.sh.j2": "#!/bin/bash\n{% include 'a.j2' %}\n",
-                                "a.j2": "{% include 'b.j2' %}\n", "b.j2": "\n{% include 'a.j2' %}\n"})
-    assert ("a.j2 line 1" in message or "b.j2 line 2" in message), message
+    message = _error(
+        tmp_path,
+        {
+            "slurm.sh.j2": "#!/bin/bash\n{% include 'a.j2' %}\n",
+            "a.j2": "{% include 'b.j2' %}\n",
+            "b.j2": "\n{% include 'a.j2' %}\n",
+        },
+    )
+    assert "a.j2 line 1" in message or "b.j2 line 2" in message, message
     assert "nested too deeply" in message, message
 
 
@@ -146,8 +162,10 @@ def test_a_named_pipe_as_template_is_refused_at_once(tmp_path: Path) -> None:
 
 
 def test_huge_output_is_bounded(tmp_path: Path) -> None:
-    loop = ("{% for i in range(100000) %}{% for j in range(100000) %}"
-            "0123456789abcdef{% endfor %}{% endfor %}")
+    loop = (
+        "{% for i in range(100000) %}{% for j in range(100000) %}"
+        "0123456789abcdef{% endfor %}{% endfor %}"
+    )
     message = _error(tmp_path, {"slurm.sh.j2": "#!/bin/bash\n" + loop + "\n"})
     assert "slurm.sh.j2 line 2" in message and "MiB" in message, message
 
@@ -165,13 +183,18 @@ def test_memory_is_bounded(tmp_path: Path) -> None:
 
 
 def test_a_user_template_renders_as_before(tmp_path: Path) -> None:
-    folder = _user(tmp_path, {"slurm.sh.j2": "#!/bin/bash\n# {{ name|q }} {{ job.nodes }}\n"
-                                             "{% macro loop_ok() %}{% for x in [1, 2] %}"
-                                             "{{ loop.index }}{{ loop.cycle('a', 'b') }}{% endfor %}"
-                                             "{% endmacro %}{% for m in modules %}{{ m|upper }}"
-                                             "{% endfor %}{{ '%s-%d'|format('a', 3) }} "
-                                             "{{ loop_ok() }} {{ 'a,b'.split(',')|join('+') }}\n"
-                                             "{{ launch }}\n"})
+    folder = _user(
+        tmp_path,
+        {
+            "slurm.sh.j2": "#!/bin/bash\n# {{ name|q }} {{ job.nodes }}\n"
+            "{% macro loop_ok() %}{% for x in [1, 2] %}"
+            "{{ loop.index }}{{ loop.cycle('a', 'b') }}{% endfor %}"
+            "{% endmacro %}{% for m in modules %}{{ m|upper }}"
+            "{% endfor %}{{ '%s-%d'|format('a', 3) }} "
+            "{{ loop_ok() }} {{ 'a,b'.split(',')|join('+') }}\n"
+            "{{ launch }}\n"
+        },
+    )
     text = render(_job(), templates=folder)
     assert text.startswith("#!/bin/bash\n# train 1\na-3 1a2b a+b\n"), text
     assert "python" in text
@@ -181,7 +204,9 @@ def test_a_user_template_renders_as_before(tmp_path: Path) -> None:
 
 
 def test_a_template_from_the_working_directory_is_announced_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     (tmp_path / "templates").mkdir()
     own = tmp_path / "templates" / "slurm.sh.j2"
@@ -194,4 +219,6 @@ def test_a_template_from_the_working_directory_is_announced_once(
         render(_job("aurora"))  # the built-in pbs.sh.j2: nothing from here to announce
     assert first.startswith("#!/bin/bash\n")
     notes = [r.getMessage() for r in caplog.records if r.name == "hpc.render"]
-    assert len(notes) == 1 and str(own.resolve()) in notes[0] and "working directory" in notes[0], notes
+    assert len(notes) == 1 and str(own.resolve()) in notes[0] and "working directory" in notes[0], (
+        notes
+    )

@@ -38,24 +38,39 @@ class Scripted(watch.Watcher):
 
 def _metrics(run_dir: Path, step: int, loss: float, slow: int) -> None:
     with (run_dir / "metrics.jsonl").open("a") as fh:
-        fh.write(json.dumps({"kind": "train", "step": step, "loss": loss,
-                             "samples_per_s": 100.0 + step, "slowest_rank": float(slow)}) + "\n")
+        fh.write(
+            json.dumps(
+                {
+                    "kind": "train",
+                    "step": step,
+                    "loss": loss,
+                    "samples_per_s": 100.0 + step,
+                    "slowest_rank": float(slow),
+                }
+            )
+            + "\n"
+        )
 
 
 def test_a_pipe_gets_a_line_only_when_it_changes(tmp_path: Path) -> None:
     (tmp_path / "run.json").write_text("{}")
     w = Scripted(tmp_path, ["PENDING", "RUNNING", "RUNNING", "RUNNING", "RUNNING", "COMPLETED"])
-    script = iter([
-        lambda: None,  # nothing new: nothing printed
-        lambda: _metrics(tmp_path, 2, 1.5, 1),
-        lambda: record(tmp_path, {"event": "exclude", "excluded": ["n2"], "nodes": ["n2"]}),
-        lambda: (record(tmp_path, {"event": "restart", "attempt": 2}),
-                 _metrics(tmp_path, 4, 1.25, 0)),
-        lambda: None,
-    ])
+    script = iter(
+        [
+            lambda: None,  # nothing new: nothing printed
+            lambda: _metrics(tmp_path, 2, 1.5, 1),
+            lambda: record(tmp_path, {"event": "exclude", "excluded": ["n2"], "nodes": ["n2"]}),
+            lambda: (
+                record(tmp_path, {"event": "restart", "attempt": 2}),
+                _metrics(tmp_path, 4, 1.25, 0),
+            ),
+            lambda: None,
+        ]
+    )
     out, err = io.StringIO(), io.StringIO()
-    code = watch.run("r", tmp_path, None, out, err, tty=False, sleep=lambda _: next(script)(),
-                     watcher=w)
+    code = watch.run(
+        "r", tmp_path, None, out, err, tty=False, sleep=lambda _: next(script)(), watcher=w
+    )
     assert code == 0 and err.getvalue() == "hpc: job ended: COMPLETED\n"
     assert out.getvalue().splitlines() == [
         "job 42 PENDING",
@@ -73,8 +88,16 @@ def test_a_pipe_gets_a_line_only_when_it_changes(tmp_path: Path) -> None:
 def test_a_job_that_failed_is_a_failing_exit(tmp_path: Path) -> None:
     (tmp_path / "run.json").write_text("{}")
     w = Scripted(tmp_path, ["RUNNING", "FAILED"])
-    code = watch.run("r", tmp_path, None, io.StringIO(), io.StringIO(), tty=False,
-                     sleep=lambda _: None, watcher=w)
+    code = watch.run(
+        "r",
+        tmp_path,
+        None,
+        io.StringIO(),
+        io.StringIO(),
+        tty=False,
+        sleep=lambda _: None,
+        watcher=w,
+    )
     assert code == 1
 
 
@@ -88,8 +111,9 @@ def test_ctrl_c_leaves_with_130_and_asks_nothing_more(tmp_path: Path) -> None:
     err = io.StringIO()
     for tty in (False, True):
         w.asked = 0
-        code = watch.run("r", tmp_path, None, io.StringIO(), err, tty=tty, sleep=interrupted,
-                         watcher=w)
+        code = watch.run(
+            "r", tmp_path, None, io.StringIO(), err, tty=tty, sleep=interrupted, watcher=w
+        )
         assert code == 130 and w.asked == 1
     assert "the job was not touched" in err.getvalue()
 
@@ -99,16 +123,22 @@ def test_a_terminal_gets_the_live_view_ending_in_the_final_state(tmp_path: Path)
     _metrics(tmp_path, 6, 0.5, 1)
     w = Scripted(tmp_path, ["RUNNING", "COMPLETED"])
     out = io.StringIO()
-    assert watch.run("r", tmp_path, None, out, io.StringIO(), tty=True, sleep=lambda _: None,
-                     watcher=w) == 0
+    assert (
+        watch.run(
+            "r", tmp_path, None, out, io.StringIO(), tty=True, sleep=lambda _: None, watcher=w
+        )
+        == 0
+    )
     assert "job 42 COMPLETED" in out.getvalue() and "metrics step 6 loss 0.5" in out.getvalue()
 
 
 def test_the_last_metrics_line_is_read_from_the_tail_and_half_lines_skipped(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     pad = json.dumps({"kind": "train", "step": 0, "note": "x" * 1000})
-    lines = [pad] * 200 + [json.dumps({"kind": "train", "step": 7, "loss": 2.0}),
-                           json.dumps({"kind": "eval", "step": 7, "loss": 1.0})]
+    lines = [pad] * 200 + [
+        json.dumps({"kind": "train", "step": 7, "loss": 2.0}),
+        json.dumps({"kind": "eval", "step": 7, "loss": 1.0}),
+    ]
     path.write_text("\n".join(lines) + '\n{"kind": "train", "st')  # a line being written
     assert path.stat().st_size > watch.TAIL_BYTES
     assert watch.last_metrics(path) == {"kind": "train", "step": 7, "loss": 2.0}
@@ -120,8 +150,12 @@ def test_the_last_metrics_line_is_read_from_the_tail_and_half_lines_skipped(tmp_
 
 
 def test_malformed_supervisor_blocks_count_as_absent() -> None:
-    for rec in ({}, {"supervisor": []}, {"supervisor": {"events": "x"}},
-                {"supervisor": {"events": [1, None, {"event": "exclude", "excluded": "n2"}]}}):
+    for rec in (
+        {},
+        {"supervisor": []},
+        {"supervisor": {"events": "x"}},
+        {"supervisor": {"events": [1, None, {"event": "exclude", "excluded": "n2"}]}},
+    ):
         assert watch.supervisor_events(rec) == (0, [], None)
     rec = {"supervisor": {"events": [{"event": "restart"}, {"event": "stopped", "why": "w"}]}}
     assert watch.supervisor_events(rec) == (1, [], "w")
@@ -135,26 +169,49 @@ def _chain(fake_bin, tmp_path: Path, squeue: str) -> Path:
     fake_bin("sbatch", 'n=$(grep -c "^sbatch" "$FAKE_LOG"); echo "$((500 + n))"')
     fake_bin("squeue", squeue)
     fake_bin("scontrol", 'echo "JobId=$3 ExitCode=0:0"')
-    assert main(["submit", "--cluster", "slurm", "--account", "p", "--name", "t", "--chain",
-                 "3", "--runs-dir", str(tmp_path / "runs"), "--", "python", "t.py"]) == 0
+    assert (
+        main(
+            [
+                "submit",
+                "--cluster",
+                "slurm",
+                "--account",
+                "p",
+                "--name",
+                "t",
+                "--chain",
+                "3",
+                "--runs-dir",
+                str(tmp_path / "runs"),
+                "--",
+                "python",
+                "t.py",
+            ]
+        )
+        == 0
+    )
     (run_dir,) = (tmp_path / "runs").iterdir()
     return run_dir
 
 
 def test_watch_asks_the_scheduler_once_a_look_for_every_segment(
-        fake_bin, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    fake_bin, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Batched as plain ``hpc status`` is: one squeue a look for the job and its three
     segments, and the scheduler is asked again only when its Backoff is due."""
     from hpc.cli import main
 
-    squeue = ('n=$(grep -c "^squeue" "$FAKE_LOG"); s=RUNNING; [ "$n" -ge 3 ] && s=COMPLETED; '
-              'printf "501|501|$s\\n502|502|$s\\n503|503|$s\\n"')
+    squeue = (
+        'n=$(grep -c "^squeue" "$FAKE_LOG"); s=RUNNING; [ "$n" -ge 3 ] && s=COMPLETED; '
+        'printf "501|501|$s\\n502|502|$s\\n503|503|$s\\n"'
+    )
     run_dir = _chain(fake_bin, tmp_path, squeue)
     capsys.readouterr()
     ticks: list[float] = []
     now = [0.0]
-    monkeypatch.setattr(watch, "_sleep", lambda s: (ticks.append(s), now.__setitem__(0, now[0] + s)))
+    monkeypatch.setattr(
+        watch, "_sleep", lambda s: (ticks.append(s), now.__setitem__(0, now[0] + s))
+    )
     monkeypatch.setattr(watch, "_clock", lambda: now[0])
     assert main(["status", str(run_dir), "--watch"]) == 0
     calls = [c for c in fake_bin.log.read_text().splitlines() if c.startswith("squeue")]
@@ -166,7 +223,8 @@ def test_watch_asks_the_scheduler_once_a_look_for_every_segment(
 
 
 def test_plain_status_names_restarts_and_excluded_nodes(
-        fake_bin, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    fake_bin, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from hpc.cli import main
 
     run_dir = _chain(fake_bin, tmp_path, 'printf "501|501|RUNNING\\n"')

@@ -25,16 +25,22 @@ pytestmark = pytest.mark.slurm
 
 def _watch(ident: str, runs: Path) -> subprocess.Popen[str]:
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT}")
-    return subprocess.Popen([sys.executable, "-m", "hpc", "status", ident, "--runs-dir",
-                             str(runs), "--watch"], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "hpc", "status", ident, "--runs-dir", str(runs), "--watch"],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def test_watch_through_a_pipe_ends_with_the_job(slurm_cluster: Any, tmp_path: Path) -> None:
     spec = worker_spec(tmp_path)
     runs = tmp_path / "runs"
-    job_id, run_dir = submit(str(write_spec(tmp_path / "w.yaml", [PY, WORKER, json.dumps(spec)])),
-                             runs=runs)
+    job_id, run_dir = submit(
+        str(write_spec(tmp_path / "w.yaml", [PY, WORKER, json.dumps(spec)])), runs=runs
+    )
     proc = _watch(str(run_dir), runs)
     out, err = proc.communicate(timeout=240)  # the watch ends by itself when the job does
     assert proc.returncode == 0, (out, err)
@@ -42,14 +48,18 @@ def test_watch_through_a_pipe_ends_with_the_job(slurm_cluster: Any, tmp_path: Pa
     assert lines[0].startswith(f"job {job_id} ") and lines[-1] == f"job {job_id} COMPLETED"
     assert err.strip().endswith("hpc: job ended: COMPLETED")
     assert len(set(lines)) == len(lines), lines  # a pipe gets a line only when it changes
-    last = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if '"step"' in x and json.loads(x).get("kind", "train") == "train"][-1]
+    last = [
+        json.loads(x)
+        for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if '"step"' in x and json.loads(x).get("kind", "train") == "train"
+    ][-1]
     assert f"metrics step {last['step']} loss " in out, out
     assert f"slowest rank {int(last['slowest_rank'])}" in lines, lines
 
 
-def test_ctrl_c_leaves_the_watch_with_130_and_the_job_queued(slurm_cluster: Any,
-                                                              tmp_path: Path) -> None:
+def test_ctrl_c_leaves_the_watch_with_130_and_the_job_queued(
+    slurm_cluster: Any, tmp_path: Path
+) -> None:
     runs = tmp_path / "runs"
     spec = write_spec(tmp_path / "h.yaml", ["true"], directives=["--hold"])
     job_id, run_dir = submit(str(spec), runs=runs)

@@ -112,10 +112,12 @@ def make_env(root: Path, prefix: Path | None = None, name: str = "torch") -> Pat
     how = f"-p {prefix}" if prefix.parent != root / "envs" else f"-n {name}"
     (prefix / "conda-meta" / "history").write_text(
         f"==> 2026-01-01 00:00:00 <==\n# cmd: {root}/bin/conda create {how}\n"
-        "# conda version: 24.1.2\n+defaults/linux-64::python-3.11.7-h955ad1f_0\n")
+        "# conda version: 24.1.2\n+defaults/linux-64::python-3.11.7-h955ad1f_0\n"
+    )
     probe = prefix / "bin" / "hpc-probe"
     probe.write_text('#!/bin/sh\necho "probe=$0 activated=${FAKE_ENV_ACTIVATED:-no}"\n')
     probe.chmod(0o755)
     (prefix / "etc" / "conda" / "activate.d" / "fake.sh").write_text(
-        f"export FAKE_ENV_ACTIVATED='{prefix.name}'\n")
+        f"export FAKE_ENV_ACTIVATED='{prefix.name}'\n"
+    )
     return prefix

@@ -18,8 +18,15 @@ from tests.support.openpbs import lmod_frameworks, openpbs, openpbs_server, pbs_
 from tests.support.pals import PALS_DIR, RANK_WRAPPER, SHIM
 from tests.support.parts import require, require_exe
 
-__all__ = ["lmod_frameworks", "netns_pair", "openpbs", "openpbs_server", "pals_mpiexec",
-           "pbs_job_venv", "slurm_cluster"]
+__all__ = [
+    "lmod_frameworks",
+    "netns_pair",
+    "openpbs",
+    "openpbs_server",
+    "pals_mpiexec",
+    "pbs_job_venv",
+    "slurm_cluster",
+]
 
 
 @pytest.fixture(scope="session")

@@ -61,8 +61,15 @@ def server_up() -> bool:
     qstat = PBS_BIN / "qstat"
     if not qstat.exists():
         return False
-    proc = subprocess.run([str(qstat), "-B"], capture_output=True, text=True, errors="replace",
-                          timeout=30, env=_client_env(), check=False)
+    proc = subprocess.run(
+        [str(qstat), "-B"],
+        capture_output=True,
+        text=True,
+        errors="replace",
+        timeout=30,
+        env=_client_env(),
+        check=False,
+    )
     return proc.returncode == 0
 
 
@@ -72,8 +79,9 @@ def ensure_started() -> str | None:
         return None
     if os.geteuid() != 0:
         return "OpenPBS is not running and starting it needs root (scripts/openpbs.sh start)"
-    proc = subprocess.run(["bash", str(WRAPPER), "start"], capture_output=True, text=True,
-                          timeout=600, check=False)
+    proc = subprocess.run(
+        ["bash", str(WRAPPER), "start"], capture_output=True, text=True, timeout=600, check=False
+    )
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-4:]
         return f"scripts/openpbs.sh start failed (exit {proc.returncode}): {' | '.join(tail)}"
@@ -89,8 +97,15 @@ class OpenPBS:
     def run(self, *argv: str, check: bool = True, **kw: Any) -> subprocess.CompletedProcess[str]:
         # errors="replace": the shared server's history may hold a job whose variables
         # are not UTF-8 (tests/test_e2e_clients.py makes one), and `qstat -x` lists it.
-        proc = subprocess.run([str(self.bin / argv[0]), *argv[1:]], capture_output=True,
-                              encoding="utf-8", errors="replace", timeout=60, check=False, **kw)
+        proc = subprocess.run(
+            [str(self.bin / argv[0]), *argv[1:]],
+            capture_output=True,
+            encoding="utf-8",
+            errors="replace",
+            timeout=60,
+            check=False,
+            **kw,
+        )
         if check:
             assert proc.returncode == 0, f"{argv}: {proc.returncode}\n{proc.stdout}{proc.stderr}"
         return proc
@@ -104,8 +119,9 @@ class OpenPBS:
         jobs = json.loads(proc.stdout).get("Jobs") or {}
         return jobs.get(job_id) or next(iter(jobs.values()), {})
 
-    def wait_letter(self, job_id: str, letters: str, timeout: float = 60,
-                    log: Callable[[], str] | None = None) -> dict[str, Any]:
+    def wait_letter(
+        self, job_id: str, letters: str, timeout: float = 60, log: Callable[[], str] | None = None
+    ) -> dict[str, Any]:
         """Poll until job_state is one of ``letters``; returns the attributes then.
 
         A job that finishes (``F``) before reaching them ends the wait at once; the
@@ -121,8 +137,13 @@ class OpenPBS:
                 return None
             return f"F, substate {found.get('substate')}, Exit_status {found.get('Exit_status')}"
 
-        wait_until(check, timeout, f"PBS job {job_id} in state {letters}", ended=ended,
-                   log=log or (lambda: output_of(found)))
+        wait_until(
+            check,
+            timeout,
+            f"PBS job {job_id} in state {letters}",
+            ended=ended,
+            log=log or (lambda: output_of(found)),
+        )
         return found
 
     def delete_all(self, job_ids: list[str]) -> None:
@@ -143,6 +164,7 @@ def reap(job_ids: list[str]) -> list[int]:
     (seen on this server). A site's cgroup hook (or PALS) ends them; here the tests do,
     finding them by the ``PBS_JOBID`` in their environment.
     """
+
     def key(job_id: str) -> tuple[str, str]:  # 12[3].srv and 12[].srv -> ("12", "srv")
         head, _, server = job_id.partition(".")
         return head.split("[")[0], server
@@ -156,8 +178,11 @@ def reap(job_ids: list[str]) -> list[int]:
             env = proc.joinpath("environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        ids = [e[len(b"PBS_JOBID="):].decode(errors="replace") for e in env
-               if e.startswith(b"PBS_JOBID=")]
+        ids = [
+            e[len(b"PBS_JOBID=") :].decode(errors="replace")
+            for e in env
+            if e.startswith(b"PBS_JOBID=")
+        ]
         if ids and key(ids[0]) in seqs:
             try:
                 os.kill(int(proc.name), signal.SIGKILL)
@@ -186,15 +211,26 @@ def job_venv(where: Path) -> Path:
         builder = venv.EnvBuilder(system_site_packages=False, with_pip=False, symlinks=True)
         builder.create(str(where))
     purelib = subprocess.run(
-        [str(where / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-        capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+        [
+            str(where / "bin" / "python"),
+            "-c",
+            "import sysconfig; print(sysconfig.get_path('purelib'))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.strip()
     Path(purelib, "00-hpc-ddp-checkout.pth").write_text(f"{ROOT / 'src'}\n{ROOT}\n")
-    folders = [*site.getsitepackages(),
-               *([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])]
+    folders = [
+        *site.getsitepackages(),
+        *([site.getusersitepackages()] if site.ENABLE_USER_SITE else []),
+    ]
     folders = [f for f in dict.fromkeys(folders) if Path(f).is_dir() and f != purelib]
     # one line: a .pth runs lines that start with "import" (site.addsitedir of each folder)
     Path(purelib, "01-test-interpreter-site.pth").write_text(
-        f"import site; list(map(site.addsitedir, {folders!r}))\n")
+        f"import site; list(map(site.addsitedir, {folders!r}))\n"
+    )
     return where
 
 
@@ -233,8 +269,7 @@ def output_of(attrs: dict[str, Any]) -> str:
     return path.read_text(errors="replace") if path.is_file() else ""
 
 
-def wait_final(status: Any, timeout: float, what: str,
-               log: Callable[[], str] | None = None) -> str:
+def wait_final(status: Any, timeout: float, what: str, log: Callable[[], str] | None = None) -> str:
     """Poll ``status()`` (a normalized state) until it is final; return it. A timeout
     names the last state and quotes ``log()``."""
     return wait_state(status, FINAL, FINAL, timeout, what, log)

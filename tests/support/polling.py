@@ -34,9 +34,13 @@ def quote_log(log: Callable[[], str] | None) -> str:
     return f"\n--- the job's log:\n{cut}{tail}"
 
 
-def wait_until(check: Callable[[], bool], timeout: float, what: str,
-               ended: Callable[[], str | None] | None = None,
-               log: Callable[[], str] | None = None) -> None:
+def wait_until(
+    check: Callable[[], bool],
+    timeout: float,
+    what: str,
+    ended: Callable[[], str | None] | None = None,
+    log: Callable[[], str] | None = None,
+) -> None:
     """Return once ``check()`` is true.
 
     ``ended()`` returns the job's final state once it has one (else None): the wait
@@ -57,8 +61,14 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str,
         delay = min(delay * 1.5, 0.5)
 
 
-def wait_state(state: Callable[[], str], wanted: Sequence[str], final: Sequence[str],
-               timeout: float, what: str, log: Callable[[], str] | None = None) -> str:
+def wait_state(
+    state: Callable[[], str],
+    wanted: Sequence[str],
+    final: Sequence[str],
+    timeout: float,
+    what: str,
+    log: Callable[[], str] | None = None,
+) -> str:
     """Poll a job's ``state()`` until it is one of ``wanted``; return it.
 
     A state in ``final`` that is not wanted (the job ended: FAILED while the test waits
@@ -78,6 +88,7 @@ def wait_state(state: Callable[[], str], wanted: Sequence[str], final: Sequence[
         wait_until(check, timeout, what, ended=ended, log=log)
     except TimeoutError:
         last = seen[-1] if seen else "?"
-        raise TimeoutError(f"{what}: not after {timeout} s (last state {last})"
-                           f"{quote_log(log)}") from None
+        raise TimeoutError(
+            f"{what}: not after {timeout} s (last state {last}){quote_log(log)}"
+        ) from None
     return seen[-1]

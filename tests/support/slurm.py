@@ -211,14 +211,22 @@ class SlurmCluster:
 
         A job that ends in another state ends the wait at once; every failure quotes
         the job's log (:meth:`job_log`)."""
-        return wait_state(lambda: self.state(job_id), states, ENDED_STATES, timeout,
-                          f"job {job_id} in {tuple(states)}", log=lambda: self.job_log(job_id))
+        return wait_state(
+            lambda: self.state(job_id),
+            states,
+            ENDED_STATES,
+            timeout,
+            f"job {job_id} in {tuple(states)}",
+            log=lambda: self.job_log(job_id),
+        )
 
     def job_log(self, job_id: str) -> str:
         """The job's output file (``scontrol``'s StdOut, else :meth:`output_path`)."""
         res = self.run("scontrol", "show", "job", "-o", str(job_id), check=False)
-        out = next((tok.split("=", 1)[1] for tok in res.stdout.split() if tok.startswith("StdOut=")),
-                   str(self.output_path(job_id)))
+        out = next(
+            (tok.split("=", 1)[1] for tok in res.stdout.split() if tok.startswith("StdOut=")),
+            str(self.output_path(job_id)),
+        )
         path = Path(out)
         return path.read_text(errors="replace") if path.is_file() else ""
 
@@ -270,7 +278,7 @@ JobCompLoc={logs}/jobcomp.txt
 MpiDefault=none
 SchedulerParameters=batch_sched_delay=0
 # SLURM's default written out; tests/test_e2e_sweep.py starts a cluster with a smaller one
-MaxArraySize={os.environ.get('HPC_TEST_SLURM_MAX_ARRAY_SIZE', '1001')}
+MaxArraySize={os.environ.get("HPC_TEST_SLURM_MAX_ARRAY_SIZE", "1001")}
 MailProg=/bin/true
 ReturnToService=2
 MinJobAge=300
@@ -342,6 +350,7 @@ def _add_host_names(names: Sequence[str], tag: str = "") -> bool:
 def _remove_host_names(pid: int | None = None, tag: str = "") -> None:
     """Drop this run's hosts line (``PID:TAG``: one process may run two clusters); with
     ``pid=0`` the lines of runs that died without it."""
+
     def ours(line: str) -> bool:
         if HOSTS_MARK not in line:
             return False
@@ -384,11 +393,19 @@ def start_cluster(timeout: float = 30) -> Iterator[SlurmCluster]:
     key.chmod(0o600)
     try:
         sock = root / "munge.sock"
-        _spawn(cluster, "munged", [
-            _exe("munged"), "-F", f"--socket={sock}", f"--pid-file={root}/munged.pid",
-            f"--log-file={root}/log/munged.log", f"--seed-file={root}/munged.seed",
-            f"--key-file={key}",
-        ])  # fmt: skip
+        _spawn(
+            cluster,
+            "munged",
+            [
+                _exe("munged"),
+                "-F",
+                f"--socket={sock}",
+                f"--pid-file={root}/munged.pid",
+                f"--log-file={root}/log/munged.log",
+                f"--seed-file={root}/munged.seed",
+                f"--key-file={key}",
+            ],
+        )
         _wait_for("munged socket", sock.exists, cluster, timeout)
         _spawn(cluster, "slurmctld", [_exe("slurmctld"), "-D", "-f", str(conf)])
         for node in NODES:

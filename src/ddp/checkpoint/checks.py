@@ -37,9 +37,12 @@ def _is_tensor_map(v: Any) -> bool:
 
 
 def _is_optimizer(v: Any) -> bool:
-    return (isinstance(v, dict) and isinstance(v.get("state"), dict)
-            and isinstance(v.get("param_groups"), list)
-            and all(isinstance(g, dict) for g in v["param_groups"]))  # fmt: skip
+    return (
+        isinstance(v, dict)
+        and isinstance(v.get("state"), dict)
+        and isinstance(v.get("param_groups"), list)
+        and all(isinstance(g, dict) for g in v["param_groups"])
+    )
 
 
 def _is_plain_tree(v: Any) -> bool:
@@ -55,16 +58,21 @@ def _is_plain_tree(v: Any) -> bool:
 
 def _is_shard_list(v: Any) -> bool:
     return isinstance(v, dict) and all(
-        isinstance(k, str) and _SHARD_RE.match(k) and isinstance(d, str)
-        and re.fullmatch(r"[0-9a-f]{64}", d) for k, d in v.items()
-    )  # fmt: skip
+        isinstance(k, str)
+        and _SHARD_RE.match(k)
+        and isinstance(d, str)
+        and re.fullmatch(r"[0-9a-f]{64}", d)
+        for k, d in v.items()
+    )
 
 
 #: Every field a checkpoint may hold: (its check, what is allowed). Checked wherever one
 #: is loaded (:func:`check_fields`), so no crafted value reaches the trainer.
 FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "format": (lambda v: type(v) is int and 1 <= v <= FORMAT_VERSION,
-               f"an integer from 1 to {FORMAT_VERSION} (a newer one needs a newer ddp)"),
+    "format": (
+        lambda v: type(v) is int and 1 <= v <= FORMAT_VERSION,
+        f"an integer from 1 to {FORMAT_VERSION} (a newer one needs a newer ddp)",
+    ),
     "global_step": (_count(0), "an integer >= 0"),
     "phase": (_count(0), "an integer >= 0"),
     "epoch": (_count(0), "an integer >= 0"),
@@ -75,28 +83,34 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "rng": (lambda v: isinstance(v, list), "a list of every rank's RNG states"),
     "rank_files": (lambda v: type(v) is bool, "true or false"),
     "rank": (_count(0), "an integer >= 0"),
-    "rank_rng": (lambda v: v is None or isinstance(v, dict), "a mapping of one rank's RNG "
-                 "states"),
+    "rank_rng": (lambda v: v is None or isinstance(v, dict), "a mapping of one rank's RNG states"),
     "rank_shards": (_is_shard_list, "a mapping of shard file names to sha256 digests"),
-    "config": (lambda v: isinstance(v, dict) and _is_plain_tree(v),
-               "a mapping of plain values (the run's config)"),
+    "config": (
+        lambda v: isinstance(v, dict) and _is_plain_tree(v),
+        "a mapping of plain values (the run's config)",
+    ),
     "scheduler": (lambda v: isinstance(v, dict), "a mapping (a scheduler's state)"),
     "scaler": (lambda v: v is None or isinstance(v, dict), "a mapping or null"),
     "model": (_is_tensor_map, "a mapping of parameter names to tensors"),
     "optimizer": (_is_optimizer, "an optimizer's state (state and param_groups)"),
     "shards": (_is_shard_list, "a mapping of shard file names to sha256 digests"),
     "optim_other": (lambda v: v is None or isinstance(v, dict), "a mapping or null"),
-    "param_groups": (lambda v: v is None or (isinstance(v, list) and all(
-        isinstance(g, dict) for g in v)), "a list of mappings or null"),
-}  # fmt: skip
+    "param_groups": (
+        lambda v: v is None or (isinstance(v, list) and all(isinstance(g, dict) for g in v)),
+        "a list of mappings or null",
+    ),
+}
 
 #: What a checkpoint must hold for the trainer to resume from it.
 TRAINER_FIELDS = ("global_step", "phase", "epoch", "scheduler")
 
 
 def _show(value: Any) -> str:
-    text = repr(value) if not isinstance(value, torch.Tensor) else (
-        f"a {value.dtype} tensor of shape {tuple(value.shape)}")
+    text = (
+        repr(value)
+        if not isinstance(value, torch.Tensor)
+        else (f"a {value.dtype} tensor of shape {tuple(value.shape)}")
+    )
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -115,11 +129,14 @@ def check_fields(obj: dict[str, Any], required: tuple[str, ...] = ()) -> None:
         if name in obj and not ok(obj[name]):
             raise ValueError(f"has a bad {name}: {_show(obj[name])}; allowed: {allowed}")
     if obj.get("phase_start_step", 0) > obj.get("global_step", _I64):
-        raise ValueError(f"has a bad phase_start_step: {obj['phase_start_step']} is after "
-                         f"its global_step {obj['global_step']}")  # fmt: skip
+        raise ValueError(
+            f"has a bad phase_start_step: {obj['phase_start_step']} is after "
+            f"its global_step {obj['global_step']}"
+        )
     if obj.get("rank", -1) >= obj.get("world_size", _I64):
-        raise ValueError(f"has a bad rank: {obj['rank']} is not below its world_size "
-                         f"{obj['world_size']}")  # fmt: skip
+        raise ValueError(
+            f"has a bad rank: {obj['rank']} is not below its world_size {obj['world_size']}"
+        )
     for i, state in enumerate(obj.get("rng") or []):  # written before rank files
         check_rng_state(state, f"rng[{i}]")
     if obj.get("rank_rng") is not None:
@@ -130,8 +147,10 @@ def check_rng_state(state: Any, name: str = "rng") -> None:
     """ValueError unless ``state`` is one rank's RNG states as :func:`rng_state` makes
     them: each is tried on a throwaway generator, never on this process's own."""
     if not isinstance(state, dict) or "python" not in state or "torch" not in state:
-        raise ValueError(f"has a bad {name}: {_show(state)}; allowed: a mapping with the "
-                         "python and torch RNG states")  # fmt: skip
+        raise ValueError(
+            f"has a bad {name}: {_show(state)}; allowed: a mapping with the "
+            "python and torch RNG states"
+        )
 
     def python(v: Any) -> None:
         random.Random().setstate(v)
@@ -146,14 +165,14 @@ def check_rng_state(state: Any, name: str = "rng") -> None:
         if not (isinstance(gauss, float) and math.isfinite(gauss)):
             raise ValueError(gauss)
         np.random.RandomState().set_state(
-            (kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+            (kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss)
+        )
 
     def device(v: Any) -> None:
         if not (isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.dim() == 1):
             raise ValueError(v)
 
-    checks = {"python": python, "torch": torch_cpu, "numpy": numpy, "cuda": device,
-              "xpu": device}  # fmt: skip
+    checks = {"python": python, "torch": torch_cpu, "numpy": numpy, "cuda": device, "xpu": device}
     for key, value in state.items():
         check = checks.get(key)
         try:
@@ -161,12 +180,15 @@ def check_rng_state(state: Any, name: str = "rng") -> None:
                 raise ValueError(key)
             check(value)
         except Exception:  # what each generator says of a state it cannot take
-            raise ValueError(f"has a bad {name}.{key}: {_show(value)}; allowed: the state "
-                             f"that ddp saves for this generator") from None  # fmt: skip
+            raise ValueError(
+                f"has a bad {name}.{key}: {_show(value)}; allowed: the state "
+                f"that ddp saves for this generator"
+            ) from None
 
 
-def check_same_model(saved: dict[str, tuple[int, ...]], own: dict[str, tuple[int, ...]],
-                     path: str | Path) -> None:  # fmt: skip
+def check_same_model(
+    saved: dict[str, tuple[int, ...]], own: dict[str, tuple[int, ...]], path: str | Path
+) -> None:
     """ConfigError naming the first parameter whose name or shape differs between a
     checkpoint (``saved``: name -> shape) and this model (``own``), with both shapes: one
     line for a plain and a sharded checkpoint alike, not torch's 40 (or DCP's traceback).
@@ -194,6 +216,7 @@ def check_like(saved: Any, live: Any, name: str) -> None:
     kind differs from ``live`` (the same object's state in this run): a mapping's keys
     present in both, a list's length, numbers (finite), strings, booleans, tensors'
     shapes. Keys that this run's object lacks are the caller's to drop."""
+
     def bad(allowed: str) -> ValueError:
         return ValueError(f"has a bad {name}: {_show(saved)}; allowed: {allowed}")
 
@@ -211,8 +234,10 @@ def check_like(saved: Any, live: Any, name: str) -> None:
         if type(saved) is not bool:
             raise bad("true or false")
     elif isinstance(live, int | float):
-        if type(saved) not in (int, float) or not math.isfinite(saved) or (
-            type(live) is int and type(saved) is not int
+        if (
+            type(saved) not in (int, float)
+            or not math.isfinite(saved)
+            or (type(live) is int and type(saved) is not int)
         ):
             raise bad("an integer" if type(live) is int else "a finite number")
     elif isinstance(live, str):
@@ -224,5 +249,3 @@ def check_like(saved: Any, live: Any, name: str) -> None:
     elif live is None:
         if saved is not None and type(saved) not in (bool, int, float, str):
             raise bad("a plain value or null")
-
-

@@ -25,6 +25,7 @@ from ddp.checkpoint.layout import DIGEST_SUFFIX
 
 log = logging.getLogger("ddp")
 
+
 def fsync_dir(path: Path) -> None:
     """Make a rename or new file in ``path`` durable (best effort where unsupported)."""
     try:
@@ -151,8 +152,6 @@ def atomic_write_text(text: str, path: str | Path, durable: bool = True) -> None
     _atomic_write(Path(path), lambda fh: fh.write(text.encode()), durable)
 
 
-
-
 class _Digesting:
     """A write-only file wrapper that hashes what passes through (torch.save needs write)."""
 
@@ -166,7 +165,6 @@ class _Digesting:
 
     def flush(self) -> None:
         self.fh.flush()
-
 
 
 def _digest_path(path: Path) -> Path:
@@ -185,7 +183,6 @@ def sha256_file(path: Path) -> str:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             sha.update(chunk)
     return sha.hexdigest()
-
 
 
 # ---- untrusted files: regular files only, never blocking, bounded ------------------------
@@ -212,5 +209,3 @@ def read_regular(path: str | Path, limit: int | None = SMALL_FILE) -> bytes:
     to put after the file's name.
     """
     return _open_regular(Path(path), limit)[0]
-
-

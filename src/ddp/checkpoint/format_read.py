@@ -120,8 +120,9 @@ def read_rank_state(checkpoint: str | Path, rank: int, saved: dict[str, Any]) ->
     path = rank_dir(checkpoint) / rank_file_name(rank)
     where = f"{path.parent.name}/{path.name}"
     if path.parent.is_symlink():  # it could lead anywhere, as a checkpoint file could
-        raise ValueError(f"has a rank directory {path.parent.name} that is a symbolic link; "
-                         "allowed: a directory")  # fmt: skip
+        raise ValueError(
+            f"has a rank directory {path.parent.name} that is a symbolic link; allowed: a directory"
+        )
     try:
         data = read_regular(path, RANK_FILE_LIMIT)
     except ValueError as exc:
@@ -130,22 +131,27 @@ def read_rank_state(checkpoint: str | Path, rank: int, saved: dict[str, Any]) ->
         raise ValueError(f"has a rank file {where} that {exc}") from None
     head, newline, payload = data.partition(b"\n")
     if not newline or not head.startswith(_RANK_HEADER):
-        raise ValueError(f"has a rank file {where} that is not one ddp writes (no digest "
-                         "line)")  # fmt: skip
-    if hashlib.sha256(payload).hexdigest().encode() != head[len(_RANK_HEADER):]:
+        raise ValueError(f"has a rank file {where} that is not one ddp writes (no digest line)")
+    if hashlib.sha256(payload).hexdigest().encode() != head[len(_RANK_HEADER) :]:
         raise ValueError(f"has a damaged rank file {where} (digest mismatch)")
     try:
         obj = _load_bytes(payload)
         check_fields(obj, required=RANK_FIELDS)
-        for key, want in (("global_step", saved.get("global_step")),
-                          ("world_size", saved.get("world_size")), ("rank", rank)):  # fmt: skip
+        for key, want in (
+            ("global_step", saved.get("global_step")),
+            ("world_size", saved.get("world_size")),
+            ("rank", rank),
+        ):
             if obj[key] != want:
-                raise ValueError(f"has a bad {key}: {_show(obj[key])}; allowed: {want!r}, "
-                                 "the checkpoint's")  # fmt: skip
+                raise ValueError(
+                    f"has a bad {key}: {_show(obj[key])}; allowed: {want!r}, the checkpoint's"
+                )
         for name in obj.get("rank_shards") or {}:
             if not re.fullmatch(rf"__{rank}_\d+\.distcp", name):
-                raise ValueError(f"has a bad rank_shards: {name!r}; allowed: this rank's "
-                                 f"shards (__{rank}_N.distcp)")  # fmt: skip
+                raise ValueError(
+                    f"has a bad rank_shards: {name!r}; allowed: this rank's "
+                    f"shards (__{rank}_N.distcp)"
+                )
     except ValueError as exc:
         raise ValueError(f"has a rank file {where} that {exc}") from None
     return obj

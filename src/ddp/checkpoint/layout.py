@@ -22,4 +22,3 @@ _RANK_HEADER = b"ddp-rank-state sha256="
 #: What a sharded checkpoint's shard files may be called: torch.distributed.checkpoint's
 #: per-rank data files and its metadata file (nothing with a path in it).
 _SHARD_RE = re.compile(r"^(__\d+_\d+\.distcp|\.metadata)\Z")
-

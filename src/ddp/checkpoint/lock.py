@@ -130,11 +130,14 @@ class DirLock:
         try:
             directory.mkdir(parents=True, exist_ok=True)
         except FileExistsError:
-            raise ConfigError(f"{where} is not a directory; allowed: a directory, or a "
-                              "path where one can be made") from None  # fmt: skip
+            raise ConfigError(
+                f"{where} is not a directory; allowed: a directory, or a path where one can be made"
+            ) from None
         except OSError as exc:
-            raise ConfigError(f"{where}: cannot write there ({exc.strerror or exc}); "
-                              "allowed: a writable directory") from None  # fmt: skip
+            raise ConfigError(
+                f"{where}: cannot write there ({exc.strerror or exc}); "
+                "allowed: a writable directory"
+            ) from None
         me = cls.owner()
         for _ in range(5):
             try:
@@ -143,8 +146,10 @@ class DirLock:
             except FileExistsError:
                 pass
             except OSError as exc:
-                raise ConfigError(f"{where}: cannot write there ({exc.strerror or exc}); "
-                                  "allowed: a writable directory") from None  # fmt: skip
+                raise ConfigError(
+                    f"{where}: cannot write there ({exc.strerror or exc}); "
+                    "allowed: a writable directory"
+                ) from None
             try:
                 seen = cls._look(path)
             except ValueError as exc:
@@ -166,11 +171,15 @@ class DirLock:
             try:
                 _remove_if_unchanged(path, key)
             except OSError as exc:
-                raise ConfigError(f"{where}: cannot take over its stale lock {str(path)!r} "
-                                  f"({exc.strerror or exc}); allowed: a writable "
-                                  "directory") from None  # fmt: skip
-        raise ConfigError(f"{where}: the lock {LOCK} keeps changing (runs starting at once); "
-                          "allowed: one run per checkpoint.dir")  # fmt: skip
+                raise ConfigError(
+                    f"{where}: cannot take over its stale lock {str(path)!r} "
+                    f"({exc.strerror or exc}); allowed: a writable "
+                    "directory"
+                ) from None
+        raise ConfigError(
+            f"{where}: the lock {LOCK} keeps changing (runs starting at once); "
+            "allowed: one run per checkpoint.dir"
+        )
 
     @staticmethod
     def _look(path: Path) -> tuple[dict[str, Any], tuple[Any, ...]] | None:
@@ -196,13 +205,17 @@ class DirLock:
         return owner, (info.st_ino, info.st_mtime_ns, info.st_size, owner.get("beat"))
 
     @classmethod
-    def _stale(cls, other: dict[str, Any], key: tuple[Any, ...], me: dict[str, Any],
-               path: Path) -> str | None:  # fmt: skip
+    def _stale(
+        cls, other: dict[str, Any], key: tuple[Any, ...], me: dict[str, Any], path: Path
+    ) -> str | None:
         """Why the lock belongs to no live run, or None when it may."""
         pid = other["pid"]
         here = other["host"] == me["host"]
-        if here and me["boot"] and other.get("boot") == me["boot"] and (
-            other.get("pidns") == me["pidns"]
+        if (
+            here
+            and me["boot"]
+            and other.get("boot") == me["boot"]
+            and (other.get("pidns") == me["pidns"])
         ):
             start = process_start(pid)
             if start is None:
@@ -236,8 +249,13 @@ class DirLock:
         made = _fresh_mtime(path.parent)
         if made is not None and abs(made - key[1]) <= window * 1e9:
             return None  # beat as recently as the file system's own clock can tell
-        log.warning("%s: owner pid %s on host %s; waiting up to %.0f s for its heartbeat",
-                    path, other["pid"], other["host"], window)  # fmt: skip
+        log.warning(
+            "%s: owner pid %s on host %s; waiting up to %.0f s for its heartbeat",
+            path,
+            other["pid"],
+            other["host"],
+            window,
+        )
         deadline = time.monotonic() + window
         while (left := deadline - time.monotonic()) > 0:
             time.sleep(min(left, interval / 4, 1.0))
@@ -261,14 +279,19 @@ class DirLock:
             seen = self._look(self.path)
         except ValueError as exc:
             if os.path.lexists(self.path):
-                log.error("%s %s: this run no longer holds its checkpoint directory",
-                          self.path, exc)  # fmt: skip
+                log.error(
+                    "%s %s: this run no longer holds its checkpoint directory", self.path, exc
+                )
                 return False
             seen = None
         if seen is not None and not self._same_process(seen[0], self.info):
-            log.error("%s now names another run (host %s, pid %s): this run no longer "
-                      "holds its checkpoint directory", self.path, seen[0].get("host"),
-                      seen[0].get("pid"))  # fmt: skip
+            log.error(
+                "%s now names another run (host %s, pid %s): this run no longer "
+                "holds its checkpoint directory",
+                self.path,
+                seen[0].get("host"),
+                seen[0].get("pid"),
+            )
             return False
         self.info = {**self.info, "beat": int(self.info["beat"]) + 1}
         try:

@@ -27,8 +27,9 @@ class Best(CheckpointerBase):
     BEST_ALIAS = "best_model.pt"
     BEST_META = "best.json"
 
-    def keep_best(self, model: torch.nn.Module, metrics: dict[str, float],
-                  global_step: int) -> str | None:  # fmt: skip
+    def keep_best(
+        self, model: torch.nn.Module, metrics: dict[str, float], global_step: int
+    ) -> str | None:
         """Collective at an evaluation: ``best/model.pt`` when ``checkpoint.best``'s
         metric improved; returns its path, or None when nothing was written.
 
@@ -48,17 +49,20 @@ class Best(CheckpointerBase):
             return None
         key = best_key(b.metric)
         if key not in metrics:
-            known = ", ".join("eval/" + k[len("eval_"):] for k in sorted(metrics))
-            raise ConfigError(f"checkpoint.best.metric: {b.metric!r} is not a metric this "
-                              f"run evaluates; allowed: {known}")  # fmt: skip
+            known = ", ".join("eval/" + k[len("eval_") :] for k in sorted(metrics))
+            raise ConfigError(
+                f"checkpoint.best.metric: {b.metric!r} is not a metric this "
+                f"run evaluates; allowed: {known}"
+            )
         if not self._best_read:  # once per run: what a resumed run had kept
             self._best = self._read_best(key) if self.resumed_from else None
             self._best_read = True
         value = float(metrics[key])
         if not math.isfinite(value):
             return None
-        if self._best is not None and not (value < self._best if b.mode == "min"
-                                           else value > self._best):  # fmt: skip
+        if self._best is not None and not (
+            value < self._best if b.mode == "min" else value > self._best
+        ):
             return None
         self._best = value
         full = fsdp.full_state_dict(model) if fsdp.is_sharded(model) else None  # collective
@@ -69,23 +73,32 @@ class Best(CheckpointerBase):
             except OSError as exc:
                 error = str(ckpt.save_error(Path(self.dir), self.BEST, exc))
             else:
-                log.info("best model: %s=%.6g at step %d -> %s", key, value, global_step,
-                         path)  # fmt: skip
+                log.info("best model: %s=%.6g at step %d -> %s", key, value, global_step, path)
         path, error = ddp.broadcast_object((path, error))
         if error:
             raise ConfigError(error)
         return path
 
-    def _write_best(self, model: torch.nn.Module, full: dict[str, torch.Tensor] | None,
-                    key: str, value: float, step: int) -> Path:  # fmt: skip
+    def _write_best(
+        self,
+        model: torch.nn.Module,
+        full: dict[str, torch.Tensor] | None,
+        key: str,
+        value: float,
+        step: int,
+    ) -> Path:
         best = Path(self.dir) / self.BEST  # type: ignore[arg-type]
         source = ckpt.model_state(model) if full is None else full
         state = {k: v.detach().to("cpu").clone() for k, v in source.items()}
         path = best / "model.pt"
         ckpt.atomic_save(state, path)
         ckpt.atomic_write_text(self.config.to_yaml(), best / "config.yaml")
-        meta = {"metric": key, "mode": self.config.checkpoint.best.mode, "value": value,
-                "step": step}  # fmt: skip
+        meta = {
+            "metric": key,
+            "mode": self.config.checkpoint.best.mode,
+            "value": value,
+            "step": step,
+        }
         ckpt.atomic_write_text(json.dumps(meta) + "\n", best / self.BEST_META)
         alias = Path(self.dir) / self.BEST_ALIAS  # type: ignore[arg-type]
         if not alias.is_symlink():  # a link stays right: it names best/model.pt
@@ -106,10 +119,13 @@ class Best(CheckpointerBase):
             path = Path(self.dir) / self.BEST / self.BEST_META  # type: ignore[arg-type]
             try:
                 meta = json.loads(ckpt.read_regular(path))
-                if (isinstance(meta, dict) and meta.get("metric") == key
-                        and meta.get("mode") == self.config.checkpoint.best.mode
-                        and isinstance(meta.get("value"), int | float)
-                        and math.isfinite(meta["value"])):  # fmt: skip
+                if (
+                    isinstance(meta, dict)
+                    and meta.get("metric") == key
+                    and meta.get("mode") == self.config.checkpoint.best.mode
+                    and isinstance(meta.get("value"), int | float)
+                    and math.isfinite(meta["value"])
+                ):
                     value = float(meta["value"])
             except (ValueError, OSError):  # absent or damaged: start afresh
                 value = None

@@ -78,8 +78,12 @@ class Resume(CheckpointerBase):
                 log.warning("checkpoint %s %s; trying an older one", path, line)
         log.info("resuming from %s (step %d)", path, state["global_step"])
         self.resumed_from = path
-        check_resumable(state.get("config") or {}, self.config.to_dict(), path,
-                        (state.get("world_size") or 1, self.ctx.world_size))  # fmt: skip
+        check_resumable(
+            state.get("config") or {},
+            self.config.to_dict(),
+            path,
+            (state.get("world_size") or 1, self.ctx.world_size),
+        )
         return state
 
     def _read_own(self, state: dict[str, Any], path: str) -> str | None:
@@ -101,8 +105,9 @@ class Resume(CheckpointerBase):
                 state["rank_rng"] = gathered[rank]
             return None
         sharded = "sharded" in state
-        mine = range(rank, saved_world, world) if sharded else (
-            [rank] if saved_world == world else [])  # fmt: skip
+        mine = (
+            range(rank, saved_world, world) if sharded else ([rank] if saved_world == world else [])
+        )
         try:
             for saved_rank in mine:
                 own = ckpt.read_rank_state(path, saved_rank, state)
@@ -122,9 +127,14 @@ class Resume(CheckpointerBase):
             ckpt.set_rng_state(state["rank_rng"], self.ctx.device)
         else:
             derive_rng(self.config.training.seed, state["global_step"], self.ctx.rank)
-            log.info("checkpoint from world size %s, running on %d: RNG streams derived from "
-                     "(training.seed %d, step %d, rank)", state.get("world_size"), world,
-                     self.config.training.seed, state["global_step"])  # fmt: skip
+            log.info(
+                "checkpoint from world size %s, running on %d: RNG streams derived from "
+                "(training.seed %d, step %d, rank)",
+                state.get("world_size"),
+                world,
+                self.config.training.seed,
+                state["global_step"],
+            )
         if "sharded" in state:
             sharded.load_model(Path(state["sharded"]), model, self.resumed_from)
         else:
@@ -138,8 +148,10 @@ class Resume(CheckpointerBase):
         live_sched = loop.sched.state_dict()
         # Keys this torch does not know are dropped (load_state_dict would set them as
         # attributes); keys it misses keep this run's values (an older torch wrote it).
-        sched_state = {**live_sched,
-                       **{k: v for k, v in state["scheduler"].items() if k in live_sched}}  # fmt: skip
+        sched_state = {
+            **live_sched,
+            **{k: v for k, v in state["scheduler"].items() if k in live_sched},
+        }
         scaler = state.get("scaler") if loop.scaler is not None else None
         try:
             ckpt.check_like(sched_state, live_sched, "scheduler")
@@ -181,8 +193,15 @@ def derive_rng(seed: int, step: int, rank: int) -> None:
 
 
 # Keys whose change makes the saved data position or optimizer state meaningless.
-_FIXED_ON_RESUME = ("optim.name", "training.batch_size", "training.accum", "training.seed",
-                    "training.shuffle", "training.drop_last", "ddp.strategy")  # fmt: skip
+_FIXED_ON_RESUME = (
+    "optim.name",
+    "training.batch_size",
+    "training.accum",
+    "training.seed",
+    "training.shuffle",
+    "training.drop_last",
+    "ddp.strategy",
+)
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -216,8 +235,10 @@ def check_resumable(
         for key in ("training.batch_size", "training.accum"):
             v = cfg.get(key, 1)
             if type(v) is not int or v < 1:  # a crafted or damaged checkpoint's config
-                raise ConfigError(f"checkpoint {path!r} has a bad config {key}: {v!r:.60}; "
-                                  "allowed: an integer >= 1")  # fmt: skip
+                raise ConfigError(
+                    f"checkpoint {path!r} has a bad config {key}: {v!r:.60}; "
+                    "allowed: an integer >= 1"
+                )
             out *= v
         return out
 
@@ -240,8 +261,9 @@ def check_resumable(
             )
     for key in changed:
         if key != "checkpoint.resume":
-            log.warning("resume: %s changed %r -> %r; the new value applies", key,
-                        before[key], after[key])  # fmt: skip
+            log.warning(
+                "resume: %s changed %r -> %r; the new value applies", key, before[key], after[key]
+            )
 
 
 def apply_new_hyperparameters(opt: Any, sched: Any, base_lr: float, cfg: TrainConfig) -> None:
@@ -273,8 +295,11 @@ def apply_new_hyperparameters(opt: Any, sched: Any, base_lr: float, cfg: TrainCo
 def load_model(model: torch.nn.Module, saved: dict[str, Any], path: str) -> None:
     """``load_state_dict`` with one line naming the first mismatch, not torch's 40."""
     own = model.state_dict()
-    ckpt.check_same_model({k: tuple(v.shape) for k, v in saved.items()},
-                          {k: tuple(v.shape) for k, v in own.items()}, path)  # fmt: skip
+    ckpt.check_same_model(
+        {k: tuple(v.shape) for k, v in saved.items()},
+        {k: tuple(v.shape) for k, v in own.items()},
+        path,
+    )
     model.load_state_dict(saved)
 
 
@@ -285,14 +310,18 @@ def check_optimizer(saved: Any, opt: torch.optim.Optimizer) -> None:
     live = opt.state_dict()
     groups = saved["param_groups"]
     if len(groups) != len(live["param_groups"]):
-        raise ValueError(f"has {len(groups)} optimizer parameter groups; allowed: "
-                         f"{len(live['param_groups'])}, as this optimizer has")  # fmt: skip
+        raise ValueError(
+            f"has {len(groups)} optimizer parameter groups; allowed: "
+            f"{len(live['param_groups'])}, as this optimizer has"
+        )
     shapes: dict[Any, tuple[int, ...]] = {}
     for i, (group, mine) in enumerate(zip(groups, opt.param_groups, strict=True)):
         ids = group.get("params")
         if not isinstance(ids, list) or len(ids) != len(mine["params"]):
-            raise ValueError(f"has a bad optimizer.param_groups[{i}].params: {ids!r:.60}; "
-                             f"allowed: {len(mine['params'])} parameter ids")  # fmt: skip
+            raise ValueError(
+                f"has a bad optimizer.param_groups[{i}].params: {ids!r:.60}; "
+                f"allowed: {len(mine['params'])} parameter ids"
+            )
         shapes.update({k: tuple(p.shape) for k, p in zip(ids, mine["params"], strict=True)})
         rest = {k: v for k, v in group.items() if k != "params"}
         ckpt.check_like(rest, live["param_groups"][i], f"optimizer.param_groups[{i}]")
@@ -303,8 +332,11 @@ def check_optimizer(saved: Any, opt: torch.optim.Optimizer) -> None:
         for name, value in values.items():
             if isinstance(value, torch.Tensor):
                 if value.dim() and tuple(value.shape) != shapes[key]:
-                    raise ValueError(f"has a bad {where}.{name}: shape {tuple(value.shape)}; "
-                                     f"allowed: {shapes[key]}, the parameter's")  # fmt: skip
+                    raise ValueError(
+                        f"has a bad {where}.{name}: shape {tuple(value.shape)}; "
+                        f"allowed: {shapes[key]}, the parameter's"
+                    )
             elif value is not None:
-                ckpt.check_like(value, 0.0 if not isinstance(value, bool) else False,
-                                f"{where}.{name}")  # fmt: skip
+                ckpt.check_like(
+                    value, 0.0 if not isinstance(value, bool) else False, f"{where}.{name}"
+                )

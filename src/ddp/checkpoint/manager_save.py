@@ -46,8 +46,11 @@ class Saving(CheckpointerBase):
             return
         if self._first(None if finite(model) else self.ctx.rank) is not None:
             raise diverged(global_step, "the weights are not finite (nan/inf)")
-        own = {"global_step": global_step, "world_size": self.ctx.world_size,
-               "rank_rng": ckpt.rng_state(self.ctx.device)}  # fmt: skip
+        own = {
+            "global_step": global_step,
+            "world_size": self.ctx.world_size,
+            "rank_rng": ckpt.rng_state(self.ctx.device),
+        }
         if self.config.ddp.strategy == "fsdp":
             self._save_sharded(loop, model, global_step, at, own)
             return
@@ -62,8 +65,11 @@ class Saving(CheckpointerBase):
             self.wait()  # rank 0: the save before, finished; its error is every rank's
             _write_own(ranks, self.ctx.rank, own)
             if self.ctx.is_main:
-                state = {"model": ckpt.model_state(model), "optimizer": loop.opt.state_dict(),
-                         **self._common(loop, global_step, at)}  # fmt: skip
+                state = {
+                    "model": ckpt.model_state(model),
+                    "optimizer": loop.opt.state_dict(),
+                    **self._common(loop, global_step, at),
+                }
                 staged = ckpt.stage_save(state, directory, global_step)
         except Exception as exc:  # every rank raises the first failed rank's line
             failure = (isinstance(exc, ConfigError), _first_line(exc))
@@ -84,8 +90,12 @@ class Saving(CheckpointerBase):
             self._pending = staged.finish(c.keep_last, self.background, ranks)
             if not self.background:
                 self.wait()
-            log.info("saved %s in %.2fs%s", final, time.perf_counter() - t0,
-                     " (fsync continues in the background)" if self.background else "")  # fmt: skip
+            log.info(
+                "saved %s in %.2fs%s",
+                final,
+                time.perf_counter() - t0,
+                " (fsync continues in the background)" if self.background else "",
+            )
 
     def _common(self, loop: LoopState, global_step: int, at: tuple[int, int]) -> dict[str, Any]:
         """What every checkpoint holds besides the model and optimizer state (each rank's
@@ -105,8 +115,14 @@ class Saving(CheckpointerBase):
             "config": self.config.to_dict(),
         }
 
-    def _save_sharded(self, loop: LoopState, model: torch.nn.Module, global_step: int,
-                      at: tuple[int, int], own: dict[str, Any]) -> None:  # fmt: skip
+    def _save_sharded(
+        self,
+        loop: LoopState,
+        model: torch.nn.Module,
+        global_step: int,
+        at: tuple[int, int],
+        own: dict[str, Any],
+    ) -> None:
         """Collective: every rank's shards into the staging directory ``.step_N.tmp``, then
         its rank file (its RNG states and its shards' digests); once every rank's write is
         done, rank 0 adds the meta file, renames the directory to ``step_N`` and moves
@@ -127,8 +143,9 @@ class Saving(CheckpointerBase):
         ddp.barrier()
         meta = None
         if self.ctx.is_main:  # taken now: the loop moves on while the shards are written
-            meta = copy.deepcopy({**self._common(loop, global_step, at),
-                                  "format": ckpt.FORMAT_VERSION})  # fmt: skip
+            meta = copy.deepcopy(
+                {**self._common(loop, global_step, at), "format": ckpt.FORMAT_VERSION}
+            )
         if self.background:
             self._group = ddp.dist.checkpoint_group()  # collective the first time (all ranks)
             extra, written = sharded.save_async(tmp, model, loop.opt, self._group)
@@ -145,8 +162,16 @@ class Saving(CheckpointerBase):
         if not self.background:
             self.wait()
 
-    def _finalize_sharded(self, written: Any, tmp: Path, final: Path, meta: dict[str, Any] | None,
-                          own: dict[str, Any], blocked: float, t0: float) -> None:  # fmt: skip
+    def _finalize_sharded(
+        self,
+        written: Any,
+        tmp: Path,
+        final: Path,
+        meta: dict[str, Any] | None,
+        own: dict[str, Any],
+        blocked: float,
+        t0: float,
+    ) -> None:
         """Collective (on the save's group): wait for this rank's write, write its rank file
         (with its shards' digests), agree that every rank's succeeded, then rank 0 makes
         the checkpoint visible. Every rank raises the same error (the first failed rank's,
@@ -159,8 +184,9 @@ class Saving(CheckpointerBase):
         failure: tuple[bool, bool, str] | None = None
         try:
             written()  # DCP raises the same CheckpointException on every rank
-            own["rank_shards"] = {f.name: ckpt.sha256_file(f)
-                                  for f in tmp.glob(f"__{rank}_*.distcp")}  # fmt: skip
+            own["rank_shards"] = {
+                f.name: ckpt.sha256_file(f) for f in tmp.glob(f"__{rank}_*.distcp")
+            }
             ckpt.write_rank_state(tmp, rank, own)
         except BaseException as exc:  # CheckpointException is one
             failure = _describe(exc, rank, directory, tmp.name)
@@ -184,9 +210,14 @@ class Saving(CheckpointerBase):
             _, is_write_error, message = outcome
             raise ConfigError(message) if is_write_error else RuntimeError(message)
         if self.ctx.is_main:
-            log.info("saved %s (%d shards): training blocked %.2fs, durable after %.2fs%s",
-                     final, world, blocked, time.perf_counter() - t0,
-                     " (written in the background)" if self.background else "")  # fmt: skip
+            log.info(
+                "saved %s (%d shards): training blocked %.2fs, durable after %.2fs%s",
+                final,
+                world,
+                blocked,
+                time.perf_counter() - t0,
+                " (written in the background)" if self.background else "",
+            )
 
     def _publish(self, tmp: Path, final: Path, meta: dict[str, Any]) -> None:
         """Rank 0, every shard and rank file written: the meta file with the digest of
@@ -223,7 +254,6 @@ class Saving(CheckpointerBase):
         return path
 
 
-
 def _write_own(directory: Path, rank: int, own: dict[str, Any]) -> None:
     """This rank's rank file into the staging directory; a write error is one line
     naming the file and the rank (:func:`ddp.checkpoint.write_error`)."""
@@ -255,8 +285,7 @@ def _save_now(tmp: Path, model: torch.nn.Module, opt: Any) -> tuple[dict[str, An
         return {}, written
 
 
-def _describe(exc: BaseException, rank: int, directory: Path, name: str
-              ) -> tuple[bool, bool, str]:  # fmt: skip
+def _describe(exc: BaseException, rank: int, directory: Path, name: str) -> tuple[bool, bool, str]:
     """(about this rank's own failure, is a write error, one line) for a failed sharded save.
 
     DCP wraps each rank's failure in a CheckpointException (traceback text included) and
@@ -276,9 +305,16 @@ def _describe(exc: BaseException, rank: int, directory: Path, name: str
     if err is not None:
         return own, True, str(ckpt.save_error(directory, name, err, rank))
     text = (str(exc).strip().splitlines() or [""])[0][:300]
-    return own, False, (f"checkpoint.dir {str(directory)!r}: writing {name} (rank {rank}) "
-                        f"failed: {type(exc).__name__}: {text}; the earlier checkpoints are "
-                        "kept")  # fmt: skip
+    return (
+        own,
+        False,
+        (
+            f"checkpoint.dir {str(directory)!r}: writing {name} (rank {rank}) "
+            f"failed: {type(exc).__name__}: {text}; the earlier checkpoints are "
+            "kept"
+        ),
+    )
+
 
 # ---- the check before every save: a diverged run saves nothing ------------------------
 def finite(model: torch.nn.Module) -> bool:

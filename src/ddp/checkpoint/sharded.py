@@ -188,13 +188,15 @@ def saved_shapes(directory: Path, prefix: str) -> dict[str, tuple[int, ...]]:
         metadata = _reader(directory).read_metadata()
         head = prefix + "."
         return {
-            fqn[len(head):]: tuple(int(n) for n in meta.size)
+            fqn[len(head) :]: tuple(int(n) for n in meta.size)
             for fqn, meta in metadata.state_dict_metadata.items()
             if fqn.startswith(head) and isinstance(meta, TensorStorageMetadata)
         }
     except Exception as exc:  # crafted or damaged (its digest was checked: crafted)
-        raise ConfigError(f"checkpoint {str(directory)!r} has unreadable shard metadata "
-                          f"(.metadata: {first_line(exc)})") from None  # fmt: skip
+        raise ConfigError(
+            f"checkpoint {str(directory)!r} has unreadable shard metadata "
+            f"(.metadata: {first_line(exc)})"
+        ) from None
 
 
 def first_line(exc: BaseException) -> str:
@@ -233,15 +235,21 @@ def load_model(directory: Path, model: nn.Module, path: str | None = None) -> No
     from ddp.checkpoint import check_same_model
 
     msd, _ = state(model, None)
-    check_same_model(saved_shapes(directory, "model"),
-                     {k: tuple(v.shape) for k, v in msd.items()}, path or directory)  # fmt: skip
+    check_same_model(
+        saved_shapes(directory, "model"),
+        {k: tuple(v.shape) for k, v in msd.items()},
+        path or directory,
+    )
     box = {"model": msd}
     _load(box, directory, path or str(directory))
     set_model_state_dict(model, box["model"])
 
 
 def load_optimizer(
-    directory: Path, model: nn.Module, opt: torch.optim.Optimizer, meta: dict[str, Any],
+    directory: Path,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    meta: dict[str, Any],
     path: str | None = None,
 ) -> None:
     """Collective: the optimizer's shards, with its non-tensor values from ``meta``.
@@ -256,8 +264,10 @@ def load_optimizer(
     box = {"optim": tensors or {}}
     _check_optimizer(directory, box["optim"], osd, meta, path or str(directory))
     _load(box, directory, path or str(directory))
-    full = {"state": merge(box["optim"], meta.get("optim_other")) or {},
-            "param_groups": meta.get("param_groups") or osd.get("param_groups")}  # fmt: skip
+    full = {
+        "state": merge(box["optim"], meta.get("optim_other")) or {},
+        "param_groups": meta.get("param_groups") or osd.get("param_groups"),
+    }
     set_optimizer_state_dict(model, opt, full)
 
 
@@ -272,8 +282,9 @@ def _flat_shapes(tree: Any, prefix: str = "") -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _check_optimizer(directory: Path, tensors: Any, osd: dict[str, Any],
-                     meta: dict[str, Any], path: str) -> None:  # fmt: skip
+def _check_optimizer(
+    directory: Path, tensors: Any, osd: dict[str, Any], meta: dict[str, Any], path: str
+) -> None:
     """ConfigError (one line) if the checkpoint's optimizer cannot be this one's."""
     from ddp.checkpoint import check_like
     from ddp.errors import ConfigError
@@ -284,8 +295,10 @@ def _check_optimizer(directory: Path, tensors: Any, osd: dict[str, Any],
             if name not in saved:
                 raise ValueError(f"misses the optimizer state {name!r}")
             if saved[name] != shape:
-                raise ValueError(f"has the optimizer state {name!r} of shape {saved[name]}; "
-                                 f"allowed: {shape}, as this optimizer has")  # fmt: skip
+                raise ValueError(
+                    f"has the optimizer state {name!r} of shape {saved[name]}; "
+                    f"allowed: {shape}, as this optimizer has"
+                )
         groups, live = meta.get("param_groups"), osd.get("param_groups")
         if groups is not None and live is not None:
             check_like(groups, live, "param_groups")
@@ -305,5 +318,6 @@ def _check_plain(tree: Any, name: str) -> None:
     elif tree is not None and not (
         type(tree) in (bool, int) or (type(tree) is float and math.isfinite(tree))
     ):
-        raise ValueError(f"has a bad {name}: {tree!r:.60}; allowed: null, a boolean or a "
-                         "finite number")  # fmt: skip
+        raise ValueError(
+            f"has a bad {name}: {tree!r:.60}; allowed: null, a boolean or a finite number"
+        )

@@ -44,9 +44,15 @@ def _progress_bar():
         TransferSpeedColumn,
     )
 
-    return Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                    TransferSpeedColumn(), TimeRemainingColumn(), transient=False,
-                    console=Console(stderr=True))  # fmt: skip
+    return Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        transient=False,
+        console=Console(stderr=True),
+    )
 
 
 def prepare(args: argparse.Namespace) -> int:
@@ -79,12 +85,15 @@ def prepare_into(src: Path, out: Path, force: bool, skip_current: bool = False) 
 
             store = prepare_fasta(src, out, tick, force=force, note=note)
     else:
-        store = prepare_fasta(src, out, PlainProgress(lambda s: print(s, file=sys.stderr)),
-                              force=force, note=note)  # fmt: skip
+        store = prepare_fasta(
+            src, out, PlainProgress(lambda s: print(s, file=sys.stderr)), force=force, note=note
+        )
     dt = time.perf_counter() - t0
     size = src.stat().st_size
-    print(f"{out}: {store.n_seqs:,} sequences, {store.n_tokens:,} tokens from "
-          f"{size / 1e6:,.1f} MB in {dt:.1f}s ({size / 1e6 / max(dt, 1e-9):,.0f} MB/s)")  # fmt: skip
+    print(
+        f"{out}: {store.n_seqs:,} sequences, {store.n_tokens:,} tokens from "
+        f"{size / 1e6:,.1f} MB in {dt:.1f}s ({size / 1e6 / max(dt, 1e-9):,.0f} MB/s)"
+    )
     return 0
 
 
@@ -103,14 +112,24 @@ def _main(argv: Sequence[str] | None) -> int:
     f.add_argument("--out", help="store directory (default: beside the input, IN.tokens)")
     f.add_argument("--force", action="store_true", help="replace an existing store")
     f.set_defaults(run=prepare)
-    d = sub.add_parser("download-uniref50",
-                       help="UniRef50's FASTA from UniProt (resumable, size and MD5 checked), "
-                            "then prepare-fasta into --to")  # fmt: skip
-    d.add_argument("--url", default=None, metavar="BASE",
-                   help="a folder laid out as UniProt's uniref/uniref50/ (default: UniProt's "
-                        "own, https://ftp.uniprot.org/pub/databases/uniprot/uniref/uniref50/)")
-    d.add_argument("--to", required=True, metavar="DIR",
-                   help="where uniref50.fasta.gz and its store uniref50.fasta.gz.tokens go")
+    d = sub.add_parser(
+        "download-uniref50",
+        help="UniRef50's FASTA from UniProt (resumable, size and MD5 checked), "
+        "then prepare-fasta into --to",
+    )
+    d.add_argument(
+        "--url",
+        default=None,
+        metavar="BASE",
+        help="a folder laid out as UniProt's uniref/uniref50/ (default: UniProt's "
+        "own, https://ftp.uniprot.org/pub/databases/uniprot/uniref/uniref50/)",
+    )
+    d.add_argument(
+        "--to",
+        required=True,
+        metavar="DIR",
+        help="where uniref50.fasta.gz and its store uniref50.fasta.gz.tokens go",
+    )
     d.set_defaults(run=_download)
     from ddp.data.download import DownloadError
 
@@ -126,10 +145,16 @@ def _main(argv: Sequence[str] | None) -> int:
         return 3
     except KeyboardInterrupt as exc:  # ddp.data.store_write.Interrupted: SIGTERM, SIGHUP too
         signum = getattr(exc, "signum", signal.SIGINT)
-        kept = (" (a download keeps only its .part, to resume)"
-                if getattr(args, "run", None) is _download else "")
-        print(f"ddp.data: interrupted by {signal.Signals(signum).name}; no partial store is "
-              f"left{kept}", file=sys.stderr)  # fmt: skip
+        kept = (
+            " (a download keeps only its .part, to resume)"
+            if getattr(args, "run", None) is _download
+            else ""
+        )
+        print(
+            f"ddp.data: interrupted by {signal.Signals(signum).name}; no partial store is "
+            f"left{kept}",
+            file=sys.stderr,
+        )
         return 128 + signum
 
 

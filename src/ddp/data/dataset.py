@@ -20,8 +20,13 @@ class TokenDataset(Dataset):
     so DataLoader workers started with ``spawn`` do not copy the data either.
     """
 
-    def __init__(self, store: TokenStore, max_len: int, pad: int = 0,
-                 indices: IndexArray | np.ndarray | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        store: TokenStore,
+        max_len: int,
+        pad: int = 0,
+        indices: IndexArray | np.ndarray | None = None,
+    ) -> None:
         self.store = store
         self.max_len = max_len
         self.pad = pad
@@ -34,8 +39,10 @@ class TokenDataset(Dataset):
         j = int(self.indices[i]) if self.indices is not None else int(i)
         if not 0 <= j < self.store.n_seqs:  # a damaged or foreign split cache
             where = getattr(self.indices, "path", "the index array")
-            raise ConfigError(f"{str(where)!r}: damaged split cache (entry {i} is sequence "
-                              f"{j} of a store of {len(self.store)}); delete it")  # fmt: skip
+            raise ConfigError(
+                f"{str(where)!r}: damaged split cache (entry {i} is sequence "
+                f"{j} of a store of {len(self.store)}); delete it"
+            )
         seq = self.store.read(j, self.max_len)
         out = np.full(self.max_len, self.pad, dtype=np.int64)
         out[: len(seq)] = seq

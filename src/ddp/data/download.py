@@ -81,8 +81,10 @@ def check_base(base: str) -> str:
     """``base`` if it is an http(s) URL; else one line (ftp and file URLs cannot resume)."""
     scheme = urllib.parse.urlsplit(base).scheme
     if scheme not in ("http", "https") or not urllib.parse.urlsplit(base).netloc:
-        raise ConfigError(f"--url: {base!r} is not allowed; allowed: an http:// or https:// "
-                          "folder laid out as UniProt's uniref/uniref50/")  # fmt: skip
+        raise ConfigError(
+            f"--url: {base!r} is not allowed; allowed: an http:// or https:// "
+            "folder laid out as UniProt's uniref/uniref50/"
+        )
     return base
 
 
@@ -113,16 +115,16 @@ def parse_metalink(data: bytes, name: str = FASTA) -> Expected:
         if md5 is not None and not re.fullmatch(r"[0-9a-f]{32}", md5):
             raise ConfigError(f"{METALINK}: {name} has MD5 {md5[:40]!r}; expected 32 hex digits")
         return Expected(int(size), md5)
-    raise ConfigError(f"{METALINK}: no <file name={name!r}>; expected UniProt's uniref50 "
-                      "release metalink")  # fmt: skip
+    raise ConfigError(
+        f"{METALINK}: no <file name={name!r}>; expected UniProt's uniref50 release metalink"
+    )
 
 
 def _open(url: str, start: int = 0) -> http.client.HTTPResponse:
     headers = {"User-Agent": "hpc-ddp (python -m ddp.data download-uniref50)"}
     if start:
         headers["Range"] = f"bytes={start}-"
-    return urllib.request.urlopen(urllib.request.Request(url, headers=headers),
-                                  timeout=TIMEOUT_S)  # fmt: skip
+    return urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=TIMEOUT_S)
 
 
 def fetch_metalink(base: str) -> Expected | None:
@@ -163,9 +165,14 @@ def _content_total(resp: http.client.HTTPResponse, start: int) -> int | None:
     return start + int(length) if length and length.isdigit() else None
 
 
-def download(base: str, to: Path, progress: Progress | None = None,
-             note: Callable[[str], None] | None = None, tries: int = TRIES,
-             backoff_s: float = 1.0) -> Path:  # fmt: skip
+def download(
+    base: str,
+    to: Path,
+    progress: Progress | None = None,
+    note: Callable[[str], None] | None = None,
+    tries: int = TRIES,
+    backoff_s: float = 1.0,
+) -> Path:
     """``to/uniref50.fasta.gz``, downloaded (resumed) and checked; returns its path.
 
     A file already at the final name whose size matches the release (or, without a
@@ -177,12 +184,20 @@ def download(base: str, to: Path, progress: Progress | None = None,
         return _download(base, to, progress, say, tries, backoff_s)
     except OSError as exc:  # this machine's side: no room, no permission
         where = exc.filename or to
-        raise ConfigError(f"{where}: {exc.strerror or exc}; allowed: --to a writable folder "
-                          "with room for UniRef50 (tens of GB)") from None
+        raise ConfigError(
+            f"{where}: {exc.strerror or exc}; allowed: --to a writable folder "
+            "with room for UniRef50 (tens of GB)"
+        ) from None
 
 
-def _download(base: str, to: Path, progress: Progress | None, say: Callable[[str], None],
-              tries: int, backoff_s: float) -> Path:
+def _download(
+    base: str,
+    to: Path,
+    progress: Progress | None,
+    say: Callable[[str], None],
+    tries: int,
+    backoff_s: float,
+) -> Path:
     to.mkdir(parents=True, exist_ok=True)
     final, part, meta = to / FASTA, to / (FASTA + ".part"), to / (FASTA + ".part.json")
     expected = fetch_metalink(base)
@@ -191,8 +206,11 @@ def _download(base: str, to: Path, progress: Progress | None, say: Callable[[str
     if final.is_file() and (expected is None or final.stat().st_size == expected.size):
         say(f"{final} is already downloaded; nothing to fetch")
         return final
-    release = {"url": _url(base, FASTA), "size": expected and expected.size,
-               "md5": expected and expected.md5}
+    release = {
+        "url": _url(base, FASTA),
+        "size": expected and expected.size,
+        "md5": expected and expected.md5,
+    }
     if part.exists():
         try:
             same = json.loads(meta.read_text(encoding="utf-8")) == release
@@ -220,9 +238,10 @@ def _download(base: str, to: Path, progress: Progress | None, say: Callable[[str
         except _Broken as exc:
             size, md5 = exc.size, exc.md5
             if attempt + 1 == tries:
-                raise DownloadError(f"{url}: {exc} after {tries} tr{'ies' if tries > 1 else 'y'};"
-                                    f" {size:,} bytes kept in {part}: run again to resume"
-                                    ) from None  # fmt: skip
+                raise DownloadError(
+                    f"{url}: {exc} after {tries} tr{'ies' if tries > 1 else 'y'};"
+                    f" {size:,} bytes kept in {part}: run again to resume"
+                ) from None
             say(f"{url}: {exc}; resuming at {size:,} bytes")
             if attempt:
                 time.sleep(backoff_s * 2 ** (attempt - 1))
@@ -241,8 +260,9 @@ class _Broken(Exception):
         self.size, self.md5 = size, md5
 
 
-def _transfer(url: str, part: Path, size: int, md5: Any, total: int | None,
-              progress: Progress | None) -> tuple[int, Any, int | None]:
+def _transfer(
+    url: str, part: Path, size: int, md5: Any, total: int | None, progress: Progress | None
+) -> tuple[int, Any, int | None]:
     """Append to ``part`` from byte ``size`` on; (size, md5, total) when the server's body
     ended where it said; :class:`_Broken` when it ended early or the network failed."""
     try:
@@ -251,8 +271,10 @@ def _transfer(url: str, part: Path, size: int, md5: Any, total: int | None,
         if exc.code == 416 and size:  # asked past the end: the part is whole (or wrong)
             return size, md5, total
         if exc.code == 404:
-            raise ConfigError(f"{url}: HTTP 404; allowed: --url naming a folder laid out as "
-                              f"UniProt's uniref/uniref50/ (with {FASTA})") from None
+            raise ConfigError(
+                f"{url}: HTTP 404; allowed: --url naming a folder laid out as "
+                f"UniProt's uniref/uniref50/ (with {FASTA})"
+            ) from None
         raise DownloadError(f"{url}: HTTP {exc.code} {exc.reason}") from None
     except (OSError, http.client.HTTPException) as exc:  # URLError is an OSError
         raise _Broken(str(getattr(exc, "reason", exc)), size, md5) from None
@@ -281,8 +303,7 @@ def _transfer(url: str, part: Path, size: int, md5: Any, total: int | None,
     return size, md5, total
 
 
-def _verify(part: Path, size: int, md5: str, expected: Expected | None,
-            total: int | None) -> None:  # fmt: skip
+def _verify(part: Path, size: int, md5: str, expected: Expected | None, total: int | None) -> None:
     """Size and MD5 against the release; a mismatch removes the part, one line."""
     want_size = expected.size if expected else total
     problem = None
@@ -295,8 +316,10 @@ def _verify(part: Path, size: int, md5: str, expected: Expected | None,
             part.unlink()
         with contextlib.suppress(OSError):
             part.with_name(part.name + ".json").unlink()
-        raise ConfigError(f"{part.name[:-len('.part')]}: {problem}; the download was removed "
-                          "(run again to fetch it anew; a mirror mid-update can cause this)")
+        raise ConfigError(
+            f"{part.name[: -len('.part')]}: {problem}; the download was removed "
+            "(run again to fetch it anew; a mirror mid-update can cause this)"
+        )
 
 
 def plain_progress(emit: Callable[[str], None], every_s: float = 10.0) -> Progress:

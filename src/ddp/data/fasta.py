@@ -99,8 +99,10 @@ def read_block(stream: BinaryIO, raw: BinaryIO, n: int, where: str) -> bytes:
     except (OSError, EOFError, zlib.error) as exc:
         done = f"after {raw.tell():,} of {os.fstat(raw.fileno()).st_size:,} bytes"
         if stream is not raw:
-            raise ConfigError(f"{where!r}: truncated or corrupt gzip ({exc}) {done}; expected "
-                              "a complete .gz FASTA file") from None  # fmt: skip
+            raise ConfigError(
+                f"{where!r}: truncated or corrupt gzip ({exc}) {done}; expected "
+                "a complete .gz FASTA file"
+            ) from None
         raise ConfigError(f"{where!r}: cannot read it ({exc}) {done}") from None
 
 
@@ -124,15 +126,20 @@ def _check_head(head: bytes, where: str) -> None:
     if not text:
         raise ConfigError(f"{where!r} holds only blank space; expected a FASTA file")
     if head[:2] == b"PK" or head[:1] == b"\x80":
-        raise ConfigError(f"{where!r} is a pickle/zip file (torch.save?), not "
-                          "FASTA; expected a FASTA file ('>' header lines) or a token store "
-                          "made by python -m ddp.data prepare-fasta")  # fmt: skip
+        raise ConfigError(
+            f"{where!r} is a pickle/zip file (torch.save?), not "
+            "FASTA; expected a FASTA file ('>' header lines) or a token store "
+            "made by python -m ddp.data prepare-fasta"
+        )
     if any(b < 9 or 13 < b < 32 for b in head[:1024]):
-        raise ConfigError(f"{where!r} holds binary data; expected a FASTA text file or a "
-                          "token store directory")  # fmt: skip
+        raise ConfigError(
+            f"{where!r} holds binary data; expected a FASTA text file or a token store directory"
+        )
     if not text.startswith(b">"):
-        raise ConfigError(f"{where!r} starts with {text[:20]!r}, not a FASTA '>' header; "
-                          "expected a FASTA file or a token store directory")  # fmt: skip
+        raise ConfigError(
+            f"{where!r} starts with {text[:20]!r}, not a FASTA '>' header; "
+            "expected a FASTA file or a token store directory"
+        )
 
 
 def _hash_ids(a: np.ndarray, hs: np.ndarray) -> np.ndarray:
@@ -154,8 +161,9 @@ def _hash_ids(a: np.ndarray, hs: np.ndarray) -> np.ndarray:
     return _mix64(h).astype(np.uint32)
 
 
-def _tokenize_chunk(buf: bytes, where: str, base: int
-                    ) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:  # fmt: skip
+def _tokenize_chunk(
+    buf: bytes, where: str, base: int
+) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
     """One chunk of whole lines -> (tokens, residues before its first header, residues
     of each sequence started in it, id hash of each such sequence).
 
@@ -176,8 +184,10 @@ def _tokenize_chunk(buf: bytes, where: str, base: int
     bad = code == BAD
     if bad.any() and (bad & in_seq).any():  # non-ASCII in a header is fine
         off = base + int(np.argmax(bad & in_seq))
-        raise ConfigError(f"{where!r}: byte {off} is a control or non-ASCII byte "
-                          "in a sequence line; expected a FASTA text file")  # fmt: skip
+        raise ConfigError(
+            f"{where!r}: byte {off} is a control or non-ASCII byte "
+            "in a sequence line; expected a FASTA text file"
+        )
     sel = (code < MARK) & in_seq
     tokens = code[sel]
     seq_lines = ~hdr
@@ -190,8 +200,9 @@ def _tokenize_chunk(buf: bytes, where: str, base: int
         return tokens, len(tokens), np.zeros(0, np.int64), hashes
     seg_start = he + 1
     seg_end = np.append(hs[1:], len(a))
-    lengths = (seg_end - seg_start) - (np.searchsorted(gaps, seg_end) -
-                                       np.searchsorted(gaps, seg_start))  # fmt: skip
+    lengths = (seg_end - seg_start) - (
+        np.searchsorted(gaps, seg_end) - np.searchsorted(gaps, seg_start)
+    )
     lead = int(hs[0]) - int(np.searchsorted(gaps, hs[0]))
     return tokens, lead, lengths.astype(np.int64), hashes
 
@@ -201,9 +212,13 @@ log = logging.getLogger("ddp")
 Progress = Callable[[int, int], None]
 
 
-def prepare_fasta(path: str | Path, out: str | Path, progress: Progress | None = None,
-                  force: bool = False, note: Callable[[str], None] | None = None
-                  ) -> TokenStore:  # fmt: skip
+def prepare_fasta(
+    path: str | Path,
+    out: str | Path,
+    progress: Progress | None = None,
+    force: bool = False,
+    note: Callable[[str], None] | None = None,
+) -> TokenStore:
     """Tokenize a FASTA file into a token store at ``out`` (atomically); returns it.
 
     ``progress(bytes_read, total_bytes)`` is called after every chunk (bytes of the
@@ -214,8 +229,9 @@ def prepare_fasta(path: str | Path, out: str | Path, progress: Progress | None =
     p = Path(path)
     where = str(p)
     check_fasta(p)
-    writer = StoreWriter(out, TOKENIZER, VOCAB_SIZE, source=os.path.realpath(p),
-                         overwrite=force, inputs=(p,))  # fmt: skip
+    writer = StoreWriter(
+        out, TOKENIZER, VOCAB_SIZE, source=os.path.realpath(p), overwrite=force, inputs=(p,)
+    )
     stream, raw = open_bytes(p)
     st = os.fstat(raw.fileno())
     writer.extra.update(source_size=st.st_size, source_mtime_ns=st.st_mtime_ns)
@@ -249,16 +265,19 @@ def prepare_fasta(path: str | Path, out: str | Path, progress: Progress | None =
                 cut = buf.rfind(b"\n") + 1
                 if cut == 0:  # one line longer than a chunk: read on, up to a bound
                     if len(buf) > MAX_LINE:
-                        raise ConfigError(f"{where!r}: the line at byte {base:,} is longer "
-                                          f"than {MAX_LINE:,} bytes; expected a FASTA file of "
-                                          "proteins (the longest known is ~35,000 residues)")  # fmt: skip
+                        raise ConfigError(
+                            f"{where!r}: the line at byte {base:,} is longer "
+                            f"than {MAX_LINE:,} bytes; expected a FASTA file of "
+                            "proteins (the longest known is ~35,000 residues)"
+                        )
                     carry = buf
                     continue
             carry = buf[cut:]
             tokens, lead, lengths, hashes = _tokenize_chunk(buf[:cut], where, base)
             if lead and not have_seq:
-                raise ConfigError(f"{where!r}: residues before the first '>' "
-                                  "header; expected a FASTA file")  # fmt: skip
+                raise ConfigError(
+                    f"{where!r}: residues before the first '>' header; expected a FASTA file"
+                )
             writer.add_tokens(tokens)
             if len(lengths):
                 if have_seq:
@@ -278,13 +297,17 @@ def prepare_fasta(path: str | Path, out: str | Path, progress: Progress | None =
             raise ConfigError(f"{where!r} holds no FASTA sequences")
         close(np.array([pending]), pending_hash)
         if not writer.n_tokens:
-            raise ConfigError(f"{where!r} holds {records:,} FASTA headers but no residues; "
-                              "expected sequence lines under the '>' headers")  # fmt: skip
+            raise ConfigError(
+                f"{where!r} holds {records:,} FASTA headers but no residues; "
+                "expected sequence lines under the '>' headers"
+            )
         writer.extra["empty_records_skipped"] = skipped
     if skipped:
-        (note or log.warning)(f"{where}: skipped {skipped:,} empty "
-                              f"record{'s' if skipped > 1 else ''} (a '>' header with no "
-                              f"residues) of {records:,}")  # fmt: skip
+        (note or log.warning)(
+            f"{where}: skipped {skipped:,} empty "
+            f"record{'s' if skipped > 1 else ''} (a '>' header with no "
+            f"residues) of {records:,}"
+        )
     return TokenStore(out, TOKENIZER, VOCAB_SIZE)
 
 
@@ -295,8 +318,11 @@ def is_current(store: Path, fasta: Path) -> bool:
         st = fasta.stat()
     except (ConfigError, OSError, ValueError, RecursionError):
         return False
-    return isinstance(rec, dict) and rec.get("source_size") == st.st_size and \
-        rec.get("source_mtime_ns") == st.st_mtime_ns  # fmt: skip
+    return (
+        isinstance(rec, dict)
+        and rec.get("source_size") == st.st_size
+        and rec.get("source_mtime_ns") == st.st_mtime_ns
+    )
 
 
 class PlainProgress:
@@ -315,8 +341,6 @@ class PlainProgress:
         rate = mb / max(now - self.t0, 1e-9)
         pct = 100.0 * done / total if total else 100.0
         self.emit(f"prepare: {mb:,.0f}/{total / 1e6:,.0f} MB ({pct:.0f}%) {rate:,.0f} MB/s")
-
-
 
 
 def store_path(fasta: Path, cache: str | Path | None = None) -> Path:
@@ -344,8 +368,10 @@ def resolve_store(data: str | Path, cache: str | Path | None = None) -> Path:
     p = Path(data)
     if p.is_dir():
         if not (p / HEADER).is_file():
-            raise ConfigError(f"{str(p)!r} is a directory without {HEADER}; expected a token "
-                              "store made by python -m ddp.data prepare-fasta, or a FASTA file")  # fmt: skip
+            raise ConfigError(
+                f"{str(p)!r} is a directory without {HEADER}; expected a token "
+                "store made by python -m ddp.data prepare-fasta, or a FASTA file"
+            )
         return p
     out = store_path(p, cache)
     error: str | None = None
@@ -369,8 +395,10 @@ def resolve_store(data: str | Path, cache: str | Path | None = None) -> Path:
         except ConfigError as exc:
             error = str(exc)
         except OSError as exc:
-            error = f"{str(out)!r}: cannot write the token store ({exc.strerror}); set " \
-                "recipe.cache_dir or $DDP_DATA_CACHE to a writable directory"  # fmt: skip
+            error = (
+                f"{str(out)!r}: cannot write the token store ({exc.strerror}); set "
+                "recipe.cache_dir or $DDP_DATA_CACHE to a writable directory"
+            )
     error = ddp.broadcast_object(error)
     if error:
         raise ConfigError(error)

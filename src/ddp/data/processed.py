@@ -53,9 +53,11 @@ _LUT[5:] = np.arange(5, 25)
 
 
 def _expected() -> str:
-    return ("a list of 1-D integer token tensors (or of records holding one, as seed 004's "
-            "{'prot_tokens': ...}), a 2-D integer tensor of rows, or a dict holding one of "
-            "these")  # fmt: skip
+    return (
+        "a list of 1-D integer token tensors (or of records holding one, as seed 004's "
+        "{'prot_tokens': ...}), a 2-D integer tensor of rows, or a dict holding one of "
+        "these"
+    )
 
 
 def load(path: Path) -> Any:
@@ -69,9 +71,11 @@ def load(path: Path) -> Any:
     finally:
         os.close(fd)
     if size > MAX_BYTES:
-        raise ConfigError(f"{where!r} is {size:,} bytes, more than {MAX_BYTES:,} "
-                          f"({MAX_BYTES / 2**30:g} GiB); allowed: a smaller file, or UniRef50 "
-                          "as FASTA (python -m ddp.data download-uniref50)")  # fmt: skip
+        raise ConfigError(
+            f"{where!r} is {size:,} bytes, more than {MAX_BYTES:,} "
+            f"({MAX_BYTES / 2**30:g} GiB); allowed: a smaller file, or UniRef50 "
+            "as FASTA (python -m ddp.data download-uniref50)"
+        )
     try:
         try:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -81,8 +85,10 @@ def load(path: Path) -> Any:
             return torch.load(path, map_location="cpu", weights_only=True)  # a legacy file
     except Exception as exc:
         why = " ".join(str(exc).split())[:200] or type(exc).__name__
-        raise ConfigError(f"{where!r} cannot be loaded with torch.load(weights_only=True) "
-                          f"({why}); expected {_expected()}") from None
+        raise ConfigError(
+            f"{where!r} cannot be loaded with torch.load(weights_only=True) "
+            f"({why}); expected {_expected()}"
+        ) from None
 
 
 def records(obj: Any, where: str) -> Any:
@@ -90,12 +96,17 @@ def records(obj: Any, where: str) -> Any:
     import torch
 
     if isinstance(obj, dict):
-        found = [(k, v) for k, v in obj.items()
-                 if isinstance(v, (list, tuple)) or (isinstance(v, torch.Tensor) and v.dim() == 2)]
+        found = [
+            (k, v)
+            for k, v in obj.items()
+            if isinstance(v, (list, tuple)) or (isinstance(v, torch.Tensor) and v.dim() == 2)
+        ]
         if len(found) != 1:
             keys = ", ".join(repr(k)[:40] for k in list(obj)[:8])
-            raise ConfigError(f"{where!r} holds a dict with {len(found)} lists of sequences "
-                              f"(keys: {keys}); expected {_expected()}")  # fmt: skip
+            raise ConfigError(
+                f"{where!r} holds a dict with {len(found)} lists of sequences "
+                f"(keys: {keys}); expected {_expected()}"
+            )
         obj = found[0][1]
     if isinstance(obj, torch.Tensor) and obj.dim() == 2:
         return obj
@@ -111,38 +122,59 @@ def _tokens(rec: Any, i: int, where: str) -> np.ndarray:
     if isinstance(rec, dict):
         tensors = [v for v in rec.values() if isinstance(v, torch.Tensor)]
         if len(tensors) != 1:
-            raise ConfigError(f"{where!r}: record {i} is a dict with {len(tensors)} tensors; "
-                              f"expected {_expected()}")  # fmt: skip
+            raise ConfigError(
+                f"{where!r}: record {i} is a dict with {len(tensors)} tensors; "
+                f"expected {_expected()}"
+            )
         rec = tensors[0]
     if not isinstance(rec, torch.Tensor):
-        raise ConfigError(f"{where!r}: record {i} is {type(rec).__name__}; expected "
-                          f"{_expected()}")  # fmt: skip
-    if rec.dim() != 1 or rec.dtype.is_floating_point or rec.dtype.is_complex \
-            or rec.dtype == torch.bool:  # fmt: skip
-        raise ConfigError(f"{where!r}: record {i} is a {rec.dim()}-D {rec.dtype} tensor; "
-                          f"expected {_expected()}")  # fmt: skip
+        raise ConfigError(f"{where!r}: record {i} is {type(rec).__name__}; expected {_expected()}")
+    if (
+        rec.dim() != 1
+        or rec.dtype.is_floating_point
+        or rec.dtype.is_complex
+        or rec.dtype == torch.bool
+    ):
+        raise ConfigError(
+            f"{where!r}: record {i} is a {rec.dim()}-D {rec.dtype} tensor; expected {_expected()}"
+        )
     ids = rec.detach().to(torch.int64).numpy()
     if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= len(SEED_VOCAB)):
         bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
-        raise ConfigError(f"{where!r}: record {i} holds token id {bad}; expected ids 0-"
-                          f"{len(SEED_VOCAB) - 1} of seed 004's vocabulary (<s> <pad> </s> "
-                          "<unk> <mask>, then ACDEFGHIKLMNPQRSTVWY); a file tokenized "
-                          "otherwise: prepare its FASTA instead")  # fmt: skip
+        raise ConfigError(
+            f"{where!r}: record {i} holds token id {bad}; expected ids 0-"
+            f"{len(SEED_VOCAB) - 1} of seed 004's vocabulary (<s> <pad> </s> "
+            "<unk> <mask>, then ACDEFGHIKLMNPQRSTVWY); a file tokenized "
+            "otherwise: prepare its FASTA instead"
+        )
     return ids
 
 
-def prepare_pt(path: str | Path, out: str | Path, force: bool = False,
-               note: Callable[[str], None] | None = None) -> TokenStore:  # fmt: skip
+def prepare_pt(
+    path: str | Path,
+    out: str | Path,
+    force: bool = False,
+    note: Callable[[str], None] | None = None,
+) -> TokenStore:
     """Convert the seed's ``.pt`` at ``path`` into a token store at ``out`` (atomically)."""
     p = Path(path)
     where = str(p)
     obj = load(p)
     rows = records(obj, where)
     st = p.stat()
-    writer = StoreWriter(out, TOKENIZER, VOCAB_SIZE, source=os.path.realpath(p),
-                         overwrite=force, inputs=(p,),
-                         extra={"source_size": st.st_size, "source_mtime_ns": st.st_mtime_ns,
-                                "source_vocab": "seed004: " + " ".join(SEED_VOCAB)})  # fmt: skip
+    writer = StoreWriter(
+        out,
+        TOKENIZER,
+        VOCAB_SIZE,
+        source=os.path.realpath(p),
+        overwrite=force,
+        inputs=(p,),
+        extra={
+            "source_size": st.st_size,
+            "source_mtime_ns": st.st_mtime_ns,
+            "source_vocab": "seed004: " + " ".join(SEED_VOCAB),
+        },
+    )
     empty = 0
     with writer:
         flat: list[np.ndarray] = []
@@ -151,8 +183,10 @@ def prepare_pt(path: str | Path, out: str | Path, force: bool = False,
         for i in range(len(rows)):
             mapped = _LUT[_tokens(rows[i], i, where)]
             if (mapped == _BAD).any():
-                raise ConfigError(f"{where!r}: record {i} holds <mask> (id 4); expected "
-                                  "proteins, whose residues are never masked in the data")  # fmt: skip
+                raise ConfigError(
+                    f"{where!r}: record {i} holds <mask> (id 4); expected "
+                    "proteins, whose residues are never masked in the data"
+                )
             kept = mapped[mapped != SKIP_ID]
             if not len(kept):
                 empty += 1
@@ -166,8 +200,9 @@ def prepare_pt(path: str | Path, out: str | Path, force: bool = False,
         if flat:
             writer.add_flat(np.concatenate(flat), np.array(lengths))
         if not writer.n_seqs:
-            raise ConfigError(f"{where!r} holds {len(rows):,} records but no residues; "
-                              f"expected {_expected()}")  # fmt: skip
+            raise ConfigError(
+                f"{where!r} holds {len(rows):,} records but no residues; expected {_expected()}"
+            )
         writer.extra["empty_records_skipped"] = empty
     if empty:
         msg = f"{where}: skipped {empty:,} record(s) with no residues of {len(rows):,}"

@@ -62,8 +62,10 @@ MAX_COUNT = 1 << 48  # sequences or tokens: far beyond UniRef, far below int64 o
 SPLIT = "split-v2"  # v2: empty sequences stay out of both sides
 #: Every name ddp.data writes into a store folder: the files, the split caches and their
 #: temporaries. A folder holding anything else is not replaced by ``--force``.
-OWN_NAME = re.compile(r"header\.json|tokens\.bin|offsets\.bin|idhash\.bin|"
-                      r"split-[0-9a-z.+-]+\.(?:train|eval)\.bin(?:\.tmp-\d+)?")  # fmt: skip
+OWN_NAME = re.compile(
+    r"header\.json|tokens\.bin|offsets\.bin|idhash\.bin|"
+    r"split-[0-9a-z.+-]+\.(?:train|eval)\.bin(?:\.tmp-\d+)?"
+)
 STORE_MADE_BY = "a token store directory made by python -m ddp.data"
 
 log = logging.getLogger("ddp")
@@ -109,7 +111,6 @@ def is_store(path: str | Path) -> bool:
     return (Path(path) / HEADER).is_file()
 
 
-
 def _dtype_for(vocab_size: int) -> np.dtype:
     for dt in (np.uint8, np.uint16, np.uint32):
         if vocab_size <= np.iinfo(dt).max + 1:
@@ -141,7 +142,6 @@ def hash_ids(ids: Sequence[str]) -> np.ndarray:
     return _mix64(out).astype(np.uint32)
 
 
-
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number")
 
@@ -158,61 +158,85 @@ class TokenStore:
     its ids would index past the model's embedding).
     """
 
-    def __init__(self, path: str | Path, tokenizer: str | None = None,
-                 vocab_size: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, path: str | Path, tokenizer: str | None = None, vocab_size: int | None = None
+    ) -> None:
         self.path = Path(path)
         where = str(self.path)
         want = self._check_header(where, tokenizer, vocab_size)
         self._open_files(where, want)
 
-    def _check_header(self, where: str, tokenizer: str | None,
-                      vocab_size: int | None) -> dict[str, int]:  # fmt: skip
+    def _check_header(
+        self, where: str, tokenizer: str | None, vocab_size: int | None
+    ) -> dict[str, int]:
         """Read and check ``header.json`` field by field (sets the counts, tokenizer and
         dtype); the byte size each file must have."""
         self._raw = read_regular(self.path / HEADER, STORE_MADE_BY, MAX_HEADER)
         try:
             header = json.loads(self._raw, parse_constant=_no_constant)
         except (ValueError, RecursionError) as exc:
-            raise ConfigError(f"{where!r}: damaged token store ({HEADER} is no JSON: "
-                              f"{_short(str(exc))}); prepare it again") from None  # fmt: skip
+            raise ConfigError(
+                f"{where!r}: damaged token store ({HEADER} is no JSON: "
+                f"{_short(str(exc))}); prepare it again"
+            ) from None
         if not isinstance(header, dict):
-            raise ConfigError(f"{where!r}: damaged token store ({HEADER} holds "
-                              f"{type(header).__name__}, not an object); prepare it again")  # fmt: skip
+            raise ConfigError(
+                f"{where!r}: damaged token store ({HEADER} holds "
+                f"{type(header).__name__}, not an object); prepare it again"
+            )
         fmt = header.get("format")
         if fmt != FORMAT or isinstance(fmt, bool):
-            raise ConfigError(f"{where!r}: token store format {_short(fmt)}; "
-                              f"expected {FORMAT} (prepare it again)")  # fmt: skip
+            raise ConfigError(
+                f"{where!r}: token store format {_short(fmt)}; expected {FORMAT} (prepare it again)"
+            )
         self.header = header
         label = self._field("tokenizer", str, "a tokenizer name")
         if tokenizer is not None and label != tokenizer:
-            raise ConfigError(f"{where!r}: a token store of tokenizer {label!r}; "
-                              f"expected {tokenizer!r} (prepare it again for this recipe)")  # fmt: skip
+            raise ConfigError(
+                f"{where!r}: a token store of tokenizer {label!r}; "
+                f"expected {tokenizer!r} (prepare it again for this recipe)"
+            )
         self.tokenizer: str = label
-        self.vocab_size: int = self._field("vocab_size", int, "an integer in [1, 2**32]",
-                                           lambda v: 1 <= v <= 2**32)  # fmt: skip
+        self.vocab_size: int = self._field(
+            "vocab_size", int, "an integer in [1, 2**32]", lambda v: 1 <= v <= 2**32
+        )
         if vocab_size is not None and self.vocab_size != vocab_size:
-            raise ConfigError(f"{where!r}: a token store labelled tokenizer {label!r} with "
-                              f"vocab_size {self.vocab_size}, but tokenizer {label!r} has "
-                              f"vocab_size {vocab_size}; prepare it again")  # fmt: skip
-        name = self._field("dtype", str, "uint8, uint16 or uint32",
-                           lambda v: v in ("uint8", "uint16", "uint32"))  # fmt: skip
+            raise ConfigError(
+                f"{where!r}: a token store labelled tokenizer {label!r} with "
+                f"vocab_size {self.vocab_size}, but tokenizer {label!r} has "
+                f"vocab_size {vocab_size}; prepare it again"
+            )
+        name = self._field(
+            "dtype", str, "uint8, uint16 or uint32", lambda v: v in ("uint8", "uint16", "uint32")
+        )
         self.dtype = np.dtype(name)
         if np.iinfo(self.dtype).max + 1 < self.vocab_size:
-            raise ConfigError(f"{where!r}: damaged token store header (dtype {name} cannot "
-                              f"hold vocab_size {self.vocab_size}); prepare it again")  # fmt: skip
-        self.n_seqs: int = self._field("n_seqs", int, f"an integer in [0, {MAX_COUNT}]",
-                                       lambda v: 0 <= v <= MAX_COUNT)  # fmt: skip
-        self.n_tokens: int = self._field("n_tokens", int, f"an integer in [0, {MAX_COUNT}]",
-                                         lambda v: 0 <= v <= MAX_COUNT)  # fmt: skip
-        want = {"tokens.bin": self.n_tokens * self.dtype.itemsize,
-                "offsets.bin": (self.n_seqs + 1) * 8, "idhash.bin": self.n_seqs * 4}  # fmt: skip
+            raise ConfigError(
+                f"{where!r}: damaged token store header (dtype {name} cannot "
+                f"hold vocab_size {self.vocab_size}); prepare it again"
+            )
+        self.n_seqs: int = self._field(
+            "n_seqs", int, f"an integer in [0, {MAX_COUNT}]", lambda v: 0 <= v <= MAX_COUNT
+        )
+        self.n_tokens: int = self._field(
+            "n_tokens", int, f"an integer in [0, {MAX_COUNT}]", lambda v: 0 <= v <= MAX_COUNT
+        )
+        want = {
+            "tokens.bin": self.n_tokens * self.dtype.itemsize,
+            "offsets.bin": (self.n_seqs + 1) * 8,
+            "idhash.bin": self.n_seqs * 4,
+        }
         sizes = header.get("bytes")
         if sizes != want:
-            raise ConfigError(f"{where!r}: damaged token store header (bytes: {_short(sizes)}; "
-                              f"its counts need {want}); prepare it again")  # fmt: skip
+            raise ConfigError(
+                f"{where!r}: damaged token store header (bytes: {_short(sizes)}; "
+                f"its counts need {want}); prepare it again"
+            )
         if not self.n_tokens:
-            raise ConfigError(f"{where!r}: the token store holds no tokens ({self.n_seqs:,} "
-                              "empty sequences); prepare it from a FASTA file with residues")  # fmt: skip
+            raise ConfigError(
+                f"{where!r}: the token store holds no tokens ({self.n_seqs:,} "
+                "empty sequences); prepare it from a FASTA file with residues"
+            )
         return want
 
     def _open_files(self, where: str, want: dict[str, int]) -> None:
@@ -223,13 +247,17 @@ class TokenStore:
         self._ids = IndexArray(self.path / "idhash.bin", np.dtype(np.uint32))
         for arr in (self._tok, self._off, self._ids):
             if arr.nbytes != want[arr.path.name]:
-                raise ConfigError(f"{where!r}: truncated or damaged token store ({arr.path.name} "
-                                  f"is {arr.nbytes} bytes, the header says "
-                                  f"{want[arr.path.name]}); prepare it again")  # fmt: skip
+                raise ConfigError(
+                    f"{where!r}: truncated or damaged token store ({arr.path.name} "
+                    f"is {arr.nbytes} bytes, the header says "
+                    f"{want[arr.path.name]}); prepare it again"
+                )
         first, end = self._off[0], self._off[self.n_seqs]
         if first != 0 or end != self.n_tokens:
-            raise ConfigError(f"{where!r}: damaged token store (offsets run {first}..{end}, "
-                              f"expected 0..{self.n_tokens}); prepare it again")  # fmt: skip
+            raise ConfigError(
+                f"{where!r}: damaged token store (offsets run {first}..{end}, "
+                f"expected 0..{self.n_tokens}); prepare it again"
+            )
         # Ids past the vocabulary would index past the model's embedding: every read
         # checks its few tokens (unless the dtype cannot hold such an id). One byte per
         # token (the FASTA stores): deleting the valid bytes must leave nothing, a C loop.
@@ -239,8 +267,10 @@ class TokenStore:
     def _field(self, key: str, kind: type, allowed: str, ok: Any = None) -> Any:
         value = self.header.get(key)
         if not isinstance(value, kind) or isinstance(value, bool) or (ok and not ok(value)):
-            raise ConfigError(f"{str(self.path)!r}: damaged token store header ({key}: "
-                              f"{_short(value)}; expected {allowed}); prepare it again")  # fmt: skip
+            raise ConfigError(
+                f"{str(self.path)!r}: damaged token store header ({key}: "
+                f"{_short(value)}; expected {allowed}); prepare it again"
+            )
         return value
 
     def __len__(self) -> int:
@@ -252,18 +282,24 @@ class TokenStore:
             raise IndexError(f"sequence {i} of {self.n_seqs}")
         start, end = self._off.slice(i, 2).tolist()
         if not 0 <= start <= end <= self.n_tokens:
-            raise ConfigError(f"{str(self.path)!r}: damaged token store (sequence {i} has "
-                              f"offsets {start}..{end} of {self.n_tokens} tokens); "
-                              "prepare it again")  # fmt: skip
+            raise ConfigError(
+                f"{str(self.path)!r}: damaged token store (sequence {i} has "
+                f"offsets {start}..{end} of {self.n_tokens} tokens); "
+                "prepare it again"
+            )
         if limit is not None:
             end = min(end, start + limit)
         data = self._tok.read_bytes(start, end - start)
-        if self._check_ids and (data.translate(None, self._valid) if self.dtype.itemsize == 1
-                                else int(np.frombuffer(data, self.dtype).max(initial=0))
-                                >= self.vocab_size):  # fmt: skip
+        if self._check_ids and (
+            data.translate(None, self._valid)
+            if self.dtype.itemsize == 1
+            else int(np.frombuffer(data, self.dtype).max(initial=0)) >= self.vocab_size
+        ):
             top = int(np.frombuffer(data, self.dtype).max())
-            raise ConfigError(f"{str(self.path)!r}: damaged token store (token id {top} in "
-                              f"sequence {i}, vocab_size {self.vocab_size}); prepare it again")  # fmt: skip
+            raise ConfigError(
+                f"{str(self.path)!r}: damaged token store (token id {top} in "
+                f"sequence {i}, vocab_size {self.vocab_size}); prepare it again"
+            )
         return np.frombuffer(data, self.dtype)
 
     def __getitem__(self, i: int) -> np.ndarray:
@@ -284,8 +320,9 @@ class TokenStore:
     def offsets(self) -> np.ndarray:
         return np.memmap(self.path / "offsets.bin", dtype=np.int64, mode="r")
 
-    def split(self, fraction: float, salt: int = 0, cache: str | Path | None = None
-              ) -> tuple[IndexArray | np.ndarray, IndexArray | np.ndarray]:  # fmt: skip
+    def split(
+        self, fraction: float, salt: int = 0, cache: str | Path | None = None
+    ) -> tuple[IndexArray | np.ndarray, IndexArray | np.ndarray]:
         """(train, eval) sequence numbers: sequence i is in eval when
         ``mix(idhash[i] + salt) < fraction * 2**32``; empty sequences are in neither.
 
@@ -312,33 +349,51 @@ class TokenStore:
                 log.debug("split cache not written in %s: %s", folder, exc.strerror)
                 continue
             return self._load_split(files, dt)
-        log.warning("%s: no writable place for the split's index files (the store and %s are "
-                    "read-only); keeping them in memory", self.path, folders[-1])  # fmt: skip
+        log.warning(
+            "%s: no writable place for the split's index files (the store and %s are "
+            "read-only); keeping them in memory",
+            self.path,
+            folders[-1],
+        )
         parts = list(self._split_chunks(fraction, salt, dt))
-        return (np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, dt),
-                np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, dt))  # fmt: skip
+        return (
+            np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, dt),
+            np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, dt),
+        )
 
     def _split_cache(self, cache: str | Path | None) -> Path:
         """The split's folder outside the store, named after the store's path and header
         and its id file's identity, so a store prepared again never meets a stale split."""
         st = os.stat(self._ids.path)
-        key = hashlib.sha1(b"\0".join([os.path.realpath(self.path).encode(), self._raw,
-                                        f"{st.st_size}:{st.st_mtime_ns}".encode()])).hexdigest()
+        key = hashlib.sha1(
+            b"\0".join(
+                [
+                    os.path.realpath(self.path).encode(),
+                    self._raw,
+                    f"{st.st_size}:{st.st_mtime_ns}".encode(),
+                ]
+            )
+        ).hexdigest()
         return Path(cache or cache_dir()) / "splits" / f"{self.path.name}-{key[:16]}"
 
     def _load_split(self, files: list[Path], dt: np.dtype) -> tuple[IndexArray, IndexArray]:
         arrays = (IndexArray(files[0], dt), IndexArray(files[1], dt))
         for arr in arrays:
             if arr.nbytes % dt.itemsize:
-                raise ConfigError(f"{str(arr.path)!r}: damaged split cache ({arr.nbytes} bytes, "
-                                  f"not a whole number of {dt.name}); delete it")  # fmt: skip
+                raise ConfigError(
+                    f"{str(arr.path)!r}: damaged split cache ({arr.nbytes} bytes, "
+                    f"not a whole number of {dt.name}); delete it"
+                )
         if len(arrays[0]) + len(arrays[1]) > self.n_seqs:
-            raise ConfigError(f"{str(files[0])!r}: damaged split cache ({len(arrays[0])} + "
-                              f"{len(arrays[1])} entries for {self.n_seqs} sequences); delete it")  # fmt: skip
+            raise ConfigError(
+                f"{str(files[0])!r}: damaged split cache ({len(arrays[0])} + "
+                f"{len(arrays[1])} entries for {self.n_seqs} sequences); delete it"
+            )
         return arrays
 
-    def _split_chunks(self, fraction: float, salt: int, dt: np.dtype
-                      ) -> Iterator[tuple[np.ndarray, np.ndarray]]:  # fmt: skip
+    def _split_chunks(
+        self, fraction: float, salt: int, dt: np.dtype
+    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """(train, eval) indices, a few million sequences at a time (pread: no RSS)."""
         cut = np.uint64(int(fraction * 2**32))
         chunk = 1 << 22
@@ -354,8 +409,7 @@ class TokenStore:
             is_eval = key < cut
             yield idx[real & ~is_eval], idx[real & is_eval]
         if empty:
-            log.info("%s: %d empty sequences stay out of training and evaluation",
-                     self.path, empty)
+            log.info("%s: %d empty sequences stay out of training and evaluation", self.path, empty)
 
     def _write_split(self, files: list[Path], fraction: float, salt: int, dt: np.dtype) -> None:
         files[0].parent.mkdir(parents=True, exist_ok=True)
@@ -404,8 +458,10 @@ class IndexArray:
         size = self.dtype.itemsize
         data = os.pread(self._handle(), count * size, start * size)
         if len(data) != count * size:
-            raise ConfigError(f"{str(self.path)!r}: truncated (wanted {count} elements at "
-                              f"{start}); prepare the store again")  # fmt: skip
+            raise ConfigError(
+                f"{str(self.path)!r}: truncated (wanted {count} elements at "
+                f"{start}); prepare the store again"
+            )
         return data
 
     def slice(self, start: int, count: int) -> np.ndarray:

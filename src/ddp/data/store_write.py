@@ -109,7 +109,6 @@ def _remove_own(folder: Path) -> None:
         log.warning("left %s in place: it holds files that ddp.data did not write", folder)
 
 
-
 # ---- signals while a store is written ------------------------------------------------------
 class Interrupted(KeyboardInterrupt):
     """A termination signal (SIGTERM, SIGHUP, SIGINT) arrived while a store was being
@@ -213,10 +212,16 @@ class StoreWriter:
     output may neither be nor contain. A store without tokens is never published.
     """
 
-    def __init__(self, out: str | Path, tokenizer: str, vocab_size: int,
-                 source: str = "", overwrite: bool = False,
-                 extra: dict[str, Any] | None = None,
-                 inputs: Sequence[str | Path] = ()) -> None:  # fmt: skip
+    def __init__(
+        self,
+        out: str | Path,
+        tokenizer: str,
+        vocab_size: int,
+        source: str = "",
+        overwrite: bool = False,
+        extra: dict[str, Any] | None = None,
+        inputs: Sequence[str | Path] = (),
+    ) -> None:
         self.out = Path(out)
         self.overwrite = overwrite
         self._check_target(inputs)
@@ -239,22 +244,26 @@ class StoreWriter:
             with contextlib.suppress(OSError):
                 same = same or os.path.samefile(self.out, src)  # a hard link
             if same or holds:
-                raise ConfigError(f"{where!r} {'is' if same else 'holds'} the input "
-                                  f"{str(src)!r}; allowed: an output path apart from the input"
-                                  )  # fmt: skip
+                raise ConfigError(
+                    f"{where!r} {'is' if same else 'holds'} the input "
+                    f"{str(src)!r}; allowed: an output path apart from the input"
+                )
         if not os.path.lexists(self.out) or _empty_folder(self.out):
             return  # an empty folder (made for the output) holds nothing to lose
         if not self.overwrite:
-            raise ConfigError(f"{where!r} exists; allowed: a new path, or --force to replace "
-                              "a token store")  # fmt: skip
+            raise ConfigError(
+                f"{where!r} exists; allowed: a new path, or --force to replace a token store"
+            )
         self._check_replaceable()
 
     def _check_replaceable(self) -> None:
         reason = foreign(self.out)
         if reason is not None and reason != "gone":
-            raise ConfigError(f"{str(self.out)!r} is {reason}, not a token store written by "
-                              "ddp.data; --force replaces only a token store (nothing was "
-                              "deleted); allowed: a new path or an existing token store")  # fmt: skip
+            raise ConfigError(
+                f"{str(self.out)!r} is {reason}, not a token store written by "
+                "ddp.data; --force replaces only a token store (nothing was "
+                "deleted); allowed: a new path or an existing token store"
+            )
 
     @contextlib.contextmanager
     def _writing(self) -> Iterator[None]:
@@ -267,11 +276,14 @@ class StoreWriter:
     def _io_error(self, exc: OSError) -> StoreWriteError:
         where = str(self.out)
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return StoreWriteError(f"{where!r}: no space left on device for the token store "
-                                   f"({self.n_tokens:,} tokens written); its partial copy was "
-                                   "removed; allowed: a filesystem with room")  # fmt: skip
-        return StoreWriteError(f"{where!r}: cannot write the token store ({exc.strerror}); "
-                               "nothing was left behind")  # fmt: skip
+            return StoreWriteError(
+                f"{where!r}: no space left on device for the token store "
+                f"({self.n_tokens:,} tokens written); its partial copy was "
+                "removed; allowed: a filesystem with room"
+            )
+        return StoreWriteError(
+            f"{where!r}: cannot write the token store ({exc.strerror}); nothing was left behind"
+        )
 
     def __enter__(self) -> StoreWriter:
         _GUARD.enter()
@@ -279,8 +291,9 @@ class StoreWriter:
             with self._writing():
                 self.out.parent.mkdir(parents=True, exist_ok=True)
                 with _GUARD.deferred():  # the folder exists only once _tmp names it
-                    self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-",
-                                                      dir=self.out.parent))  # fmt: skip
+                    self._tmp = Path(
+                        tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent)
+                    )
                 for name in FILES:
                     self._fh[name] = open(self._tmp / name, "wb")
                 self._fh["offsets.bin"].write(np.zeros(1, np.int64).tobytes())
@@ -317,8 +330,9 @@ class StoreWriter:
             self._fh["idhash.bin"].write(np.asarray(idhash, dtype=np.uint32).tobytes())
         self.n_seqs += len(lengths)
 
-    def add_flat(self, tokens: np.ndarray, lengths: np.ndarray,
-                 idhash: np.ndarray | None = None) -> None:  # fmt: skip
+    def add_flat(
+        self, tokens: np.ndarray, lengths: np.ndarray, idhash: np.ndarray | None = None
+    ) -> None:
         """Append ``len(lengths)`` sequences whose tokens lie back to back in ``tokens``."""
         if int(np.sum(lengths)) != len(tokens):
             raise ValueError("sum(lengths) != len(tokens)")
@@ -363,15 +377,22 @@ class StoreWriter:
         if self._closed != self.n_tokens:  # tokens of an unfinished sequence: never publish
             raise ValueError(f"{self.n_tokens - self._closed} tokens belong to no sequence")
         if not self.n_tokens:
-            raise ConfigError(f"{str(self.out)!r}: no tokens to store ({self.n_seqs:,} "
-                              "sequences, all empty); a token store holds at least one token")  # fmt: skip
+            raise ConfigError(
+                f"{str(self.out)!r}: no tokens to store ({self.n_seqs:,} "
+                "sequences, all empty); a token store holds at least one token"
+            )
         with self._writing():
             header = {
-                "format": FORMAT, "tokenizer": self.tokenizer, "vocab_size": self.vocab_size,
-                "dtype": self.dtype.name, "n_seqs": self.n_seqs, "n_tokens": self.n_tokens,
+                "format": FORMAT,
+                "tokenizer": self.tokenizer,
+                "vocab_size": self.vocab_size,
+                "dtype": self.dtype.name,
+                "n_seqs": self.n_seqs,
+                "n_tokens": self.n_tokens,
                 "bytes": {n: (self._tmp / n).stat().st_size for n in FILES},
-                "source": self.source, **self.extra,
-            }  # fmt: skip
+                "source": self.source,
+                **self.extra,
+            }
             (self._tmp / HEADER).write_text(json.dumps(header, indent=1) + "\n")
             umask = os.umask(0)
             os.umask(umask)
@@ -406,8 +427,13 @@ class StoreWriter:
             self._tmp = None
 
 
-def write_store(out: str | Path, seqs: Iterable[Sequence[int]], tokenizer: str,
-                vocab_size: int, ids: Iterable[str] | None = None) -> TokenStore:  # fmt: skip
+def write_store(
+    out: str | Path,
+    seqs: Iterable[Sequence[int]],
+    tokenizer: str,
+    vocab_size: int,
+    ids: Iterable[str] | None = None,
+) -> TokenStore:
     """Build a store from any iterable of token sequences (and optional ids); returns it."""
     with StoreWriter(out, tokenizer, vocab_size) as w:
         id_iter = iter(ids) if ids is not None else None

@@ -69,15 +69,32 @@ class Flag:
 #: names (argparse refuses the clash when the recipe's parser is built); a recipe may
 #: add its seed's own spelling for the same key, as uniref50's ``--work_dir`` does.
 COMMON_FLAGS: tuple[Flag, ...] = (
-    Flag("--backend", "ddp.backend", str, "process-group backend: auto, nccl, gloo, xccl, ccl, mpi"),
-    Flag("--output_dir", "checkpoint.dir", str, "checkpoints and the final model go here",
-         aliases=("--output-dir",)),  # fmt: skip
+    Flag(
+        "--backend", "ddp.backend", str, "process-group backend: auto, nccl, gloo, xccl, ccl, mpi"
+    ),
+    Flag(
+        "--output_dir",
+        "checkpoint.dir",
+        str,
+        "checkpoints and the final model go here",
+        aliases=("--output-dir",),
+    ),
     Flag("--seed", "training.seed", int, "seed of the initial weights, data order and noise"),
-    Flag("--max_steps", "training.max_steps", int, "stop after this many optimizer steps",
-         aliases=("--max-steps",)),  # fmt: skip
+    Flag(
+        "--max_steps",
+        "training.max_steps",
+        int,
+        "stop after this many optimizer steps",
+        aliases=("--max-steps",),
+    ),
     # ddp.init_from: starting weights (HF folder or hub id, final/model.pt, step checkpoint)
-    Flag("--init_from", "model.init_from", str, "starting weights: a Hugging Face model folder "
-         "or hub id, a final/model.pt export or a step checkpoint (resume is separate)"),
+    Flag(
+        "--init_from",
+        "model.init_from",
+        str,
+        "starting weights: a Hugging Face model folder "
+        "or hub id, a final/model.pt export or a step checkpoint (resume is separate)",
+    ),
 )
 
 #: Model keys every recipe has (``ddp.init_from``); "" = the recipe's own initial weights.
@@ -164,8 +181,11 @@ def get(name: str) -> Recipe:
         raise ConfigError(f"unknown recipe {name!r}{hint} (known: {', '.join(names())})")
     module = importlib.import_module(RECIPES[name])
     if not isinstance(module, Recipe):  # a programming error in the recipe, not the user's
-        missing = [a for a in ("NAME", "DESCRIPTION", "DEFAULTS", "FLAGS", "build")
-                   if not hasattr(module, a)]  # fmt: skip
+        missing = [
+            a
+            for a in ("NAME", "DESCRIPTION", "DEFAULTS", "FLAGS", "build")
+            if not hasattr(module, a)
+        ]
         raise TypeError(f"{RECIPES[name]} is not a recipe: missing {', '.join(missing)}")
     return module
 
@@ -200,24 +220,47 @@ def add_flags(
             _add_flag(group, flag, shown)
 
 
-def _add_flag(
-    group: argparse._ActionsContainer, flag: Flag, shown: TrainConfig | None
-) -> None:
+def _add_flag(group: argparse._ActionsContainer, flag: Flag, shown: TrainConfig | None) -> None:
     about = f"{flag.help} [{flag.key}"
     if shown is not None:
         about += f"; default: {_value_at(shown, flag.key)!r}"
     about = (about + "]").replace("%", "%%")  # argparse %-formats help strings
-    metavar = flag.dest[len("flag_"):].upper()
+    metavar = flag.dest[len("flag_") :].upper()
     if flag.type is bool:
         # As in the seed guides: a bare `--skip_phase1` means true; `--flag false` works too.
-        group.add_argument(flag.name, *flag.aliases, type=_bool, nargs="?", const=True,
-                           default=None, dest=flag.dest, metavar=metavar, help=about)  # fmt: skip
+        group.add_argument(
+            flag.name,
+            *flag.aliases,
+            type=_bool,
+            nargs="?",
+            const=True,
+            default=None,
+            dest=flag.dest,
+            metavar=metavar,
+            help=about,
+        )
     elif flag.const is not None:
-        group.add_argument(flag.name, *flag.aliases, type=flag.type, nargs="?", const=flag.const,
-                           default=None, dest=flag.dest, metavar=metavar, help=about)  # fmt: skip
+        group.add_argument(
+            flag.name,
+            *flag.aliases,
+            type=flag.type,
+            nargs="?",
+            const=flag.const,
+            default=None,
+            dest=flag.dest,
+            metavar=metavar,
+            help=about,
+        )
     else:
-        group.add_argument(flag.name, *flag.aliases, type=flag.type, default=None,
-                           dest=flag.dest, metavar=metavar, help=about)  # fmt: skip
+        group.add_argument(
+            flag.name,
+            *flag.aliases,
+            type=flag.type,
+            default=None,
+            dest=flag.dest,
+            metavar=metavar,
+            help=about,
+        )
 
 
 def _value_at(config: TrainConfig, key: str) -> Any:
@@ -275,8 +318,10 @@ def check_model_values(model: dict[str, Any]) -> None:
     d, h = model.get("d_model"), model.get("n_heads")
     if isinstance(d, int) and isinstance(h, int):
         if d < 1 or h < 1 or d % h:
-            raise ConfigError(f"model.n_heads: {h} does not divide model.d_model: {d}; "
-                              "allowed: d_model a positive multiple of n_heads")  # fmt: skip
+            raise ConfigError(
+                f"model.n_heads: {h} does not divide model.d_model: {d}; "
+                "allowed: d_model a positive multiple of n_heads"
+            )
 
 
 def _merge(base: dict[str, Any], raw: dict[str, Any]) -> None:

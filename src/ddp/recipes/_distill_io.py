@@ -110,12 +110,16 @@ def read_corpus(path: str, text_field: str, what: str, pairs_allowed: bool = Fal
 def _field(record: Any, name: str, i: int, path: str, what: str) -> str:
     if not isinstance(record, dict) or name not in record:
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-        raise ConfigError(f"{what}: record {i + 1} of {path} has no {name!r} field (has "
-                          f"{keys}); allowed: set recipe.text_field to the text's field")  # fmt: skip
+        raise ConfigError(
+            f"{what}: record {i + 1} of {path} has no {name!r} field (has "
+            f"{keys}); allowed: set recipe.text_field to the text's field"
+        )
     value = record[name]
     if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{what}: record {i + 1} of {path}: {name!r} is {value!r:.60}; "
-                          "allowed: a non-empty string")  # fmt: skip
+        raise ConfigError(
+            f"{what}: record {i + 1} of {path}: {name!r} is {value!r:.60}; "
+            "allowed: a non-empty string"
+        )
     return value
 
 
@@ -130,8 +134,10 @@ def _read(p: Path, what: str) -> bytes:
 def _decoded_lines(p: Path, what: str) -> list[str]:
     data = _read(p, what)
     if b"\0" in data[:65536]:
-        raise ConfigError(f"{what}: {p} is binary (a NUL byte); allowed: UTF-8 text, "
-                          ".jsonl, .parquet or a dataset folder")  # fmt: skip
+        raise ConfigError(
+            f"{what}: {p} is binary (a NUL byte); allowed: UTF-8 text, "
+            ".jsonl, .parquet or a dataset folder"
+        )
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -140,8 +146,10 @@ def _decoded_lines(p: Path, what: str) -> list[str]:
     lines = text.splitlines()
     for i, line in enumerate(lines):
         if len(line) > MAX_LINE:
-            raise ConfigError(f"{what}: {p} line {i + 1} is {len(line):,} characters; "
-                              f"allowed: at most {MAX_LINE:,}")  # fmt: skip
+            raise ConfigError(
+                f"{what}: {p} line {i + 1} is {len(line):,} characters; "
+                f"allowed: at most {MAX_LINE:,}"
+            )
     return lines
 
 
@@ -157,8 +165,10 @@ def _jsonl(p: Path, what: str) -> list[Any]:
         try:
             out.append(json.loads(line))
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"{what}: {p} line {i + 1} is not JSON ({exc.msg}); allowed: "
-                              "one JSON object per line") from None  # fmt: skip
+            raise ConfigError(
+                f"{what}: {p} line {i + 1} is not JSON ({exc.msg}); allowed: "
+                "one JSON object per line"
+            ) from None
     return out
 
 
@@ -182,8 +192,10 @@ def _parquet(p: Path, what: str) -> list[dict[str, Any]]:
 def _hf_dataset(p: Path, what: str) -> list[dict[str, Any]]:
     marks = ("dataset_info.json", "state.json", "dataset_dict.json")  # what save_to_disk writes
     if not any((p / m).is_file() for m in marks):
-        raise ConfigError(f"{what}: {p} is a folder but not a saved Hugging Face dataset; "
-                          "allowed: a text, .jsonl or .parquet file, or a save_to_disk folder")  # fmt: skip
+        raise ConfigError(
+            f"{what}: {p} is a folder but not a saved Hugging Face dataset; "
+            "allowed: a text, .jsonl or .parquet file, or a save_to_disk folder"
+        )
     try:
         import datasets
     except ImportError:
@@ -215,13 +227,20 @@ def teacher_identity(name: str) -> dict[str, Any]:
 
 
 def cache_key(teacher: str, dtype: str, max_len: int | None, corpus: Corpus) -> dict[str, Any]:
-    return {"version": KEY_VERSION, **teacher_identity(teacher), "dtype": dtype,
-            "max_seq_length": max_len, "corpus": corpus.digest}  # fmt: skip
+    return {
+        "version": KEY_VERSION,
+        **teacher_identity(teacher),
+        "dtype": dtype,
+        "max_seq_length": max_len,
+        "corpus": corpus.digest,
+    }
 
 
 def _describe(key: dict[str, Any]) -> str:
-    return (f"teacher {key.get('teacher')!r}, corpus sha256 {str(key.get('corpus'))[:12]}, "
-            f"max_seq_length {key.get('max_seq_length')}, dtype {key.get('dtype')}")  # fmt: skip
+    return (
+        f"teacher {key.get('teacher')!r}, corpus sha256 {str(key.get('corpus'))[:12]}, "
+        f"max_seq_length {key.get('max_seq_length')}, dtype {key.get('dtype')}"
+    )
 
 
 def _decide(meta_path: Path, emb_path: Path, key: dict[str, Any], rows: int) -> tuple[str, str]:
@@ -234,8 +253,10 @@ def _decide(meta_path: Path, emb_path: Path, key: dict[str, Any], rows: int) -> 
         old = meta["key"]
         old_rows = int(meta["rows"])
     except (_files.NotRegular, ValueError, KeyError, TypeError) as exc:
-        return "refuse", (f"teacher cache {meta_path} is unreadable ({exc}); allowed: a cache "
-                          "this recipe wrote; delete the folder to rebuild it")  # fmt: skip
+        return "refuse", (
+            f"teacher cache {meta_path} is unreadable ({exc}); allowed: a cache "
+            "this recipe wrote; delete the folder to rebuild it"
+        )
     if old != key:
         return "refuse", (
             f"teacher cache {meta_path.parent} holds embeddings of {_describe(old)}; this run "
@@ -275,8 +296,13 @@ def teacher_embeddings(
     if verdict == "refuse":
         raise ConfigError(why)
     if verdict == "build":
-        log.info("teacher cache %s: computing %d embeddings on %d rank(s) (%s)",
-                 emb_path, rows, world, why)  # fmt: skip
+        log.info(
+            "teacher cache %s: computing %d embeddings on %d rank(s) (%s)",
+            emb_path,
+            rows,
+            world,
+            why,
+        )
         _build(directory, name, key, texts, encode, rank, world)
     else:
         log.info("teacher cache %s: reused (%s)", emb_path, why)
@@ -287,8 +313,9 @@ def _shard(rows: int, rank: int, world: int) -> range:
     return range(rows * rank // world, rows * (rank + 1) // world)
 
 
-def _encode_shard(texts: list[str], encode: Callable[[list[str]], torch.Tensor],
-                  rank: int, world: int) -> torch.Tensor | None:  # fmt: skip
+def _encode_shard(
+    texts: list[str], encode: Callable[[list[str]], torch.Tensor], rank: int, world: int
+) -> torch.Tensor | None:
     own = _shard(len(texts), rank, world)
     return encode([texts[i] for i in own]).detach().cpu() if len(own) else None
 
@@ -301,8 +328,15 @@ def _collect_errors(error: str | None) -> None:
         raise ConfigError(first)
 
 
-def _build(directory: Path, name: str, key: dict[str, Any], texts: list[str],
-           encode: Callable[[list[str]], torch.Tensor], rank: int, world: int) -> None:  # fmt: skip
+def _build(
+    directory: Path,
+    name: str,
+    key: dict[str, Any],
+    texts: list[str],
+    encode: Callable[[list[str]], torch.Tensor],
+    rank: int,
+    world: int,
+) -> None:
     shard_path = directory / f"{name}.shard-{rank}-of-{world}.pt"
     error = None
     t0 = time.perf_counter()
@@ -328,8 +362,13 @@ def _build(directory: Path, name: str, key: dict[str, Any], texts: list[str],
             if full.shape[0] != len(texts):
                 raise ConfigError(f"teacher cache: {full.shape[0]} rows for {len(texts)} texts")
             atomic_save(full, directory / f"{name}.pt")
-            meta = {"key": key, "rows": len(texts), "dim": int(full.shape[1]),
-                    "dtype": str(full.dtype), "built_s": round(time.perf_counter() - t0, 3)}  # fmt: skip
+            meta = {
+                "key": key,
+                "rows": len(texts),
+                "dim": int(full.shape[1]),
+                "dtype": str(full.dtype),
+                "built_s": round(time.perf_counter() - t0, 3),
+            }
             # The key lands last: it is what says the cache is complete.
             atomic_write_text(json.dumps(meta, indent=1) + "\n", directory / f"{name}.json")
             for r in range(world):
@@ -341,8 +380,9 @@ def _build(directory: Path, name: str, key: dict[str, Any], texts: list[str],
     _collect_errors(error)
 
 
-def _gather_in_memory(texts: list[str], encode: Callable[[list[str]], torch.Tensor],
-                      rank: int, world: int) -> torch.Tensor:  # fmt: skip
+def _gather_in_memory(
+    texts: list[str], encode: Callable[[list[str]], torch.Tensor], rank: int, world: int
+) -> torch.Tensor:
     emb = _encode_shard(texts, encode, rank, world)
     parts = ddp.all_gather_object(emb)
     return torch.cat([p for p in parts if p is not None])
@@ -356,15 +396,25 @@ def _load(path: Path, rows: int) -> torch.Tensor:
     except _files.NotRegular as exc:
         raise ConfigError(f"teacher cache {path} {exc}") from None
     except Exception as exc:  # a truncated or foreign file: torch/zipfile errors vary
-        raise ConfigError(f"teacher cache {path} is unreadable ({type(exc).__name__}); "
-                          "allowed: a cache this recipe wrote; delete it to rebuild") from None  # fmt: skip
-    if not isinstance(emb, torch.Tensor) or emb.dim() != 2 or emb.shape[0] < rows \
-            or not emb.is_floating_point():  # fmt: skip
+        raise ConfigError(
+            f"teacher cache {path} is unreadable ({type(exc).__name__}); "
+            "allowed: a cache this recipe wrote; delete it to rebuild"
+        ) from None
+    if (
+        not isinstance(emb, torch.Tensor)
+        or emb.dim() != 2
+        or emb.shape[0] < rows
+        or not emb.is_floating_point()
+    ):
         shape = tuple(emb.shape) if isinstance(emb, torch.Tensor) else type(emb).__name__
-        raise ConfigError(f"teacher cache {path} holds {shape}; allowed: a float matrix of "
-                          f"at least {rows} rows; delete it to rebuild")  # fmt: skip
+        raise ConfigError(
+            f"teacher cache {path} holds {shape}; allowed: a float matrix of "
+            f"at least {rows} rows; delete it to rebuild"
+        )
     emb = emb[:rows]
     if not bool(torch.isfinite(emb).all()):
-        raise ConfigError(f"teacher cache {path} holds nan/inf; the teacher overflowed "
-                          "(try --teacher_dtype float32) or the file is damaged")  # fmt: skip
+        raise ConfigError(
+            f"teacher cache {path} holds nan/inf; the teacher overflowed "
+            "(try --teacher_dtype float32) or the file is damaged"
+        )
     return emb

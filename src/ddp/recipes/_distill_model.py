@@ -37,9 +37,11 @@ def load_st(name: str, config: TrainConfig, dtype: str = "float32") -> Any:
         kwargs["dtype"] = dtype if dtype == "auto" else getattr(torch, dtype)
     try:
         model = st.SentenceTransformer(
-            name, device="cpu", trust_remote_code=bool(config.recipe["trust_remote_code"]),
+            name,
+            device="cpu",
+            trust_remote_code=bool(config.recipe["trust_remote_code"]),
             model_kwargs=kwargs or None,
-        )  # fmt: skip
+        )
     except (OSError, ValueError) as exc:  # a missing folder, an unknown hub id, offline
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"cannot load SentenceTransformer {name!r}: {first}"[:400]) from None
@@ -108,8 +110,10 @@ def mrl_dims(given: list[Any], width: int) -> list[int]:
             d //= 2
         return dims or [width]
     if not all(isinstance(d, int) and not isinstance(d, bool) and 1 <= d <= width for d in given):
-        raise ConfigError(f"model.mrl_dims: {given!r}; allowed: widths in [1, {width}] "
-                          "(the student's embedding width)")  # fmt: skip
+        raise ConfigError(
+            f"model.mrl_dims: {given!r}; allowed: widths in [1, {width}] "
+            "(the student's embedding width)"
+        )
     return sorted(set(given), reverse=True)
 
 
@@ -124,8 +128,7 @@ def make_student(config: TrainConfig, teacher_dim: int) -> DistillModel:
             # Before a Normalize module, if the student has one: the head maps the pooled
             # embedding, and the exported model still returns unit vectors.
             mods = list(st)
-            at = next((i for i, m in enumerate(mods) if type(m).__name__ == "Normalize"),
-                      len(mods))  # fmt: skip
+            at = next((i for i, m in enumerate(mods) if type(m).__name__ == "Normalize"), len(mods))
             mods.insert(at, _dense(width, teacher_dim))
             st = type(st)(modules=mods, device="cpu")
         dims = [] if use_proj else mrl_dims(list(config.model["mrl_dims"]), width)

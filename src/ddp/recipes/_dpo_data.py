@@ -36,8 +36,9 @@ def load_pairs(path: str | Path, key: str) -> list[dict[str, str]]:
         what = f"is not valid JSON: {exc}" if isinstance(exc, json.JSONDecodeError) else exc
         raise ConfigError(f"{key}: {str(path)!r} {what}") from None
     if not isinstance(pairs, list) or not pairs:
-        raise ConfigError(f"{key}: {str(path)!r} must be a non-empty JSON list of "
-                          "prompt/chosen/rejected objects")  # fmt: skip
+        raise ConfigError(
+            f"{key}: {str(path)!r} must be a non-empty JSON list of prompt/chosen/rejected objects"
+        )
     structures: dict[tuple[str, str], str] = {}
     out = []
     for i, p in enumerate(pairs):
@@ -54,8 +55,10 @@ def load_pairs(path: str | Path, key: str) -> list[dict[str, str]]:
             p = {**p, "prompt": structures[(str(f), chain)]}
         for k in ("prompt", "chosen", "rejected"):
             if not isinstance(p.get(k), str):
-                raise ConfigError(f"{where} has no string {k!r}; allowed: prompt (or "
-                                  "structure), chosen and rejected strings")  # fmt: skip
+                raise ConfigError(
+                    f"{where} has no string {k!r}; allowed: prompt (or "
+                    "structure), chosen and rejected strings"
+                )
         if not p["chosen"] or not p["rejected"]:
             raise ConfigError(f"{where} has an empty chosen or rejected response")
         out.append({k: p[k] for k in ("prompt", "chosen", "rejected")})
@@ -76,8 +79,9 @@ def structure_sequence(path: Path, chain: str, where: str) -> str:
     except ImportError:
         from ddp.recipes.dpo import EXTRA
 
-        raise ConfigError(f"{where} names a structure file; reading it needs biopython: "
-                          f"{EXTRA}") from None  # fmt: skip
+        raise ConfigError(
+            f"{where} names a structure file; reading it needs biopython: {EXTRA}"
+        ) from None
     try:
         text = _files.read_regular(path, MAX_STRUCTURE)[0].decode("utf-8", "replace")
     except ValueError as exc:
@@ -88,21 +92,27 @@ def structure_sequence(path: Path, chain: str, where: str) -> str:
         structure = parser.get_structure(path.stem, io.StringIO(text))
         models = list(structure)
     except Exception as exc:  # Biopython's errors on a damaged or crafted file
-        raise ConfigError(f"{where}: structure {str(path)!r} cannot be parsed as "
-                          f"{'mmCIF' if cif else 'PDB'} ({type(exc).__name__}: "
-                          f"{str(exc)[:120]})") from None  # fmt: skip
+        raise ConfigError(
+            f"{where}: structure {str(path)!r} cannot be parsed as "
+            f"{'mmCIF' if cif else 'PDB'} ({type(exc).__name__}: "
+            f"{str(exc)[:120]})"
+        ) from None
     chains = {c.id: c for c in models[0]} if models else {}
     if not chains:
         raise ConfigError(f"{where}: structure {str(path)!r} holds no chain")
     if chain and chain not in chains:
-        raise ConfigError(f"{where}: structure {str(path)!r} has no chain {chain!r}; "
-                          f"allowed: {', '.join(sorted(chains))}")  # fmt: skip
+        raise ConfigError(
+            f"{where}: structure {str(path)!r} has no chain {chain!r}; "
+            f"allowed: {', '.join(sorted(chains))}"
+        )
     residues = chains[chain or next(iter(chains))]
-    seq = "".join(seq1(r.get_resname()) for r in residues
-                  if r.id[0] == " " and is_aa(r, standard=True))  # fmt: skip
+    seq = "".join(
+        seq1(r.get_resname()) for r in residues if r.id[0] == " " and is_aa(r, standard=True)
+    )
     if not seq:
-        raise ConfigError(f"{where}: chain {residues.id!r} of {str(path)!r} has no "
-                          "standard amino acid")  # fmt: skip
+        raise ConfigError(
+            f"{where}: chain {residues.id!r} of {str(path)!r} has no standard amino acid"
+        )
     return seq
 
 
@@ -110,8 +120,13 @@ class PairDataset(Dataset):
     """Token ids of ``prompt + response + EOS`` for chosen and rejected, and where the
     response starts (everything before it, the prompt, is masked out of the loss)."""
 
-    def __init__(self, pairs: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase,
-                 max_len: int, key: str) -> None:  # fmt: skip
+    def __init__(
+        self,
+        pairs: list[dict[str, str]],
+        tokenizer: PreTrainedTokenizerBase,
+        max_len: int,
+        key: str,
+    ) -> None:
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         self.items: list[tuple[list[int], int, list[int], int]] = []
         self.ref: torch.Tensor | None = None  # (N, 2) reference log-probs when precomputed
@@ -119,12 +134,15 @@ class PairDataset(Dataset):
             prompt = tokenizer(p["prompt"])["input_ids"]
             row: list[Any] = []
             for side in ("chosen", "rejected"):
-                ids = (prompt + tokenizer(p[side], add_special_tokens=False)["input_ids"]
-                       + eos)[:max_len]  # fmt: skip
+                ids = (prompt + tokenizer(p[side], add_special_tokens=False)["input_ids"] + eos)[
+                    :max_len
+                ]
                 if len(ids) <= max(1, len(prompt)):
-                    raise ConfigError(f"{key}: record {i}'s {side} response has no token "
-                                      f"within model.max_len={max_len} (prompt: "
-                                      f"{len(prompt)} tokens); allowed: a larger max_len")
+                    raise ConfigError(
+                        f"{key}: record {i}'s {side} response has no token "
+                        f"within model.max_len={max_len} (prompt: "
+                        f"{len(prompt)} tokens); allowed: a larger max_len"
+                    )
                 row += [ids, max(1, len(prompt))]
             self.items.append(tuple(row))  # type: ignore[arg-type]
 

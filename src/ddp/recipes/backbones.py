@@ -50,19 +50,35 @@ log = logging.getLogger("ddp")
 
 #: The resolution each backbone was designed (and its weights trained) at.
 INPUT_SIZE: dict[str, int] = {
-    "efficientnet_b0": 224, "efficientnet_b1": 240, "efficientnet_b2": 260,
-    "efficientnet_b3": 300, "efficientnet_b4": 380, "efficientnet_b5": 456,
-    "efficientnet_b6": 528, "efficientnet_b7": 600,
-    "resnet18": 224, "resnet34": 224, "resnet50": 224, "resnet101": 224, "resnet152": 224,
-    "vit_b_16": 224, "vit_b_32": 224, "vit_l_16": 224, "vit_l_32": 224,
-}  # fmt: skip
+    "efficientnet_b0": 224,
+    "efficientnet_b1": 240,
+    "efficientnet_b2": 260,
+    "efficientnet_b3": 300,
+    "efficientnet_b4": 380,
+    "efficientnet_b5": 456,
+    "efficientnet_b6": 528,
+    "efficientnet_b7": 600,
+    "resnet18": 224,
+    "resnet34": 224,
+    "resnet50": 224,
+    "resnet101": 224,
+    "resnet152": 224,
+    "vit_b_16": 224,
+    "vit_b_32": 224,
+    "vit_l_16": 224,
+    "vit_l_32": 224,
+}
 NAMES = tuple(INPUT_SIZE)
 #: ImageNet statistics: what every listed backbone's own preprocessing normalises with.
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
 #: timm's names for torchvision's ViT spellings (the ResNet/EfficientNet names agree).
-_TIMM = {"vit_b_16": "vit_base_patch16_224", "vit_b_32": "vit_base_patch32_224",
-         "vit_l_16": "vit_large_patch16_224", "vit_l_32": "vit_large_patch32_224"}  # fmt: skip
+_TIMM = {
+    "vit_b_16": "vit_base_patch16_224",
+    "vit_b_32": "vit_base_patch32_224",
+    "vit_l_16": "vit_large_patch16_224",
+    "vit_l_32": "vit_large_patch32_224",
+}
 MAX_WEIGHTS = 4 << 30
 """Largest weights file read (EfficientNet-B7 is 260 MB, ViT-L 1.2 GB)."""
 
@@ -93,18 +109,21 @@ def input_size(name: str) -> int:
 def check_name(name: str) -> str:
     """The library that builds ``name``; one line naming what to install otherwise."""
     if name not in INPUT_SIZE:
-        raise ConfigError(f"model.backbone: {name!r} is not a backbone; allowed: tiny_cnn, "
-                          + ", ".join(NAMES))  # fmt: skip
+        raise ConfigError(
+            f"model.backbone: {name!r} is not a backbone; allowed: tiny_cnn, " + ", ".join(NAMES)
+        )
     lib = library()
     if lib in ("torchvision", "timm"):
         return lib
     if lib == "efficientnet_pytorch" and name.startswith("efficientnet_"):
         return lib
-    need = ("torchvision (built for your torch) or timm" if lib else
-            "torchvision (built for your torch), timm, or efficientnet_pytorch (pip install "
-            "hpc-ddp[crowdbt])")  # fmt: skip
-    raise ConfigError(f"model.backbone: {name!r} needs {need}; none that builds it imports "
-                      "here")  # fmt: skip
+    need = (
+        "torchvision (built for your torch) or timm"
+        if lib
+        else "torchvision (built for your torch), timm, or efficientnet_pytorch (pip install "
+        "hpc-ddp[crowdbt])"
+    )
+    raise ConfigError(f"model.backbone: {name!r} needs {need}; none that builds it imports here")
 
 
 class Backbone(nn.Module):
@@ -115,11 +134,16 @@ class Backbone(nn.Module):
     ``net``, so ``state_dict`` keys are the library's, prefixed ``net.``).
     """
 
-    def __init__(self, net: nn.Module, blocks: Sequence[nn.Module], dim: int,
-                 stem: Callable[[torch.Tensor], torch.Tensor],
-                 head: Callable[[torch.Tensor], torch.Tensor],
-                 block_call: Callable[[nn.Module, int, torch.Tensor], torch.Tensor] | None = None,
-                 native_ckpt: Callable[[bool], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        net: nn.Module,
+        blocks: Sequence[nn.Module],
+        dim: int,
+        stem: Callable[[torch.Tensor], torch.Tensor],
+        head: Callable[[torch.Tensor], torch.Tensor],
+        block_call: Callable[[nn.Module, int, torch.Tensor], torch.Tensor] | None = None,
+        native_ckpt: Callable[[bool], None] | None = None,
+    ) -> None:
         super().__init__()
         self.net = net
         self._blocks = list(blocks)  # plain list: the modules are registered under net
@@ -198,24 +222,30 @@ def _torchvision(name: str, size: int, pretrained: str) -> Backbone:
     if pretrained:
         weights = torchvision.models.get_model_weights(name).DEFAULT
         cached = Path(torch.hub.get_dir()) / "checkpoints" / weights.url.rsplit("/", 1)[1]
-        head_keys = ("heads.",) if name.startswith("vit_") else ("fc.",) if name.startswith(
-            "resnet") else ("classifier.",)  # fmt: skip
+        head_keys = (
+            ("heads.",)
+            if name.startswith("vit_")
+            else ("fc.",)
+            if name.startswith("resnet")
+            else ("classifier.",)
+        )
         _load(net, _weights_path(pretrained, cached, name), name, head=head_keys)
     # the classifier is dropped: unused here, and DDP refuses parameters with no gradient
     if name.startswith("efficientnet_"):
         dim = net.classifier[-1].in_features
         net.classifier = nn.Identity()
-        return Backbone(net, list(net.features), dim, lambda x: x,
-                        lambda x: net.avgpool(x).flatten(1))  # fmt: skip
+        return Backbone(
+            net, list(net.features), dim, lambda x: x, lambda x: net.avgpool(x).flatten(1)
+        )
     if name.startswith("resnet"):
+
         def stem(x: torch.Tensor) -> torch.Tensor:
             return net.maxpool(net.relu(net.bn1(net.conv1(x))))
 
         layers = [net.layer1, net.layer2, net.layer3, net.layer4]
         dim = net.fc.in_features
         net.fc = nn.Identity()
-        return Backbone(net, layers, dim, stem,
-                        lambda x: net.avgpool(x).flatten(1))  # fmt: skip
+        return Backbone(net, layers, dim, stem, lambda x: net.avgpool(x).flatten(1))
 
     def vit_stem(x: torch.Tensor) -> torch.Tensor:  # VisionTransformer.forward up to its layers
         x = net._process_input(x)
@@ -223,8 +253,9 @@ def _torchvision(name: str, size: int, pretrained: str) -> Backbone:
         return net.encoder.dropout(x + net.encoder.pos_embedding)
 
     net.heads = nn.Identity()
-    return Backbone(net, list(net.encoder.layers), net.hidden_dim, vit_stem,
-                    lambda x: net.encoder.ln(x)[:, 0])  # fmt: skip
+    return Backbone(
+        net, list(net.encoder.layers), net.hidden_dim, vit_stem, lambda x: net.encoder.ln(x)[:, 0]
+    )
 
 
 def _timm(name: str, size: int, pretrained: str) -> Backbone:
@@ -238,9 +269,11 @@ def _timm(name: str, size: int, pretrained: str) -> Backbone:
         try:
             net = timm.create_model(tname, pretrained=True, num_classes=0, **kwargs)
         except Exception as exc:
-            raise ConfigError(f"model.pretrained: timm's {tname} weights are not in the local "
-                              f"Hugging Face cache ({type(exc).__name__}); allowed: a weights "
-                              "file (--pretrained PATH) or fetch them first") from None  # fmt: skip
+            raise ConfigError(
+                f"model.pretrained: timm's {tname} weights are not in the local "
+                f"Hugging Face cache ({type(exc).__name__}); allowed: a weights "
+                "file (--pretrained PATH) or fetch them first"
+            ) from None
         finally:
             if old is None:
                 os.environ.pop("HF_HUB_OFFLINE", None)
@@ -249,11 +282,20 @@ def _timm(name: str, size: int, pretrained: str) -> Backbone:
     else:
         net = timm.create_model(tname, pretrained=False, num_classes=0, **kwargs)
         if pretrained:
-            _load(net, _weights_path(pretrained, None, name), name,
-                  head=("head.", "fc.", "classifier."))  # fmt: skip
-    return Backbone(net, [], net.num_features, net.forward_features,
-                    lambda x: net.forward_head(x, pre_logits=True),
-                    native_ckpt=lambda on: net.set_grad_checkpointing(on))  # fmt: skip
+            _load(
+                net,
+                _weights_path(pretrained, None, name),
+                name,
+                head=("head.", "fc.", "classifier."),
+            )
+    return Backbone(
+        net,
+        [],
+        net.num_features,
+        net.forward_features,
+        lambda x: net.forward_head(x, pre_logits=True),
+        native_ckpt=lambda on: net.set_grad_checkpointing(on),
+    )
 
 
 # ---- weights ------------------------------------------------------------------------------
@@ -261,8 +303,10 @@ def _weights_path(pretrained: str, cached: Path | None, name: str) -> Path:
     if pretrained != "cache":
         return Path(pretrained)
     if cached is None or not cached.is_file():
-        raise ConfigError(f"model.pretrained: no cached weights for {name} at {cached}; "
-                          "allowed: a weights file (--pretrained PATH); nothing is downloaded")
+        raise ConfigError(
+            f"model.pretrained: no cached weights for {name} at {cached}; "
+            "allowed: a weights file (--pretrained PATH); nothing is downloaded"
+        )
     return cached
 
 
@@ -277,23 +321,30 @@ def _load(net: nn.Module, path: Path, name: str, head: tuple[str, ...]) -> None:
     except NotRegular as exc:
         raise ConfigError(f"model.pretrained: {str(path)!r} {exc}") from None
     except Exception as exc:
-        raise ConfigError(f"model.pretrained: {str(path)!r} is not a weights file "
-                          f"({type(exc).__name__}); allowed: a state dict of tensors") from None
+        raise ConfigError(
+            f"model.pretrained: {str(path)!r} is not a weights file "
+            f"({type(exc).__name__}); allowed: a state dict of tensors"
+        ) from None
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConfigError(f"model.pretrained: {str(path)!r} holds no state dict of tensors")
     state = {re.sub(r"^module\.", "", k): v for k, v in state.items()}
     own = net.state_dict()
-    misfit = [k for k, v in state.items() if k in own and own[k].shape != v.shape
-              and not k.startswith(head)]  # fmt: skip
+    misfit = [
+        k
+        for k, v in state.items()
+        if k in own and own[k].shape != v.shape and not k.startswith(head)
+    ]
     state = {k: v for k, v in state.items() if not k.startswith(head)}
     missing = [k for k in own if k not in state and not k.startswith(head)]
     unexpected = [k for k in state if k not in own]
     if misfit or missing or unexpected:
         first = (misfit or missing or unexpected)[0]
-        raise ConfigError(f"model.pretrained: {str(path)!r} does not fit {name} "
-                          f"({len(misfit)} misshapen, {len(missing)} missing, {len(unexpected)} "
-                          f"unexpected keys, e.g. {first!r}); allowed: {name}'s own weights")
+        raise ConfigError(
+            f"model.pretrained: {str(path)!r} does not fit {name} "
+            f"({len(misfit)} misshapen, {len(missing)} missing, {len(unexpected)} "
+            f"unexpected keys, e.g. {first!r}); allowed: {name}'s own weights"
+        )
     net.load_state_dict(state, strict=False)
     log.info("crowdbt: %s weights from %s", name, path)

@@ -64,20 +64,40 @@ ETA_GAIN = 20.0
 
 DEFAULTS: dict[str, Any] = {
     "training": {"batch_size": 16, "epochs": 20, "seed": 0},
-    "optim": {"name": "adamw", "lr": 1e-4, "weight_decay": 0.0, "warmup_steps": 0,
-              "schedule": "cosine", "grad_clip": 5.0},  # fmt: skip
+    "optim": {
+        "name": "adamw",
+        "lr": 1e-4,
+        "weight_decay": 0.0,
+        "warmup_steps": 0,
+        "schedule": "cosine",
+        "grad_clip": 5.0,
+    },
     "checkpoint": {"dir": "checkpoints/crowdbt"},
     "logging": {"every_n_steps": 20},
     "data": {"pin_memory": True},  # the seed's loaders pin; build() turns it off without CUDA
-    "model": {"backbone": "tiny_cnn", "input_size": 0, "channels": 16, "eta_init": 0.8,
-              "pretrained": ""},  # fmt: skip
+    "model": {
+        "backbone": "tiny_cnn",
+        "input_size": 0,
+        "channels": 16,
+        "eta_init": 0.8,
+        "pretrained": "",
+    },
     "recipe": {
-        "data_source": "auto", "data_dir": "", "eval_fraction": 0.1, "max_cache_mb": 16384.0,
-        "n_images": 512, "n_eval_images": 128, "n_pairs": 4096, "n_eval_pairs": 1024,
+        "data_source": "auto",
+        "data_dir": "",
+        "eval_fraction": 0.1,
+        "max_cache_mb": 16384.0,
+        "n_images": 512,
+        "n_eval_images": 128,
+        "n_pairs": 4096,
+        "n_eval_pairs": 1024,
         "annotators": [0.9, 0.9, 0.85, 0.8, 0.5, 0.1],
-        "bt_scale": 8.0, "data_seed": 1,
-        "distributed": False, "world_size": 0, "local_rank": -1,
-    },  # fmt: skip
+        "bt_scale": 8.0,
+        "data_seed": 1,
+        "distributed": False,
+        "world_size": 0,
+        "local_rank": -1,
+    },
 }
 
 FLAGS = [
@@ -86,14 +106,27 @@ FLAGS = [
     Flag("--lr", "optim.lr", float, "learning rate (scaled by scaling.rule)"),
     Flag("--weight-decay", "optim.weight_decay", float, "AdamW weight decay"),
     Flag("--num-workers", "data.num_workers", int, "DataLoader workers per rank"),
-    Flag("--backbone", "model.backbone", str,
-         "efficientnet_b0..b7, resnet18..152, vit_b_16/b_32/l_16/l_32, or tiny_cnn"),
+    Flag(
+        "--backbone",
+        "model.backbone",
+        str,
+        "efficientnet_b0..b7, resnet18..152, vit_b_16/b_32/l_16/l_32, or tiny_cnn",
+    ),
     Flag("--input-size", "model.input_size", int, "image side in pixels (0: the backbone's own)"),
-    Flag("--data-source", "recipe.data_source", str,
-         "auto (s3:// or a folder; generated without --data-dir), local, s3, synthetic"),
+    Flag(
+        "--data-source",
+        "recipe.data_source",
+        str,
+        "auto (s3:// or a folder; generated without --data-dir), local, s3, synthetic",
+    ),
     Flag("--data-dir", "recipe.data_dir", str, "folder or s3://bucket/prefix: images + judgements"),
-    Flag("--pretrained", "model.pretrained", str,
-         "the library's cached weights; --pretrained PATH: that file", const="cache"),
+    Flag(
+        "--pretrained",
+        "model.pretrained",
+        str,
+        "the library's cached weights; --pretrained PATH: that file",
+        const="cache",
+    ),
     Flag("--distributed", "recipe.distributed", bool, "accepted; the launcher decides"),
     Flag("--world-size", "recipe.world_size", int, "checked against the launched ranks"),
     Flag("--local_rank", "recipe.local_rank", int, "set by torch.distributed.launch; unused"),
@@ -143,24 +176,38 @@ def make_pairs(
 class PairDataset(Dataset):
     """Judgements indexing into one image tensor (images are not copied per pair)."""
 
-    def __init__(self, images: torch.Tensor, i: torch.Tensor, j: torch.Tensor,
-                 k: torch.Tensor, y: torch.Tensor) -> None:  # fmt: skip
+    def __init__(
+        self,
+        images: torch.Tensor,
+        i: torch.Tensor,
+        j: torch.Tensor,
+        k: torch.Tensor,
+        y: torch.Tensor,
+    ) -> None:
         self.images, self.i, self.j, self.k, self.y = images, i, j, k, y
 
     def __len__(self) -> int:
         return self.i.shape[0]
 
     def __getitem__(self, n: int) -> dict[str, torch.Tensor]:
-        return {"a": self.images[self.i[n]], "b": self.images[self.j[n]],
-                "annotator": self.k[n], "label": self.y[n]}  # fmt: skip
+        return {
+            "a": self.images[self.i[n]],
+            "b": self.images[self.j[n]],
+            "annotator": self.k[n],
+            "label": self.y[n],
+        }
 
 
 # ---- model -------------------------------------------------------------------------------
 def tiny_cnn(channels: int) -> backbones.Backbone:
     """Two conv blocks for the generated quick-start data (no library needed)."""
     c = channels
-    blocks = nn.ModuleList([nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.GELU()),
-                            nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.GELU())])  # fmt: skip
+    blocks = nn.ModuleList(
+        [
+            nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.GELU()),
+            nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.GELU()),
+        ]
+    )
     head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, c), nn.GELU())
     net = nn.ModuleDict({"blocks": blocks, "head": head})
     return backbones.Backbone(net, list(blocks), c, lambda x: x, head)
@@ -169,8 +216,7 @@ def tiny_cnn(channels: int) -> backbones.Backbone:
 class CrowdBT(nn.Module):
     """A backbone and a linear score head, plus one reliability logit per annotator."""
 
-    def __init__(self, n_annotators: int, backbone: nn.Module, dim: int,
-                 eta_init: float) -> None:  # fmt: skip
+    def __init__(self, n_annotators: int, backbone: nn.Module, dim: int, eta_init: float) -> None:
         super().__init__()
         self.backbone = backbone
         self.head = nn.Linear(dim, 1)
@@ -296,8 +342,10 @@ def make_model(config: TrainConfig, n_annotators: int | None = None) -> CrowdBT:
     def make() -> CrowdBT:
         if m["backbone"] == "tiny_cnn":
             if m["pretrained"]:
-                raise ConfigError("model.pretrained: tiny_cnn has no pretrained weights; "
-                                  "allowed: a library backbone (--backbone efficientnet_b3)")
+                raise ConfigError(
+                    "model.pretrained: tiny_cnn has no pretrained weights; "
+                    "allowed: a library backbone (--backbone efficientnet_b3)"
+                )
             net = tiny_cnn(m["channels"])
         else:
             net = backbones.build(m["backbone"], image_size(config), m["pretrained"])
@@ -312,13 +360,16 @@ def data_kind(config: TrainConfig) -> str:
     src, d = r["data_source"], r["data_dir"]
     allowed = ("auto", "synthetic", "local", "s3")
     if src not in allowed:
-        raise ConfigError(f"recipe.data_source: {src!r} is not allowed; allowed: "
-                          + ", ".join(allowed))  # fmt: skip
+        raise ConfigError(
+            f"recipe.data_source: {src!r} is not allowed; allowed: " + ", ".join(allowed)
+        )
     if src == "synthetic" or (src == "auto" and not d):
         return "synthetic"
     if not d:
-        raise ConfigError(f"recipe.data_dir: --data-source {src} needs --data-dir "
-                          "(a folder or s3://bucket/prefix)")  # fmt: skip
+        raise ConfigError(
+            f"recipe.data_dir: --data-source {src} needs --data-dir "
+            "(a folder or s3://bucket/prefix)"
+        )
     return "s3" if src == "s3" or (src == "auto" and d.startswith("s3://")) else "local"
 
 
@@ -331,21 +382,28 @@ def build(config: TrainConfig) -> Built:
     if not 0.5 < m["eta_init"] < 1:
         raise ConfigError(f"model.eta_init: {m['eta_init']!r}; expected (0.5, 1)")
     if m["input_size"] and not 4 <= m["input_size"] <= 4096:
-        raise ConfigError(f"model.input_size: {m['input_size']!r}; expected 0 (the backbone's "
-                          "own) or an integer in [4, 4096]")  # fmt: skip
+        raise ConfigError(
+            f"model.input_size: {m['input_size']!r}; expected 0 (the backbone's "
+            "own) or an integer in [4, 4096]"
+        )
     world = ddp.get_world_size()
     if r["world_size"] and r["world_size"] != world:
-        raise ConfigError(f"recipe.world_size: --world-size {r['world_size']} but the launcher "
-                          f"started {world} rank(s); allowed: {world} or leave it out")  # fmt: skip
+        raise ConfigError(
+            f"recipe.world_size: --world-size {r['world_size']} but the launcher "
+            f"started {world} rank(s); allowed: {world} or leave it out"
+        )
     if r["distributed"] and world == 1:
-        log.info("crowdbt: --distributed given but one process runs; start ranks with "
-                 "torchrun/srun/mpiexec (hpc run) to train on several devices")  # fmt: skip
+        log.info(
+            "crowdbt: --distributed given but one process runs; start ranks with "
+            "torchrun/srun/mpiexec (hpc run) to train on several devices"
+        )
     if config.data.pin_memory and not torch.cuda.is_available():
         config.data.pin_memory = False  # pinned host memory only speeds up copies to CUDA
     if data_kind(config) == "synthetic":
         if r["data_dir"]:
-            raise ConfigError("recipe.data_dir: given with --data-source synthetic; allowed: "
-                              "one of them")  # fmt: skip
+            raise ConfigError(
+                "recipe.data_dir: given with --data-source synthetic; allowed: one of them"
+            )
         train, evals, _, _ = datasets(config)
         return Built(make_model(config), train, evals, None, eval_fn)
     utrain, uevals, n_annotators = user_datasets(config)

@@ -79,15 +79,23 @@ from ddp.recipes._distill_model import (  # noqa: F401
 log = logging.getLogger("ddp")
 
 NAME = "distill"
-DESCRIPTION = "embedding distillation: SentenceTransformer teacher -> student, 2 phases, proj or MRL"
+DESCRIPTION = (
+    "embedding distillation: SentenceTransformer teacher -> student, 2 phases, proj or MRL"
+)
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 DEFAULTS: dict[str, Any] = {
     "training": {"batch_size": 64, "epochs": 1, "seed": 0},
     # weight_decay 0.01 and grad_clip 1.0: sentence-transformers' own fit() defaults.
-    "optim": {"name": "adamw", "lr": 2e-5, "weight_decay": 0.01, "schedule": "linear",
-              "warmup_steps": 0, "grad_clip": 1.0},  # fmt: skip
+    "optim": {
+        "name": "adamw",
+        "lr": 2e-5,
+        "weight_decay": 0.01,
+        "schedule": "linear",
+        "warmup_steps": 0,
+        "grad_clip": 1.0,
+    },
     "phases": [
         {"name": "phase1", "epochs": 1, "lr": 2e-5, "max_samples": 100000},
         {"name": "phase2", "epochs": 3, "lr": 5e-6, "max_samples": 500000},
@@ -101,11 +109,18 @@ DEFAULTS: dict[str, Any] = {
     "recipe": {
         "teacher_model": "infly/inf-retriever-v1-pro",
         "student_model": "sentence-transformers/all-mpnet-base-v2",
-        "train_data": None, "val_data": None, "text_field": "text",
-        "teacher_dtype": "float32", "teacher_batch_size": 64, "teacher_cache": True,
-        "trust_remote_code": False, "n_anchors": 64, "recall_at": [1, 5, 10],
-        "save_to_artifacts": False, "artifacts_dir": "./artifacts",
-    },  # fmt: skip
+        "train_data": None,
+        "val_data": None,
+        "text_field": "text",
+        "teacher_dtype": "float32",
+        "teacher_batch_size": 64,
+        "teacher_cache": True,
+        "trust_remote_code": False,
+        "n_anchors": 64,
+        "recall_at": [1, 5, 10],
+        "save_to_artifacts": False,
+        "artifacts_dir": "./artifacts",
+    },
 }
 
 FLAGS = [
@@ -121,10 +136,21 @@ FLAGS = [
     Flag("--max_samples_phase2", "phases.1.max_samples", int, "max training samples in phase 2"),
     Flag("--skip_phase1", "phases.0.skip", bool, "skip phase 1 (true/false)"),
     Flag("--skip_phase2", "phases.1.skip", bool, "skip phase 2 (true/false)"),
-    Flag("--save_to_artifacts", "recipe.save_to_artifacts", bool, "export for inference at the end"),
-    Flag("--artifacts_dir", "recipe.artifacts_dir", str,
-         "where --save_to_artifacts writes (relative: inside the run directory)"),  # fmt: skip
-    Flag("--train_data", "recipe.train_data", str, "corpus: .txt lines, .jsonl, .parquet, dataset dir"),
+    Flag(
+        "--save_to_artifacts", "recipe.save_to_artifacts", bool, "export for inference at the end"
+    ),
+    Flag(
+        "--artifacts_dir",
+        "recipe.artifacts_dir",
+        str,
+        "where --save_to_artifacts writes (relative: inside the run directory)",
+    ),
+    Flag(
+        "--train_data",
+        "recipe.train_data",
+        str,
+        "corpus: .txt lines, .jsonl, .parquet, dataset dir",
+    ),
     Flag("--val_data", "recipe.val_data", str, "held-out texts, or query/positive pairs"),
     Flag("--text_field", "recipe.text_field", str, "the text field of .jsonl/.parquet records"),
     Flag("--teacher_dtype", "recipe.teacher_dtype", str, "teacher weights: " + ", ".join(DTYPES)),
@@ -139,8 +165,9 @@ FLAGS = [
 class TextSet(Dataset):
     """Texts with their teacher embeddings (None: the teacher runs on each batch)."""
 
-    def __init__(self, texts: list[str], teacher: torch.Tensor | None,
-                 positives: list[str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, texts: list[str], teacher: torch.Tensor | None, positives: list[str] | None = None
+    ) -> None:
         self.texts, self.teacher, self.positives = texts, teacher, positives
 
     def __len__(self) -> int:
@@ -158,8 +185,10 @@ def make_collate(student: Any, teacher: Any | None) -> Callable[[list[dict[str, 
 
     def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
         texts = [it["text"] for it in items]
-        batch: dict[str, Any] = {"features": tokenize(student, texts),
-                                 "index": torch.tensor([it["index"] for it in items])}  # fmt: skip
+        batch: dict[str, Any] = {
+            "features": tokenize(student, texts),
+            "index": torch.tensor([it["index"] for it in items]),
+        }
         if "teacher" in items[0]:
             batch["teacher"] = torch.stack([it["teacher"] for it in items])
         elif teacher is not None:
@@ -200,8 +229,9 @@ class _PerWeights:
             parts = []
             for i in range(0, len(self.texts), self.batch_size):
                 feats = tokenize(model.st, self.texts[i : i + self.batch_size])
-                feats = {k: v.to(device) if isinstance(v, torch.Tensor) else v
-                         for k, v in feats.items()}  # fmt: skip
+                feats = {
+                    k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in feats.items()
+                }
                 parts.append(model.embed(feats).float())
             self.key, self.value = key, torch.cat(parts)
         return self.value
@@ -246,11 +276,14 @@ def _check(config: TrainConfig) -> None:
     r, m = config.recipe, config.model
     _require()
     if not r["train_data"]:
-        raise ConfigError("recipe.train_data: not set; allowed: --train_data PATH (a text file "
-                          "with one text per line, .jsonl, .parquet or a dataset folder)")  # fmt: skip
+        raise ConfigError(
+            "recipe.train_data: not set; allowed: --train_data PATH (a text file "
+            "with one text per line, .jsonl, .parquet or a dataset folder)"
+        )
     if r["teacher_dtype"] not in DTYPES:
-        raise ConfigError(f"recipe.teacher_dtype: {r['teacher_dtype']!r}; allowed: "
-                          + ", ".join(DTYPES))  # fmt: skip
+        raise ConfigError(
+            f"recipe.teacher_dtype: {r['teacher_dtype']!r}; allowed: " + ", ".join(DTYPES)
+        )
     ml = m["max_seq_length"]
     if ml is not None and (not isinstance(ml, int) or isinstance(ml, bool) or ml < 1):
         raise ConfigError(f"model.max_seq_length: {ml!r}; allowed: an integer >= 1 or null")
@@ -269,8 +302,14 @@ def rows_needed(config: TrainConfig, n: int) -> int:
             continue
         cap = phase.max_samples
         if cap is not None and cap > n:
-            log.info("%s: max_samples %d is above the corpus size %d; the phase reads all "
-                     "%d texts each epoch", phase.name or f"phase{i + 1}", cap, n, n)  # fmt: skip
+            log.info(
+                "%s: max_samples %d is above the corpus size %d; the phase reads all "
+                "%d texts each epoch",
+                phase.name or f"phase{i + 1}",
+                cap,
+                n,
+                n,
+            )
         need = max(need, n if cap is None else min(cap, n))
     return need or n
 
@@ -288,8 +327,11 @@ def build(config: TrainConfig) -> Built:
     ctx = ddp.get_context()
     device = ctx.device if ctx is not None else torch.device("cpu")
     train = read_corpus(r["train_data"], r["text_field"], "--train_data")
-    val = read_corpus(r["val_data"], r["text_field"], "--val_data", pairs_allowed=True) \
-        if r["val_data"] else None  # fmt: skip
+    val = (
+        read_corpus(r["val_data"], r["text_field"], "--val_data", pairs_allowed=True)
+        if r["val_data"]
+        else None
+    )
     rows = rows_needed(config, len(train.texts))
     train.texts = train.texts[:rows]  # the Trainer reads the first max_samples of the data
 
@@ -301,18 +343,28 @@ def build(config: TrainConfig) -> Built:
             t0 = time.perf_counter()
             teacher = load_st(r["teacher_model"], config, r["teacher_dtype"]).to(device)
             teacher.eval().requires_grad_(False)
-            log.info("teacher %r loaded in %.2f s (%s)", r["teacher_model"],
-                     time.perf_counter() - t0, r["teacher_dtype"])  # fmt: skip
+            log.info(
+                "teacher %r loaded in %.2f s (%s)",
+                r["teacher_model"],
+                time.perf_counter() - t0,
+                r["teacher_dtype"],
+            )
         return teacher
 
     def encode(texts: list[str]) -> torch.Tensor:
-        return get_teacher().encode(texts, batch_size=r["teacher_batch_size"],
-                                    convert_to_tensor=True, show_progress_bar=False)  # fmt: skip
+        return get_teacher().encode(
+            texts,
+            batch_size=r["teacher_batch_size"],
+            convert_to_tensor=True,
+            show_progress_bar=False,
+        )
 
     cache_dir = run_dir(config)
     cache_dir = cache_dir / "teacher_cache" if cache_dir is not None else None
-    key = lambda c: cache_key(r["teacher_model"], r["teacher_dtype"],  # noqa: E731
-                              config.model["max_seq_length"], c)  # fmt: skip
+
+    def key(c: Any) -> dict[str, Any]:
+        return cache_key(r["teacher_model"], r["teacher_dtype"], config.model["max_seq_length"], c)
+
     t_train = None
     if r["teacher_cache"]:
         t_train = teacher_embeddings(cache_dir, "train", key(train), train.texts, encode)
@@ -326,16 +378,24 @@ def build(config: TrainConfig) -> Built:
     if teacher is not None and r["teacher_cache"]:
         teacher = None  # cached: free the teacher's memory before training
     model = make_student(config, teacher_dim)
-    log.info("distill: teacher %r (width %d) -> student %r, %s, %d training texts%s",
-             r["teacher_model"], teacher_dim, r["student_model"],
-             "projection" if model.use_projection else f"MRL {model.mrl_dims}",
-             len(train.texts), f", {len(val.texts)} held-out" if val else "")  # fmt: skip
+    log.info(
+        "distill: teacher %r (width %d) -> student %r, %s, %d training texts%s",
+        r["teacher_model"],
+        teacher_dim,
+        r["student_model"],
+        "projection" if model.use_projection else f"MRL {model.mrl_dims}",
+        len(train.texts),
+        f", {len(val.texts)} held-out" if val else "",
+    )
     train_set = TextSet(train.texts, t_train)
     val_set = TextSet(val.texts, t_val, val.positives) if val is not None else None
     collate = make_collate(model.st, None if r["teacher_cache"] else get_teacher())
     step = None if r["teacher_cache"] else online_step(get_teacher())
-    eval_fn = make_eval_fn(val_set, r["n_anchors"], list(r["recall_at"]),
-                           config.training.batch_size) if val_set is not None else None  # fmt: skip
+    eval_fn = (
+        make_eval_fn(val_set, r["n_anchors"], list(r["recall_at"]), config.training.batch_size)
+        if val_set is not None
+        else None
+    )
     return Built(model, train_set, val_set, step, eval_fn, collate, after_fit=_after_fit(config))
 
 
@@ -380,7 +440,12 @@ def _after_fit(config: TrainConfig) -> Callable[[Any, dict[str, Any]], None]:
                 save_st(st, dest)
             except OSError as exc:
                 raise ConfigError(f"export to {dest}: {exc.strerror or exc}") from None
-            log.info("saved SentenceTransformer to %s (embedding width %d; load with "
-                     "SentenceTransformer(%r))", dest, _width(st), str(dest))  # fmt: skip
+            log.info(
+                "saved SentenceTransformer to %s (embedding width %d; load with "
+                "SentenceTransformer(%r))",
+                dest,
+                _width(st),
+                str(dest),
+            )
 
     return export

@@ -74,8 +74,13 @@ DEFAULTS: dict[str, Any] = {
     # scaling example). Epochs: 3, not the guide's quick-start 10, which it passes
     # explicitly (--num_epochs 10 works the same here).
     "training": {"batch_size": 1, "epochs": 3, "seed": 0},
-    "optim": {"name": "adamw", "lr": 3e-7, "warmup_steps": 0, "schedule": "constant",
-              "grad_clip": 1.0},  # fmt: skip
+    "optim": {
+        "name": "adamw",
+        "lr": 3e-7,
+        "warmup_steps": 0,
+        "schedule": "constant",
+        "grad_clip": 1.0,
+    },
     "checkpoint": {"dir": "outputs/dpo_ddp"},
     "logging": {"every_n_steps": 10},
     "model": {
@@ -83,10 +88,14 @@ DEFAULTS: dict[str, Any] = {
         "trust_remote_code": False,  # never run a model repository's code unless asked
         "max_len": 512,  # prompt + response tokens per sequence (longer: the end is cut)
         # The tiny demo GPT-2 (only when neither name_or_path nor init_from is given):
-        "d_model": 64, "n_layers": 2, "n_heads": 4,
+        "d_model": 64,
+        "n_layers": 2,
+        "n_heads": 4,
     },
     "recipe": {
-        "train_data": "", "val_data": "", "val_fraction": 0.1,
+        "train_data": "",
+        "val_data": "",
+        "val_fraction": 0.1,
         "beta": 0.1,
         "loss_type": "sigmoid",  # sigmoid | conservative | robust | ipo (TRL's definitions)
         "label_smoothing": 0.0,  # epsilon of conservative / robust
@@ -96,8 +105,12 @@ DEFAULTS: dict[str, Any] = {
 }
 
 FLAGS = [
-    Flag("--model_name_or_path", "model.name_or_path", str,
-         "policy and reference: a hub id or folder of any AutoModelForCausalLM"),  # fmt: skip
+    Flag(
+        "--model_name_or_path",
+        "model.name_or_path",
+        str,
+        "policy and reference: a hub id or folder of any AutoModelForCausalLM",
+    ),
     Flag("--train_data", "recipe.train_data", str, "JSON pairs (default: the shipped ones)"),
     Flag("--val_data", "recipe.val_data", str, "JSON validation pairs (default: split off)"),
     Flag("--batch_size", "training.batch_size", int, "pairs per rank per step"),
@@ -105,11 +118,19 @@ FLAGS = [
     Flag("--learning_rate", "optim.lr", float, "learning rate"),
     Flag("--beta", "recipe.beta", float, "DPO temperature"),
     Flag("--loss_type", "recipe.loss_type", str, "sigmoid, conservative, robust or ipo"),
-    Flag("--label_smoothing", "recipe.label_smoothing", float,
-         "label-flip probability for the conservative and robust losses"),  # fmt: skip
+    Flag(
+        "--label_smoothing",
+        "recipe.label_smoothing",
+        float,
+        "label-flip probability for the conservative and robust losses",
+    ),
     Flag("--max_length", "model.max_len", int, "max prompt + response tokens"),
-    Flag("--trust_remote_code", "model.trust_remote_code", bool,
-         "allow a model repository's own code to run (off by default)"),  # fmt: skip
+    Flag(
+        "--trust_remote_code",
+        "model.trust_remote_code",
+        bool,
+        "allow a model repository's own code to run (off by default)",
+    ),
 ]
 
 LOSS_TYPES = ("sigmoid", "conservative", "robust", "ipo")
@@ -124,7 +145,9 @@ def _transformers() -> Any:
 
 
 # ---- loss -----------------------------------------------------------------------------------
-def sequence_logps(lm: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_logps(
+    lm: nn.Module, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed log p of the completion tokens, completion token count) per row."""
     out = lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
     logits = out.logits[:, :-1].float()
@@ -134,8 +157,14 @@ def sequence_logps(lm: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch
     return (lp * mask).sum(-1), mask.sum(-1)
 
 
-def dpo_loss(pi: torch.Tensor, ref: torch.Tensor, n_tokens: torch.Tensor, beta: float,
-             loss_type: str = "sigmoid", label_smoothing: float = 0.0) -> dict[str, torch.Tensor]:  # fmt: skip
+def dpo_loss(
+    pi: torch.Tensor,
+    ref: torch.Tensor,
+    n_tokens: torch.Tensor,
+    beta: float,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+) -> dict[str, torch.Tensor]:
     """The loss and reward metrics from (B, 2) policy and reference log-probs
     (column 0 chosen, 1 rejected) and (B, 2) completion token counts."""
     f = nn.functional
@@ -147,8 +176,9 @@ def dpo_loss(pi: torch.Tensor, ref: torch.Tensor, n_tokens: torch.Tensor, beta: 
     elif loss_type == "conservative":
         per = -(1 - eps) * f.logsigmoid(beta * delta) - eps * f.logsigmoid(-beta * delta)
     elif loss_type == "robust":
-        per = (-(1 - eps) * f.logsigmoid(beta * delta)
-               + eps * f.logsigmoid(-beta * delta)) / (1 - 2 * eps)  # fmt: skip
+        per = (-(1 - eps) * f.logsigmoid(beta * delta) + eps * f.logsigmoid(-beta * delta)) / (
+            1 - 2 * eps
+        )
     elif loss_type == "ipo":
         avg = ratios / n_tokens.clamp(min=1)
         per = (avg[:, 0] - avg[:, 1] - 1 / (2 * beta)) ** 2
@@ -212,8 +242,13 @@ def demo_tokenizer() -> PreTrainedTokenizerBase:
     specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
     vocab = {t: i for i, t in enumerate([*specials, *AMINO_ACIDS])}
     tok = Tokenizer(BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    return tf.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
-                                      bos_token="<bos>", eos_token="<eos>", unk_token="<unk>")  # fmt: skip
+    return tf.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+    )
 
 
 def load_policy(config: TrainConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, bool]:
@@ -241,14 +276,22 @@ def load_policy(config: TrainConfig) -> tuple[PreTrainedModel, PreTrainedTokeniz
             )
         except (OSError, ValueError, KeyError) as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-            raise ConfigError(f"{key}: {source!r} gives no causal LM and tokenizer ({first}); "
-                              "allowed: a hub id or folder of an AutoModelForCausalLM "
-                              "(trust_remote_code: off unless model.trust_remote_code)") from None
+            raise ConfigError(
+                f"{key}: {source!r} gives no causal LM and tokenizer ({first}); "
+                "allowed: a hub id or folder of an AutoModelForCausalLM "
+                "(trust_remote_code: off unless model.trust_remote_code)"
+            ) from None
     else:
         tok = demo_tokenizer()
-        cfg = tf.GPT2Config(vocab_size=len(tok), n_positions=m["max_len"], n_embd=m["d_model"],
-                            n_layer=m["n_layers"], n_head=m["n_heads"],
-                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)  # fmt: skip
+        cfg = tf.GPT2Config(
+            vocab_size=len(tok),
+            n_positions=m["max_len"],
+            n_embd=m["d_model"],
+            n_layer=m["n_layers"],
+            n_head=m["n_heads"],
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
         policy = seeded_model(config.training.seed, lambda: tf.GPT2LMHeadModel(cfg))
     loaded_here = bool(init) and source == init
     if init and not loaded_here:  # a .pt export or step checkpoint onto this architecture
@@ -256,8 +299,10 @@ def load_policy(config: TrainConfig) -> tuple[PreTrainedModel, PreTrainedTokeniz
         loaded_here = True
     if tok.pad_token_id is None:
         if tok.eos_token is None:
-            raise ConfigError(f"model.name_or_path: {source!r}'s tokenizer has neither a pad "
-                              "nor an EOS token; allowed: a tokenizer with either")  # fmt: skip
+            raise ConfigError(
+                f"model.name_or_path: {source!r}'s tokenizer has neither a pad "
+                "nor an EOS token; allowed: a tokenizer with either"
+            )
         tok.pad_token = tok.eos_token
     return policy, tok, loaded_here
 
@@ -266,8 +311,10 @@ def _has_tokenizer(source: str) -> bool:
     p = Path(source)
     if not p.is_dir():
         return True  # a hub id: its tokenizer lives beside the model
-    return any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
-                                           "vocab.json", "tokenizer.model"))  # fmt: skip
+    return any(
+        (p / f).is_file()
+        for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    )
 
 
 def _disable_dropout(model: nn.Module) -> None:
@@ -318,8 +365,13 @@ def _ref_key(reference: nn.Module, datasets: tuple[PairDataset | None, ...]) -> 
     return h.hexdigest()
 
 
-def stored_ref_logps(reference: Reference, datasets: tuple[PairDataset | None, ...],
-                     collate: Any, batch: int, directory: str | None) -> None:  # fmt: skip
+def stored_ref_logps(
+    reference: Reference,
+    datasets: tuple[PairDataset | None, ...],
+    collate: Any,
+    batch: int,
+    directory: str | None,
+) -> None:
     """Reference log-probs for every dataset, read from ``<checkpoint.dir>/ref_logps.pt``
     when it was written for this reference and these token rows (a resumed or repeated
     run), else computed (:func:`precompute`) and written there by rank 0, atomically."""
@@ -335,10 +387,17 @@ def stored_ref_logps(reference: Reference, datasets: tuple[PairDataset | None, .
             saved = torch.load(io.BytesIO(ckpt.read_regular(path, None)), weights_only=True)
             tensors = [saved[f"ref{i}"] for i in range(len(datasets))]
             ok = saved.get("key") == key and all(
-                (t is None) == (ds is None) and (ds is None or (
-                    isinstance(t, torch.Tensor) and t.shape == (len(ds), 2)
-                    and bool(torch.isfinite(t).all())))
-                for t, ds in zip(tensors, datasets, strict=True))  # fmt: skip
+                (t is None) == (ds is None)
+                and (
+                    ds is None
+                    or (
+                        isinstance(t, torch.Tensor)
+                        and t.shape == (len(ds), 2)
+                        and bool(torch.isfinite(t).all())
+                    )
+                )
+                for t, ds in zip(tensors, datasets, strict=True)
+            )
         except Exception:  # damaged, foreign or crafted: computed afresh
             ok = False
         if ok:
@@ -390,10 +449,16 @@ def build(config: TrainConfig) -> Built:
     policy, tok, init_done = load_policy(config)
     hf_config = copy.deepcopy(policy.config)
     max_len = m["max_len"]
-    limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
+    limit = getattr(hf_config, "max_position_embeddings", None) or getattr(
+        hf_config, "n_positions", None
+    )
     if isinstance(limit, int) and 1 < limit < max_len:
-        log.warning("model.max_len %d: the model has %d positions; sequences are cut at %d",
-                    max_len, limit, limit)  # fmt: skip
+        log.warning(
+            "model.max_len %d: the model has %d positions; sequences are cut at %d",
+            max_len,
+            limit,
+            limit,
+        )
         max_len = limit
     if r["disable_dropout"]:
         _disable_dropout(policy)
@@ -403,15 +468,23 @@ def build(config: TrainConfig) -> Built:
     val_ds = PairDataset(val, tok, max_len, "recipe.val_data") if val else None
     collate = make_collate(int(tok.pad_token_id))
     if r["precompute_ref_logps"]:
-        stored_ref_logps(reference, (train_ds, val_ds), collate,
-                         max(1, config.training.batch_size), config.checkpoint.dir)  # fmt: skip
+        stored_ref_logps(
+            reference,
+            (train_ds, val_ds),
+            collate,
+            max(1, config.training.batch_size),
+            config.checkpoint.dir,
+        )
         reference.model = None  # freed: the stored log-probs stand for it
     ctx = ddp.get_context()
     world = ctx.world_size if ctx is not None else 1
     if _main():
         print(f"Loaded {len(train_ds)} training and {len(val_ds or [])} validation pairs")
-        print(f"Batch size per GPU: {config.training.batch_size}, "
-              f"Total batch size: {config.training.batch_size * world}", flush=True)  # fmt: skip
+        print(
+            f"Batch size per GPU: {config.training.batch_size}, "
+            f"Total batch size: {config.training.batch_size * world}",
+            flush=True,
+        )
     step = make_step(reference, beta, r["loss_type"], eps)
 
     def epoch_end(epoch: int, epochs: int, train_loss: float, ev: dict[str, float]) -> None:

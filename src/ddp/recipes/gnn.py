@@ -70,14 +70,29 @@ DEFAULTS: dict[str, Any] = {
     # drop_last: seed 002's DistributedSampler(drop_last=True): every rank trains on
     # distinct graphs (no padded repeats); at most world-1 graphs an epoch go unseen.
     "training": {"batch_size": 32, "epochs": 10, "seed": 0, "drop_last": True},
-    "optim": {"name": "adamw", "lr": 3e-3, "weight_decay": 1e-4, "schedule": "cosine",
-              "grad_clip": 1.0},  # fmt: skip
+    "optim": {
+        "name": "adamw",
+        "lr": 3e-3,
+        "weight_decay": 1e-4,
+        "schedule": "cosine",
+        "grad_clip": 1.0,
+    },
     "checkpoint": {"dir": "checkpoints/gnn"},
     "logging": {"every_n_steps": 20},
     "model": {"hidden": 32, "layers": 3, "dropout": 0.0},
-    "recipe": {"n_train": 768, "n_eval": 256, "min_nodes": 16, "max_nodes": 32,
-               "mean_degree": 4, "data_seed": 1, "run_name": "",
-               "data": "", "eval_data": "", "pyg_dataset": "", "eval_fraction": 0.2},  # fmt: skip
+    "recipe": {
+        "n_train": 768,
+        "n_eval": 256,
+        "min_nodes": 16,
+        "max_nodes": 32,
+        "mean_degree": 4,
+        "data_seed": 1,
+        "run_name": "",
+        "data": "",
+        "eval_data": "",
+        "pyg_dataset": "",
+        "eval_fraction": 0.2,
+    },
 }
 
 FLAGS = [
@@ -90,8 +105,12 @@ FLAGS = [
     Flag("--run-name", "recipe.run_name", str, "W&B run name (logging.wandb.name wins)"),
     Flag("--data", "recipe.data", str, "your graphs: a .pt file, or a PyG dataset's root"),
     Flag("--eval-data", "recipe.eval_data", str, "held-out graphs (else eval_fraction)"),
-    Flag("--pyg-dataset", "recipe.pyg_dataset", str,
-         "a torch_geometric.datasets class on --data, e.g. TUDataset:MUTAG"),
+    Flag(
+        "--pyg-dataset",
+        "recipe.pyg_dataset",
+        str,
+        "a torch_geometric.datasets class on --data, e.g. TUDataset:MUTAG",
+    ),
 ]
 
 
@@ -145,8 +164,10 @@ class GraphDataset(Dataset):
         self.labels = torch.arange(n) % N_CLASSES  # balanced: majority baseline = 1/3
         self.labels = self.labels[torch.randperm(n, generator=g)]
         self.sizes = torch.randint(min_nodes, max_nodes + 1, (n,), generator=g)
-        self.edges = [make_graph(int(c), int(s), degree, g)
-                      for c, s in zip(self.labels, self.sizes, strict=True)]  # fmt: skip
+        self.edges = [
+            make_graph(int(c), int(s), degree, g)
+            for c, s in zip(self.labels, self.sizes, strict=True)
+        ]
 
     def __len__(self) -> int:
         return len(self.edges)
@@ -164,12 +185,18 @@ class GINLayer(nn.Module):
 
     def __init__(self, dim: int, dropout: float, edge_dim: int = 0) -> None:
         super().__init__()
-        self.mlp = nn.Sequential(nn.Linear(dim, dim), nn.LayerNorm(dim), nn.GELU(),
-                                 nn.Dropout(dropout), nn.Linear(dim, dim))  # fmt: skip
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, dim),
+            nn.LayerNorm(dim),
+            nn.GELU(),
+            nn.Dropout(dropout),
+            nn.Linear(dim, dim),
+        )
         self.edge = nn.Linear(edge_dim, dim) if edge_dim else None
 
-    def forward(self, h: torch.Tensor, edge_index: torch.Tensor,
-                edge_attr: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, h: torch.Tensor, edge_index: torch.Tensor, edge_attr: torch.Tensor | None = None
+    ) -> torch.Tensor:
         src, dst = edge_index
         msg = h[src]
         if self.edge is not None and edge_attr is not None:
@@ -182,14 +209,22 @@ class GNN(nn.Module):
     """Node input (features, a constant and the log degree), GIN/GINE layers, mean+max
     graph readout, a classifier over ``n_classes``."""
 
-    def __init__(self, hidden: int, layers: int, dropout: float, in_dim: int = 0,
-                 edge_dim: int = 0, n_classes: int = N_CLASSES) -> None:  # fmt: skip
+    def __init__(
+        self,
+        hidden: int,
+        layers: int,
+        dropout: float,
+        in_dim: int = 0,
+        edge_dim: int = 0,
+        n_classes: int = N_CLASSES,
+    ) -> None:
         super().__init__()
         self.in_dim, self.edge_dim = in_dim, edge_dim
         self.inp = nn.Linear(2 + in_dim, hidden)
         self.layers = nn.ModuleList(GINLayer(hidden, dropout, edge_dim) for _ in range(layers))
-        self.head = nn.Sequential(nn.Linear(2 * hidden, hidden), nn.GELU(),
-                                  nn.Linear(hidden, n_classes))  # fmt: skip
+        self.head = nn.Sequential(
+            nn.Linear(2 * hidden, hidden), nn.GELU(), nn.Linear(hidden, n_classes)
+        )
 
     def logits(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         edge_index, batch = data["edge_index"], data["batch"]
@@ -230,11 +265,15 @@ def datasets(config: TrainConfig) -> tuple[Dataset, Dataset]:
     if r["data"] or r["pyg_dataset"]:
         return user_datasets(config)
     if not 3 <= r["min_nodes"] <= r["max_nodes"]:
-        raise ConfigError(f"recipe.min_nodes/max_nodes: {r['min_nodes']}..{r['max_nodes']}; "
-                          "expected 3 <= min_nodes <= max_nodes")  # fmt: skip
+        raise ConfigError(
+            f"recipe.min_nodes/max_nodes: {r['min_nodes']}..{r['max_nodes']}; "
+            "expected 3 <= min_nodes <= max_nodes"
+        )
     if not 2 <= r["mean_degree"] < r["min_nodes"]:
-        raise ConfigError(f"recipe.mean_degree: {r['mean_degree']!r}; expected 2 <= degree "
-                          f"< min_nodes ({r['min_nodes']})")  # fmt: skip
+        raise ConfigError(
+            f"recipe.mean_degree: {r['mean_degree']!r}; expected 2 <= degree "
+            f"< min_nodes ({r['min_nodes']})"
+        )
     args = (r["min_nodes"], r["max_nodes"], r["mean_degree"])
     seed = int(r["data_seed"])
     return GraphDataset(r["n_train"], *args, seed), GraphDataset(r["n_eval"], *args, seed + 1)
@@ -256,9 +295,11 @@ def user_datasets(config: TrainConfig) -> tuple[GraphList, GraphList]:
     if r["eval_data"]:
         evals = _read(config, r["eval_data"])
         if graphs.dims(evals) != graphs.dims(train):
-            raise ConfigError(f"recipe.eval_data: feature widths (x, edge_attr) "
-                              f"{graphs.dims(evals)}; expected {graphs.dims(train)} as in "
-                              "recipe.data")  # fmt: skip
+            raise ConfigError(
+                f"recipe.eval_data: feature widths (x, edge_attr) "
+                f"{graphs.dims(evals)}; expected {graphs.dims(train)} as in "
+                "recipe.data"
+            )
     else:
         train, evals = graphs.split(train, float(r["eval_fraction"]), int(r["data_seed"]))
     return GraphList(train), GraphList(evals)
@@ -269,13 +310,16 @@ def n_classes(*data: Dataset) -> int:
     return max(2, max(int(d.labels.max()) for d in data) + 1)  # type: ignore[attr-defined]
 
 
-def make_model(config: TrainConfig, in_dim: int = 0, edge_dim: int = 0,
-               classes: int = N_CLASSES) -> GNN:  # fmt: skip
+def make_model(
+    config: TrainConfig, in_dim: int = 0, edge_dim: int = 0, classes: int = N_CLASSES
+) -> GNN:
     m = config.model
     if m["hidden"] < 1 or m["layers"] < 1:
         raise ConfigError(f"model.hidden/layers: {m['hidden']}/{m['layers']}; expected >= 1")
-    return seeded_model(config.training.seed, lambda: GNN(
-        m["hidden"], m["layers"], m["dropout"], in_dim, edge_dim, classes))  # fmt: skip
+    return seeded_model(
+        config.training.seed,
+        lambda: GNN(m["hidden"], m["layers"], m["dropout"], in_dim, edge_dim, classes),
+    )
 
 
 def model_for(config: TrainConfig, train: Dataset, evals: Dataset) -> GNN:
@@ -305,6 +349,12 @@ def build(config: TrainConfig) -> Built:
     model = model_for(config, train, evals)
     if isinstance(train, GraphList):
         f, d = graphs.dims(train.graphs)
-        log.info("graphs: %d train, %d eval, node features %d, edge features %d, %d classes",
-                 len(train), len(evals), f, d, model.head[-1].out_features)  # fmt: skip
+        log.info(
+            "graphs: %d train, %d eval, node features %d, edge features %d, %d classes",
+            len(train),
+            len(evals),
+            f,
+            d,
+            model.head[-1].out_features,
+        )
     return Built(model, train, evals, None, eval_fn, collate)

@@ -84,8 +84,7 @@ class GraphList(Dataset):
 def dims(graphs: Sequence[Graph]) -> tuple[int, int]:
     """(node feature width F, edge feature width D); 0 = none."""
     g = graphs[0]
-    return (0 if g.x is None else g.x.shape[1],
-            0 if g.edge_attr is None else g.edge_attr.shape[1])  # fmt: skip
+    return (0 if g.x is None else g.x.shape[1], 0 if g.edge_attr is None else g.edge_attr.shape[1])
 
 
 def collate(items: list[Graph]) -> dict[str, torch.Tensor]:
@@ -117,8 +116,7 @@ def _bad(where: str, i: int, field: str, problem: str, allowed: str) -> ConfigEr
     return ConfigError(f"{where}: graph {i}: {field}: {problem}; expected {allowed}")
 
 
-def _features(v: Any, where: str, i: int, field: str, rows: int, rows_name: str
-              ) -> torch.Tensor:  # fmt: skip
+def _features(v: Any, where: str, i: int, field: str, rows: int, rows_name: str) -> torch.Tensor:
     allowed = f"a float tensor ({rows_name}, width) of finite values"
     if not isinstance(v, torch.Tensor):
         raise _bad(where, i, field, f"a {type(v).__name__}", allowed)
@@ -138,8 +136,13 @@ def check_graph(item: Any, where: str, i: int) -> Graph:
     """One graph (a dict of FIELDS, or a PyG Data turned into one) checked and
     normalised; a ConfigError naming graph ``i`` and the field otherwise."""
     if not isinstance(item, dict):
-        raise _bad(where, i, "graph", f"a {type(item).__name__}",
-                   "a dict with edge_index, x, optional edge_attr, y")  # fmt: skip
+        raise _bad(
+            where,
+            i,
+            "graph",
+            f"a {type(item).__name__}",
+            "a dict with edge_index, x, optional edge_attr, y",
+        )
     unknown = sorted(str(k) for k in item if k not in FIELDS)
     if unknown:
         raise _bad(where, i, unknown[0], "unknown key", f"only {', '.join(FIELDS)}")
@@ -147,8 +150,12 @@ def check_graph(item: Any, where: str, i: int) -> Graph:
         if key not in item:
             raise _bad(where, i, key, "missing", "every graph to have edge_index, x and y")
     ei, x = item["edge_index"], item["x"]
-    if not isinstance(ei, torch.Tensor) or ei.dtype not in (torch.int64, torch.int32,
-                                                           torch.int16, torch.uint8):  # fmt: skip
+    if not isinstance(ei, torch.Tensor) or ei.dtype not in (
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.uint8,
+    ):
         what = f"dtype {ei.dtype}" if isinstance(ei, torch.Tensor) else f"a {type(ei).__name__}"
         raise _bad(where, i, "edge_index", what, "an integer tensor (2, E)")
     if ei.dim() != 2 or ei.shape[0] != 2:
@@ -161,16 +168,26 @@ def check_graph(item: Any, where: str, i: int) -> Graph:
     x = _features(x, where, i, "x", n, "N nodes")
     ei = ei.to(torch.long)
     if ei.numel() and (int(ei.min()) < 0 or int(ei.max()) >= n):
-        raise _bad(where, i, "edge_index", f"node index {int(ei.min())}..{int(ei.max())}",
-                   f"indices in [0, {n}) (the graph has {n} nodes)")  # fmt: skip
+        raise _bad(
+            where,
+            i,
+            "edge_index",
+            f"node index {int(ei.min())}..{int(ei.max())}",
+            f"indices in [0, {n}) (the graph has {n} nodes)",
+        )
     ea = item.get("edge_attr")
     if ea is not None:
         ea = _features(ea, where, i, "edge_attr", int(ei.shape[1]), "E edges")
     y = item["y"]
     if isinstance(y, torch.Tensor):
         if y.numel() != 1 or y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
-            raise _bad(where, i, "y", f"a {y.dtype} tensor of shape {tuple(y.shape)}",
-                       "one integer class label")  # fmt: skip
+            raise _bad(
+                where,
+                i,
+                "y",
+                f"a {y.dtype} tensor of shape {tuple(y.shape)}",
+                "one integer class label",
+            )
         y = int(y.reshape(()))
     if isinstance(y, bool) or not isinstance(y, int) or not 0 <= y < MAX_CLASSES:
         raise _bad(where, i, "y", repr(y), f"an integer class label in [0, {MAX_CLASSES})")
@@ -184,11 +201,18 @@ def check_graphs(items: Sequence[Any], where: str) -> list[Graph]:
     graphs = [check_graph(item, where, i) for i, item in enumerate(items)]
     first = dims(graphs[:1])
     for i, g in enumerate(graphs):
-        for field, have, want in (("x", dims([g])[0], first[0]),
-                                  ("edge_attr", dims([g])[1], first[1])):  # fmt: skip
+        for field, have, want in (
+            ("x", dims([g])[0], first[0]),
+            ("edge_attr", dims([g])[1], first[1]),
+        ):
             if have != want:
-                raise _bad(where, i, field, f"width {have or 'absent'}",
-                           f"width {want or 'absent'}, as in graph 0")  # fmt: skip
+                raise _bad(
+                    where,
+                    i,
+                    field,
+                    f"width {have or 'absent'}",
+                    f"width {want or 'absent'}, as in graph 0",
+                )
     return graphs
 
 
@@ -220,8 +244,9 @@ def from_pyg(data_list: Sequence[Any], where: str) -> list[Graph]:
     """PyG ``Data`` objects (a dataset or a list) -> checked graphs."""
     if len(data_list) == 0:
         raise ConfigError(f"{where}: no graphs; expected a non-empty dataset")
-    graphs = [check_graph_with_nodes(_pyg_data_to_dict(d), where, i)
-              for i, d in enumerate(data_list)]  # fmt: skip
+    graphs = [
+        check_graph_with_nodes(_pyg_data_to_dict(d), where, i) for i, d in enumerate(data_list)
+    ]
     return check_graphs([_as_dict(g) for g in graphs], where)
 
 
@@ -250,10 +275,15 @@ def load_file(path: str | Path) -> list[Graph]:
             # torch's message is many lines (with terminal escapes); the fact is this:
             found = re.search(r"GLOBAL ([\w.]+)", text)
             if found and found.group(1).startswith("torch_geometric.") and not _has_pyg():
-                raise ConfigError(f"recipe.data: {where} holds torch_geometric objects; "
-                                  f"reading it needs {PYG_EXTRA}") from None  # fmt: skip
-            first = ("it holds a pickled Python object" +
-                     (f" ({found.group(1)})" if found else "") + ", not only tensors")
+                raise ConfigError(
+                    f"recipe.data: {where} holds torch_geometric objects; "
+                    f"reading it needs {PYG_EXTRA}"
+                ) from None
+            first = (
+                "it holds a pickled Python object"
+                + (f" ({found.group(1)})" if found else "")
+                + ", not only tensors"
+            )
         else:
             first = (text.strip().splitlines() or [type(exc).__name__])[0][:200]
         raise ConfigError(
@@ -264,8 +294,10 @@ def load_file(path: str | Path) -> list[Graph]:
     if isinstance(obj, tuple) and len(obj) in (2, 3) and isinstance(obj[0], dict):
         return _from_pyg_saved(obj, where)
     if not isinstance(obj, list | tuple):
-        raise ConfigError(f"recipe.data: {where} holds a {type(obj).__name__}; expected a "
-                          "list of graphs (dicts of edge_index, x, edge_attr, y)")  # fmt: skip
+        raise ConfigError(
+            f"recipe.data: {where} holds a {type(obj).__name__}; expected a "
+            "list of graphs (dicts of edge_index, x, edge_attr, y)"
+        )
     return check_graphs(list(obj), where)
 
 
@@ -287,20 +319,25 @@ def _from_pyg_saved(obj: tuple[Any, ...], where: str) -> list[Graph]:
         from torch_geometric.data import InMemoryDataset
         from torch_geometric.data.data import BaseData, Data
     except ImportError:
-        raise ConfigError(f"recipe.data: {where} is a torch_geometric dataset file; "
-                          f"reading it needs {PYG_EXTRA}") from None  # fmt: skip
+        raise ConfigError(
+            f"recipe.data: {where} is a torch_geometric dataset file; reading it needs {PYG_EXTRA}"
+        ) from None
     data, slices = obj[0], obj[1]
     cls = obj[2] if len(obj) == 3 else Data
     if not (isinstance(cls, type) and issubclass(cls, BaseData) and isinstance(slices, dict)):
-        raise ConfigError(f"recipe.data: {where} is not InMemoryDataset.save's format "
-                          "(data dict, slices dict, Data class)")  # fmt: skip
+        raise ConfigError(
+            f"recipe.data: {where} is not InMemoryDataset.save's format "
+            "(data dict, slices dict, Data class)"
+        )
     ds = InMemoryDataset()
     try:
         ds.data, ds.slices = cls.from_dict(data), slices
         items = [ds[i] for i in range(len(ds))]
     except Exception as exc:
-        raise ConfigError(f"recipe.data: {where}: torch_geometric cannot slice it into "
-                          f"graphs ({type(exc).__name__}: {exc})") from None  # fmt: skip
+        raise ConfigError(
+            f"recipe.data: {where}: torch_geometric cannot slice it into "
+            f"graphs ({type(exc).__name__}: {exc})"
+        ) from None
     return from_pyg(items, where)
 
 
@@ -314,11 +351,14 @@ def load_pyg_dataset(spec: str, root: str) -> list[Graph]:
     cls_name, _, name = spec.partition(":")
     cls = getattr(pyg_datasets, cls_name, None)
     if not (isinstance(cls, type) and issubclass(cls, PygDataset)):
-        raise ConfigError(f"recipe.pyg_dataset: {cls_name!r} is not a dataset class of "
-                          "torch_geometric.datasets; expected e.g. TUDataset:MUTAG")  # fmt: skip
+        raise ConfigError(
+            f"recipe.pyg_dataset: {cls_name!r} is not a dataset class of "
+            "torch_geometric.datasets; expected e.g. TUDataset:MUTAG"
+        )
     if not root:
-        raise ConfigError(f"recipe.pyg_dataset: {spec!r} needs recipe.data (--data): the "
-                          "dataset's root folder")  # fmt: skip
+        raise ConfigError(
+            f"recipe.pyg_dataset: {spec!r} needs recipe.data (--data): the dataset's root folder"
+        )
     kwargs: dict[str, Any] = {"root": root}
     if name:
         kwargs["name"] = name
@@ -328,8 +368,9 @@ def load_pyg_dataset(spec: str, root: str) -> list[Graph]:
         ds = cls(**kwargs)
     except Exception as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        raise ConfigError(f"recipe.pyg_dataset: {spec} on {root}: {type(exc).__name__}: "
-                          f"{first}") from None  # fmt: skip
+        raise ConfigError(
+            f"recipe.pyg_dataset: {spec} on {root}: {type(exc).__name__}: {first}"
+        ) from None
     return from_pyg([ds[i] for i in range(len(ds))], f"{spec} ({root})")
 
 
@@ -356,11 +397,15 @@ def rank0_first(load: Callable[[], list[Graph]]) -> list[Graph]:
 def split(graphs: list[Graph], fraction: float, seed: int) -> tuple[list[Graph], list[Graph]]:
     """A seeded split into (train, eval): the same on every rank and every world size."""
     if not 0 < fraction < 1:
-        raise ConfigError(f"recipe.eval_fraction: {fraction!r}; expected a fraction in "
-                          "(0, 1) of the graphs held out, or recipe.eval_data")  # fmt: skip
+        raise ConfigError(
+            f"recipe.eval_fraction: {fraction!r}; expected a fraction in "
+            "(0, 1) of the graphs held out, or recipe.eval_data"
+        )
     n_eval = max(1, math.floor(len(graphs) * fraction))
     if n_eval >= len(graphs):
-        raise ConfigError(f"recipe.data: {len(graphs)} graphs cannot be split into train "
-                          f"and eval (eval_fraction {fraction}); expected at least 2")  # fmt: skip
+        raise ConfigError(
+            f"recipe.data: {len(graphs)} graphs cannot be split into train "
+            f"and eval (eval_fraction {fraction}); expected at least 2"
+        )
     order = torch.randperm(len(graphs), generator=torch.Generator().manual_seed(seed)).tolist()
     return [graphs[i] for i in order[n_eval:]], [graphs[i] for i in order[:n_eval]]

@@ -49,8 +49,9 @@ def pillow() -> Any:
     try:
         from PIL import Image
     except ImportError:
-        raise ConfigError("recipe.data_dir: reading images needs Pillow; "
-                          "pip install hpc-ddp[crowdbt]") from None  # fmt: skip
+        raise ConfigError(
+            "recipe.data_dir: reading images needs Pillow; pip install hpc-ddp[crowdbt]"
+        ) from None
     return Image
 
 
@@ -66,8 +67,9 @@ class Source:
                 import fsspec
                 import s3fs  # noqa: F401 - fsspec's "s3" protocol needs it
             except ImportError:
-                raise ConfigError("recipe.data_source: s3 needs s3fs; "
-                                  "pip install hpc-ddp[crowdbt]") from None  # fmt: skip
+                raise ConfigError(
+                    "recipe.data_source: s3 needs s3fs; pip install hpc-ddp[crowdbt]"
+                ) from None
             # No cached filesystem: each build reads the environment's credentials anew.
             self.fs = fsspec.filesystem("s3", skip_instance_cache=True)
 
@@ -85,8 +87,9 @@ class Source:
         try:
             size = self.fs.size(name)
             if size is not None and size > limit:
-                raise ConfigError(f"recipe.data_dir: {name!r} is {size:,} bytes; allowed: at "
-                                  f"most {limit:,}")  # fmt: skip
+                raise ConfigError(
+                    f"recipe.data_dir: {name!r} is {size:,} bytes; allowed: at most {limit:,}"
+                )
             with self.fs.open(name, "rb") as f:
                 return f.read(limit + 1)[:limit]
         except ConfigError:
@@ -94,9 +97,11 @@ class Source:
         except FileNotFoundError:
             raise ConfigError(f"recipe.data_dir: {name!r} does not exist") from None
         except Exception as exc:
-            raise ConfigError(f"recipe.data_dir: cannot read {name!r} "
-                              f"({_one_line(exc)}); check the AWS credentials and endpoint "
-                              "in the environment") from None  # fmt: skip
+            raise ConfigError(
+                f"recipe.data_dir: cannot read {name!r} "
+                f"({_one_line(exc)}); check the AWS credentials and endpoint "
+                "in the environment"
+            ) from None
 
     def exists(self, rel: str) -> bool:
         if self.kind == "local":
@@ -104,9 +109,11 @@ class Source:
         try:
             return bool(self.fs.exists(self.where(rel)))
         except Exception as exc:
-            raise ConfigError(f"recipe.data_dir: cannot list {self.where(rel)!r} "
-                              f"({_one_line(exc)}); check the AWS credentials and endpoint "
-                              "in the environment") from None  # fmt: skip
+            raise ConfigError(
+                f"recipe.data_dir: cannot list {self.where(rel)!r} "
+                f"({_one_line(exc)}); check the AWS credentials and endpoint "
+                "in the environment"
+            ) from None
 
 
 def _one_line(exc: BaseException) -> str:
@@ -117,13 +124,22 @@ def _one_line(exc: BaseException) -> str:
 def source(data_dir: str, data_source: str) -> Source:
     """``data_source`` is local or s3 (``auto`` picks by the ``s3://`` prefix)."""
     is_s3 = data_dir.startswith("s3://")
-    kind = "s3" if data_source == "auto" and is_s3 else "local" if data_source == "auto" else data_source
+    kind = (
+        "s3"
+        if data_source == "auto" and is_s3
+        else "local"
+        if data_source == "auto"
+        else data_source
+    )
     if kind == "s3" and not is_s3:
-        raise ConfigError(f"recipe.data_dir: {data_dir!r} with --data-source s3; allowed: "
-                          "s3://bucket/prefix")  # fmt: skip
+        raise ConfigError(
+            f"recipe.data_dir: {data_dir!r} with --data-source s3; allowed: s3://bucket/prefix"
+        )
     if kind == "local" and is_s3:
-        raise ConfigError(f"recipe.data_dir: {data_dir!r} with --data-source local; allowed: "
-                          "a folder, or --data-source s3")  # fmt: skip
+        raise ConfigError(
+            f"recipe.data_dir: {data_dir!r} with --data-source local; allowed: "
+            "a folder, or --data-source s3"
+        )
     if kind == "local" and not Path(data_dir).is_dir():
         raise ConfigError(f"recipe.data_dir: {data_dir!r} is not a folder")
     return Source(data_dir, kind)
@@ -148,8 +164,9 @@ def _rel(path: Any, where: str) -> str:
         raise ConfigError(f"{where}: image path {path!r}; allowed: a path relative to the data dir")
     norm = posixpath.normpath(path.strip().replace("\\", "/"))
     if norm.startswith(("/", "../")) or norm == ".." or ":" in norm.split("/")[0]:
-        raise ConfigError(f"{where}: image path {path!r} leaves the data dir; allowed: a "
-                          "relative path inside it")  # fmt: skip
+        raise ConfigError(
+            f"{where}: image path {path!r} leaves the data dir; allowed: a relative path inside it"
+        )
     return norm
 
 
@@ -160,8 +177,10 @@ def read_judgements(src: Source) -> Raw:
     elif src.exists("judgements.jsonl"):
         name, text = "judgements.jsonl", src.read("judgements.jsonl", MAX_JUDGEMENTS_BYTES)
     else:
-        raise ConfigError(f"recipe.data_dir: no judgements.csv or judgements.jsonl in "
-                          f"{src.root!r}; allowed: a file with columns {','.join(COLUMNS)}")
+        raise ConfigError(
+            f"recipe.data_dir: no judgements.csv or judgements.jsonl in "
+            f"{src.root!r}; allowed: a file with columns {','.join(COLUMNS)}"
+        )
     try:
         body = text.decode("utf-8-sig")
     except UnicodeDecodeError:
@@ -170,8 +189,10 @@ def read_judgements(src: Source) -> Raw:
     if name.endswith(".csv"):
         reader = csv.DictReader(io.StringIO(body))
         if not reader.fieldnames or not set(COLUMNS) <= set(reader.fieldnames):
-            raise ConfigError(f"recipe.data_dir: {name} has columns {reader.fieldnames}; "
-                              f"allowed: a header with {','.join(COLUMNS)}")  # fmt: skip
+            raise ConfigError(
+                f"recipe.data_dir: {name} has columns {reader.fieldnames}; "
+                f"allowed: a header with {','.join(COLUMNS)}"
+            )
         try:
             rows = [(n + 2, r) for n, r in enumerate(reader)]
         except csv.Error as exc:
@@ -185,8 +206,10 @@ def read_judgements(src: Source) -> Raw:
             except json.JSONDecodeError as exc:
                 raise ConfigError(f"recipe.data_dir: {name} line {n}: {exc.msg}") from None
             if not isinstance(obj, dict):
-                raise ConfigError(f"recipe.data_dir: {name} line {n}: allowed: an object with "
-                                  f"{', '.join(COLUMNS)}")  # fmt: skip
+                raise ConfigError(
+                    f"recipe.data_dir: {name} line {n}: allowed: an object with "
+                    f"{', '.join(COLUMNS)}"
+                )
             rows.append((n, obj))
     if not rows:
         raise ConfigError(f"recipe.data_dir: {name} holds no judgements")
@@ -211,10 +234,14 @@ def read_judgements(src: Source) -> Raw:
         parsed.append((index[left], index[right], ann, label in ("1", "1.0", "True", "true")))
     annotators = sorted(ann_names)
     aidx = {a: n for n, a in enumerate(annotators)}
-    return Raw(list(index), annotators,
-               torch.tensor([p[0] for p in parsed]), torch.tensor([p[1] for p in parsed]),
-               torch.tensor([aidx[p[2]] for p in parsed]),
-               torch.tensor([float(p[3]) for p in parsed]))  # fmt: skip
+    return Raw(
+        list(index),
+        annotators,
+        torch.tensor([p[0] for p in parsed]),
+        torch.tensor([p[1] for p in parsed]),
+        torch.tensor([aidx[p[2]] for p in parsed]),
+        torch.tensor([float(p[3]) for p in parsed]),
+    )
 
 
 # ---- images -------------------------------------------------------------------------------
@@ -224,15 +251,18 @@ def preprocess(data: bytes, name: str, size: int, resample: str = "bicubic") -> 
     try:
         with image_mod.open(io.BytesIO(data)) as im:
             if im.width * im.height > MAX_PIXELS:
-                raise ConfigError(f"recipe.data_dir: {name!r} is {im.width}x{im.height} pixels; "
-                                  f"allowed: at most {MAX_PIXELS:,}")  # fmt: skip
+                raise ConfigError(
+                    f"recipe.data_dir: {name!r} is {im.width}x{im.height} pixels; "
+                    f"allowed: at most {MAX_PIXELS:,}"
+                )
             im.load()  # decodes every byte: a truncated or corrupt file fails here
             rgb = im.convert("RGB")
     except ConfigError:
         raise
     except Exception as exc:
-        raise ConfigError(f"recipe.data_dir: {name!r} is not an image Pillow can decode "
-                          f"({_one_line(exc)})") from None  # fmt: skip
+        raise ConfigError(
+            f"recipe.data_dir: {name!r} is not an image Pillow can decode ({_one_line(exc)})"
+        ) from None
     w, h = rgb.size
     scale = size / min(w, h)
     nw, nh = max(size, round(w * scale)), max(size, round(h * scale))
@@ -244,14 +274,17 @@ def preprocess(data: bytes, name: str, size: int, resample: str = "bicubic") -> 
     return t.view(size, size, 3).permute(2, 0, 1).contiguous()
 
 
-def load_images(src: Source, paths: list[str], size: int, max_cache_mb: float,
-                resample: str = "bicubic") -> torch.Tensor:  # fmt: skip
+def load_images(
+    src: Source, paths: list[str], size: int, max_cache_mb: float, resample: str = "bicubic"
+) -> torch.Tensor:
     """Every image, read and preprocessed: uint8 (n, 3, size, size)."""
     need = len(paths) * 3 * size * size
     if need > max_cache_mb * (1 << 20):
-        raise ConfigError(f"recipe.max_cache_mb: {len(paths)} images at {size}px need "
-                          f"{need / (1 << 20):,.0f} MB; allowed: raise recipe.max_cache_mb "
-                          f"(now {max_cache_mb:g}) or lower --input-size")  # fmt: skip
+        raise ConfigError(
+            f"recipe.max_cache_mb: {len(paths)} images at {size}px need "
+            f"{need / (1 << 20):,.0f} MB; allowed: raise recipe.max_cache_mb "
+            f"(now {max_cache_mb:g}) or lower --input-size"
+        )
     out = torch.empty(len(paths), 3, size, size, dtype=torch.uint8)
     for n, p in enumerate(paths):
         out[n] = preprocess(src.read(p, MAX_IMAGE_BYTES), src.where(p), size, resample)
@@ -262,8 +295,16 @@ def load_images(src: Source, paths: list[str], size: int, max_cache_mb: float,
 class Judgements(Dataset):
     """One item per judgement: both images normalised float, annotator index, label."""
 
-    def __init__(self, images: torch.Tensor, i: torch.Tensor, j: torch.Tensor, k: torch.Tensor,
-                 y: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        images: torch.Tensor,
+        i: torch.Tensor,
+        j: torch.Tensor,
+        k: torch.Tensor,
+        y: torch.Tensor,
+        mean: tuple[float, ...],
+        std: tuple[float, ...],
+    ) -> None:
         self.images, self.i, self.j, self.k, self.y = images, i, j, k, y
         self.mean = torch.tensor(mean).view(3, 1, 1) * 255
         self.std = torch.tensor(std).view(3, 1, 1) * 255
@@ -275,8 +316,12 @@ class Judgements(Dataset):
         return (self.images[n].float() - self.mean) / self.std
 
     def __getitem__(self, n: int) -> dict[str, torch.Tensor]:
-        return {"a": self._norm(int(self.i[n])), "b": self._norm(int(self.j[n])),
-                "annotator": self.k[n], "label": self.y[n]}  # fmt: skip
+        return {
+            "a": self._norm(int(self.i[n])),
+            "b": self._norm(int(self.j[n])),
+            "annotator": self.k[n],
+            "label": self.y[n],
+        }
 
 
 def split(raw: Raw, eval_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,11 +332,12 @@ def split(raw: Raw, eval_fraction: float, seed: int) -> tuple[torch.Tensor, torc
     if eval_fraction > 0 and n_eval == 0:
         n_eval = 1
     if n_eval >= len(order):
-        raise ConfigError(f"recipe.eval_fraction: {eval_fraction} leaves no training judgement "
-                          f"of {len(order)}; allowed: a fraction in [0, 1) that leaves some")
+        raise ConfigError(
+            f"recipe.eval_fraction: {eval_fraction} leaves no training judgement "
+            f"of {len(order)}; allowed: a fraction in [0, 1) that leaves some"
+        )
     return order[n_eval:].sort().values, order[:n_eval].sort().values
 
 
 def subset(raw: Raw, idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return raw.i[idx], raw.j[idx], raw.k[idx], raw.y[idx]
-

@@ -50,39 +50,73 @@ log = logging.getLogger("ddp")
 # The seed's values, where the seed gives one; every other key says where it comes from.
 # configs/uniref50-tiny.yaml is the few-seconds version for a laptop and the tests.
 DEFAULTS: dict[str, Any] = {
-    "training": {"batch_size": 16, "accum": 4,  # seed: 16 x 4 per GPU
-                 # The seed names no epoch count (its tables count 100k steps); one pass
-                 # over UniRef50 is already ~1M steps at 64 sequences a step.
-                 "epochs": 1, "seed": 0},
-    "optim": {"name": "adamw", "lr": 5e-5, "warmup_steps": 5000,  # seed: base lr, warmup
-              # not in the seed: SEDD's own (no weight decay, constant after warmup, clip 1)
-              "weight_decay": 0.0, "schedule": "constant", "grad_clip": 1.0},
+    "training": {
+        "batch_size": 16,
+        "accum": 4,  # seed: 16 x 4 per GPU
+        # The seed names no epoch count (its tables count 100k steps); one pass
+        # over UniRef50 is already ~1M steps at 64 sequences a step.
+        "epochs": 1,
+        "seed": 0,
+    },
+    "optim": {
+        "name": "adamw",
+        "lr": 5e-5,
+        "warmup_steps": 5000,  # seed: base lr, warmup
+        # not in the seed: SEDD's own (no weight decay, constant after warmup, clip 1)
+        "weight_decay": 0.0,
+        "schedule": "constant",
+        "grad_clip": 1.0,
+    },
     "scaling": {"rule": "linear", "base_world_size": 1, "scale_warmup": True},  # seed: linear
     "precision": "bf16",  # seed: memory.mixed_precision: True (bf16 needs no GradScaler)
     "memory": {"gradient_checkpointing": False, "max_memory_fraction": 0.85},  # seed
     "data": {"num_workers": 4},  # seed: training.num_workers: 4
     "checkpoint": {"dir": "runs/uniref50"},
     "logging": {"every_n_steps": 50},
-    "monitoring": {"sample_frequency": 5000, "log_gradients": False,  # seed
-                   "log_weights": False, "num_samples": 8,
-                   # not in the seed: SEDD samples in as many steps as positions; half
-                   # of that costs little every 5000 steps
-                   "sample_steps": 256, "predictor": "analytic"},
+    "monitoring": {
+        "sample_frequency": 5000,
+        "log_gradients": False,  # seed
+        "log_weights": False,
+        "num_samples": 8,
+        # not in the seed: SEDD samples in as many steps as positions; half
+        # of that costs little every 5000 steps
+        "sample_steps": 256,
+        "predictor": "analytic",
+    },
     # SEDD small: 768 wide (the seed's hidden_size), 12 blocks of 12 heads, a 128-wide
     # noise embedding, dropout 0.1. max_len 512 (not SEDD's 1024 text tokens): most
     # UniRef50 clusters' sequences fit whole, at half the attention memory.
-    "model": {"loss": "sedd", "graph": "absorbing", "noise": "loglinear",
-              "d_model": 768, "n_layers": 12, "n_heads": 12, "cond_dim": 128,
-              "max_len": 512, "dropout": 0.1,
-              "sigma_min": 1e-4, "sigma_max": 20.0, "noise_eps": 1e-3},  # SEDD's schedules
-    "recipe": {"data": "", "cache_dir": "", "eval_fraction": 0.1, "split_salt": 0,
-               "t_min": 1e-3,  # SEDD's: t ~ U(t_min, 1), as its sampling_eps
-               "eval_seed": 1234},  # fmt: skip
+    "model": {
+        "loss": "sedd",
+        "graph": "absorbing",
+        "noise": "loglinear",
+        "d_model": 768,
+        "n_layers": 12,
+        "n_heads": 12,
+        "cond_dim": 128,
+        "max_len": 512,
+        "dropout": 0.1,
+        "sigma_min": 1e-4,
+        "sigma_max": 20.0,
+        "noise_eps": 1e-3,
+    },  # SEDD's schedules
+    "recipe": {
+        "data": "",
+        "cache_dir": "",
+        "eval_fraction": 0.1,
+        "split_salt": 0,
+        "t_min": 1e-3,  # SEDD's: t ~ U(t_min, 1), as its sampling_eps
+        "eval_seed": 1234,
+    },
 }
 
 FLAGS = [
-    Flag("--datafile", "recipe.data", str,
-         "FASTA file (.gz too) or its prepared token store (default: the shipped tiny one)"),
+    Flag(
+        "--datafile",
+        "recipe.data",
+        str,
+        "FASTA file (.gz too) or its prepared token store (default: the shipped tiny one)",
+    ),
     Flag("--work_dir", "checkpoint.dir", str, "the seed's name for --output_dir"),
     Flag("--batch_size", "training.batch_size", int, "batch size per rank"),
     Flag("--epochs", "training.epochs", int, "epochs"),
@@ -149,9 +183,11 @@ def open_data(config: TrainConfig) -> tuple[TokenDataset, TokenDataset | None]:
         store = TokenStore(path, fasta.TOKENIZER, fasta.VOCAB_SIZE)
         train_idx, eval_idx = store.split(fraction, salt, cache=r["cache_dir"] or None)
         if not len(train_idx):
-            raise ConfigError(f"{str(path)!r}: none of its {store.n_seqs:,} sequences falls in "
-                              f"the training split (recipe.eval_fraction={fraction}); allowed: "
-                              "a store with more sequences or a smaller eval_fraction")  # fmt: skip
+            raise ConfigError(
+                f"{str(path)!r}: none of its {store.n_seqs:,} sequences falls in "
+                f"the training split (recipe.eval_fraction={fraction}); allowed: "
+                "a store with more sequences or a smaller eval_fraction"
+            )
         return store, train_idx, eval_idx
 
     try:
@@ -178,7 +214,7 @@ def open_data(config: TrainConfig) -> tuple[TokenDataset, TokenDataset | None]:
 N_STATES = 2 + len(AMINO_ACIDS)
 _STATE = torch.ones(UNK + 1 + len(AMINO_ACIDS), dtype=torch.long)  # store id -> state
 _STATE[PAD] = 0
-_STATE[UNK + 1:] = torch.arange(2, N_STATES)
+_STATE[UNK + 1 :] = torch.arange(2, N_STATES)
 _LETTERS = "-X" + AMINO_ACIDS
 
 
@@ -202,9 +238,11 @@ def sample_stats(seqs: list[str]) -> dict[str, float]:
     """Mean, min and max length and each amino acid's share of all sampled residues."""
     lengths = [len(q) for q in seqs]
     total = max(1, sum(lengths))
-    out: dict[str, float] = {"len_mean": sum(lengths) / max(1, len(seqs)),
-                             "len_min": min(lengths, default=0),
-                             "len_max": max(lengths, default=0)}  # fmt: skip
+    out: dict[str, float] = {
+        "len_mean": sum(lengths) / max(1, len(seqs)),
+        "len_min": min(lengths, default=0),
+        "len_max": max(lengths, default=0),
+    }
     for a in AMINO_ACIDS + "X":
         out[f"aa_{a}"] = sum(q.count(a) for q in seqs) / total
     return out
@@ -224,9 +262,11 @@ def check_model(m: dict[str, Any]) -> None:
     if m["loss"] == "mdlm" and m["graph"] != "absorbing":
         raise ConfigError("model.loss: mdlm needs model.graph: absorbing (MDLM masks tokens)")
     if not 0 < m["sigma_min"] < m["sigma_max"] or not 0 < m["noise_eps"] < 1:
-        raise ConfigError(f"model.sigma_min/sigma_max/noise_eps: {m['sigma_min']}, "
-                          f"{m['sigma_max']}, {m['noise_eps']}; allowed: 0 < sigma_min < "
-                          "sigma_max and noise_eps in (0, 1)")  # fmt: skip
+        raise ConfigError(
+            f"model.sigma_min/sigma_max/noise_eps: {m['sigma_min']}, "
+            f"{m['sigma_max']}, {m['noise_eps']}; allowed: 0 < sigma_min < "
+            "sigma_max and noise_eps in (0, 1)"
+        )
     if m["max_len"] < 1 or m["d_model"] < 1 or m["n_layers"] < 1 or m["cond_dim"] < 1:
         raise ConfigError("model.max_len, d_model, n_layers, cond_dim: allowed: integers >= 1")
 
@@ -240,9 +280,18 @@ def build(config: TrainConfig) -> Built:
     train, evals = open_data(config)
     graph = sedd.make_graph(m["graph"], N_STATES)
     noise = sedd.make_noise(m["noise"], m["sigma_min"], m["sigma_max"], m["noise_eps"])
-    model = seeded_model(config.training.seed, lambda: sedd.DiT(
-        graph.n, m["d_model"], m["n_layers"], m["n_heads"], m["cond_dim"], m["max_len"],
-        m["dropout"]))  # fmt: skip
+    model = seeded_model(
+        config.training.seed,
+        lambda: sedd.DiT(
+            graph.n,
+            m["d_model"],
+            m["n_layers"],
+            m["n_heads"],
+            m["cond_dim"],
+            m["max_len"],
+            m["dropout"],
+        ),
+    )
     loss, eval_seed = m["loss"], int(r["eval_seed"])
 
     def step(model: torch.nn.Module, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -262,8 +311,9 @@ def build(config: TrainConfig) -> Built:
             ts.append(t)
             xs.append(graph.perturb(row[None], noise.total(t), g))
         t, x_t = torch.cat(ts).to(tokens.device), torch.cat(xs).to(tokens.device)
-        nelbo = sedd.diffusion_loss(model, x0.to(tokens.device), graph, noise, t, loss,
-                                    x_t=x_t) * (1 - t_min)  # fmt: skip
+        nelbo = sedd.diffusion_loss(model, x0.to(tokens.device), graph, noise, t, loss, x_t=x_t) * (
+            1 - t_min
+        )
         return {"loss": nelbo.mean(), "n": tokens.shape[0]}
 
     def finish_eval(metrics: dict[str, float]) -> dict[str, float]:
@@ -285,9 +335,17 @@ def build(config: TrainConfig) -> Built:
         net.eval()
         try:
             with parts.autocast(config.precision, dev):
-                states = sedd.sample(net, graph, noise, (mon.num_samples, m["max_len"]),
-                                     mon.sample_steps, mon.predictor, loss, device=dev,
-                                     generator=g)  # fmt: skip
+                states = sedd.sample(
+                    net,
+                    graph,
+                    noise,
+                    (mon.num_samples, m["max_len"]),
+                    mon.sample_steps,
+                    mon.predictor,
+                    loss,
+                    device=dev,
+                    generator=g,
+                )
         finally:
             net.train(was)
         if not trainer.ctx.is_main:
@@ -297,10 +355,17 @@ def build(config: TrainConfig) -> Built:
         write_samples(path, seqs, step)
         stats = sample_stats(seqs)
         top = sorted(AMINO_ACIDS, key=lambda a: -stats[f"aa_{a}"])[:5]
-        log.info("samples step %d: %s; length mean %.1f (min %d, max %d); most frequent %s",
-                 step, path, stats["len_mean"], stats["len_min"], stats["len_max"],
-                 " ".join(f"{a}={stats[f'aa_{a}']:.3f}" for a in top))  # fmt: skip
+        log.info(
+            "samples step %d: %s; length mean %.1f (min %d, max %d); most frequent %s",
+            step,
+            path,
+            stats["len_mean"],
+            stats["len_min"],
+            stats["len_max"],
+            " ".join(f"{a}={stats[f'aa_{a}']:.3f}" for a in top),
+        )
         trainer.loggers.samples(stats, step)
 
-    return Built(model, train, evals, step, evaluate, after_step=after_step,
-                 finish_eval=finish_eval)  # fmt: skip
+    return Built(
+        model, train, evals, step, evaluate, after_step=after_step, finish_eval=finish_eval
+    )

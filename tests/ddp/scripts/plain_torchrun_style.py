@@ -30,14 +30,20 @@ def main() -> None:
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
     flat = torch.cat([p.detach().flatten() for p in model.module.parameters()])
-    Path(sys.argv[1], f"rank{rank}.json").write_text(json.dumps({
-        "rank": rank, "world_size": world, "local_rank": int(os.environ["LOCAL_RANK"]),
-        # What torchrun-launched scripts (TorchX's examples) read; KeyError if missing.
-        "group_world_size": int(os.environ["GROUP_WORLD_SIZE"]),
-        "elastic": dist.is_torchelastic_launched(),
-        "digest": hashlib.sha256(repr(flat.tolist()).encode()).hexdigest(),
-        "reduce_mean": t.item() / world,
-    }))
+    Path(sys.argv[1], f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "rank": rank,
+                "world_size": world,
+                "local_rank": int(os.environ["LOCAL_RANK"]),
+                # What torchrun-launched scripts (TorchX's examples) read; KeyError if missing.
+                "group_world_size": int(os.environ["GROUP_WORLD_SIZE"]),
+                "elastic": dist.is_torchelastic_launched(),
+                "digest": hashlib.sha256(repr(flat.tolist()).encode()).hexdigest(),
+                "reduce_mean": t.item() / world,
+            }
+        )
+    )
     dist.destroy_process_group()
 
 

@@ -22,10 +22,14 @@ def main() -> None:
     out = Path(next(a for a in sys.argv[1:] if not a.startswith("--local")))
     ctx = ddp.init(backend="auto", device="cpu", timeout=120)
     torch.manual_seed(0)
-    model = ddp.wrap(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)))
+    model = ddp.wrap(
+        torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    )
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
-    sampler = DistributedSampler(data, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=3)
+    sampler = DistributedSampler(
+        data, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=3
+    )
     loader = DataLoader(data, batch_size=8, sampler=sampler)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for epoch in range(2):
@@ -37,9 +41,14 @@ def main() -> None:
     flat = torch.cat([p.detach().flatten() for p in ddp.unwrap(model).parameters()])
     mean = ddp.reduce_mean(torch.tensor([float(ctx.rank + 1)]))
     record = {
-        "rank": ctx.rank, "local_rank": ctx.local_rank, "world_size": ctx.world_size,
-        "local_world_size": ctx.local_world_size, "node_rank": ctx.node_rank,
-        "launcher": ctx.launcher, "backend": ctx.backend, "device": str(ctx.device),
+        "rank": ctx.rank,
+        "local_rank": ctx.local_rank,
+        "world_size": ctx.world_size,
+        "local_world_size": ctx.local_world_size,
+        "node_rank": ctx.node_rank,
+        "launcher": ctx.launcher,
+        "backend": ctx.backend,
+        "device": str(ctx.device),
         "digest": hashlib.sha256(repr(flat.tolist()).encode()).hexdigest(),
         "reduce_mean": mean.item(),
     }
