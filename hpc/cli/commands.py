@@ -182,37 +182,9 @@ def cmd_submit(args: argparse.Namespace, command: list[str] | None) -> int:
         chain=chain,
         after=after,
     )
-    from hpc.charges import balance_warning, max_charge_line
-
-    j = plan.job
-    for note in plan.notes:  # e.g. a sweep throttled to its queue's array limit
-        sys.stderr.write(note + "\n")
-    for line in (
-        max_charge_line(j.cluster, j.nodes, j.walltime, j.queue),
-        balance_warning(j.cluster, j.account, j.nodes, j.walltime, j.queue),
-    ):
-        if line:  # stderr: `hpc submit` stdout stays the job id alone
-            sys.stderr.write(line + "\n")
-    if chain and chain > 1 and j.cluster.charge:
-        sys.stderr.write(f"hpc: a chain of {chain} segments may use {chain} times that\n")
+    _print_notes(plan, chain)
     if args.dry_run:
-        argv = plan.scheduler.submit_command(args.output) if args.output else plan.argv
-        sys.stdout.write(plan.text)
-        sys.stdout.write(_job_sees(plan.job))
-        sys.stdout.write(f"# submit: {shlex.join(argv)}\n")
-        for k, (offset, count) in enumerate(plan.parts[1:], 2):  # a sweep split by MaxArraySize
-            from hpc.chain import After
-
-            prev = After(f"ARRAY{k - 1}", "any") if plan.job.max_parallel else plan.after
-            then = plan.scheduler.array_part_command(
-                str(plan.script), count, offset, plan.job.max_parallel, prev
-            )
-            sys.stdout.write(f"# then array {k}/{len(plan.parts)}: {shlex.join(then)}\n")
-        for k in range(2, plan.chain + 1):
-            from hpc.chain import After
-
-            then = plan.scheduler.submit_command(str(plan.script), After(f"SEGMENT{k - 1}", "any"))
-            sys.stdout.write(f"# then segment {k}/{plan.chain}: {shlex.join(then)}\n")
+        _print_dry_run(plan, args.output)
         return 0
     done = core.submit(plan)
     sys.stderr.write(f"run directory: {done.run_dir}\n")
@@ -225,6 +197,44 @@ def cmd_submit(args: argparse.Namespace, command: list[str] | None) -> int:
             f"(hpc status {done.run_dir} lists them)\n"
         )
     return 0
+
+
+def _print_notes(plan: core.Plan, chain: int | None) -> None:
+    """The plan's notes and the request's charge lines, on stderr: ``hpc submit``'s
+    stdout stays the job id alone (scripts read it)."""
+    from hpc.charges import balance_warning, max_charge_line
+
+    j = plan.job
+    for note in plan.notes:  # e.g. a sweep throttled to its queue's array limit
+        sys.stderr.write(note + "\n")
+    for line in (
+        max_charge_line(j.cluster, j.nodes, j.walltime, j.queue),
+        balance_warning(j.cluster, j.account, j.nodes, j.walltime, j.queue),
+    ):
+        if line:
+            sys.stderr.write(line + "\n")
+    if chain and chain > 1 and j.cluster.charge:
+        sys.stderr.write(f"hpc: a chain of {chain} segments may use {chain} times that\n")
+
+
+def _print_dry_run(plan: core.Plan, output: str | None) -> None:
+    """``--dry-run``: the script, what the job will see, and every submit command in the
+    order ``hpc submit`` would run them (a sweep split by MaxArraySize, a chain's segments)."""
+    from hpc.chain import After
+
+    argv = plan.scheduler.submit_command(output) if output else plan.argv
+    sys.stdout.write(plan.text)
+    sys.stdout.write(_job_sees(plan.job))
+    sys.stdout.write(f"# submit: {shlex.join(argv)}\n")
+    for k, (offset, count) in enumerate(plan.parts[1:], 2):
+        prev = After(f"ARRAY{k - 1}", "any") if plan.job.max_parallel else plan.after
+        then = plan.scheduler.array_part_command(
+            str(plan.script), count, offset, plan.job.max_parallel, prev
+        )
+        sys.stdout.write(f"# then array {k}/{len(plan.parts)}: {shlex.join(then)}\n")
+    for k in range(2, plan.chain + 1):
+        then = plan.scheduler.submit_command(str(plan.script), After(f"SEGMENT{k - 1}", "any"))
+        sys.stdout.write(f"# then segment {k}/{plan.chain}: {shlex.join(then)}\n")
 
 
 def cmd_status(args: argparse.Namespace, command: list[str] | None) -> int:

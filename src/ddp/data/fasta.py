@@ -25,7 +25,7 @@ import logging
 import os
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -212,6 +212,43 @@ log = logging.getLogger("ddp")
 Progress = Callable[[int, int], None]
 
 
+def _whole_lines(stream: BinaryIO, raw: BinaryIO, where: str) -> Iterator[tuple[bytes, int]]:
+    """The file in chunks of whole lines, each with its byte offset: a chunk ends at its
+    last newline and the rest carries over, so no record's line is split between two
+    tokenizer calls. CR and CRLF ends become newlines; a last line without one gets one;
+    a line longer than ``MAX_LINE`` is one line of error (a binary or non-FASTA file
+    would otherwise be read whole into memory)."""
+    carry = b""
+    base = 0
+    while True:
+        block = read_block(stream, raw, CHUNK, where)
+        if b"\r" in block:  # CR and CRLF line ends: a CR is a newline, CRLF a blank line more
+            block = block.replace(b"\r", b"\n")
+        buf = carry + block if carry else block
+        if not block:
+            if not buf:
+                return
+            if not buf.endswith(b"\n"):
+                buf += b"\n"
+            cut = len(buf)
+        else:
+            cut = buf.rfind(b"\n") + 1
+            if cut == 0:  # one line longer than a chunk: read on, up to a bound
+                if len(buf) > MAX_LINE:
+                    raise ConfigError(
+                        f"{where!r}: the line at byte {base:,} is longer "
+                        f"than {MAX_LINE:,} bytes; expected a FASTA file of "
+                        "proteins (the longest known is ~35,000 residues)"
+                    )
+                carry = buf
+                continue
+        carry = buf[cut:]
+        yield buf[:cut], base
+        base += cut
+        if not block:
+            return
+
+
 def prepare_fasta(
     path: str | Path,
     out: str | Path,
@@ -235,8 +272,6 @@ def prepare_fasta(
     stream, raw = open_bytes(p)
     st = os.fstat(raw.fileno())
     writer.extra.update(source_size=st.st_size, source_mtime_ns=st.st_mtime_ns)
-    carry = b""
-    base = 0
     have_seq = False
     records = skipped = 0
 
@@ -250,30 +285,8 @@ def prepare_fasta(
     with stream, raw, writer:
         pending = 0
         pending_hash = np.zeros(0, np.uint32)
-        while True:
-            block = read_block(stream, raw, CHUNK, where)
-            if b"\r" in block:  # CR and CRLF line ends: a CR is a newline, CRLF a blank line more
-                block = block.replace(b"\r", b"\n")
-            buf = carry + block if carry else block
-            if not block:
-                if not buf:
-                    break
-                if not buf.endswith(b"\n"):
-                    buf += b"\n"
-                cut = len(buf)
-            else:
-                cut = buf.rfind(b"\n") + 1
-                if cut == 0:  # one line longer than a chunk: read on, up to a bound
-                    if len(buf) > MAX_LINE:
-                        raise ConfigError(
-                            f"{where!r}: the line at byte {base:,} is longer "
-                            f"than {MAX_LINE:,} bytes; expected a FASTA file of "
-                            "proteins (the longest known is ~35,000 residues)"
-                        )
-                    carry = buf
-                    continue
-            carry = buf[cut:]
-            tokens, lead, lengths, hashes = _tokenize_chunk(buf[:cut], where, base)
+        for lines, base in _whole_lines(stream, raw, where):
+            tokens, lead, lengths, hashes = _tokenize_chunk(lines, where, base)
             if lead and not have_seq:
                 raise ConfigError(
                     f"{where!r}: residues before the first '>' header; expected a FASTA file"
@@ -288,11 +301,8 @@ def prepare_fasta(
                 have_seq = True
             else:
                 pending += lead
-            base += cut
             if progress is not None:
                 progress(raw.tell(), st.st_size)
-            if not block:
-                break
         if not have_seq:
             raise ConfigError(f"{where!r} holds no FASTA sequences")
         close(np.array([pending]), pending_hash)
