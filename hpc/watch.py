@@ -230,7 +230,7 @@ class Watcher:
 def failure_lines(w: Watcher) -> list[str]:
     """The failing rank's summary of the watched run (as plain ``hpc status`` gives it).
 
-    A log that cannot be read (a FIFO where a rank's file should be) is one line in the
+    A log that cannot be read (a FIFO where the job log should be) is one line in the
     view instead of an error: the job has ended and the watch still owes its status."""
     from hpc.status import failure_summary
 
