@@ -235,6 +235,21 @@ def exit_code(ident: str, runs_dir: Path) -> int | None:
     return scheduler.exit_code(job_id)
 
 
+def failure_summary(ident: str, runs_dir: Path) -> list[str]:
+    """The failing rank of a FAILED run, its host and its last lines (:mod:`hpc.failure`),
+    as ``hpc status`` prints them on stderr and ``hpc status --watch`` shows them before
+    it exits: one function so the two can never tell different stories. Empty when
+    ``ident`` names no run (a bare job id has no logs here) or no rank can be named."""
+    from hpc import failure, runs
+    from hpc.logs_find import locate as log_locate
+
+    found = runs.find(ident, runs_dir, history=True)
+    if found is None:
+        return []
+    job = log_locate(ident, runs_dir)[1]  # an earlier job of a resumed run: its own log
+    return failure.failing_rank_lines(found[0], found[1], job)
+
+
 def task_states(ident: str, runs_dir: Path) -> list[tuple[str, str, JobState]]:
     """(task id, label, state) of each task of a sweep run; empty for other runs (see
     :func:`run_status`, which asks for the job and its tasks in the same query)."""

@@ -16,6 +16,11 @@ log file, CI) a line is printed only when what it says changes, so ``| tee`` kee
 short history instead of one screen a second. The exit status is the job's own (as
 ``hpc logs -f`` gives it); Ctrl-C leaves with 130 and never touches the job: watching
 is read-only.
+
+A job that FAILED ends the view with its failing rank, that rank's host and its last
+lines (:func:`hpc.status.failure_summary`, the lines plain ``hpc status`` prints): on a
+1,000-node job the first thing to ask after "it failed" is "where, and what did it say",
+and a watch that just exits 1 would send the user to a second command for it.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class View:
     restarts: int = 0
     excluded: list[str] = field(default_factory=list)
     stopped: str | None = None
+    failure: list[str] = field(default_factory=list)  # the failing rank's summary lines
 
     @property
     def ended(self) -> bool:
@@ -80,6 +86,7 @@ class View:
                 out.append(("slowest", f"slowest rank {int(slow)}"))
         if self.restarts or self.excluded or self.stopped:
             out.append(("supervisor", supervisor_line(self.restarts, self.excluded, self.stopped)))
+        out += [(f"failure {i}", text) for i, text in enumerate(self.failure)]
         return out
 
 
@@ -220,6 +227,32 @@ class Watcher:
         return self.look()
 
 
+def failure_lines(w: Watcher) -> list[str]:
+    """The failing rank's summary of the watched run (as plain ``hpc status`` gives it).
+
+    A log that cannot be read (a FIFO where the job log should be) is one line in the
+    view instead of an error: the job has ended and the watch still owes its status."""
+    from hpc.status import failure_summary
+
+    if w.run_dir is None:
+        return []
+    try:
+        return failure_summary(w.ident, w.runs_dir)
+    except UserError as exc:
+        return [f"hpc: no failing rank named: {exc}"]
+
+
+def _ended(w: Watcher, view: View) -> View:
+    """``view`` while the job runs; once it ended, the final look (its end state), with
+    the failing rank's summary when that state is FAILED (the rule ``hpc status`` uses)."""
+    if not view.ended:
+        return view
+    view = w.final()
+    if view.state == "FAILED":
+        view.failure = failure_lines(w)
+    return view
+
+
 def run(
     ident: str,
     runs_dir: Path,
@@ -246,9 +279,7 @@ def run(
 def _plain(w: Watcher, out: TextIO, sleep: Callable[[float], None]) -> View:
     shown: dict[str, str] = {}
     while True:
-        view = w.look()
-        if view.ended:
-            view = w.final()  # the supervisor's last event and the final metrics too
+        view = _ended(w, w.look())  # the supervisor's last event, the final metrics too
         for key, text in view.lines():
             if shown.get(key) != text:
                 shown[key] = text
@@ -267,15 +298,11 @@ def _live(w: Watcher, out: TextIO, sleep: Callable[[float], None]) -> View:
     def draw(view: View) -> Text:
         return Text("\n".join(text for _, text in view.lines()))  # user text: no markup
 
-    view = w.look()
-    if view.ended:
-        view = w.final()
+    view = _ended(w, w.look())
     with Live(draw(view), console=Console(file=out), auto_refresh=False) as live:
         while not view.ended:
             sleep(TICK_S)
-            view = w.look()
-            if view.ended:
-                view = w.final()
+            view = _ended(w, w.look())
             live.update(draw(view), refresh=True)
     return view
 

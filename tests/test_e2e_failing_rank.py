@@ -2,7 +2,8 @@
 2 nodes x 1 rank, rank 1 raises after printing numbered lines while rank 0 waits; srun
 (--kill-on-bad-exit) then ends rank 0. Both log layouts: per-rank files, and the
 rank-labelled merged job log. The status names rank 1, its node n2, and quotes its last
-lines; rank 0's lines are never quoted. And the same on the real OpenPBS."""
+lines; rank 0's lines are never quoted. ``hpc status RUN --watch`` ends with the same
+lines and the job's exit status. And the same on the real OpenPBS."""
 
 from __future__ import annotations
 
@@ -71,6 +72,47 @@ def test_status_quotes_the_failing_ranks_last_lines(
     assert quoted[-1] == "[rank1]: RuntimeError: boom-on-rank-1", err
     assert len(quoted) == 8 and not any("rank0-" in q for q in quoted), err
     assert not any(c in err for c in "\x1b\x00\x07"), err
+
+
+@pytest.mark.slurm
+def test_watch_ends_with_the_failing_ranks_last_lines(slurm_cluster: Any, tmp_path: Path) -> None:
+    """``hpc status RUN --watch`` through a pipe, started right after submit: it ends by
+    itself when the job does (the wait is on the watch's own exit, bounded only against a
+    hang), its last lines are the summary plain ``hpc status`` prints (rank 1, node n2,
+    its last lines), and its exit status is the job's own, as SLURM recorded it."""
+    import subprocess
+
+    from tests.test_e2e_schedulers import ROOT
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    runs = tmp_path / "runs"
+    spec = write_spec(tmp_path / "f.yaml", [PY, str(probe)], nodes=2, ppn=1, per_rank_logs=True)
+    job_id, run_dir = submit(str(spec), runs=runs)
+    watch = subprocess.run(
+        [PY, "-m", "hpc", "status", str(run_dir), "--runs-dir", str(runs), "--watch"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,  # the watch ends when the job does; this bound is against a hang only
+    )
+    from hpc import core
+
+    code = core.exit_code(str(run_dir), runs)  # what SLURM recorded (hpc logs -f gives it too)
+    assert watch.returncode == code and code not in (None, 0), (code, watch.stdout, watch.stderr)
+    assert watch.stderr.strip().endswith("hpc: job ended: FAILED"), watch.stderr
+    out = watch.stdout.splitlines()
+    start = next((i for i, ln in enumerate(out) if ln.startswith("hpc: rank ")), None)
+    assert start is not None and out[start - 1] == f"job {job_id} FAILED", out
+    where = run_dir / "ranks" / "rank-00001.log"
+    assert out[start] == (
+        f"hpc: rank 1 (n2) failed (srun: exited with exit code 1); its last 8 lines ({where}):"
+    ), out
+    quoted = [ln.removeprefix("  | ") for ln in out[start + 1 :]]
+    assert quoted[:5] == LAST and quoted[-1] == "[rank1]: RuntimeError: boom-on-rank-1", out
+    assert not any(c in watch.stdout for c in "\x1b\x00\x07"), out
+    plain = hpc("status", job_id, "--runs-dir", str(runs))  # the non-watch command's summary
+    assert plain.stderr.splitlines()[-9:] == out[start:], (plain.stderr, out)
 
 
 @pytest.mark.pbs

@@ -262,10 +262,9 @@ def cmd_status(args: argparse.Namespace, command: list[str] | None) -> int:
     if restarts or excluded or stopped:  # on stderr: scripts read stdout's JOBID STATE lines
         sys.stderr.write(watch.supervisor_line(restarts, excluded, stopped) + "\n")
     if found and state == "FAILED":  # issue 31.2: the failing rank's last lines
-        from hpc import failure, logs
+        from hpc.status import failure_summary  # the lines --watch ends with, too
 
-        job = logs.locate(args.id, Path(args.runs_dir))[1]
-        for line in failure.failing_rank_lines(found[0], found[1], job):
+        for line in failure_summary(args.id, Path(args.runs_dir)):
             sys.stderr.write(line + "\n")
     return 0
 

@@ -8,8 +8,9 @@ profile YAML, so a profile with a wrong (or guessed) factor fails:
   job starttime )"; its examples "6 nodes * 1 hour = *6 node-hours*" and "an 8-hour, 2,000
   node reservation on Frontier would be equivalent to using 16,000 Frontier node-hours".
 - ALCF Aurora/Polaris and NERSC Perlmutter: no page read states a per-queue factor (see the
-  profiles' charge comments), so the line must say "charge factor unverified" and print no
-  total in node-hours as if it were a fact.
+  profiles' charge comments and docs/sites.md "Charges": searched three times, the last on
+  2026-11-27), so the line must say "charge factor unverified" and print no total in
+  node-hours as if it were a fact; and NERSC cites no balance command, so none is run.
 """
 
 from __future__ import annotations
@@ -205,3 +206,32 @@ def test_unknown_balance_command_is_one_line_exit_2(
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert "charge.balance: 'iris' is not allowed; allowed: sbank, showusage" in err
+
+
+def test_perlmutter_runs_no_balance_command(
+    fake_bin,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """NERSC cites no balance command ("Usage reports are available through Iris for
+    allocated resources", https://docs.nersc.gov/policies/resource-usage/: a web portal),
+    so none is run, whatever is on PATH: not ``iris`` or ``sshare`` (named in the issue,
+    cited by no NERSC page found), nor another site's ``sbank-list-allocations`` or
+    ``showusage``, each faked here with an empty balance that would warn if asked."""
+    for name in ("iris", "sshare", "sbank-list-allocations", "showusage"):
+        fake_bin(name, 'echo "Available Balance: 0.0 node hours"')
+    line = _charge_line(
+        capsys,
+        "--cluster",
+        "perlmutter",
+        "--queue",
+        "regular",
+        "--nodes",
+        "64",
+        "--walltime",
+        "12:00:00",
+    )
+    assert line == (
+        "hpc: maximum charge: 64 nodes x 12 h = 768 node-hours; charge factor unverified "
+        "(queue regular; see https://docs.nersc.gov/policies/charging-policy/)"
+    )
+    assert not fake_bin.log.exists() or fake_bin.log.read_text() == ""

@@ -235,3 +235,102 @@ def test_plain_status_names_restarts_and_excluded_nodes(
     got = capsys.readouterr()
     assert got.out.splitlines()[0] == "501 RUNNING"  # stdout keeps its JOBID STATE lines
     assert got.err == "supervisor: 1 restart, excluded n2\n"
+
+
+# --- a failed job: the view ends with its failing rank (hpc.failure) ---------------------
+
+FAILING = Path(__file__).parent / "data" / "failing-rank"  # a real 2-node run: rank 1 raised
+
+
+def _failed_run(tmp_path: Path, layout: str) -> tuple[Path, Path]:
+    """(runs folder, run directory) holding a copy of a real failed run's record and logs."""
+    import shutil
+
+    runs = tmp_path / "runs"
+    run_dir = runs / layout
+    shutil.copytree(FAILING / layout, run_dir)
+    return runs, run_dir
+
+
+@pytest.mark.parametrize("layout", ["rank-files", "labelled-log"])
+def test_a_failed_job_ends_the_watch_with_its_failing_rank(
+    fake_bin,
+    tmp_path: Path,
+    layout: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Through the CLI, against scripted squeue/scontrol answers: the watch's last lines
+    are the ones plain ``hpc status`` prints on stderr (rank 1, its node n2, its last
+    lines), and it exits with the job's own code (scontrol's ExitCode 3)."""
+    from hpc.cli import main
+
+    runs, run_dir = _failed_run(tmp_path, layout)
+    job = json.loads((run_dir / "run.json").read_text())["job_id"]
+    fake_bin(
+        "squeue",
+        f'n=$(grep -c "^squeue" "$FAKE_LOG"); s=RUNNING; [ "$n" -ge 2 ] && s=FAILED; '
+        f'echo "{job}|{job}|$s"',
+    )
+    fake_bin("scontrol", f'echo "JobId={job} ExitCode=3:0"')
+    monkeypatch.setattr(watch, "_sleep", lambda s: None)
+    code = main(["status", str(run_dir), "--runs-dir", str(runs), "--watch"])
+    got = capsys.readouterr()
+    assert code == 3, got
+    assert main(["status", str(run_dir), "--runs-dir", str(runs)]) == 0  # FAILED by now
+    plain = capsys.readouterr().err.splitlines()
+    where = run_dir / "ranks" / "rank-00001.log" if layout == "rank-files" else None
+    head = next(ln for ln in plain if ln.startswith("hpc: rank "))
+    assert head.startswith("hpc: rank 1 (n2) failed (srun: exited with exit code 1); its last 8")
+    assert where is None or f"({where}):" in head
+    out = got.out.splitlines()
+    assert out[:2] == [f"job {job} RUNNING", f"job {job} FAILED"], out
+    assert out[2:] == plain[plain.index(head) :], out  # the same summary, whole
+    assert out[-1] == "  | [rank1]: RuntimeError: boom-on-rank-1"
+    assert not any("rank0-" in ln for ln in out)
+    assert got.err == "hpc: job ended: FAILED\n"
+
+
+def test_the_live_view_of_a_failed_job_shows_its_failing_rank(tmp_path: Path) -> None:
+    """On a terminal (rich Live) the last frame holds the summary too."""
+    _, run_dir = _failed_run(tmp_path, "rank-files")
+    w = Scripted(run_dir, ["RUNNING", "FAILED"])
+    out = io.StringIO()
+    code = watch.run(
+        "r", run_dir, None, out, io.StringIO(), tty=True, sleep=lambda _: None, watcher=w
+    )
+    assert code == 1  # no scheduler to ask for the code here: a failed job is never 0
+    shown = out.getvalue()
+    assert "job 42 FAILED" in shown
+    assert "hpc: rank 1 (n2) failed (srun: exited with exit code 1); its last 8 lines" in shown
+    assert "  | [rank1]: RuntimeError: boom-on-rank-1" in shown
+
+
+def test_no_failing_rank_for_a_job_that_completed(tmp_path: Path) -> None:
+    """The same logs, but the scheduler says COMPLETED: no summary (the rule of plain
+    ``hpc status``: only a FAILED job names a failing rank)."""
+    _, run_dir = _failed_run(tmp_path, "rank-files")
+    w = Scripted(run_dir, ["RUNNING", "COMPLETED"])
+    out = io.StringIO()
+    watch.run("r", run_dir, None, out, io.StringIO(), tty=False, sleep=lambda _: None, watcher=w)
+    assert out.getvalue().splitlines() == ["job 42 RUNNING", "job 42 COMPLETED"]
+
+
+def test_an_unreadable_rank_log_is_one_line_and_the_jobs_status_still_given(
+    tmp_path: Path,
+) -> None:
+    """A FIFO where the job log should be: the view says so in one line (never a hang,
+    never a traceback) and the watch still exits with the failed job's status."""
+    _, run_dir = _failed_run(tmp_path, "rank-files")
+    log = run_dir / "e2e-1.out"
+    log.unlink()
+    os.mkfifo(log)
+    w = Scripted(run_dir, ["FAILED"])
+    out = io.StringIO()
+    code = watch.run(
+        "r", run_dir, None, out, io.StringIO(), tty=False, sleep=lambda _: None, watcher=w
+    )
+    assert code == 1
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "job 42 FAILED" and len(lines) == 2, lines
+    assert lines[1].startswith("hpc: no failing rank named: ") and "named pipe" in lines[1]
