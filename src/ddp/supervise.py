@@ -56,6 +56,7 @@ from ddp.supervise_evidence import (  # noqa: F401
     probe_nodes,
     read_beats,
 )
+from hpc_ddp.files import locked, write_atomic
 
 PREEMPTED = 75  # ddp.preemption.PREEMPTED_EXIT_CODE, without importing torch here
 _RANK_FAILED = re.compile(r"^(?:\[rank \d+\] )?(?:ddp: error: )?rank (\d+) failed: (.+)$")
@@ -77,16 +78,9 @@ def _fail(msg: str) -> NoReturn:
 def record(run_dir: Path, event: dict[str, Any]) -> None:
     """Append one event to ``run.json``'s ``supervisor.events`` (atomic replace), under
     the run's ``.lock`` (the flock ``hpc`` holds for its own read-modify-write of the
-    record, so neither side's update is lost)."""
-    import fcntl
-
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(run_dir / ".lock", flags, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    record, :func:`hpc_ddp.files.locked` on both sides, so neither side's update is lost)."""
+    with locked(run_dir / ".lock"):
         _record(run_dir, event)
-    finally:
-        os.close(fd)  # releases the lock
 
 
 def _record(run_dir: Path, event: dict[str, Any]) -> None:
@@ -113,9 +107,7 @@ def _record(run_dir: Path, event: dict[str, Any]) -> None:
         }
     )
     sup["restarts"] = sum(1 for e in events if e.get("event") == "restart")
-    tmp = path.with_name(".run.json.supervise.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, indent=1))
 
 
 # ---- one attempt ----------------------------------------------------------------------
