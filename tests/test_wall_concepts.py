@@ -222,3 +222,19 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def test_the_umask_is_read_without_changing_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Setting the umask to read it would leave other threads a window with none."""
+    from hpc_ddp import files
+
+    if not Path("/proc/self/status").is_file():
+        pytest.skip("no /proc: the portable set-and-restore is all there is")
+    old = os.umask(0o027)
+    try:
+        calls: list[int] = []
+        monkeypatch.setattr(files.os, "umask", lambda m: calls.append(m) or 0)
+        assert files.umask() == 0o027 and calls == []
+    finally:
+        monkeypatch.undo()
+        os.umask(old)
