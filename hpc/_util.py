@@ -5,7 +5,6 @@ Kept free of heavy imports so that ``hpc render`` starts fast.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import stat
@@ -14,6 +13,11 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from hpc.errors import UserError
+
+# The strict YAML rules (duplicate keys, alias bombs, base-60 walltimes) are the ones the
+# compute side's configs use too: one definition, in hpc_ddp.strict_yaml (PyYAML imported
+# on use). Re-exported: the login side's name for the limit.
+from hpc_ddp.strict_yaml import MAX_NODES as MAX_YAML_NODES  # noqa: F401
 
 _WALLTIME = r"^(\d{1,4}):([0-5]\d):([0-5]\d)\Z"  # compiled on first use (re's cache)
 # Values that end up inside #PBS/#SBATCH directives: schedulers parse those lines
@@ -41,95 +45,16 @@ def check_keys(data: dict[str, Any], allowed: Iterable[str], where: str) -> None
             )
 
 
-MAX_YAML_NODES = 100_000
-"""Largest spec or profile, counted with aliases expanded (a real one has dozens)."""
-
-_SEXAGESIMAL = r"[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?"
-
-
-def _strict_loader() -> type:
-    """A safe YAML loader that refuses what silently changes a job (built on first use).
-
-    - ``walltime: 1:00`` unquoted is YAML 1.1's base-60 integer 60; here it stays the
-      text ``1:00`` so that walltime parsing can refuse it (it reads as one hour to a
-      person, one minute to SLURM and PBS);
-    - a duplicate key would silently keep the last value: refused naming both lines;
-    - aliases can make a small file describe billions of values ("billion laughs"):
-      a document past :data:`MAX_YAML_NODES` once expanded is refused before it is built.
-    """
-    import yaml
-
-    base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-    class Strict(base):  # type: ignore[valid-type,misc]
-        def resolve(self, kind: Any, value: Any, implicit: Any) -> Any:
-            if kind is yaml.ScalarNode and implicit[0] and re.fullmatch(_SEXAGESIMAL, value):
-                return "tag:yaml.org,2002:str"
-            return super().resolve(kind, value, implicit)
-
-        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
-            first: dict[Any, int] = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(
-                    key_node, yaml.ScalarNode
-                ):
-                    continue
-                key = self.construct_object(key_node)
-                line = key_node.start_mark.line + 1
-                if key in first:
-                    raise UserError(
-                        f"line {line}: duplicate key {key!r} (first at line "
-                        f"{first[key]}); allowed: each key once"
-                    )
-                first[key] = line
-            return super().construct_mapping(node, deep=deep)
-
-        def get_single_data(self) -> Any:
-            node = self.get_single_node()
-            if node is None:
-                return None
-            if _expanded_size(node) > MAX_YAML_NODES:
-                raise UserError(
-                    f"more than {MAX_YAML_NODES:,} values once aliases are "
-                    "expanded; allowed: a plain spec"
-                )
-            return self.construct_document(node)
-
-    Strict.add_constructor("tag:yaml.org,2002:map", Strict.construct_mapping)
-    return Strict
-
-
-def _expanded_size(root: Any) -> int:
-    """Nodes once aliases are expanded, saturating past the limit (memoized: linear)."""
-    import yaml
-
-    memo: dict[int, int] = {}
-
-    def size(node: Any, depth: int = 0) -> int:
-        if id(node) in memo:
-            return memo[id(node)]
-        if depth > 200:
-            raise UserError("nested more than 200 levels deep; allowed: a plain spec")
-        memo[id(node)] = MAX_YAML_NODES + 1  # an alias to itself counts as too big
-        if isinstance(node, yaml.SequenceNode):
-            total = 1 + sum(size(c, depth + 1) for c in node.value)
-        elif isinstance(node, yaml.MappingNode):
-            total = 1 + sum(size(k, depth + 1) + size(v, depth + 1) for k, v in node.value)
-        else:
-            total = 1
-        memo[id(node)] = min(total, MAX_YAML_NODES + 1)
-        return memo[id(node)]
-
-    return size(root)
-
-
 MAX_YAML_BYTES = 16 * 1024 * 1024
 """Largest spec or profile file read (a real one is a few kilobytes)."""
 
 
 def load_yaml(path: Path, what: str) -> dict[str, Any]:
-    """Read a YAML mapping strictly (see :func:`_strict_loader`); every problem one line."""
+    """Read a YAML mapping strictly (:mod:`hpc_ddp.strict_yaml`, base-60 numbers kept as text
+    for :func:`parse_walltime` to refuse); every problem one line."""
     import yaml
+
+    from hpc_ddp import strict_yaml
 
     # a spec or a project's profile may come with a cloned folder: a pipe there would
     # block, a huge file would be read whole (read_regular refuses both in one line)
@@ -141,8 +66,8 @@ def load_yaml(path: Path, what: str) -> dict[str, Any]:
             f"{what}: {str(path)!r} is not UTF-8 text (byte {exc.start}); allowed: a YAML file"
         ) from None
     try:
-        data = yaml.load(text, Loader=_strict_loader())
-    except UserError as exc:
+        data = strict_yaml.load(text, "spec", base60_as_text=True)
+    except strict_yaml.Refused as exc:
         raise UserError(f"{what}: {str(path)!r} {exc}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
@@ -226,14 +151,14 @@ def read_regular(path: Path, what: str, limit: int = MAX_RUN_FILE) -> bytes:
 def write_atomic(path: Path, text: str | bytes, what: str = "--output") -> None:
     """Write ``text`` (or bytes) to ``path`` all or nothing, never through a planted link.
 
-    The temporary file comes from ``mkstemp`` in the target folder (``O_EXCL``, an
-    unpredictable name), so a symlink someone placed at ``PATH.tmp`` is never followed;
-    ``os.replace`` then swaps it in, with the mode a new file gets (0644 less the umask,
-    as every other file of a run directory). Only a regular file is ever replaced: a
-    device, FIFO or socket at ``path`` (``-o /dev/null``, which as root ``os.replace``
-    would turn into a plain file) is refused. Errors are one line and leave nothing behind.
+    The mechanism is both sides' one atomic write (:func:`hpc_ddp.files.write_atomic`:
+    ``mkstemp`` in the target folder, so a symlink someone placed there is never followed,
+    then ``os.replace``, with the mode a new file gets, 0644 less the umask). What this adds
+    is the login side's refusals: only a regular file is ever replaced (a device, FIFO or
+    socket at ``path``, ``-o /dev/null``, which as root ``os.replace`` would turn into a
+    plain file, is refused), and every error is one line that leaves nothing behind.
     """
-    import tempfile
+    from hpc_ddp.files import AtomicFile
 
     if path.is_dir():
         raise UserError(f"{what}: {str(path)!r} is a directory; allowed: a file path")
@@ -251,25 +176,18 @@ def write_atomic(path: Path, text: str | bytes, what: str = "--output") -> None:
             f"{what}: folder {str(path.parent)!r} does not exist; allowed: an existing folder"
         )
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        staged = AtomicFile(path)
     except OSError as exc:
         raise UserError(f"{what}: cannot write in {str(path.parent)!r}: {exc.strerror}") from None
     try:
-        data = text if isinstance(text, bytes) else text.encode("utf-8")
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.chmod(tmp, 0o644 & ~_umask())
-        os.replace(tmp, path)
+        try:
+            staged.fh.write(text if isinstance(text, bytes) else text.encode("utf-8"))
+        except BaseException:
+            staged.discard()
+            raise
+        staged.commit()
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
         raise UserError(f"{what}: cannot write {str(path)!r}: {exc.strerror}") from None
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def parse_walltime(value: Any, field: str = "walltime") -> int:

@@ -1,6 +1,7 @@
 """What this machine has: python, torch and its devices and backends, schedulers,
-launchers, optional packages. Torch is asked in a subprocess so that ``hpc`` itself
-never imports it; optional packages are found without importing them.
+launchers, optional packages. Torch is asked in a subprocess (the compute side's own
+probe, ``python -m ddp.probe``) so that ``hpc`` itself never imports it; optional
+packages are found without importing them.
 """
 
 from __future__ import annotations
@@ -21,45 +22,24 @@ OPTIONAL = (
     "tensorboard",
     "submitit",
 )
-_TORCH_PROBE = r"""
-import json
-out = {}
-try:
-    import torch
-    import torch.distributed as dist
-except Exception as exc:
-    print(json.dumps({"error": f"{type(exc).__name__}: {exc}"})); raise SystemExit(0)
-out["version"] = torch.__version__
-dev = {"cpu": 1}
-if torch.cuda.is_available():
-    dev["cuda"] = torch.cuda.device_count()
-if hasattr(torch, "xpu") and torch.xpu.is_available():
-    dev["xpu"] = torch.xpu.device_count()
-mps = getattr(torch.backends, "mps", None)
-if mps is not None and mps.is_available():
-    dev["mps"] = 1
-out["devices"] = dev
-be = {}
-for name in ("gloo", "nccl", "mpi", "xccl", "ucc"):
-    fn = getattr(dist, f"is_{name}_available", None)
-    if fn is not None:
-        try:
-            be[name] = bool(fn())
-        except Exception:
-            be[name] = False
-out["backends"] = be
-print(json.dumps(out))
-"""
+#: The compute side's capability probe (``src/ddp/probe.py``), run with the interpreter
+#: being checked: one line of JSON, so ``hpc`` never imports torch and carries no copy.
+PROBE_MODULE = "ddp.probe"
 
 
 def torch_info(timeout: float = 120.0) -> dict[str, object]:
-    """Torch version, devices and collective backends, from a child interpreter."""
+    """Torch version, devices and collective backends, from a child interpreter running
+    ``python -m ddp.probe`` (the compute side's probe)."""
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", _TORCH_PROBE], capture_output=True, text=True, timeout=timeout
+            [sys.executable, "-m", PROBE_MODULE], capture_output=True, text=True, timeout=timeout
         )
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-    except (subprocess.TimeoutExpired, ValueError, IndexError, OSError) as exc:
+        lines = proc.stdout.strip().splitlines()
+        if not lines:  # ddp itself not importable there: its own last line says why
+            error = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+            return {"error": f"probe failed: python -m {PROBE_MODULE}: {error}"}
+        return json.loads(lines[-1])
+    except (subprocess.TimeoutExpired, ValueError, OSError) as exc:
         return {"error": f"probe failed: {exc}"}
 
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpc.errors import UserError
 from hpc.spec import PYTHON
+from hpc_ddp.ports import DEFAULT_PORT
 
 if TYPE_CHECKING:
     from hpc.job import Job
@@ -233,7 +234,7 @@ def torchrun_per_node(job: Job) -> tuple[list[str], list[str]]:
         "--rdzv_backend",
         "c10d",
         "--rdzv_endpoint",
-        Raw('"${head_addr}:${MASTER_PORT:-29500}"'),
+        Raw(f'"${{head_addr}}:${{MASTER_PORT:-{DEFAULT_PORT}}}"'),  # hpc_ddp.ports' default
         "--rdzv_id",
         Raw('"$SLURM_JOB_ID"'),
         *torchrun_args(wrapped(job)),

@@ -153,16 +153,19 @@ def git_info(cwd: Path | None = None) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def locked(run_dir: Path) -> Iterator[None]:
-    """Hold ``run_dir/.lock`` (flock) around a read-modify-write of the record."""
-    import fcntl
-    import stat
+    """Hold ``run_dir/.lock`` (flock) around a read-modify-write of the record: the lock
+    both sides take (:func:`hpc_ddp.files.acquire_lock`, the supervisor's too), which never
+    follows a planted link, never blocks on a FIFO and locks only a regular file."""
+    from hpc_ddp.files import NotRegular, acquire_lock
 
     path = run_dir / LOCK
-    # Never follow a link planted there, never block on a FIFO (O_NONBLOCK: ENXIO without a
-    # reader instead of waiting for one), and lock only a regular file (checked on the fd).
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        fd = os.open(path, flags, 0o644)
+        fd = acquire_lock(path)
+    except NotRegular:
+        raise UserError(
+            f"run: {str(path)!r} is not a regular file; allowed: a regular "
+            "file (as hpc submit makes it)"
+        ) from None
     except OSError as exc:
         kind = "a symbolic link" if path.is_symlink() else exc.strerror
         raise UserError(
@@ -170,18 +173,9 @@ def locked(run_dir: Path) -> Iterator[None]:
             "(as hpc submit makes it)"
         ) from None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise UserError(
-                f"run: {str(path)!r} is not a regular file; allowed: a regular "
-                "file (as hpc submit makes it)"
-            )
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+        yield
     finally:
-        os.close(fd)
+        os.close(fd)  # releases the lock
 
 
 def write_record(run_dir: Path, record: dict[str, Any]) -> None:

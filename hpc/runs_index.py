@@ -192,32 +192,23 @@ def _index_dir(runs_dir: Path) -> Path | None:
 
 @contextlib.contextmanager
 def _index_locked(runs_dir: Path) -> Iterator[bool]:
-    """Hold ``runs_dir/.index/lock`` (flock); yields False when it cannot be had (a
-    read-only ``runs/``, a planted FIFO or link): then the index is left alone and
-    the next lookup that misses rebuilds it."""
-    import fcntl
-    import stat
+    """Hold ``runs_dir/.index/lock`` (:func:`hpc_ddp.files.acquire_lock`); yields False
+    when it cannot be had (a read-only ``runs/``, a planted FIFO or link): then the index
+    is left alone and the next lookup that misses rebuilds it."""
+    from hpc_ddp.files import acquire_lock
 
     folder = _index_dir(runs_dir)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         if folder is None:
             raise OSError("no index folder")
-        fd = os.open(folder / INDEX_LOCK, flags, 0o644)
+        fd = acquire_lock(folder / INDEX_LOCK)
     except OSError:
         yield False
         return
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            yield False
-            return
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-            yield True
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+        yield True
     finally:
-        os.close(fd)
+        os.close(fd)  # releases the lock
 
 
 def _index_append(

@@ -221,12 +221,15 @@ def command_setting(command: Iterable[str], key: str) -> str | None:
 
 
 def _folder_value(raw: str) -> str | None:
-    """``raw`` as the trainer's ``--set`` parses it (YAML): None for no folder at all."""
+    """``raw`` as the trainer's ``--set`` parses it (the one strict YAML,
+    :mod:`hpc_ddp.strict_yaml`, as ``ddp.yaml_io`` reads it): None for no folder at all."""
     import yaml
 
+    from hpc_ddp import strict_yaml
+
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+        value = strict_yaml.load(raw, "config") if raw.strip() else ""
+    except (yaml.YAMLError, strict_yaml.Refused, RecursionError):
         value = raw
     return None if value in _NO_FOLDER else str(value)
 

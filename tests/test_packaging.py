@@ -16,7 +16,7 @@ def test_every_package_folder_is_in_setup_cfg() -> None:
     listed = {p.strip() for p in cfg["options"]["packages"].split() if p.strip()}
     found = {
         ".".join(init.parent.relative_to(base).parts)
-        for base, top in ((ROOT, "hpc"), (ROOT / "src", "ddp"))
+        for base, top in ((ROOT, "hpc"), (ROOT / "src", "ddp"), (ROOT / "src", "hpc_ddp"))
         for init in (base / top).rglob("__init__.py")
         if "__pycache__" not in init.parts
     }

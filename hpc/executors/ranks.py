@@ -60,30 +60,28 @@ def distributed(fn: Callable[..., R]) -> Callable[..., R]:
     return Distributed(fn)
 
 
-PORT_BASE, PORT_SPAN, DEFAULT_PORT = 20000, 9000, 29500
-
-
 def rank_env(env: Any) -> dict[str, str]:
     """torchrun's variables for a rank described by a submitit ``JobEnvironment``.
 
-    The port is derived from the job id (20000 + id % 9000, as ddp.env does for
-    SLURM and PBS), so every rank of the job computes the same one.
+    The variable set and the port rule are the compute side's own
+    (:func:`hpc_ddp.torchrun_vars.torchrun_vars`, :mod:`hpc_ddp.ports`): the port is
+    derived from the job id as ``ddp.env`` derives it for SLURM and PBS, so every rank of
+    the job computes the same one.
     """
-    digits = "".join(ch for ch in str(env.job_id).split("_")[0] if ch.isdigit())
-    port = PORT_BASE + int(digits) % PORT_SPAN if digits else DEFAULT_PORT
+    from hpc_ddp.ports import job_number, port_for
+    from hpc_ddp.torchrun_vars import torchrun_vars
+
     hosts = list(env.hostnames)
-    per_node = max(1, env.num_tasks // max(1, env.num_nodes))
     single_node = env.num_nodes <= 1
-    return {
-        "RANK": str(env.global_rank),
-        "LOCAL_RANK": str(env.local_rank),
-        "WORLD_SIZE": str(env.num_tasks),
-        "LOCAL_WORLD_SIZE": str(per_node),
-        "GROUP_RANK": str(env.node),
-        "NODE_RANK": str(env.node),
-        "MASTER_ADDR": "127.0.0.1" if single_node or not hosts else hosts[0],
-        "MASTER_PORT": str(port),
-    }
+    return torchrun_vars(
+        rank=env.global_rank,
+        local_rank=env.local_rank,
+        world_size=env.num_tasks,
+        master_addr="127.0.0.1" if single_node or not hosts else hosts[0],
+        master_port=port_for(job_number(env.job_id)),
+        local_world_size=max(1, env.num_tasks // max(1, env.num_nodes)),
+        node_rank=env.node,
+    )
 
 
 def export_rank_env() -> dict[str, str]:

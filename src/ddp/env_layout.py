@@ -10,7 +10,6 @@ of :mod:`ddp.env` describes the rules as a user meets them.
 from __future__ import annotations
 
 import os
-import re
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -18,9 +17,16 @@ from dataclasses import dataclass
 from ddp.errors import ConfigError
 from ddp.hostlist import job_hosts, short, unique
 
-DEFAULT_PORT = 29500
-PORT_BASE = 20000
-PORT_SPAN = 9000
+# The port rule is both sides' (hpc_ddp.ports); re-exported: ddp.env.X is what callers name.
+from hpc_ddp.ports import (  # noqa: F401  (DEFAULT_PORT, PORT_BASE, PORT_SPAN: ddp.env re-exports)
+    DEFAULT_PORT,
+    PORT_BASE,
+    PORT_SPAN,
+    job_number,
+    port_for,
+    valid_port,
+)
+from hpc_ddp.torchrun_vars import torchrun_vars as _torchrun_vars
 
 
 @dataclass(frozen=True)
@@ -58,32 +64,17 @@ class DistEnv:
         reading GROUP_WORLD_SIZE or ROLE_* run unchanged. Values that are not known
         (see the class docstring) are left out rather than guessed.
         """
-        out = {
-            "RANK": str(self.rank),
-            "LOCAL_RANK": str(self.local_rank),
-            "WORLD_SIZE": str(self.world_size),
-            "MASTER_ADDR": self.master_addr,
-            "MASTER_PORT": str(self.master_port),
-        }
-        if self.local_world_size is not None:
-            out["LOCAL_WORLD_SIZE"] = str(self.local_world_size)
-        if self.node_rank is not None:
-            out["GROUP_RANK"] = str(self.node_rank)
-            out["NODE_RANK"] = str(self.node_rank)  # not torchrun's; Lightning reads it
-        if not full:
-            return out
-        if self.num_nodes is not None:
-            out["GROUP_WORLD_SIZE"] = str(self.num_nodes)
-        out.update(
-            ROLE_RANK=str(self.rank),
-            ROLE_WORLD_SIZE=str(self.world_size),
-            ROLE_NAME="default",
-            TORCHELASTIC_RESTART_COUNT="0",
-            TORCHELASTIC_MAX_RESTARTS="0",
-            # No agent hosts a store: rank 0 does, as under torchrun's static rendezvous.
-            TORCHELASTIC_USE_AGENT_STORE="False",
+        return _torchrun_vars(
+            rank=self.rank,
+            local_rank=self.local_rank,
+            world_size=self.world_size,
+            master_addr=self.master_addr,
+            master_port=self.master_port,
+            local_world_size=self.local_world_size,
+            node_rank=self.node_rank,
+            num_nodes=self.num_nodes,
+            full=full,
         )
-        return out
 
 
 # --------------------------------------------------------------------------- helpers
@@ -116,9 +107,9 @@ def job_id(env: Mapping[str, str]) -> str | None:
 
 def _job_id_number(env: Mapping[str, str]) -> int | None:
     for name in _JOB_ID_VARS:
-        m = re.match(r"\d+", env.get(name, ""))
-        if m:
-            return int(m.group(0))
+        number = job_number(env.get(name, ""))
+        if number is not None:
+            return number
     return None
 
 
@@ -145,8 +136,8 @@ def _master(
         job = _job_id_number(env)
         if job is None and local_pid_ok and not multi_node:
             job = os.getppid()
-        port = DEFAULT_PORT if job is None else PORT_BASE + job % PORT_SPAN
-    if not 0 < port < 65536:
+        port = port_for(job)
+    if not valid_port(port):
         raise ConfigError(f"MASTER_PORT={port} is out of range; allowed: 1-65535")
     return addr, port
 

@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import IO
 
+from hpc_ddp.files import write_atomic
+
 log = logging.getLogger("ddp")
 
 #: Default seconds between writes: small against any sane hang timeout (minutes), large
@@ -126,10 +128,9 @@ class Heartbeat:
         if self.node_rank is not None:
             rec["node_rank"] = int(self.node_rank)
         path = self.folder / f"rank-{self.rank}.json"
-        tmp = self.folder / f".rank-{self.rank}.json.tmp"
         try:
-            tmp.write_text(json.dumps(rec))
-            os.replace(tmp, path)  # readers see the old beat or the new one, never half
+            # readers see the old beat or the new one, never half
+            write_atomic(path, json.dumps(rec))
         except OSError as exc:
             log.warning("heartbeat not written (%s); heartbeats off", exc)
             self.folder = None

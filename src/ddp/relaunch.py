@@ -24,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpc_ddp.files import write_atomic
+
 # ---- srun -------------------------------------------------------------------------------
 # srun's own report of a task killed by a signal: "srun: error: n2: task 1: Killed",
 # "srun: error: n2: tasks 2-3: Killed" (an exit by error is "Exited with exit code N")
@@ -355,9 +357,7 @@ class Nodes:
             line.insert(2, f"--nodelist={','.join(self.active)}")
             return line
         if self.kind == "mpiexec":
-            tmp = hostfile.with_name(f".{hostfile.name}.tmp")
-            tmp.write_text("".join(f"{h}\n" for h in self.active))
-            os.replace(tmp, hostfile)
+            write_atomic(hostfile, "".join(f"{h}\n" for h in self.active))
             return mpiexec_command(cmd, hostfile, len(self.active), self.per_node)
         return list(cmd)
 

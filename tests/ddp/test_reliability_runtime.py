@@ -347,6 +347,7 @@ def test_shutdown_and_exit_wait_until_gloo_workers_are_idle(monkeypatch):
     The race itself is timing-bound and not reproducible on demand; this checks the
     mechanism: shutdown and the exit hook wait, GIL released, until no worker is busy."""
     import ddp.dist as dist
+    import ddp.dist_teardown as dist_teardown
 
     def looks(answers: list[bool]) -> list[bool]:
         calls: list[bool] = []
@@ -356,7 +357,7 @@ def test_shutdown_and_exit_wait_until_gloo_workers_are_idle(monkeypatch):
             calls.append(True)
             return next(it, False)
 
-        monkeypatch.setattr(dist, "_gloo_busy", busy)
+        monkeypatch.setattr(dist_teardown, "_gloo_busy", busy)
         return calls
 
     for teardown in (dist.shutdown, dist._at_exit):

@@ -2,18 +2,17 @@
 
 Every checkpoint file goes through :func:`atomic_save` / :func:`atomic_write_text`: a
 temp file in the same directory, fsync, ``os.replace``, fsync of the directory, so a
-``kill -9`` at any instant leaves the old file or the new one, never a torn one. A
+``kill -9`` at any instant leaves the old file or the new one, never a torn one (the
+mechanism is both sides' one atomic write, :class:`hpc_ddp.files.AtomicFile`). A
 checkpoint directory is untrusted input, so its small files are read with
 :func:`read_regular` (regular files only, never blocking, bounded).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,26 +21,17 @@ import torch
 
 from ddp import _files
 from ddp.checkpoint.layout import DIGEST_SUFFIX
+from hpc_ddp.files import AtomicFile
+from hpc_ddp.files import fsync_dir as fsync_dir  # re-exported: ddp.checkpoint's name
 
 log = logging.getLogger("ddp")
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename or new file in ``path`` durable (best effort where unsupported)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # some filesystems refuse to open directories
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-class _Staged:
-    """A file written under a temp name in its final directory, made visible by commit().
+class _Staged(AtomicFile):
+    """A checkpoint file written under a temp name in its final directory, made visible by
+    commit(): both sides' atomic write (:class:`hpc_ddp.files.AtomicFile`), durable by
+    default, owner-only (0600, as checkpoints always were), its folder made if missing,
+    and a failure reported as the file system's error (:meth:`failed`).
 
     Same directory, so ``os.replace`` is atomic; ``commit`` fsyncs the file, renames it
     and fsyncs the directory so the rename itself survives a crash. Every atomic write
@@ -49,32 +39,14 @@ class _Staged:
     """
 
     def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, self.tmp = tempfile.mkstemp(
-            prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent
-        )
-        self.fh = os.fdopen(fd, "wb")
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        super().__init__(path, mode=None)
 
     def commit(self, durable: bool = True) -> None:
         try:
-            try:
-                self.fh.flush()
-                if durable:
-                    os.fsync(self.fh.fileno())
-            finally:
-                self.fh.close()
-            os.replace(self.tmp, self.path)
+            super().commit(durable)
         except BaseException as exc:
             raise self.failed(exc) from None
-        if durable:
-            fsync_dir(self.path.parent)
-
-    def discard(self) -> None:
-        with contextlib.suppress(OSError):
-            self.fh.close()
-        with contextlib.suppress(OSError):
-            os.unlink(self.tmp)
 
     def failed(self, exc: BaseException) -> BaseException:
         """Discard the temp file; what to raise for ``exc``: the file system's OSError
