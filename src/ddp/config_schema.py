@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import types
 import typing
 from collections.abc import Callable
@@ -199,3 +200,52 @@ def check_declared(obj: Any, bad: Bad) -> None:
         problem = check_value(decl, getattr(obj, f.name), types_[f.name])
         if problem is not None:
             bad(f.name, problem[0], problem[1])
+
+
+_TYPE_WORDS = {bool: "true or false", str: "a string", int: "an integer", float: "a number"}
+_PLURALS = {str: "strings", int: "integers", float: "numbers"}
+
+
+def _allowed_words(decl: Key | None, tp: Any) -> str:
+    """What a key allows, in the words its error would use (its type's, if undeclared)."""
+    base, nullable = _unwrap(tp)
+    if decl is not None and decl.choices is not None:
+        return "one of " + ", ".join(decl.choices)
+    if decl is not None and (
+        decl.allowed is not None
+        or any(b is not None for b in (decl.ge, decl.gt, decl.le, decl.lt, decl.most))
+        or decl.length is not None
+        or decl.items is not None
+    ):
+        return phrase(decl, tp)
+    if get_origin(base) is dict:
+        words = "a mapping: the recipe's keys (python -m ddp RECIPE --help)"
+    elif get_origin(base) is list:
+        words = "a list of " + _PLURALS.get(get_args(base)[0], "values")
+    else:
+        words = _TYPE_WORDS.get(base, str(base))
+    return words + (" or null" if nullable else "")
+
+
+def describe(cls: type, prefix: str = "") -> list[str]:
+    """One line per key of ``cls`` and of its sections, from the declarations alone:
+    ``optim.lr: 0.001  # a number > 0 and at most 3.403e+38 (float32)`` (the allowed
+    words are the ones its error would use), then the key's help. ``python -m ddp --keys``
+    prints them, so the reference a user reads is the schema the check runs."""
+    lines: list[str] = []
+    for f in dataclasses.fields(cls):
+        tp = hints(cls)[f.name]
+        base, _ = _unwrap(tp)
+        name = prefix + f.name
+        if isinstance(base, type) and dataclasses.is_dataclass(base):
+            lines += describe(base, f"{name}.")
+            continue
+        item = get_args(base)[0] if get_origin(base) is list else None
+        if isinstance(item, type) and dataclasses.is_dataclass(item):
+            lines += describe(item, f"{name}.N.")  # phases.N.lr: one list element's keys
+            continue
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        decl = declared(f)
+        text = f"{name}: {json.dumps(default)}  # {_allowed_words(decl, tp)}"
+        lines.append(text + (f"; {decl.help}" if decl is not None and decl.help else ""))
+    return lines

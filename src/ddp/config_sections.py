@@ -42,7 +42,7 @@ class TrainingConfig:
     seed: int = 0
     shuffle: bool = True
     drop_last: bool = False
-    eval_every_n_epochs: int = 1  # 0 = evaluate only at the end
+    eval_every_n_epochs: int = key(1, help="0: evaluate only at the end")
 
 
 @dataclass
@@ -73,11 +73,15 @@ class ScalingConfig:
     formula); ``base_batch_size`` is then required (0 = unset).
     """
 
-    rule: str = "none"  # its grammar: ddp.config_check._check_scaling
+    # rule and base_batch_size are checked by ddp.config_check._check_scaling (a grammar,
+    # and a rule that ties base_batch_size to by): their help says what it allows.
+    rule: str = key("none", help="none, linear, sqrt or cap:N with N >= 1")
     base_world_size: int = key(1, ge=1)
     scale_warmup: bool = False
     by: str = key("world", choices=("world", "batch"))
-    base_batch_size: int = 0  # tied to `by`: ddp.config_check._check_scaling
+    base_batch_size: int = key(
+        0, help="the effective batch the base lr was tuned for: >= 1 with by: batch, else 0"
+    )
 
 
 @dataclass
@@ -94,17 +98,26 @@ class DDPConfig:
     gradient_as_bucket_view: bool = True
     static_graph: bool = False
     bucket_cap_mb: float = key(25.0, gt=0, most=MAX_BUCKET_MB)
-    backend: str = "auto"  # auto | nccl | gloo | xccl | ccl | mpi | xpu (see ddp.backends)
-    device: str = "auto"  # auto | cuda | xpu | mps | cpu (auto: the first available)
+    backend: str = key("auto", help="auto, nccl, gloo, xccl, ccl, mpi or xpu (ddp.backends)")
+    device: str = key("auto", help="auto (the first available), cuda, xpu, mps or cpu")
     # Collective timeout. None: $DDP_TIMEOUT, else $NCCL_TIMEOUT (seconds, the seeds'
     # advice), else 1800 s; the value in effect is logged. Precedence, highest first:
     # ddp.init(timeout=...) in a script > this key (config file, --set) > DDP_TIMEOUT
     # > NCCL_TIMEOUT.
-    timeout_s: float | None = key(None, gt=0, most=MAX_SECONDS, noun="seconds", note="(a year)")
+    timeout_s: float | None = key(
+        None,
+        gt=0,
+        most=MAX_SECONDS,
+        noun="seconds",
+        note="(a year)",
+        help="collective timeout; null: $DDP_TIMEOUT, else $NCCL_TIMEOUT, else 1800",
+    )
     # ddp: a full replica per rank. fsdp: FSDP2 shards parameters, gradients and optimizer
     # state over the ranks (ddp.fsdp); the options below apply to fsdp only.
     strategy: str = key("ddp", choices=("ddp", "fsdp"))
-    fsdp_blocks: list[str] | None = None  # class name or module names; None: layer stacks
+    fsdp_blocks: list[str] | None = key(
+        None, help="fsdp: a class name or module names to shard by; null: the layer stacks"
+    )
     reshard_after_forward: bool = True
     fsdp_mixed_precision: str = key("none", choices=("none", "bf16"))
     cpu_offload: bool = False
@@ -122,7 +135,7 @@ class BestConfig:
     """``checkpoint.best``: keep ``<checkpoint.dir>/best/model.pt`` (final/'s export
     format) whenever this evaluation metric improves (seed 002's ``best_model.pt``)."""
 
-    metric: str | None = None  # None: off. eval/loss (or eval_loss), eval/acc, ...
+    metric: str | None = key(None, help="null: off; eval/loss (or eval_loss), eval/acc, ...")
     mode: str = key("min", choices=("min", "max"))
 
 
@@ -131,7 +144,7 @@ class CheckpointConfig:
     # None = no checkpoints, no export. A relative path is taken from $HPC_RUN_DIR when
     # `hpc submit` started the job (so a requeued job resumes from its own run directory),
     # else from the working directory. An absolute path is kept as it is.
-    dir: str | None = "checkpoints"
+    dir: str | None = key("checkpoints", help="null: none; relative: under $HPC_RUN_DIR if set")
     every_n_steps: int = key(0, ge=0, help="0: only at the end of each epoch")
     # Also a checkpoint once every_s seconds have passed since the last one (0 = off): the
     # sites' rule ("checkpoint every 15 minutes": every_s: 900, ALCF Aurora). Rank 0's clock
@@ -152,7 +165,7 @@ class CheckpointConfig:
 
 @dataclass
 class WandbConfig:
-    project: str | None = None  # None = W&B off
+    project: str | None = key(None, help="null: W&B off")
     mode: str = key("offline", choices=("offline", "online", "disabled"))
     # The run's name in W&B (seed 002's wandb.init(name=args.run_name)); None: the
     # recipe's --run-name (recipe.run_name) if it has one, else W&B's generated name.
@@ -170,7 +183,7 @@ class LoggingConfig:
     progress: str = key("auto", choices=("auto", "bar", "plain", "off"))
     # metrics.jsonl (one line per log point and evaluation, rank 0). "auto": in the run
     # directory `hpc submit` made ($HPC_RUN_DIR), else in checkpoint.dir; a path; or null.
-    metrics_file: str | None = "auto"
+    metrics_file: str | None = key("auto", help="metrics.jsonl: auto, a path or null")
     # RUN/env-JOBID.json beside metrics.jsonl at start: packages, torch/CUDA/NCCL/oneCCL
     # versions, modules, git commit + diff, NCCL_*/CCL_*/FI_* variables (never a name like
     # a secret), and the nodes whose software differs (ddp.fingerprint; hpc report diffs it).
@@ -198,7 +211,7 @@ class PreemptionConfig:
     # DDP_REQUEUE=1 (exported by `hpc render` for a spec with `requeue: true`) does the same.
     # An array task requeues ${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID} only; a requeue
     # SLURM refuses submits the next segment instead (ddp.preemption.requeue).
-    requeue: bool = False
+    requeue: bool = key(False, help="requeue the SLURM job after a preemption checkpoint")
     # Ranks agree on the flag with one tiny CPU all_reduce (ddp.preemption.Vote), at most
     # every check_every_n_steps steps and about every check_interval_s seconds: the steps
     # between votes follow the step time measured at log points, the same on every rank.

@@ -13,7 +13,7 @@ import pytest
 from ddp import config_set, recipes
 from ddp.config import TrainConfig
 from ddp.config_check import _build
-from ddp.config_schema import check_value, declared, key, phrase
+from ddp.config_schema import check_value, declared, describe, key, phrase
 from ddp.config_sections import OptimConfig
 from ddp.errors import ConfigError
 
@@ -185,3 +185,33 @@ def test_a_key_inside_a_list_value_is_one_line() -> None:
     """Was a TypeError traceback ('float' is not iterable) from the dict walk."""
     with pytest.raises(ConfigError, match=r"^optim\.betas\.0 is a value, not a section$"):
         TrainConfig().override(["optim.betas.0.x=1"])
+
+
+# ---- the reference a user reads is the declaration ---------------------------------------
+def test_describe_says_what_the_error_would_say() -> None:
+    lines = describe(_Toy)
+    assert lines[0] == "count: 3  # an integer from 2 to 5"
+    assert lines[1] == "wait: null  # seconds > 0 and at most 60 (a minute), or null"
+    assert lines[3] == 'pick: "alpha"  # one of alpha, beta'
+    assert lines[-1] == "free: 0  # an integer"
+    with pytest.raises(ConfigError) as exc:
+        _build(_Toy, {"count": 9}, "")
+    assert str(exc.value).endswith(lines[0].split("# ", 1)[1])
+
+
+def test_python_m_ddp_keys_lists_every_key_with_its_range_and_help(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from ddp.__main__ import main
+
+    assert main(["--keys"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert (
+        "optim.lr: 0.001  # a number > 0 and at most 3.403e+38 (float32)" in out
+        and "phases.N.skip: false  # true or false" in out
+        and 'checkpoint.best.mode: "min"  # one of min, max' in out
+    )
+    assert any(
+        line.startswith("ddp.timeout_s: null  # seconds > 0") and "1800" in line for line in out
+    )
+    assert len(out) == len(describe(TrainConfig)) > 70
