@@ -41,6 +41,9 @@ def _parser(add_help: bool = True) -> _Parser:
     )
     p.add_argument("recipe", nargs="?", help="recipe name (see --list)")
     p.add_argument("--list", action="store_true", help="list recipes and exit")
+    p.add_argument(
+        "--keys", action="store_true", help="list every config key, its default and range; exit"
+    )
     p.add_argument("--config", help="YAML config (sections as in configs/RECIPE.yaml)")
     p.add_argument(
         "--set",
@@ -105,6 +108,12 @@ def _main(argv: Sequence[str] | None) -> int:
                 except ImportError as exc:  # a recipe's optional dependency is missing
                     about = f"(unavailable: {exc})"
                 print(f"{name:10s} {about}")
+            return 0
+        if pre.keys:  # the declarations themselves (ddp.config_schema), not a copy of them
+            from ddp.config import TrainConfig
+            from ddp.config_schema import describe
+
+            print("\n".join(describe(TrainConfig)))
             return 0
         if not pre.recipe:
             if _wants_help(argv):

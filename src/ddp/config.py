@@ -10,13 +10,16 @@ keys. Their allowed keys and types come from the recipe's defaults
 (:func:`check_free_section`), so they get the same typo protection.
 
 This module is :class:`TrainConfig` itself; its parts: :mod:`ddp.config_sections` (one
-dataclass per section), :mod:`ddp.config_check` (coercion to each field's type and the
-range checks), :mod:`ddp.config_load` (the YAML file, dotted ``--set``, the seed's key
-aliases and final-LR rule).
+dataclass per section, each key declared once: type, default, bounds, choices, help),
+:mod:`ddp.config_schema` (what a declaration holds, and the one check and message made
+from it), :mod:`ddp.config_check` (coercion to each field's type, and the section checks),
+:mod:`ddp.config_set` (dotted ``--set`` on a built config), :mod:`ddp.config_load` (the
+YAML file, parsing ``--set``, the seed's key aliases and final-LR rule).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import typing
@@ -26,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from ddp import scaling
+from ddp import config_schema, config_set, scaling
 
 # MAX_SECONDS (ddp.dist), log_config_notes (ddp.trainer) and the section types other than
 # TrainConfig's own imports are imported from ddp.config, as before the split: offered here.
@@ -37,7 +40,6 @@ from ddp.config_check import (
     _unknown,
 )
 from ddp.config_load import (
-    _set_dotted,
     alias_assignment,
     free_aliases,
     log_config_notes,  # noqa: F401
@@ -107,7 +109,7 @@ class TrainConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
-    precision: str = field(default="fp32", metadata={"choices": ("fp32", "bf16", "fp16")})
+    precision: str = config_schema.key("fp32", choices=("fp32", "bf16", "fp16"))
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -137,21 +139,19 @@ class TrainConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     # ---- overrides ----------------------------------------------------------------
+    # Both set the keys on a copy and check what they touched (ddp.config_set): the
+    # config is not taken apart into a dict and built again, once per call.
     def override(self, assignments: list[str] | tuple[str, ...]) -> TrainConfig:
         """Return a new config with ``section.key=value`` strings applied, validated."""
-        data = self.to_dict()
-        for item in assignments:
-            key, value = parse_assignment(item)
-            key, value = alias_assignment(key, value)
-            _set_dotted(data, key, value)
-        return TrainConfig.from_dict(data)
+        out = copy.deepcopy(self)
+        config_set.apply(out, (alias_assignment(*parse_assignment(item)) for item in assignments))
+        return out
 
     def with_values(self, values: dict[str, Any]) -> TrainConfig:
         """Return a new config with already-typed dotted keys applied (recipe flags)."""
-        data = self.to_dict()
-        for key, value in values.items():
-            _set_dotted(data, key, value)
-        return TrainConfig.from_dict(data)
+        out = copy.deepcopy(self)
+        config_set.apply(out, values.items())
+        return out
 
     # ---- derived values -----------------------------------------------------------
     # The arithmetic is ddp.scaling's, the same that `hpc scale` prints.

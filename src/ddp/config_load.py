@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp import yaml_io
-from ddp.config_check import _scalar, _unknown
+from ddp.config_check import _scalar
 from ddp.errors import ConfigError
 
 
@@ -41,37 +41,6 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
     return final_unless_scaled(apply_aliases(data or {}), str(path))
-
-
-def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
-    parts = key.split(".")
-    node: Any = data
-    for i, part in enumerate(parts[:-1]):
-        if isinstance(node, list):
-            if not part.isdigit() or int(part) >= len(node):
-                raise ConfigError(f"{'.'.join(parts[: i + 1])}: no such list element")
-            node = node[int(part)]
-            continue
-        if part not in node:
-            _unknown(".".join(parts[:i]), part, list(node))
-        if node[part] is None:
-            node[part] = {}
-        node = node[part]
-        if not isinstance(node, dict | list):
-            raise ConfigError(f"{'.'.join(parts[: i + 1])} is a value, not a section")
-    last = parts[-1]
-    if isinstance(node, list):
-        if not last.isdigit() or int(last) >= len(node):
-            raise ConfigError(f"{key}: no such list element")
-        node[int(last)] = value
-        return
-    if last not in node and not _is_free(parts[:-1]):
-        _unknown(".".join(parts[:-1]), last, list(node))
-    node[last] = value
-
-
-def _is_free(path: list[str]) -> bool:
-    return bool(path) and path[0] in ("model", "recipe")
 
 
 # ---- seed 004's configs as written (issue 26): aliases, monitoring, final LR ----------------
