@@ -23,7 +23,8 @@ still have their default and help here, and their nested mappings are tables too
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import MISSING as _NO_DEFAULT
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from hpc._util import check_keys, did_you_mean
@@ -42,7 +43,7 @@ _KIND_ALLOWED = {
 }
 #: A key that is not in the mapping (``None`` is a key given as null).
 MISSING: Any = type("Missing", (), {"__repr__": lambda self: "MISSING"})()
-KINDS = ("str", "int", "number", "bool", "truthy", "choice", "strings", "custom", "meta")
+KINDS = ("str", "text", "int", "number", "bool", "truthy", "choice", "strings", "custom", "meta")
 
 
 def refuse(label: str, value: Any, allowed: str, hint: str = "") -> UserError:
@@ -54,7 +55,8 @@ def refuse(label: str, value: Any, allowed: str, hint: str = "") -> UserError:
 class Key:
     """One key of a mapping, declared once.
 
-    ``kind``: ``str``, ``int`` (a whole number within ``low``/``high``), ``number``
+    ``kind``: ``str``, ``text`` (free text for people: anything, none or false is
+    empty), ``int`` (a whole number within ``low``/``high``), ``number``
     (int or float within the bounds; NaN fails both), ``bool`` (true or false),
     ``truthy`` (any YAML value, read as true or false: kept lenient where it always
     was), ``choice`` (one of ``choices``, the nearest named for a typo), ``strings``
@@ -65,14 +67,15 @@ class Key:
     functions of the keys read before (a scheduler's own queue directives). ``sep``
     joins the mapping's label and the key (the table's when None); ``digits``: a whole
     number may come as ASCII digits in text (command-line flags); ``nullable``: null
-    means the default (else null is refused like any other wrong value); ``lax``
+    means the default (else null is refused like any other wrong value); ``required``:
+    an absent key is checked as a null (refused) instead of taking the default; ``lax``
     (the table's when None): a choice is compared as text and ``strings`` takes any
     scalars (profiles have always been read so).
     """
 
     name: str
     kind: str = "str"
-    default: Any = None
+    default: Any = MISSING
     help: str = ""
     low: float | None = None
     high: float | None = None
@@ -83,6 +86,7 @@ class Key:
     sep: str | None = None
     digits: bool = False
     nullable: bool = True
+    required: bool = False
     lax: bool | None = None
 
     def options(self, got: Mapping[str, Any] | None = None) -> tuple[str, ...]:
@@ -92,6 +96,8 @@ class Key:
     def fallback(self, got: Mapping[str, Any] | None = None) -> Any:
         """The default, computed from the keys read before where it depends on them."""
         value = self.default(dict(got or {})) if callable(self.default) else self.default
+        if value is MISSING:
+            return None
         return type(value)(value) if isinstance(value, (list, dict)) else value  # a fresh one
 
     def describe(self, got: Mapping[str, Any] | None = None) -> str:
@@ -113,13 +119,13 @@ class Key:
         """Check ``value`` (:data:`MISSING`: the key is absent) and return what is kept."""
         lax = lax if self.lax is None else self.lax
         if value is MISSING:
-            if self.kind != "choice" or not lax:
+            if not self.required:
                 return self.fallback(got)
-            value = self.fallback(got)
-        if self.kind == "choice" and lax:
-            value = str(value)  # profiles: compared as text, a null included
+            value = None  # the kind's own message names what is missing
         elif value is None and self.nullable:
             return self.fallback(got)
+        elif self.kind == "choice" and lax:
+            value = str(value)  # profiles: compared as text, a null included
         if self.kind == "custom":
             assert self.parse is not None, self.name
             return self.parse(value, label, got)
@@ -159,6 +165,9 @@ class Key:
             raise refuse(label, value, self.describe(got))
         return value
 
+    def _text(self, value: Any, label: str, got: dict[str, Any], lax: bool) -> str:
+        return str(value or "")
+
     def _truthy(self, value: Any, label: str, got: dict[str, Any], lax: bool) -> bool:
         return bool(value)
 
@@ -195,6 +204,28 @@ class Table:
     keys: tuple[Key, ...]
     sep: str = ": "
     lax: bool = False
+    model: type | None = None
+
+    def __post_init__(self) -> None:
+        """A key that declares no default takes the one of ``model``'s field of its name.
+
+        Why: the frozen type (``JobSpec``, ``Cluster``...) is also built in Python without
+        any YAML, so its fields keep their defaults; the table reads them from there
+        instead of writing them a second time.
+        """
+        if self.model is None:
+            return
+        own = {}
+        for f in fields(self.model):
+            if f.default is not _NO_DEFAULT:
+                own[f.name] = f.default
+            elif f.default_factory is not _NO_DEFAULT:
+                own[f.name] = f.default_factory()
+        keys = tuple(
+            replace(k, default=own[k.name]) if k.default is MISSING and k.name in own else k
+            for k in self.keys
+        )
+        object.__setattr__(self, "keys", keys)
 
     def names(self) -> tuple[str, ...]:
         """Every key a user may write here (what an unknown key is compared with)."""

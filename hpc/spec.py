@@ -242,13 +242,9 @@ def _walltime(value: Any, label: str, got: dict[str, Any]) -> int:
     return parse_walltime(value, label)
 
 
-def _description(value: Any, label: str, got: dict[str, Any]) -> str:
-    return str(value or "")  # free text, never reaches a directive
-
-
 # --- the job spec's keys, each declared once ---------------------------------------
 
-_TIMEOUT = "seconds from {low:g} to {high:g}"
+_RUNS = {"kind": "int", "high": 100_000, "nullable": False}
 #: ``resilience:`` keys: ``python -m ddp.supervise``'s flags, bounds and defaults.
 RESILIENCE_KEYS = Table(
     (
@@ -257,20 +253,14 @@ RESILIENCE_KEYS = Table(
             "number",
             600.0,
             "a rank silent this long is hung",
-            1,
-            7 * 86400,
-            allowed=_TIMEOUT,
+            low=1,
+            high=7 * 86400,
+            allowed="seconds from {low:g} to {high:g}",
             nullable=False,
         ),
-        Key(
-            "max_restarts", "int", 3, "relaunches before the job fails", 0, 100_000, nullable=False
-        ),
-        Key(
-            "min_nodes", "int", 1, "fewest healthy nodes to relaunch on", 1, 100_000, nullable=False
-        ),
-        Key(
-            "spares", "int", 0, "nodes held back to replace a lost one", 0, 100_000, nullable=False
-        ),
+        Key("max_restarts", default=3, help="relaunches before the job fails", low=0, **_RUNS),
+        Key("min_nodes", default=1, help="fewest healthy nodes to relaunch on", low=1, **_RUNS),
+        Key("spares", default=0, help="nodes held back to replace a lost one", low=0, **_RUNS),
     ),
     sep=".",
 )
@@ -278,14 +268,15 @@ RESILIENCE_KEYS = Table(
 RESILIENCE: dict[str, float | int] = RESILIENCE_KEYS.defaults()
 _DIRECTIVE = directive_value
 _WHOLE = {"kind": "int", "low": 1, "digits": True}
-#: Every key of a job spec, in the order they are checked (:meth:`JobSpec.from_mapping`).
+#: Every key of a job spec, in the order they are checked (:meth:`JobSpec.from_mapping`);
+#: the defaults are :class:`JobSpec`'s own.
 SPEC = Table(
     (
         Key("partition", "meta", help="SLURM's word for queue (an alias)"),
-        Key("description", "custom", "", "free text for people", parse=_description),
+        Key("description", "text", help="free text for people"),
         Key("name", help="the job's name (default: from the command)"),
         Key("cluster", help="the profile to fit the job to (hpc clusters lists them)"),
-        Key("nodes", default=1, help="nodes to run on", **_WHOLE),
+        Key("nodes", help="nodes to run on", **_WHOLE),
         Key("ppn", help="ranks per node (default: the profile's)", **_WHOLE),
         Key("gpus_per_node", help="GPUs to ask for per node", **_WHOLE),
         Key("cpus_per_task", help="cores to ask for per rank", **_WHOLE),
@@ -293,27 +284,29 @@ SPEC = Table(
         Key("queue", help="queue or partition (default: picked by size)", then=_DIRECTIVE),
         Key("account", help="the allocation charged", then=_DIRECTIVE),
         Key("filesystems", help="PBS -l filesystems= (default: the profile's)", then=_DIRECTIVE),
-        Key("command", "custom", [], "what each rank runs", parse=_command),
-        Key("env", "custom", {}, "variables the job exports", parse=_env),
-        Key("modules", "strings", [], "modules to load", then=directive_line),
-        Key("setup", "custom", [], "shell lines run before the launch", parse=_lines),
+        Key("command", "custom", help="what each rank runs", parse=_command),
+        Key("env", "custom", help="variables the job exports", parse=_env),
+        Key("modules", "strings", help="modules to load", then=directive_line),
+        Key("setup", "custom", help="shell lines run before the launch", parse=_lines),
         Key("python", "custom", help="{venv: PATH}, {conda: NAME} or site", parse=_python),
-        Key("output_dir", default="logs", help="where the logs go", then=_path),
+        Key("output_dir", help="where the logs go", then=_path),
         Key("signal", help="[B:]SIG[@SECONDS] sent before the walltime ends", then=_signal),
-        Key("requeue", "bool", False, "requeue after preemption or a node failure"),
-        Key("expand_vars", "bool", False, "the job's shell expands $NAME in the command"),
-        Key("split_logs", "bool", False, "stderr in its own log"),
-        Key("per_rank_logs", "bool", False, "each rank's output in its own log"),
+        Key("requeue", "bool", help="requeue after preemption or a node failure"),
+        Key("expand_vars", "bool", help="the job's shell expands $NAME in the command"),
+        Key("split_logs", "bool", help="stderr in its own log"),
+        Key("per_rank_logs", "bool", help="each rank's output in its own log"),
         Key(
             "resilience",
             "custom",
             help="true or python -m ddp.supervise's settings",
             parse=_resilience,
         ),
-        Key("directives", "strings", [], "extra scheduler directive lines", then=directive_line),
-        Key("launcher", "choice", "auto", "how ranks start", choices=LAUNCHERS),
-        Key("wrap", "choice", "auto", "ranks run under python -m ddp.exec", choices=WRAP_MODES),
-    )
+        Key("directives", "strings", help="extra scheduler directive lines", then=directive_line),
+        # read when checked: a new launcher (hpc.schedulers.LAUNCHERS) may join at run time
+        Key("launcher", "choice", help="how ranks start", choices=lambda got: LAUNCHERS),
+        Key("wrap", "choice", help="ranks run under python -m ddp.exec", choices=WRAP_MODES),
+    ),
+    model=JobSpec,
 )
 SPEC_KEYS = SPEC.names()
 
