@@ -7,7 +7,7 @@ Each key of the job spec (:data:`hpc.spec.SPEC`) and of a cluster profile
 ...``, the nearest valid key or choice named through difflib) come from that
 declaration, so changing a bound in the table changes both the check and its message.
 
-Why a table of our own (standard library dataclasses) and not pydantic v2 or msgspec:
+Why a table of our own (standard library only) and not pydantic v2 or msgspec:
 ``hpc render`` is a whole process a user waits for on a login node, and importing
 pydantic and building its models costs about as much again as all of ``hpc render``
 (docs/architecture.md, "One schema per side", has the figures); its messages would need
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING as _NO_DEFAULT
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields
 from typing import Any
 
 from hpc._util import check_keys, did_you_mean
@@ -51,7 +51,6 @@ def refuse(label: str, value: Any, allowed: str, hint: str = "") -> UserError:
     return UserError(f"{label}: {value!r} is not allowed{hint}; allowed: {allowed}")
 
 
-@dataclass(frozen=True)
 class Key:
     """One key of a mapping, declared once.
 
@@ -71,36 +70,78 @@ class Key:
     an absent key is checked as a null (refused) instead of taking the default; ``lax``
     (the table's when None): a choice is compared as text and ``strings`` takes any
     scalars (profiles have always been read so).
+
+    A plain class with slots, not a ``@dataclass``: the decorator writes and compiles
+    its methods at import, about a millisecond of every ``hpc`` start (measured for
+    docs/architecture.md), which is what a user waits for on a login node.
     """
 
-    name: str
-    kind: str = "str"
-    default: Any = MISSING
-    help: str = ""
-    low: float | None = None
-    high: float | None = None
-    choices: tuple[str, ...] | Callable[[dict[str, Any]], tuple[str, ...]] = ()
-    allowed: str = ""
-    parse: Parse | None = None
-    then: Then | None = None
-    sep: str | None = None
-    digits: bool = False
-    nullable: bool = True
-    required: bool = False
-    lax: bool | None = None
+    __slots__ = (
+        "name",
+        "kind",
+        "default",
+        "help",
+        "low",
+        "high",
+        "choices",
+        "allowed",
+        "parse",
+        "then",
+        "sep",
+        "digits",
+        "nullable",
+        "required",
+        "lax",
+    )
 
-    def options(self, got: Mapping[str, Any] | None = None) -> tuple[str, ...]:
+    def __init__(
+        self,
+        name: str,
+        kind: str = "str",
+        default: Any = MISSING,
+        help: str = "",
+        *,
+        low: float | None = None,
+        high: float | None = None,
+        choices: tuple[str, ...] | Callable[[dict[str, Any]], tuple[str, ...]] = (),
+        allowed: str = "",
+        parse: Parse | None = None,
+        then: Then | None = None,
+        sep: str | None = None,
+        digits: bool = False,
+        nullable: bool = True,
+        required: bool = False,
+        lax: bool | None = None,
+    ) -> None:
+        if kind not in KINDS or (kind == "custom") != (parse is not None):
+            raise ValueError(f"key {name}: kind {kind!r} with parse {parse!r}")
+        self.name, self.kind, self.default, self.help = name, kind, default, help
+        self.low, self.high, self.choices, self.allowed = low, high, choices, allowed
+        self.parse, self.then, self.sep, self.digits = parse, then, sep, digits
+        self.nullable, self.required, self.lax = nullable, required, lax
+
+    def __repr__(self) -> str:
+        return f"Key({self.name!r}, {self.kind!r})"
+
+    def but(self, **changes: Any) -> Key:
+        """A copy with ``changes`` (``dataclasses.replace`` for this plain class)."""
+        new = object.__new__(Key)
+        for slot in self.__slots__:
+            setattr(new, slot, changes.get(slot, getattr(self, slot)))
+        return new
+
+    def options(self, got: dict[str, Any] | None = None) -> tuple[str, ...]:
         """The choices, computed from the keys read before where they depend on them."""
-        return tuple(self.choices(dict(got or {})) if callable(self.choices) else self.choices)
+        return tuple(self.choices(got or {}) if callable(self.choices) else self.choices)
 
-    def fallback(self, got: Mapping[str, Any] | None = None) -> Any:
+    def fallback(self, got: dict[str, Any] | None = None) -> Any:
         """The default, computed from the keys read before where it depends on them."""
-        value = self.default(dict(got or {})) if callable(self.default) else self.default
+        value = self.default(got or {}) if callable(self.default) else self.default
         if value is MISSING:
             return None
         return type(value)(value) if isinstance(value, (list, dict)) else value  # a fresh one
 
-    def describe(self, got: Mapping[str, Any] | None = None) -> str:
+    def describe(self, got: dict[str, Any] | None = None) -> str:
         """The text after 'allowed:' in this key's messages, from its declaration."""
         choices = ", ".join(self.options(got)) if self.kind == "choice" else ""
         if self.allowed:
@@ -192,7 +233,6 @@ class Key:
         return tuple(words) if lax else words
 
 
-@dataclass(frozen=True)
 class Table:
     """The keys of one mapping, in the order they are checked (the first mistake wins).
 
@@ -201,31 +241,33 @@ class Table:
     by its name alone (the job spec's top level). ``lax``: see :class:`Key`.
     """
 
-    keys: tuple[Key, ...]
-    sep: str = ": "
-    lax: bool = False
-    model: type | None = None
+    __slots__ = ("keys", "sep", "lax", "model")
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self, keys: tuple[Key, ...], sep: str = ": ", lax: bool = False, model: type | None = None
+    ) -> None:
+        self.keys, self.sep, self.lax, self.model = self._defaults(keys, model), sep, lax, model
+
+    @staticmethod
+    def _defaults(keys: tuple[Key, ...], model: type | None) -> tuple[Key, ...]:
         """A key that declares no default takes the one of ``model``'s field of its name.
 
         Why: the frozen type (``JobSpec``, ``Cluster``...) is also built in Python without
         any YAML, so its fields keep their defaults; the table reads them from there
         instead of writing them a second time.
         """
-        if self.model is None:
-            return
+        if model is None:
+            return keys
         own = {}
-        for f in fields(self.model):
+        for f in fields(model):
             if f.default is not _NO_DEFAULT:
                 own[f.name] = f.default
             elif f.default_factory is not _NO_DEFAULT:
                 own[f.name] = f.default_factory()
-        keys = tuple(
-            replace(k, default=own[k.name]) if k.default is MISSING and k.name in own else k
-            for k in self.keys
+        return tuple(
+            k.but(default=own[k.name]) if k.default is MISSING and k.name in own else k
+            for k in keys
         )
-        object.__setattr__(self, "keys", keys)
 
     def names(self) -> tuple[str, ...]:
         """Every key a user may write here (what an unknown key is compared with)."""
