@@ -48,7 +48,7 @@ from hpc.profiles_check import (
     _variables,
     _walltime,
 )
-from hpc.schema import Key, Table, refuse
+from hpc.schema import Key, Table, expect, refuse
 
 __all__ = [
     "BUILTIN_DIR",
@@ -190,7 +190,7 @@ LAUNCHER_KEYS = LAUNCHER.names()
 def _launcher(value: Any, label: str, got: dict[str, Any]) -> Launcher:
     value = value or {}
     if not isinstance(value, dict):
-        raise UserError(f"{label}: allowed: a mapping with {', '.join(LAUNCHER_KEYS)}")
+        raise expect(label, f"a mapping with {', '.join(LAUNCHER_KEYS)}")
     LAUNCHER.check_keys(value, label)
     return Launcher(**LAUNCHER.read(value, label, {"default": _sched(got).launchers[0]}.items()))
 

@@ -12,7 +12,7 @@ from hpc import charges, schedulers
 from hpc._util import directive_line, directive_value, parse_range, parse_walltime, variable_name
 from hpc.cluster import DEVICE_ORDER_VARS, Queue, Rule, Tiles
 from hpc.errors import UserError
-from hpc.schema import Key, Table, refuse
+from hpc.schema import Key, Table, expect, refuse
 
 DEVICES = ("xpu", "cuda", "rocm", "cpu", "auto")
 GPU_DIRECTIVES = ("none", "gpus-per-node", "gres", "ngpus")
@@ -30,7 +30,7 @@ def _variables(value: Any, label: str, got: dict[str, Any]) -> dict[str, str]:
     """``NAME: value`` pairs a job exports (``env``, a rule's ``env``, ``composite_env``)."""
     value = value or {}
     if not isinstance(value, dict):
-        raise UserError(f"{label}: allowed: a mapping of NAME: value")
+        raise expect(label, "a mapping of NAME: value")
     return {variable_name(str(k), label): _env_str(v) for k, v in value.items()}
 
 
@@ -61,7 +61,7 @@ def _bins(value: Any, label: str, got: dict[str, Any]) -> tuple[tuple[int, int, 
     for i, b in enumerate(value if isinstance(value, list) else [value]):
         bwhere = f"{label}[{i}]"
         if not isinstance(b, dict):
-            raise UserError(f"{bwhere}: allowed: a mapping with nodes and walltime")
+            raise expect(bwhere, "a mapping with nodes and walltime")
         BIN.check_keys(b, bwhere)
         got = BIN.read(b, bwhere)
         bins.append((*got["nodes"], got["walltime"]))
@@ -114,14 +114,14 @@ def _queues(value: Any, label: str, got: dict[str, Any]) -> dict[str, Queue]:
     if not value:
         return {}
     if not isinstance(value, dict):
-        raise UserError(f"{label}: allowed: a mapping of queue name to limits")
+        raise expect(label, "a mapping of queue name to limits")
     given = {"directives": schedulers.get(got["scheduler"]).queue_directives}
     queues: dict[str, Queue] = {}
     for qname, spec in value.items():
         qwhere = f"{label}.{qname}"
         spec = spec or {}
         if not isinstance(spec, dict):
-            raise UserError(f"{qwhere}: allowed: a mapping with nodes and walltime")
+            raise expect(qwhere, "a mapping with nodes and walltime")
         QUEUE.check_keys(spec, qwhere)
         q = QUEUE.read(spec, qwhere, given.items())
         (lo, hi), limit = q.pop("nodes"), q.pop("walltime")
@@ -186,25 +186,23 @@ def _rules(value: Any, label: str, got: dict[str, Any]) -> tuple[Rule, ...]:
     (see :class:`hpc.cluster.Rule`); a mapping, so a user's profile can switch one rule
     (``rules: {NAME: {enabled: true}}``) and leave the others; ``null`` removes one."""
     if not isinstance(value, dict):
-        raise UserError(
-            f"{label}: allowed: a mapping of NAME: {{when, env, unset, warn, refuse, source}}"
-        )
+        raise expect(label, "a mapping of NAME: {when, env, unset, warn, refuse, source}")
     out = []
     for name, rule in value.items():
         if rule is None:
             continue
         rwhere = f"{label}: {name}"
         if not isinstance(rule, dict):
-            raise UserError(f"{rwhere}: allowed: a mapping with {', '.join(RULE.names())}")
+            raise expect(rwhere, f"a mapping with {', '.join(RULE.names())}")
         RULE.check_keys(rule, rwhere)
         r = RULE.read(rule, rwhere)
         when = r.pop("when") or {}
         if not isinstance(when, dict):
-            raise UserError(f"{rwhere}: when: allowed: a mapping with {', '.join(WHEN.names())}")
+            raise expect(f"{rwhere}: when", f"a mapping with {', '.join(WHEN.names())}")
         WHEN.check_keys(when, f"{rwhere}: when")
         w = WHEN.read(when, f"{rwhere}: when")
         if not isinstance(w["env"] or {}, dict) or not isinstance(r["env"] or {}, dict):
-            raise UserError(f"{rwhere}: env: allowed: a mapping of NAME: value")
+            raise expect(f"{rwhere}: env", "a mapping of NAME: value")
         when_env = {
             variable_name(str(k), f"{rwhere}: when: env"): None if v is None else _env_str(v)
             for k, v in (w["env"] or {}).items()
@@ -233,7 +231,7 @@ def _tiles(value: Any, label: str, got: dict[str, Any]) -> Tiles:
     """``tiles: {per_gpu: 2, composite_env: {...}, composite_cpu_bind: list:..., source: URL}``
     (see :class:`hpc.cluster.Tiles`): ``devices_per_node`` must be a whole number of GPUs."""
     if not isinstance(value, dict):
-        raise UserError(f"{label}: allowed: a mapping with {', '.join(TILES.names())}")
+        raise expect(label, f"a mapping with {', '.join(TILES.names())}")
     TILES.check_keys(value, label)
     devices = got["devices_per_node"]
     t = TILES.read(value, label)
@@ -276,7 +274,7 @@ def _env_prepend(value: Any, label: str, got: dict[str, Any]) -> dict[str, tuple
     """``env_prepend: {VAR: [dir, ...]}``: each dir is put in front of ``$VAR`` in turn."""
     value = value or {}
     if not isinstance(value, dict):
-        raise UserError(f"{label}: allowed: a mapping of NAME: [directory, ...]")
+        raise expect(label, "a mapping of NAME: [directory, ...]")
     out: dict[str, tuple[str, ...]] = {}
     for key in value:
         variable_name(key, label)
@@ -311,7 +309,7 @@ CHARGE = Table(
 def _charge(value: Any, label: str, got: dict[str, Any]) -> dict[str, Any]:
     """``charge:``: the site's unit, the page defining it and its machine factor (optional)."""
     if not isinstance(value, dict):
-        raise UserError(f"{label}: allowed: a mapping with unit, source, factor")
+        raise expect(label, "a mapping with unit, source, factor")
     CHARGE.check_keys(value, label)
     out = CHARGE.read(value, label)
     if out["balance"] is None:

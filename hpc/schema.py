@@ -51,6 +51,11 @@ def refuse(label: str, value: Any, allowed: str, hint: str = "") -> UserError:
     return UserError(f"{label}: {value!r} is not allowed{hint}; allowed: {allowed}")
 
 
+def expect(label: str, allowed: str) -> UserError:
+    """The line for a value of the wrong shape (a list where a mapping goes): what goes."""
+    return UserError(f"{label}: allowed: {allowed}")
+
+
 class Key:
     """One key of a mapping, declared once.
 

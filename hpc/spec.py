@@ -379,8 +379,6 @@ def conda_executable(env: str) -> str | None:
 
 def path_value(value: str, key: str) -> str:
     if not re.match(_PATHLIKE, value):
-        raise UserError(
-            f"{key}: {value!r} is not allowed; allowed: a path of letters, digits and _ . / ~ + -"
-        )
+        raise refuse(key, value, "a path of letters, digits and _ . / ~ + -")
     # Neither sbatch nor qsub expands ~ in #SBATCH/#PBS paths: expand it here.
     return os.path.expanduser(value)
