@@ -25,7 +25,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hpc import schedulers, stage
+from hpc import schedulers
 from hpc._util import did_you_mean, directive_line, directive_value, load_yaml, variable_name
 from hpc.cluster import Cluster, Launcher
 from hpc.errors import UserError
@@ -201,6 +201,9 @@ def _directive_value(value: Any, label: str, got: dict[str, Any]) -> Any:
 
 
 def _python_stage(value: Any, label: str, got: dict[str, Any]) -> dict[str, Any]:
+    # imported here: only a profile that has python_stage needs it (a ms of hpc's start)
+    from hpc import stage
+
     return stage.profile_rule({"python_stage": value}, got["where"])
 
 
