@@ -160,9 +160,9 @@ def _refuse(value: Any, label: str, got: dict[str, Any]) -> dict[str, str]:
     return reasons
 
 
-_ONE_OF = {"kind": "choice", "nullable": False}
-_WHOLE = {"kind": "int", "low": 1}
-_LINES = {"kind": "strings", "default": (), "then": directive_line}
+_ONE_OF: dict[str, Any] = {"kind": "choice", "nullable": False}
+_WHOLE: dict[str, Any] = {"kind": "int", "low": 1}
+_LINES: dict[str, Any] = {"kind": "strings", "then": directive_line}
 #: ``launcher:`` keys (:class:`hpc.cluster.Launcher`); the kind's default is the scheduler's.
 LAUNCHER = Table(
     (
@@ -211,7 +211,7 @@ def _sched(got: dict[str, Any]) -> Any:
     return schedulers.get(got["scheduler"])
 
 
-_DIRECTIVE = {"kind": "custom", "parse": _directive_value}
+_DIRECTIVE: dict[str, Any] = {"kind": "custom", "parse": _directive_value}
 #: Every key of a cluster profile, in the order they are checked (:func:`load`).
 PROFILE = Table(
     (

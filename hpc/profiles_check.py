@@ -77,8 +77,8 @@ BIN = Table(
     ),
     sep=".",
 )
-_LINES = {"kind": "strings", "then": directive_line}
-_WHOLE = {"kind": "int", "low": 1}
+_LINES: dict[str, Any] = {"kind": "strings", "then": directive_line}
+_WHOLE: dict[str, Any] = {"kind": "int", "low": 1}
 #: A queue's keys (``queues: {NAME: {...}}``), in the order they are checked.
 QUEUE = Table(
     (

@@ -312,7 +312,3 @@ class Table:
                 value = data.get(key.name, MISSING)
                 got[key.name] = key.read(value, self.label(where, key), got, self.lax)
         return {k.name: got[k.name] for k in self.keys if k.kind != "meta"}
-
-    def help(self) -> list[tuple[str, str, str]]:
-        """(key, allowed, help) rows: the reference a user reads, from the same table."""
-        return [(k.name, "" if callable(k.choices) else k.describe(), k.help) for k in self.keys]

@@ -244,7 +244,7 @@ def _walltime(value: Any, label: str, got: dict[str, Any]) -> int:
 
 # --- the job spec's keys, each declared once ---------------------------------------
 
-_RUNS = {"kind": "int", "high": 100_000, "nullable": False}
+_RUNS: dict[str, Any] = {"kind": "int", "high": 100_000, "nullable": False}
 #: ``resilience:`` keys: ``python -m ddp.supervise``'s flags, bounds and defaults.
 RESILIENCE_KEYS = Table(
     (
@@ -267,7 +267,7 @@ RESILIENCE_KEYS = Table(
 #: ``resilience:`` keys (python -m ddp.supervise's flags) and their defaults.
 RESILIENCE: dict[str, float | int] = RESILIENCE_KEYS.defaults()
 _DIRECTIVE = directive_value
-_WHOLE = {"kind": "int", "low": 1, "digits": True}
+_WHOLE: dict[str, Any] = {"kind": "int", "low": 1, "digits": True}
 #: Every key of a job spec, in the order they are checked (:meth:`JobSpec.from_mapping`);
 #: the defaults are :class:`JobSpec`'s own.
 SPEC = Table(

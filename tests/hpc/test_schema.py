@@ -132,8 +132,9 @@ def test_each_default_is_the_frozen_types_own(table: Table, model: type) -> None
 
 def test_every_key_is_declared_with_its_help() -> None:
     for name, table in TABLES.items():
-        for key, _allowed, text in table.help():
-            assert text, f"{name}.{key} has no help"
+        for key in table.keys:
+            assert key.help, f"{name}.{key.name} has no help"
+            assert callable(key.choices) or key.describe(), f"{name}.{key.name}"
     # the spec's keys are the table's (submit_many reads SPEC_KEYS)
     assert set(spec.SPEC_KEYS) == {f.name for f in dataclasses.fields(JobSpec)} - {"source"} | {
         "partition"
