@@ -14,8 +14,10 @@ merged into the earlier one recursively (so ``env: {X: "1"}`` adds one variable,
 are replaced. ``extends: NAME`` starts a new profile from another one, so a new
 site is one small YAML file. Site knowledge lives here, never in ``if`` statements.
 
-This module finds, merges and loads the files (and checks the launcher, whose kinds are
-:data:`LAUNCHER_KINDS`); each other key's check is in :mod:`hpc.profiles_check`.
+This module finds and merges the files and reads them through the profile's key table
+(:data:`PROFILE`, :data:`LAUNCHER`: each key declared once, see :mod:`hpc.schema`); the
+nested tables (queues, rules, tiles, charge) and their readers are in
+:mod:`hpc.profiles_check`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The login side's one schema mechanism: a table of keys per mapping a user writes.
 
 Each key of the job spec (:data:`hpc.spec.SPEC`) and of a cluster profile
-(:data:`hpc.profiles_check.PROFILE` and its nested mappings) is declared once as a
+(:data:`hpc.profiles.PROFILE` and its nested mappings) is declared once as a
 :class:`Key`: its kind, bounds, choices, default and help. Reading a mapping
 (:meth:`Table.read`) and every one-line message (``LABEL: VALUE is not allowed; allowed:
 ...``, the nearest valid key or choice named through difflib) come from that
