@@ -58,7 +58,8 @@ def _bins(value: Any, label: str, got: dict[str, Any]) -> tuple[tuple[int, int, 
     bins = []
     if not value:
         return ()
-    for i, b in enumerate(value if isinstance(value, list) else [value]):
+    # iterated as before (a mapping by its keys); a number, once a traceback, is one item
+    for i, b in enumerate(value if isinstance(value, (list, dict, str)) else [value]):
         bwhere = f"{label}[{i}]"
         if not isinstance(b, dict):
             raise expect(bwhere, "a mapping with nodes and walltime")

@@ -154,6 +154,13 @@ def test_every_existing_message_is_unchanged(tmp_path: Path) -> None:
             assert _profile_error(tmp_path, text) == case["message"], case
 
 
+def test_a_number_where_the_size_bins_go_is_one_line(tmp_path: Path) -> None:
+    """``bins: 5`` raised TypeError from the hand-written loop; the table says what goes."""
+    assert _profile_error(tmp_path, "scheduler: slurm\nqueues: {q: {bins: 5}}\n") == (
+        "cluster t: queues.q.bins[0]: allowed: a mapping with nodes and walltime"
+    )
+
+
 def _defs(pattern: str) -> dict[str, int]:
     found = {}
     for path in HPC.rglob("*.py"):
