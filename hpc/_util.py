@@ -23,7 +23,9 @@ _WALLTIME = r"^(\d{1,4}):([0-5]\d):([0-5]\d)\Z"  # compiled on first use (re's c
 # Values that end up inside #PBS/#SBATCH directives: schedulers parse those lines
 # themselves, so quoting does not help there; restrict them to a plain character set.
 _DIRECTIVE_SAFE = r"^[A-Za-z0-9_.:+,=@/%-]+\Z"  # compiled on first use (re's cache)
-_VARIABLE = r"^[A-Za-z_][A-Za-z0-9_]*\Z"  # compiled on first use (re's cache)
+#: A name: a shell variable's (written unquoted in ``export NAME=...``), a config key's part.
+NAME = r"[A-Za-z_][A-Za-z0-9_]*"  # the one spelling; anchored or embedded where used
+_VARIABLE = rf"^{NAME}\Z"  # compiled on first use (re's cache)
 
 
 def did_you_mean(value: str, choices: Iterable[str]) -> str:

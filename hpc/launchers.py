@@ -22,6 +22,7 @@ import shlex
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from hpc._util import NAME
 from hpc.errors import UserError
 from hpc.spec import PYTHON
 from hpc_ddp.ports import DEFAULT_PORT
@@ -37,7 +38,7 @@ class Raw(str):
 
 
 #: ``$NAME`` or ``${NAME}``, NAME a shell identifier: the only expansion a word may ask for.
-VAR = r"\$(?:([A-Za-z_][A-Za-z0-9_]*)|\{([A-Za-z_][A-Za-z0-9_]*)\})"
+VAR = rf"\$(?:({NAME})|\{{({NAME})\}})"
 
 
 def var_pieces(word: str) -> list[tuple[str, bool]]:

@@ -14,8 +14,10 @@ merged into the earlier one recursively (so ``env: {X: "1"}`` adds one variable,
 are replaced. ``extends: NAME`` starts a new profile from another one, so a new
 site is one small YAML file. Site knowledge lives here, never in ``if`` statements.
 
-This module finds, merges and loads the files (and checks the launcher, whose kinds are
-:data:`LAUNCHER_KINDS`); each other key's check is in :mod:`hpc.profiles_check`.
+This module finds and merges the files and reads them through the profile's key table
+(:data:`PROFILE`, :data:`LAUNCHER`: each key declared once, see :mod:`hpc.schema`); the
+nested tables (queues, rules, tiles, charge) and their readers are in
+:mod:`hpc.profiles_check`.
 """
 
 from __future__ import annotations
@@ -25,43 +27,42 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hpc import schedulers, stage
-from hpc._util import check_keys, did_you_mean, directive_value, load_yaml, variable_name
+from hpc import schedulers
+from hpc._util import did_you_mean, directive_line, directive_value, load_yaml, variable_name
 from hpc.cluster import Cluster, Launcher
 from hpc.errors import UserError
 from hpc.profiles_check import (
+    BIN,
+    CHARGE,
     DEVICES,
     GPU_DIRECTIVES,
-    POLL_S_RANGE,
-    QUEUE_KEYS,
-    RULE_KEYS,
-    TILES_KEYS,
-    WHEN_KEYS,
+    QUEUE,
+    RULE,
+    TILES,
+    WHEN,
     _charge,
-    _choice,
     _device_order,
-    _directives,
     _env_prepend,
-    _env_str,
-    _int,
-    _poll_s,
     _queues,
     _rules,
     _shell,
-    _strings,
     _tiles,
+    _variables,
     _walltime,
 )
+from hpc.schema import Key, Table, expect, refuse
 
 __all__ = [
     "BUILTIN_DIR",
     "CLUSTER_KEYS",
     "DEVICES",
     "GPU_DIRECTIVES",
+    "LAUNCHER",
     "LAUNCHER_KEYS",
     "LAUNCHER_KINDS",
     "MPIEXEC_FLAVORS",
     "POLL_S_RANGE",
+    "PROFILE",
     "QUEUE_KEYS",
     "RULE_KEYS",
     "TILES_KEYS",
@@ -77,42 +78,6 @@ _LOG = logging.getLogger(__name__)
 _ANNOUNCED: set[str] = set()  # profiles from the working directory named on stderr
 LAUNCHER_KINDS = tuple(schedulers.LAUNCHERS)
 MPIEXEC_FLAVORS = ("pals", "hydra")
-CLUSTER_KEYS = (
-    "description",
-    "scheduler",
-    "device",
-    "devices_per_node",
-    "ppn",
-    "account_required",
-    "account_env",
-    "queue_directive",
-    "queues",
-    "max_nodes",
-    "system",
-    "place",
-    "filesystems",
-    "constraint",
-    "gpu_directive",
-    "gpus_per_node",
-    "cpus_per_task",
-    "launcher",
-    "module_use",
-    "modules",
-    "setup",
-    "env",
-    "extends",
-    "shell",
-    "directives",
-    "min_walltime",
-    "device_order",
-    "env_prepend",
-    "poll_s",
-    "charge",
-    "python_stage",
-    "tiles",
-    "rules",
-)
-LAUNCHER_KEYS = ("kind", "flavor", "cpu_bind", "depth", "args", "refuse", "concurrent_args")
 
 
 def profile_dirs(environ: dict[str, str] | None = None, cwd: Path | None = None) -> list[Path]:
@@ -160,7 +125,7 @@ def _raw(
         path = d / f"{name}.yaml"
         if os.path.lexists(path):  # a pipe or a dangling link is refused, not skipped
             data = load_yaml(path, f"cluster {name}")
-            check_keys(data, CLUSTER_KEYS, f"cluster {name} ({path})")
+            PROFILE.check_keys(data, f"cluster {name} ({path})")
             merged = _merge(merged, data)
             sources.append(str(path))
             if d == here and str(path) not in _ANNOUNCED:
@@ -183,91 +148,162 @@ def _raw(
     return merged, sources
 
 
-def _launcher(data: Any, default: str, where: str) -> Launcher:
-    data = data or {}
-    if not isinstance(data, dict):
-        raise UserError(f"{where}: launcher: allowed: a mapping with {', '.join(LAUNCHER_KEYS)}")
-    lwhere = f"{where}: launcher"
-    check_keys(data, LAUNCHER_KEYS, lwhere)
-    cpu_bind = data.get("cpu_bind")
-    refuse = data.get("refuse") or {}
-    if not isinstance(refuse, dict) or any(k not in LAUNCHER_KINDS for k in refuse):
-        raise UserError(
-            f"{lwhere}: refuse: {refuse!r} is not allowed; allowed: a mapping of "
-            f"launcher ({', '.join(LAUNCHER_KINDS)}) to the reason, one line"
+def _refuse(value: Any, label: str, got: dict[str, Any]) -> dict[str, str]:
+    """``refuse: {KIND: why}``: launchers the site warns against, each with its reason."""
+    value = value or {}
+    if not isinstance(value, dict) or any(k not in LAUNCHER_KINDS for k in value):
+        raise refuse(
+            label,
+            value,
+            f"a mapping of launcher ({', '.join(LAUNCHER_KINDS)}) to the reason, one line",
         )
     # null lifts a refusal inherited from a built-in profile (mappings merge per key)
-    reasons = {str(k): " ".join(str(v).split()) for k, v in refuse.items() if v is not None}
+    reasons = {str(k): " ".join(str(v).split()) for k, v in value.items() if v is not None}
     if any(not r for r in reasons.values()):
-        raise UserError(f"{lwhere}: refuse: every launcher needs a reason; allowed: text")
-    return Launcher(
-        kind=_choice(data, "kind", LAUNCHER_KINDS, default, lwhere),
-        flavor=_choice(data, "flavor", MPIEXEC_FLAVORS, "hydra", lwhere),
-        cpu_bind=None if cpu_bind is None else str(cpu_bind),
-        depth=_int(data, "depth", lwhere),
-        args=_strings(data, "args", lwhere),
-        refuse=reasons,
-        concurrent_args=_strings(data, "concurrent_args", lwhere),
-    )
+        raise UserError(f"{label}: every launcher needs a reason; allowed: text")
+    return reasons
+
+
+_ONE_OF: dict[str, Any] = {"kind": "choice", "nullable": False}
+_WHOLE: dict[str, Any] = {"kind": "int", "low": 1}
+_LINES: dict[str, Any] = {"kind": "strings", "then": directive_line}
+#: ``launcher:`` keys (:class:`hpc.cluster.Launcher`); the kind's default is the scheduler's.
+LAUNCHER = Table(
+    (
+        # the choices are read when checked: a launcher may join LAUNCHER_KINDS at run time
+        Key(
+            "kind",
+            default=lambda got: got["default"],
+            help="how ranks start",
+            choices=lambda got: LAUNCHER_KINDS,
+            **_ONE_OF,
+        ),
+        Key("flavor", help="mpiexec's flags", choices=MPIEXEC_FLAVORS, **_ONE_OF),
+        Key("cpu_bind", help="mpiexec --cpu-bind (list:... or depth)"),
+        Key("depth", help="mpiexec --depth: cores per rank", **_WHOLE),
+        Key("args", "strings", help="extra launcher arguments"),
+        Key("refuse", "custom", help="launchers the site warns against, and why", parse=_refuse),
+        Key("concurrent_args", "strings", help="flags for a launch beside the running ranks"),
+    ),
+    lax=True,
+    model=Launcher,
+)
+LAUNCHER_KEYS = LAUNCHER.names()
+
+
+def _launcher(value: Any, label: str, got: dict[str, Any]) -> Launcher:
+    value = value or {}
+    if not isinstance(value, dict):
+        raise expect(label, f"a mapping with {', '.join(LAUNCHER_KEYS)}")
+    LAUNCHER.check_keys(value, label)
+    return Launcher(**LAUNCHER.read(value, label, {"default": _sched(got).launchers[0]}.items()))
+
+
+def _directive_value(value: Any, label: str, got: dict[str, Any]) -> Any:
+    directive_value(value, label)
+    return value  # as given: it reaches the script as text either way
+
+
+def _python_stage(value: Any, label: str, got: dict[str, Any]) -> dict[str, Any]:
+    # imported here: only a profile that has python_stage needs it (a ms of hpc's start)
+    from hpc import stage
+
+    return stage.profile_rule({"python_stage": value}, got["where"])
+
+
+def _sched(got: dict[str, Any]) -> Any:
+    return schedulers.get(got["scheduler"])
+
+
+_DIRECTIVE: dict[str, Any] = {"kind": "custom", "parse": _directive_value}
+#: Every key of a cluster profile, in the order they are checked (:func:`load`).
+PROFILE = Table(
+    (
+        Key(
+            "scheduler",
+            default="slurm",
+            help="its module in hpc.schedulers",
+            choices=lambda got: tuple(schedulers.names()),
+            **_ONE_OF,
+        ),
+        Key("system", help="PBS -l system=", **_DIRECTIVE),
+        Key("place", help="PBS -l place=", **_DIRECTIVE),
+        Key("filesystems", help="PBS -l filesystems= (a spec may override)", **_DIRECTIVE),
+        Key("constraint", help="SLURM --constraint", **_DIRECTIVE),
+        Key("env", "custom", help="variables every job exports", parse=_variables),
+        Key("device", help="what the ranks drive", choices=DEVICES, **_ONE_OF),
+        Key("devices_per_node", help="devices (or GPU tiles) per node", **_WHOLE),
+        Key("device_order", "custom", help="device indices by local rank", parse=_device_order),
+        Key("description", help="for hpc clusters", nullable=False),
+        Key("ppn", help="ranks per node by default", **_WHOLE),
+        Key("account_required", "truthy", help="a job must name its allocation"),
+        Key(
+            "account_env", "strings", help="variables the account is read from", then=variable_name
+        ),
+        Key(
+            "queue_directive",
+            default=lambda got: _sched(got).queue_directives[0],
+            help="how a queue is selected",
+            choices=lambda got: _sched(got).queue_directives,
+            **_ONE_OF,
+        ),
+        Key("queues", "custom", help="queue name to limits (QUEUE)", parse=_queues),
+        Key("max_nodes", help="the machine's size", **_WHOLE),
+        Key("gpu_directive", help="how GPUs are asked for", choices=GPU_DIRECTIVES, **_ONE_OF),
+        Key("gpus_per_node", help="GPUs asked for per node", **_WHOLE),
+        Key("cpus_per_task", help="cores asked for per rank", **_WHOLE),
+        Key(
+            "launcher",
+            "custom",
+            help="how ranks start (LAUNCHER)",
+            parse=_launcher,
+            required=True,
+            nullable=False,
+        ),
+        Key("module_use", help="module use paths", **_LINES),
+        Key("modules", help="modules every job loads", **_LINES),
+        Key("setup", "strings", help="shell lines every job runs first"),
+        Key("shell", "custom", help="the script's #! interpreter", parse=_shell),
+        Key("directives", help="directive lines every job carries", **_LINES),
+        Key(
+            "min_walltime", "custom", help="the site refuses shorter jobs", parse=_walltime, sep="."
+        ),
+        Key(
+            "env_prepend", "custom", help="NAME: [directory, ...] put in front", parse=_env_prepend
+        ),
+        Key(
+            "poll_s",
+            "number",
+            help="longest hpc logs -f poll interval",
+            low=0.1,
+            high=3600.0,
+            allowed="seconds, a number from {low:g} to {high:g}",
+        ),
+        Key("charge", "custom", help="the site's charge unit and factor (CHARGE)", parse=_charge),
+        Key(
+            "python_stage", "custom", help="when a venv is copied to the nodes", parse=_python_stage
+        ),
+        Key("tiles", "custom", help="GPUs made of tiles (TILES)", parse=_tiles),
+        Key("rules", "custom", help="the site's known issues (RULE)", parse=_rules),
+        Key("extends", "meta", help="the profile this one starts from"),
+    ),
+    lax=True,
+    model=Cluster,
+)
+CLUSTER_KEYS = PROFILE.names()
+QUEUE_KEYS, RULE_KEYS, WHEN_KEYS = QUEUE.names(), RULE.names(), WHEN.names()
+TILES_KEYS, CHARGE_KEYS, BIN_KEYS = TILES.names(), CHARGE.names(), BIN.names()
+#: ``poll_s`` bounds: a tenth of a second (a local job: a pid check, no scheduler) to
+#: an hour (longer would leave ``hpc logs -f`` running long after its job ended).
+POLL_S_RANGE = (PROFILE["poll_s"].low, PROFILE["poll_s"].high)
 
 
 def load(name: str, environ: dict[str, str] | None = None, cwd: Path | None = None) -> Cluster:
     """Load, merge and validate the profile ``name``; unknown names get a suggestion."""
     data, sources = _raw(name, environ, cwd)
     where = f"cluster {name}"
-    scheduler = _choice(data, "scheduler", tuple(schedulers.names()), "slurm", where)
-    sched = schedulers.get(scheduler)
-    for key in ("system", "place", "filesystems", "constraint"):
-        if data.get(key) is not None:
-            directive_value(data[key], f"{where}: {key}")
-    env = data.get("env") or {}
-    if not isinstance(env, dict):
-        raise UserError(f"{where}: env: allowed: a mapping of NAME: value")
-    for key in env:
-        variable_name(key, f"{where}: env")
-    device = _choice(data, "device", DEVICES, "auto", where)
-    devices_per_node = _int(data, "devices_per_node", where)
-    device_order = _device_order(data, device, devices_per_node, where)
-    return Cluster(
-        name=name,
-        scheduler=scheduler,
-        description=str(data.get("description", "")),
-        device=device,
-        devices_per_node=devices_per_node,
-        ppn=_int(data, "ppn", where) or 1,
-        account_required=bool(data.get("account_required", False)),
-        account_env=tuple(
-            variable_name(v, f"{where}: account_env") for v in _strings(data, "account_env", where)
-        ),
-        queue_directive=_choice(
-            data, "queue_directive", sched.queue_directives, sched.queue_directives[0], where
-        ),
-        queues=_queues(data.get("queues"), where, sched.queue_directives),
-        max_nodes=_int(data, "max_nodes", where),
-        system=data.get("system"),
-        place=data.get("place"),
-        filesystems=data.get("filesystems"),
-        constraint=data.get("constraint"),
-        gpu_directive=_choice(data, "gpu_directive", GPU_DIRECTIVES, "none", where),
-        gpus_per_node=_int(data, "gpus_per_node", where),
-        cpus_per_task=_int(data, "cpus_per_task", where),
-        launcher=_launcher(data.get("launcher"), sched.launchers[0], where),
-        module_use=_directives(data, "module_use", where),
-        modules=_directives(data, "modules", where),
-        setup=_strings(data, "setup", where),
-        env={str(k): _env_str(v) for k, v in env.items()},
-        shell=_shell(data, where),
-        directives=_directives(data, "directives", where),
-        min_walltime=_walltime(data, "min_walltime", where),
-        device_order=device_order,
-        env_prepend=_env_prepend(data, where),
-        poll_s=_poll_s(data, where),
-        sources=tuple(sources),
-        charge=_charge(data, where),
-        python_stage=stage.profile_rule(data, where),
-        tiles=_tiles(data.get("tiles"), devices_per_node, where),
-        rules=_rules(data.get("rules"), where),
-    )
+    values = PROFILE.read(data, where, {"where": where}.items())
+    return Cluster(name=name, sources=tuple(sources), **values)
 
 
 def load_all(environ: dict[str, str] | None = None, cwd: Path | None = None) -> list[Cluster]:

@@ -25,8 +25,6 @@ from typing import Any
 
 from hpc import schedulers
 from hpc._util import (
-    check_keys,
-    did_you_mean,
     directive_line,
     directive_value,
     load_yaml,
@@ -34,38 +32,8 @@ from hpc._util import (
     variable_name,
 )
 from hpc.errors import UserError
+from hpc.schema import Key, Table, refuse
 
-SPEC_KEYS = (
-    "name",
-    "description",
-    "cluster",
-    "nodes",
-    "ppn",
-    "walltime",
-    "queue",
-    "partition",
-    "account",
-    "command",
-    "env",
-    "modules",
-    "setup",
-    "python",
-    "output_dir",
-    "signal",
-    "requeue",
-    "directives",
-    "launcher",
-    "gpus_per_node",
-    "cpus_per_task",
-    "wrap",
-    "filesystems",
-    "expand_vars",
-    "split_logs",
-    "per_rank_logs",
-    "resilience",
-)
-#: ``resilience:`` keys (python -m ddp.supervise's flags) and their defaults.
-RESILIENCE = {"hang_timeout_s": 600.0, "max_restarts": 3, "min_nodes": 1, "spares": 0}
 WRAP_MODES = ("auto", "always", "never")
 LAUNCHERS = ("auto", *schedulers.LAUNCHERS)  # a spec may also leave it to the profile
 _SIGNAL = r"^((R|B|RB|BR):)?(SIG)?[A-Z0-9]+(@\d+)?\Z"  # compiled on first use (re's cache)
@@ -118,9 +86,8 @@ class JobSpec:
 
     @classmethod
     def from_mapping(cls, data: dict[str, Any], source: str | None = None) -> JobSpec:
-        """Check keys and types; the first mistake raises UserError naming it."""
-        where = f"spec {source}" if source else "spec"
-        check_keys(data, SPEC_KEYS, where)
+        """Check keys and types against :data:`SPEC`; the first mistake raises UserError."""
+        SPEC.check_keys(data, f"spec {source}" if source else "spec")
         data = dict(data)
         if data.get("partition") is not None:
             part = data.pop("partition")
@@ -130,42 +97,7 @@ class JobSpec:
                     "allowed: one of them (partition is an alias of queue)"
                 )
             data["queue"] = part
-        data.pop("partition", None)
-        kw: dict[str, Any] = {"source": source, "description": str(data.get("description") or "")}
-        for key in ("name", "cluster"):
-            if data.get(key) is not None:
-                kw[key] = _str(data, key)
-        for key in ("nodes", "ppn", "gpus_per_node", "cpus_per_task"):
-            if data.get(key) is not None:
-                kw[key] = _int(data, key)
-        if data.get("walltime") is not None:
-            kw["walltime"] = parse_walltime(data["walltime"])
-        for key in ("queue", "account", "filesystems"):
-            if data.get(key) is not None:
-                kw[key] = directive_value(_str(data, key), key)
-        kw["command"] = _command(data.get("command"))
-        kw["env"] = _env(data.get("env"))
-        kw["modules"] = [directive_line(m, "modules") for m in _strings(data, "modules")]
-        kw["setup"] = _lines(data.get("setup"))
-        kw["python"] = _python(data.get("python"))
-        if data.get("output_dir") is not None:
-            kw["output_dir"] = path_value(_str(data, "output_dir"), "output_dir")
-        if data.get("signal") is not None:
-            sig = _str(data, "signal")
-            if not re.match(_SIGNAL, sig):
-                raise UserError(
-                    f"signal: {sig!r} is not a signal spec; allowed: [B:]SIG[@SECONDS], e.g. USR1@90"
-                )
-            kw["signal"] = sig
-        kw["requeue"] = _bool(data, "requeue")
-        kw["expand_vars"] = _bool(data, "expand_vars")
-        kw["split_logs"] = _bool(data, "split_logs")
-        kw["per_rank_logs"] = _bool(data, "per_rank_logs")
-        kw["resilience"] = _resilience(data.get("resilience"))
-        kw["directives"] = [directive_line(d, "directives") for d in _strings(data, "directives")]
-        kw["launcher"] = _choice(data, "launcher", LAUNCHERS, "auto")
-        kw["wrap"] = _choice(data, "wrap", WRAP_MODES, "auto")
-        return cls(**kw)
+        return cls(**SPEC.read(data), source=source)
 
 
 def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> JobSpec:
@@ -190,142 +122,78 @@ def merge_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
     return out
 
 
-# --- field checks -------------------------------------------------------------------
+# --- the keys' own readers (kind "custom" in SPEC) ----------------------------------
 
 
-def _str(data: dict[str, Any], key: str) -> str:
-    value = data[key]
-    if isinstance(value, (dict, list, bool)):
-        raise UserError(f"{key}: {value!r} is not allowed; allowed: a string")
-    return str(value)
-
-
-def _resilience(value: Any) -> dict[str, float | int] | None:
-    """``resilience: true`` (the defaults) or a mapping of :data:`RESILIENCE`'s keys."""
-    if value is None or value is False:
+def _resilience(value: Any, label: str, got: dict[str, Any]) -> dict[str, float | int] | None:
+    """``resilience: true`` (the defaults) or a mapping of :data:`RESILIENCE_KEYS`."""
+    if value is False:
         return None
     if value is True:
         return dict(RESILIENCE)
     if not isinstance(value, dict):
+        raise refuse(label, value, f"true, false or a mapping of {', '.join(RESILIENCE)}")
+    RESILIENCE_KEYS.check_keys(value, label)
+    return RESILIENCE_KEYS.read(value, label)
+
+
+def _signal(value: str, label: str) -> str:
+    if not re.match(_SIGNAL, value):
         raise UserError(
-            f"resilience: {value!r} is not allowed; allowed: true, false or a "
-            f"mapping of {', '.join(RESILIENCE)}"
+            f"{label}: {value!r} is not a signal spec; allowed: [B:]SIG[@SECONDS], e.g. USR1@90"
         )
-    check_keys(value, tuple(RESILIENCE), "resilience")
-    out: dict[str, float | int] = dict(RESILIENCE)
-    for key, given in value.items():
-        number = given if isinstance(given, int | float) and not isinstance(given, bool) else None
-        if key == "hang_timeout_s":
-            if number is None or not 1 <= number <= 7 * 86400:  # NaN fails both tests
-                raise UserError(
-                    f"resilience.hang_timeout_s: {given!r} is not allowed; "
-                    "allowed: seconds from 1 to 604800"
-                )
-            out[key] = float(number)
-        else:
-            low = 1 if key == "min_nodes" else 0
-            if not isinstance(number, int) or not low <= number <= 100_000:
-                raise UserError(
-                    f"resilience.{key}: {given!r} is not allowed; allowed: a "
-                    f"whole number from {low} to 100000"
-                )
-            out[key] = number
-    return out
-
-
-def _int(data: dict[str, Any], key: str) -> int:
-    value = data[key]
-    if isinstance(value, str) and re.fullmatch("[0-9]+", value.strip()):  # not isdigit: ², ٢
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UserError(f"{key}: {value!r} is not allowed; allowed: a whole number >= 1")
     return value
 
 
-def _bool(data: dict[str, Any], key: str) -> bool:
-    value = data.get(key, False)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise UserError(f"{key}: {value!r} is not allowed; allowed: true or false")
-    return value
-
-
-def _choice(data: dict[str, Any], key: str, allowed: tuple[str, ...], default: str) -> str:
-    value = data.get(key)
-    if value is None:
-        return default
-    if value not in allowed:
-        raise UserError(
-            f"{key}: {value!r} is not allowed{did_you_mean(str(value), allowed)}; "
-            f"allowed: {', '.join(allowed)}"
-        )
-    return str(value)
-
-
-def _strings(data: dict[str, Any], key: str) -> list[str]:
-    value = data.get(key)
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value]
-    if not isinstance(value, list) or any(isinstance(v, (dict, list)) for v in value):
-        raise UserError(f"{key}: {value!r} is not allowed; allowed: a list of strings")
-    return [str(v) for v in value]
-
-
-def _lines(value: Any) -> list[str]:
+def _lines(value: Any, label: str, got: dict[str, Any]) -> list[str]:
     """Setup is shell text by design (the user's own lines), one list item or line each."""
-    if value is None:
-        return []
     if isinstance(value, str):
         lines = value.splitlines()
     elif isinstance(value, list) and all(isinstance(v, str) for v in value):
         lines = list(value)
     else:
-        raise UserError(f"setup: {value!r} is not allowed; allowed: a list of shell lines")
+        raise refuse(label, value, "a list of shell lines")
     if any("\0" in line for line in lines):
-        raise UserError("setup: a line holds a NUL byte; allowed: shell text")
+        raise UserError(f"{label}: a line holds a NUL byte; allowed: shell text")
     return lines
 
 
-def _command(value: Any) -> list[str]:
-    if value is None:
-        return []
+def _command(value: Any, label: str, got: dict[str, Any]) -> list[str]:
+    """Words as given, or split like a shell would (no expansion: the shell of the job's
+    script expands nothing the user did not ask for, see ``expand_vars``)."""
     if isinstance(value, str):
         try:
             return shlex.split(value)
         except ValueError as exc:
             raise UserError(
-                f"command: {value!r} cannot be split into words ({exc}); "
+                f"{label}: {value!r} cannot be split into words ({exc}); "
                 "allowed: a list of arguments or a shell-like string"
             ) from None
     if isinstance(value, list) and not any(isinstance(v, (dict, list)) or v is None for v in value):
         words = [str(v) for v in value]
         if any("\0" in w for w in words):
-            raise UserError("command: an argument holds a NUL byte; allowed: text")
+            raise UserError(f"{label}: an argument holds a NUL byte; allowed: text")
         return words
-    raise UserError(f"command: {value!r} is not allowed; allowed: a list of arguments")
+    raise refuse(label, value, "a list of arguments")
 
 
-def _env(value: Any) -> dict[str, str]:
-    if value is None:
-        return {}
+def _env(value: Any, label: str, got: dict[str, Any]) -> dict[str, str]:
+    """Variables the job exports: a YAML true/false is 1/0, as a shell test expects."""
     if not isinstance(value, dict):
-        raise UserError(f"env: {value!r} is not allowed; allowed: a mapping of NAME: value")
+        raise refuse(label, value, "a mapping of NAME: value")
     out: dict[str, str] = {}
     for key, val in value.items():
-        variable_name(key, "env")
+        variable_name(key, label)
         if val is None or isinstance(val, (dict, list)):
-            raise UserError(f"env.{key}: {val!r} is not allowed; allowed: a string or number")
+            raise refuse(f"{label}.{key}", val, "a string or number")
         text = ("1" if val else "0") if isinstance(val, bool) else str(val)
         if "\0" in text:
-            raise UserError(f"env.{key}: the value holds a NUL byte; allowed: text")
+            raise UserError(f"{label}.{key}: the value holds a NUL byte; allowed: text")
         out[str(key)] = text
     return out
 
 
-def _python(value: Any) -> dict[str, str] | str | None:
+def _python(value: Any, label: str, got: dict[str, Any]) -> dict[str, str] | str | None:
     """``python:`` of a spec: ``{venv: PATH}``, ``{conda: NAME}``, ``site`` or absent.
 
     ``site`` says: use the Python the profile's ``module load``/``setup`` lines give
@@ -335,15 +203,11 @@ def _python(value: Any) -> dict[str, str] | str | None:
     """
     from hpc import stage as staging
 
-    if value is None:
-        return None
     if value == "site":
         return "site"
     kinds = [k for k in value if k in ("venv", "conda")] if isinstance(value, dict) else []
     if len(kinds) != 1:
-        raise UserError(
-            f"python: {value!r} is not allowed; allowed: {{venv: PATH}}, {{conda: NAME}} or site"
-        )
+        raise refuse(label, value, "{venv: PATH}, {conda: NAME} or site")
     kind = kinds[0]
     extra = (
         sorted(set(value) - {kind, "stage", "pack"})
@@ -357,10 +221,10 @@ def _python(value: Any) -> dict[str, str] | str | None:
             else "conda alone (a conda "
             "environment cannot be moved by copying its folder, so it is never staged)"
         )
-        raise UserError(f"python.{extra[0]}: not allowed here; allowed: {allowed}")
+        raise UserError(f"{label}.{extra[0]}: not allowed here; allowed: {allowed}")
     where = value[kind]
     if not isinstance(where, str) or not where or "\0" in where:
-        raise UserError(f"python.{kind}: {where!r} is not allowed; allowed: a non-empty string")
+        raise refuse(f"{label}.{kind}", where, "a non-empty string")
     # A quoted '~/venv' is not expanded by the shell: expand it here.
     out = {str(kind): os.path.expanduser(where) if kind == "venv" else where}
     if "stage" in value:
@@ -368,6 +232,83 @@ def _python(value: Any) -> dict[str, str] | str | None:
     if "pack" in value:
         out["pack"] = staging.check_pack_value(value["pack"])
     return out
+
+
+def _path(value: str, label: str) -> str:
+    return path_value(value, label)
+
+
+def _walltime(value: Any, label: str, got: dict[str, Any]) -> int:
+    return parse_walltime(value, label)
+
+
+# --- the job spec's keys, each declared once ---------------------------------------
+
+_RUNS: dict[str, Any] = {"kind": "int", "high": 100_000, "nullable": False}
+#: ``resilience:`` keys: ``python -m ddp.supervise``'s flags, bounds and defaults.
+RESILIENCE_KEYS = Table(
+    (
+        Key(
+            "hang_timeout_s",
+            "number",
+            600.0,
+            "a rank silent this long is hung",
+            low=1,
+            high=7 * 86400,
+            allowed="seconds from {low:g} to {high:g}",
+            nullable=False,
+        ),
+        Key("max_restarts", default=3, help="relaunches before the job fails", low=0, **_RUNS),
+        Key("min_nodes", default=1, help="fewest healthy nodes to relaunch on", low=1, **_RUNS),
+        Key("spares", default=0, help="nodes held back to replace a lost one", low=0, **_RUNS),
+    ),
+    sep=".",
+)
+#: ``resilience:`` keys (python -m ddp.supervise's flags) and their defaults.
+RESILIENCE: dict[str, float | int] = RESILIENCE_KEYS.defaults()
+_DIRECTIVE = directive_value
+_WHOLE: dict[str, Any] = {"kind": "int", "low": 1, "digits": True}
+#: Every key of a job spec, in the order they are checked (:meth:`JobSpec.from_mapping`);
+#: the defaults are :class:`JobSpec`'s own.
+SPEC = Table(
+    (
+        Key("partition", "meta", help="SLURM's word for queue (an alias)"),
+        Key("description", "text", help="free text for people"),
+        Key("name", help="the job's name (default: from the command)"),
+        Key("cluster", help="the profile to fit the job to (hpc clusters lists them)"),
+        Key("nodes", help="nodes to run on", **_WHOLE),
+        Key("ppn", help="ranks per node (default: the profile's)", **_WHOLE),
+        Key("gpus_per_node", help="GPUs to ask for per node", **_WHOLE),
+        Key("cpus_per_task", help="cores to ask for per rank", **_WHOLE),
+        Key("walltime", "custom", help="HH:MM:SS (hours may exceed 24)", parse=_walltime),
+        Key("queue", help="queue or partition (default: picked by size)", then=_DIRECTIVE),
+        Key("account", help="the allocation charged", then=_DIRECTIVE),
+        Key("filesystems", help="PBS -l filesystems= (default: the profile's)", then=_DIRECTIVE),
+        Key("command", "custom", help="what each rank runs", parse=_command),
+        Key("env", "custom", help="variables the job exports", parse=_env),
+        Key("modules", "strings", help="modules to load", then=directive_line),
+        Key("setup", "custom", help="shell lines run before the launch", parse=_lines),
+        Key("python", "custom", help="{venv: PATH}, {conda: NAME} or site", parse=_python),
+        Key("output_dir", help="where the logs go", then=_path),
+        Key("signal", help="[B:]SIG[@SECONDS] sent before the walltime ends", then=_signal),
+        Key("requeue", "bool", help="requeue after preemption or a node failure"),
+        Key("expand_vars", "bool", help="the job's shell expands $NAME in the command"),
+        Key("split_logs", "bool", help="stderr in its own log"),
+        Key("per_rank_logs", "bool", help="each rank's output in its own log"),
+        Key(
+            "resilience",
+            "custom",
+            help="true or python -m ddp.supervise's settings",
+            parse=_resilience,
+        ),
+        Key("directives", "strings", help="extra scheduler directive lines", then=directive_line),
+        # read when checked: a new launcher (hpc.schedulers.LAUNCHERS) may join at run time
+        Key("launcher", "choice", help="how ranks start", choices=lambda got: LAUNCHERS),
+        Key("wrap", "choice", help="ranks run under python -m ddp.exec", choices=WRAP_MODES),
+    ),
+    model=JobSpec,
+)
+SPEC_KEYS = SPEC.names()
 
 
 def submitting_python(
@@ -438,8 +379,6 @@ def conda_executable(env: str) -> str | None:
 
 def path_value(value: str, key: str) -> str:
     if not re.match(_PATHLIKE, value):
-        raise UserError(
-            f"{key}: {value!r} is not allowed; allowed: a path of letters, digits and _ . / ~ + -"
-        )
+        raise refuse(key, value, "a path of letters, digits and _ . / ~ + -")
     # Neither sbatch nor qsub expands ~ in #SBATCH/#PBS paths: expand it here.
     return os.path.expanduser(value)

@@ -9,6 +9,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
+from hpc._util import NAME
 from hpc.errors import UserError
 
 MAX_TASKS = 20_000
@@ -20,7 +21,7 @@ MAX_DIRNAME = 64
 MAX_VALUE = 256
 
 # A trainer config key: dotted names, as ``--set optim.lr=...`` takes them.
-_KEY = r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*\Z"
+_KEY = rf"{NAME}(?:\.{NAME})*\Z"
 _KEY_HELP = "a dotted config key such as optim.lr"
 
 
