@@ -11,6 +11,7 @@ import platform
 import shutil
 import subprocess
 import sys
+from typing import TypedDict, cast
 
 EXECUTABLES = ("qsub", "sbatch", "srun", "mpiexec", "torchrun")
 OPTIONAL = (
@@ -52,13 +53,22 @@ print(json.dumps(out))
 """
 
 
-def torch_info(timeout: float = 120.0) -> dict[str, object]:
+class TorchInfo(TypedDict, total=False):
+    """What ``_TORCH_PROBE`` prints: ``error`` alone, or the other three."""
+
+    error: str
+    version: str
+    devices: dict[str, int]
+    backends: dict[str, bool]
+
+
+def torch_info(timeout: float = 120.0) -> TorchInfo:
     """Torch version, devices and collective backends, from a child interpreter."""
     try:
         proc = subprocess.run(
             [sys.executable, "-c", _TORCH_PROBE], capture_output=True, text=True, timeout=timeout
         )
-        return json.loads(proc.stdout.strip().splitlines()[-1])
+        return cast(TorchInfo, json.loads(proc.stdout.strip().splitlines()[-1]))
     except (subprocess.TimeoutExpired, ValueError, IndexError, OSError) as exc:
         return {"error": f"probe failed: {exc}"}
 
@@ -77,8 +87,8 @@ def rows(probe_torch: bool = True) -> list[tuple[str, str, bool, str]]:
             devices = info.get("devices") or {}
             out.append(
                 ("torch", "devices", True, ", ".join(f"{k}:{v}" for k, v in devices.items()))
-            )  # type: ignore[union-attr]
-            for name, ok in (info.get("backends") or {}).items():  # type: ignore[union-attr]
+            )
+            for name, ok in (info.get("backends") or {}).items():
                 out.append(("backend", name, bool(ok), "available" if ok else "not built in"))
     for exe in EXECUTABLES:
         path = shutil.which(exe)

@@ -23,11 +23,13 @@ def loads_qstat_json(text: str) -> dict[str, Any]:
     refuses; such backslashes are doubled and control characters allowed.
     """
     try:
-        return json.loads(text, strict=False)
+        data: dict[str, Any] = json.loads(text, strict=False)
+        return data
     except ValueError:
         fixed = re.sub(r'\\(?!["\\/bfnrtu])', r"\\\\", text)
         fixed = re.sub(r"\\u(?![0-9a-fA-F]{4})", r"\\\\u", fixed)
-        return json.loads(fixed, strict=False)
+        data = json.loads(fixed, strict=False)
+        return data
 
 
 _WS = re.compile(r"[ \t\n\r]*")
