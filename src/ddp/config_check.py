@@ -15,7 +15,7 @@ import math
 import types
 import typing
 from collections.abc import Callable
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Any, Union, cast, get_args, get_origin, get_type_hints
 
 from ddp import scaling
 from ddp.config_sections import (
@@ -86,7 +86,7 @@ def _coerce(value: Any, tp: Any, path: str, choices: tuple[str, ...] | None = No
             return None
         return _coerce(value, args[0], path, choices)
     if dataclasses.is_dataclass(tp):
-        return _build(tp, {} if value is None else value, path)
+        return _build(cast(type, tp), {} if value is None else value, path)  # a class here
     if origin is list:
         (item_tp,) = get_args(tp)
         if value is None:
