@@ -76,8 +76,8 @@ class View:
         if self.metrics is not None:
             out.append(("metrics", metrics_line(self.metrics)))
             slow = self.metrics.get("slowest_rank")
-            if (rank := _num(slow)) is not None:
-                out.append(("slowest", f"slowest rank {int(rank)}"))
+            if slow is not None and _num(slow) is not None:
+                out.append(("slowest", f"slowest rank {int(slow)}"))
         if self.restarts or self.excluded or self.stopped:
             out.append(("supervisor", supervisor_line(self.restarts, self.excluded, self.stopped)))
         return out

@@ -142,7 +142,9 @@ def _value_end(buf: str, start: int, eof: bool) -> int | None:
         match = _STRING.match(buf, start)
         return match.end() if match else None
     if buf[start] not in "{[":
-        end = _SCALAR.match(buf, start).end()  # type: ignore[union-attr]
+        scalar = _SCALAR.match(buf, start)
+        assert scalar is not None  # the pattern matches the empty string too
+        end = scalar.end()
         return end if end < len(buf) or eof else None
     depth, pos = 0, start
     while (token := _TOKEN.search(buf, pos)) is not None:
