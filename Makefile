@@ -26,6 +26,7 @@ test-fast: install
 lint: install
 	ruff check .
 	ruff format --check .
+	PYTHONPATH=src:. mypy  # strict on hpc/, default checks on src/ddp ([tool.mypy])
 	PYTHONPATH=src:. lint-imports  # the layers (contracts in pyproject.toml)
 
 docs: install

@@ -10,7 +10,7 @@ import re
 import stat
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Literal, overload
 
 from hpc.errors import UserError
 
@@ -92,6 +92,10 @@ MAX_RUN_FILE = 64 * 1024 * 1024
 read with its own bound): a real one is kilobytes; a bigger one is damage or a trap."""
 
 
+@overload
+def open_regular(path: Path, what: str, *, missing_ok: Literal[False] = False) -> BinaryIO: ...
+@overload
+def open_regular(path: Path, what: str, *, missing_ok: bool) -> BinaryIO | None: ...
 def open_regular(path: Path, what: str, *, missing_ok: bool = False) -> BinaryIO | None:
     """``path`` opened for reading in binary, only if it is a regular file; never blocks.
 

@@ -56,6 +56,7 @@ def max_charge_line(cluster: Any, nodes: int, walltime_s: int, queue: str | None
     named = f"queue {queue} factor {qfactor:g}"
     if mfactor is not None:
         named += f" x machine factor {mfactor:g}"
+    assert q is not None  # qfactor came from it
     src = q.charge_source or source
     return f"hpc: maximum charge: {total:g} {unit} ({base} x {named}; source: {src})"
 

@@ -13,6 +13,7 @@ and :meth:`Cluster.check_job` are what :mod:`hpc.job` calls.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from hpc import schedulers
 from hpc._util import format_walltime
@@ -186,10 +187,10 @@ class Cluster:
     poll_s: float = 60.0
     sources: tuple[str, ...] = ()
     #: The site's charge rules (hpc.charges): unit, source URL, machine factor; {} = unknown.
-    charge: dict = field(default_factory=dict)
+    charge: dict[str, Any] = field(default_factory=dict)
     #: When the job's venv is copied to node-local storage (hpc.stage): min_nodes for
     #: ``stage: auto``, local_dir, source; {} = only when a spec says ``stage: always``.
-    python_stage: dict = field(default_factory=dict)
+    python_stage: dict[str, Any] = field(default_factory=dict)
     #: GPUs made of tiles (Aurora); None: each device is a whole GPU (see :class:`Tiles`).
     tiles: Tiles | None = None
     #: The site's known issues as rules (:class:`Rule`), in profile order.

@@ -12,6 +12,7 @@ import platform
 import shutil
 import subprocess
 import sys
+from typing import TypedDict, cast
 
 EXECUTABLES = ("qsub", "sbatch", "srun", "mpiexec", "torchrun")
 OPTIONAL = (
@@ -27,7 +28,16 @@ OPTIONAL = (
 PROBE_MODULE = "ddp.probe"
 
 
-def torch_info(timeout: float = 120.0) -> dict[str, object]:
+class TorchInfo(TypedDict, total=False):
+    """What ``python -m ddp.probe`` prints: ``error`` alone, or the other three."""
+
+    error: str
+    version: str
+    devices: dict[str, int]
+    backends: dict[str, bool]
+
+
+def torch_info(timeout: float = 120.0) -> TorchInfo:
     """Torch version, devices and collective backends, from a child interpreter running
     ``python -m ddp.probe`` (the compute side's probe)."""
     try:
@@ -38,7 +48,7 @@ def torch_info(timeout: float = 120.0) -> dict[str, object]:
         if not lines:  # ddp itself not importable there: its own last line says why
             error = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
             return {"error": f"probe failed: python -m {PROBE_MODULE}: {error}"}
-        return json.loads(lines[-1])
+        return cast(TorchInfo, json.loads(lines[-1]))
     except (subprocess.TimeoutExpired, ValueError, OSError) as exc:
         return {"error": f"probe failed: {exc}"}
 
@@ -57,8 +67,8 @@ def rows(probe_torch: bool = True) -> list[tuple[str, str, bool, str]]:
             devices = info.get("devices") or {}
             out.append(
                 ("torch", "devices", True, ", ".join(f"{k}:{v}" for k, v in devices.items()))
-            )  # type: ignore[union-attr]
-            for name, ok in (info.get("backends") or {}).items():  # type: ignore[union-attr]
+            )
+            for name, ok in (info.get("backends") or {}).items():
                 out.append(("backend", name, bool(ok), "available" if ok else "not built in"))
     for exe in EXECUTABLES:
         path = shutil.which(exe)

@@ -169,9 +169,9 @@ def failing_rank_lines(
     if rank in files:
         where = str(files[rank])
         got = _tail(files[rank])
-        if got and (m := logs_ranks._HEADER.match(got[0].decode("utf-8", "replace"))):
+        if got and (first := logs_ranks._HEADER.match(got[0].decode("utf-8", "replace"))):
             got = got[1:]  # the header line: the host, not output
-            host = m.group(1) if host == "?" else host
+            host = first.group(1) if host == "?" else host
         elif host == "?":
             host = _file_host(files[rank])
         quoted = got[-lines:]

@@ -63,7 +63,9 @@ def _compare(old: dict[str, str], new: dict[str, str], what: str) -> list[str]:
 
 
 def _git(rec: dict[str, Any]) -> dict[str, str]:
-    git = rec.get("git") if isinstance(rec.get("git"), dict) else {}
+    git = rec.get("git")
+    if not isinstance(git, dict):
+        git = {}
     diff = str(git.get("diff") or "")
     return {
         "commit": str(git.get("commit") or ""),
@@ -73,7 +75,9 @@ def _git(rec: dict[str, Any]) -> dict[str, str]:
 
 
 def _env(rec: dict[str, Any]) -> dict[str, str]:
-    env = rec.get("env") if isinstance(rec.get("env"), dict) else {}
+    env = rec.get("env")
+    if not isinstance(env, dict):
+        env = {}
     skip = tuple(p for p in rec.get("allocation_prefixes", _ALLOCATION) if isinstance(p, str))
     return {str(k): str(v) for k, v in env.items() if not str(k).startswith(skip or _ALLOCATION)}
 

@@ -5,6 +5,7 @@ hydra's ``-prepend-rank``): ``hpc logs --rank N`` and ``hpc logs --grep TEXT``."
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from pathlib import Path
 from typing import Any, TextIO
@@ -145,7 +146,7 @@ def grep(run_dir: Path, text: str, out: TextIO, job: str | None = None) -> list[
         if fh is None:
             continue
         with fh:
-            for number, raw in enumerate(iter(lambda fh=fh: fh.readline(1 << 20), b""), 1):
+            for number, raw in enumerate(iter(functools.partial(fh.readline, 1 << 20), b""), 1):
                 if number == 1 and (m := _HEADER.match(raw.decode("utf-8", "replace"))):
                     host = m.group(1)
                     continue

@@ -369,6 +369,7 @@ def job_entry(record: dict[str, Any], ident: str) -> dict[str, Any]:
     """The entry of ``record`` (itself or an earlier submission) whose job ``ident`` is;
     the record itself, its latest job, when ``ident`` names the run rather than a job."""
     earlier = record.get("submissions")
+    entry: dict[str, Any]
     for entry in [record, *reversed(earlier if isinstance(earlier, list) else [])]:
         if _has_id(entry, ident):
             return entry

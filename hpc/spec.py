@@ -100,7 +100,7 @@ class JobSpec:
         return cls(**SPEC.read(data), source=source)
 
 
-def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> JobSpec:
+def load_spec(path: str | Path | None, overrides: dict[str, Any] | None = None) -> JobSpec:
     """Read a spec file and apply flag overrides (env merges per variable)."""
     data = load_yaml(Path(path), "spec") if path is not None else {}
     return JobSpec.from_mapping(merge_overrides(data, overrides or {}), str(path) if path else None)

@@ -42,7 +42,7 @@ def _check_chain(job: Job, chain: int, after: After | None) -> int:
                 "queue, or one job"
             )
         limit = queue.max_queued if queue is not None else None
-        if limit is not None and chain > limit:
+        if queue is not None and limit is not None and chain > limit:
             raise UserError(
                 f"--chain: {chain} segments; the {job.cluster.name} queue "
                 f"{queue.name!r} takes at most {limit} queued jobs per user; "
@@ -180,7 +180,9 @@ def _submit_parts(
     from hpc.errors import SchedulerError
 
     mp = plan.job.max_parallel
-    done = [{"job_id": first, "offset": plan.parts[0][0], "count": plan.parts[0][1]}]
+    done: list[dict[str, Any]] = [
+        {"job_id": first, "offset": plan.parts[0][0], "count": plan.parts[0][1]}
+    ]
     for k, (offset, count) in enumerate(plan.parts[1:], 2):
         after = After(done[-1]["job_id"], "any") if mp else plan.after
         try:

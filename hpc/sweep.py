@@ -22,7 +22,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from hpc.errors import UserError
 from hpc.sweep_array import (
@@ -319,7 +319,7 @@ def _main(argv: list[str] | None = None) -> int:
     class Parser(argparse.ArgumentParser):
         """Usage mistakes are one line too (argparse prints the usage, then exits)."""
 
-        def error(self, message: str) -> Any:  # type: ignore[override]
+        def error(self, message: str) -> NoReturn:
             raise UserError(f"{message}; allowed: shell RUN_DIR [--index N] [--offset K]")
 
     parser = Parser(prog="python -m hpc.sweep")

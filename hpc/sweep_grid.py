@@ -28,7 +28,8 @@ _KEY_HELP = "a dotted config key such as optim.lr"
 class SweepTask(NamedTuple):
     """One point of the sweep; ``index`` is its array index (0-based)."""
 
-    index: int
+    # The field shadows tuple.index (never called on a task); the manifest's key is "index".
+    index: int  # type: ignore[assignment]
     overrides: dict[str, str]
     label: str
     """``KEY=VALUE KEY2=VALUE2``: names the task in logs and report legends."""

@@ -82,7 +82,7 @@ class View:
         if self.metrics is not None:
             out.append(("metrics", metrics_line(self.metrics)))
             slow = self.metrics.get("slowest_rank")
-            if _num(slow) is not None:
+            if slow is not None and _num(slow) is not None:
                 out.append(("slowest", f"slowest rank {int(slow)}"))
         if self.restarts or self.excluded or self.stopped:
             out.append(("supervisor", supervisor_line(self.restarts, self.excluded, self.stopped)))
@@ -217,9 +217,9 @@ class Watcher:
         if self.ask.due() or self._sched is None:  # due() first: the first look arms it
             job_id, state, tasks = core.run_status(self.ident, self.runs_dir, self.cluster)
             self._sched = (job_id, str(state), [(t, lb, str(s)) for t, lb, s in tasks])
-        job_id, state, tasks = self._sched
+        job_id, shown, listed = self._sched  # the words, not JobState: a View is text
         metrics, (restarts, excluded, stopped) = local_parts(self.run_dir)
-        return View(job_id, state, tasks, metrics, restarts, excluded, stopped)
+        return View(job_id, shown, listed, metrics, restarts, excluded, stopped)
 
     def final(self) -> View:
         """One more scheduler query once the job ended (its end state, not a stale one)."""

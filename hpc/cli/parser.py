@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
-from typing import Any
+from typing import Any, NoReturn
 
 from hpc.cli.commands import cmd_cancel, cmd_logs, cmd_render, cmd_status, cmd_submit
 from hpc.cli.tables import cmd_clusters, cmd_doctor, cmd_report, cmd_scale
@@ -18,7 +18,7 @@ from hpc.errors import UserError
 class _Parser(argparse.ArgumentParser):
     """argparse that raises UserError instead of printing usage and exiting."""
 
-    def error(self, message: str) -> Any:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         raise UserError(message if self.prog == "hpc" else f"{self.prog}: {message}")
 
 
@@ -106,7 +106,7 @@ COMMANDS = (
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The argument parser; ``only`` builds just that subcommand (faster startup)."""
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)  # a parent only: its error() is never called
     common.add_argument("--debug", action="store_true", help="show tracebacks")
     parser = _Parser(
         prog="hpc",

@@ -169,7 +169,8 @@ class ScriptExecutor(Recorded, core.PicklingExecutor):
     scheduler's array of N (``Scheduler.submitit_array``), else N jobs.
     """
 
-    job_class: tp.ClassVar[type] = ScriptJob
+    #: submitit's attribute (an instance variable there); PBSExecutor's is PBSJob.
+    job_class: type[core.Job[tp.Any]] = ScriptJob
     #: ``python -m ENTRY FOLDER`` runs one rank on the compute node.
     entry: tp.ClassVar[str] = "hpc.executors.script"
 
@@ -319,12 +320,9 @@ class ScriptExecutor(Recorded, core.PicklingExecutor):
         return self.scheduler.parse_job_id(text)
 
     def _new_job(self, job_id: str, tasks: list[int]) -> core.Job[tp.Any]:
-        return tp.cast(
-            core.Job[tp.Any],
-            self.job_class(
-                folder=self.folder, job_id=job_id, tasks=tasks, scheduler=self.scheduler
-            ),
-        )
+        # A ScriptJob (or subclass): it takes the scheduler; PBSExecutor has its own _new_job.
+        make = tp.cast("type[ScriptJob[tp.Any]]", self.job_class)
+        return make(folder=self.folder, job_id=job_id, tasks=tasks, scheduler=self.scheduler)
 
     def _submit_job(self, job: Job) -> core.Job[tp.Any]:
         """Write ``job``'s script and submit it with the scheduler's own ``submit``."""

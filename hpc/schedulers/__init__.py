@@ -428,7 +428,8 @@ def get(name: str) -> Scheduler:
             f"scheduler: {name!r} is not known{did_you_mean(name, known)}; "
             f"allowed: {', '.join(known)}"
         )
-    return module.SCHEDULER()
+    scheduler: Scheduler = module.SCHEDULER()
+    return scheduler
 
 
 def detect() -> str | None:

@@ -23,11 +23,13 @@ def loads_qstat_json(text: str) -> dict[str, Any]:
     refuses; such backslashes are doubled and control characters allowed.
     """
     try:
-        return json.loads(text, strict=False)
+        data: dict[str, Any] = json.loads(text, strict=False)
+        return data
     except ValueError:
         fixed = re.sub(r'\\(?!["\\/bfnrtu])', r"\\\\", text)
         fixed = re.sub(r"\\u(?![0-9a-fA-F]{4})", r"\\\\u", fixed)
-        return json.loads(fixed, strict=False)
+        data = json.loads(fixed, strict=False)
+        return data
 
 
 _WS = re.compile(r"[ \t\n\r]*")
@@ -140,7 +142,9 @@ def _value_end(buf: str, start: int, eof: bool) -> int | None:
         match = _STRING.match(buf, start)
         return match.end() if match else None
     if buf[start] not in "{[":
-        end = _SCALAR.match(buf, start).end()  # type: ignore[union-attr]
+        scalar = _SCALAR.match(buf, start)
+        assert scalar is not None  # the pattern matches the empty string too
+        end = scalar.end()
         return end if end < len(buf) or eof else None
     depth, pos = 0, start
     while (token := _TOKEN.search(buf, pos)) is not None:

@@ -100,6 +100,7 @@ def _settle(
     exact: dict[str, str] = {}
     by_array: dict[str, str] = {}
     ranges: dict[str, list[tuple[str, str]]] = {}
+    word: str | None
     for job, array, word in answers:
         if first:
             exact.setdefault(job, word)

@@ -66,7 +66,8 @@ def read_regular(
         if limit is not None and info.st_size > limit:
             raise NotRegular(f"is {info.st_size:,} bytes; allowed: at most {limit:,}")
         cap = info.st_size if limit is None else limit
-        chunks, total = [], 0
+        chunks: list[bytes] = []
+        total = 0
         while True:
             try:
                 chunk = os.read(fd, min(1 << 24, cap + 1 - total))

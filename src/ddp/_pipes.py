@@ -81,7 +81,7 @@ def run_main(main: Callable[[], int]) -> int:
         return SIGPIPE_EXIT
 
 
-class OutputHandler(logging.StreamHandler):  # type: ignore[type-arg]
+class OutputHandler(logging.StreamHandler):
     """A log handler for stdout that goes quiet once nobody reads it.
 
     ``logging`` answers a failed write with a traceback on stderr per record, so

@@ -412,7 +412,8 @@ def build(
     groups: dict[int, Any] = {}
     for n in layout.groups:
         members = layout.members(n)
-        options = ProcessGroupGloo._Options()
+        # torch's stub names it Options; the class torch builds is _Options
+        options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._devices = [_device()]
         options._timeout = timeout
         options._threads = 1  # one gather and one scatter in flight at most

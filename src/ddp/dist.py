@@ -178,6 +178,7 @@ def _init(
         os.environ.update(info.torchrun_vars())  # for libraries that read env:// themselves
         store = rendezvous_store(info, limit, address)
         bound = bound_device(choice.device, choice.backend)  # after _set_device (ezpz #149)
+        device_id: dict[str, Any] = {"device_id": bound} if bound is not None else {}
         tdist.init_process_group(
             backend=choice.backend,
             # The prefix torch's own init_method path adds: keys never meet an agent's.
@@ -185,7 +186,7 @@ def _init(
             rank=info.rank,
             world_size=info.world_size,
             timeout=limit,
-            **({"device_id": bound} if bound is not None else {}),
+            **device_id,
         )
         # Small control messages (the preemption vote) travel apart from the training
         # collectives: on the device a read makes the host wait for the GPU every step,

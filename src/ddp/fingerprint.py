@@ -24,6 +24,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,7 @@ DIFF_LIMIT = 256 * 1024  # bytes of `git diff HEAD` kept (a note says when it wa
 UNTRACKED_LIMIT = 200
 
 
-def job_id(env: dict[str, str] | None = None) -> str:
+def job_id(env: Mapping[str, str] | None = None) -> str:
     """SLURM's id (an array task as ``ARRAY_TASK``), PBS's, else ``local-PID``."""
     env = os.environ if env is None else env
     if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
@@ -81,7 +82,7 @@ def file_name(job: str) -> str:
     return "env-" + re.sub(r"[^A-Za-z0-9._\[\]-]", "_", job)[:200] + ".json"
 
 
-def variables(env: dict[str, str] | None = None) -> dict[str, str]:
+def variables(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The recorded variables (see :data:`PREFIXES`), never one named like a secret."""
     env = os.environ if env is None else env
     return {k: v for k, v in sorted(env.items()) if k.startswith(PREFIXES) and not SECRET.search(k)}
@@ -93,7 +94,9 @@ def packages() -> dict[str, str]:
     environment's packages as ``conda:NAME`` from its ``conda-meta`` records."""
     out: dict[str, str] = {}
     for dist in metadata.distributions():
-        name = dist.metadata.get("Name") if dist.metadata else None
+        # typeshed's PackageMetadata has get() from Python 3.12 only; the object is an
+        # email Message, with get(), on every version.
+        name = dist.metadata.get("Name") if dist.metadata else None  # type: ignore[attr-defined]
         if name:
             out[re.sub(r"[-_.]+", "-", name).lower()] = str(dist.version)
     prefix = os.environ.get("CONDA_PREFIX")

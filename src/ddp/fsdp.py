@@ -23,14 +23,14 @@ load, so a run may resume on a different number of ranks.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from ddp.errors import ConfigError
 
-BlockSpec = type | str | Sequence[str] | Callable[[str, nn.Module], bool] | None
+BlockSpec = type[nn.Module] | str | Sequence[str] | Callable[[str, nn.Module], bool] | None
 
 _DEFAULT_BLOCKS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 
@@ -39,11 +39,12 @@ def find_blocks(model: nn.Module, blocks: BlockSpec = None) -> list[nn.Module]:
     """The modules to shard one by one, outermost first, none inside another."""
     named = list(model.named_modules())
     if blocks is None:
-        picked = [m for _, m in named if isinstance(m, _DEFAULT_BLOCKS)]
+        picked: list[nn.Module] = [m for _, m in named if isinstance(m, _DEFAULT_BLOCKS)]
         if not picked:
             picked = [c for _, m in named if isinstance(m, nn.ModuleList) for c in m]
     elif isinstance(blocks, type):
-        picked = [m for _, m in named if isinstance(m, blocks)]
+        cls = cast("type[nn.Module]", blocks)  # a class (a Callable may be one too)
+        picked = [m for _, m in named if isinstance(m, cls)]
     elif isinstance(blocks, str):
         picked = [m for _, m in named if type(m).__name__ == blocks]
         if not picked:
@@ -125,7 +126,8 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=opts)
+    # full_state_dict: every value is a whole tensor (torch types it as any state value)
+    return cast("dict[str, torch.Tensor]", get_model_state_dict(model, options=opts))
 
 
 def local_tensors(model: nn.Module) -> list[torch.Tensor]:

@@ -82,7 +82,7 @@ def _unbound_default_group() -> Iterator[None]:
 
     default = tdist.group.WORLD
     bound = getattr(default, "bound_device_id", None)
-    if bound is None:
+    if default is None or bound is None:  # no WORLD group has no bound device either
         yield
         return
     default.bound_device_id = None

@@ -13,7 +13,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, cast
 
 from ddp.config import TrainConfig
 
@@ -221,7 +221,8 @@ def open_wandb(config: TrainConfig, info: dict[str, float] | None = None) -> Any
         return wandb.init(
             project=w.project,
             name=wandb_name(config),
-            mode=w.mode,
+            # one of logging.wandb.mode's choices, checked with the config
+            mode=cast(Literal["offline", "online", "disabled"], w.mode),
             config={**config.to_dict(), **(info or {})},
             settings=wandb.Settings(init_timeout=w.init_timeout),
         )

@@ -14,7 +14,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -253,14 +253,32 @@ def make_optimizer(config: TrainConfig, model: torch.nn.Module, lr: float) -> to
     )
 
 
+# What grad_sync and apply_memory_options call on a model they found the attribute on
+# (duck-typed with hasattr, so a wrapper or another library's model works too).
+class _FSDP2Module(Protocol):  # torch.distributed.fsdp.FSDPModule
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None: ...
+
+
+class _DDPModule(Protocol):  # torch.nn.parallel.DistributedDataParallel
+    def no_sync(self) -> contextlib.AbstractContextManager[Any]: ...
+
+
+class _HFCheckpointing(Protocol):  # transformers' PreTrainedModel
+    def gradient_checkpointing_enable(self) -> None: ...
+
+
+class _CheckpointingFlag(Protocol):  # this project's models (DiT, CrowdBT)
+    gradient_checkpointing: bool
+
+
 def grad_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
     """Gradients are reduced across ranks only when ``sync`` (the last micro-batch of an
     accumulation group): DDP's ``no_sync()``, FSDP2's ``set_requires_gradient_sync``."""
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(sync)
+        cast(_FSDP2Module, model).set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
     if not sync and hasattr(model, "no_sync"):  # DDP
-        return model.no_sync()
+        return cast(_DDPModule, model).no_sync()
     return contextlib.nullcontext()
 
 
@@ -281,9 +299,9 @@ def apply_memory_options(config: TrainConfig, model: torch.nn.Module, dev: torch
             torch.xpu.set_per_process_memory_fraction(m.max_memory_fraction, dev)
     if m.gradient_checkpointing:
         if hasattr(model, "gradient_checkpointing_enable"):
-            model.gradient_checkpointing_enable()
+            cast(_HFCheckpointing, model).gradient_checkpointing_enable()
         elif hasattr(model, "gradient_checkpointing"):
-            model.gradient_checkpointing = True
+            cast(_CheckpointingFlag, model).gradient_checkpointing = True
         else:
             raise ConfigError(
                 "memory.gradient_checkpointing: this model has no "

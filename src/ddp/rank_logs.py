@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from ddp.heartbeat import node_name
@@ -28,7 +29,7 @@ from ddp.heartbeat import node_name
 ENV = "DDP_RANK_LOGS"
 
 
-def folder(env: dict[str, str] | None = None) -> Path:
+def folder(env: Mapping[str, str] | None = None) -> Path:
     """``$HPC_RUN_DIR/ranks``, else ``./ranks`` (a script rendered and run by hand)."""
     env = os.environ if env is None else env
     return Path(env.get("HPC_RUN_DIR") or ".") / "ranks"

@@ -9,6 +9,7 @@ names; the model knows nothing of the graph it is trained on, only its number of
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,11 @@ class NoiseEmbedding(nn.Module):
         half = self.freqs // 2
         f = torch.exp(-math.log(10000.0) * torch.arange(half, device=sigma.device) / half)
         a = sigma.float()[:, None] * f[None]
-        return self.mlp(torch.cat([torch.cos(a), torch.sin(a)], -1).to(self.mlp[0].weight.dtype))
+        return self.mlp(
+            torch.cat([torch.cos(a), torch.sin(a)], -1).to(
+                cast(nn.Linear, self.mlp[0]).weight.dtype
+            )
+        )
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -81,6 +86,9 @@ class DiT(nn.Module):
     SEDD small is ``DiT(n, 768, 12, 12, cond_dim=128)``. ``gradient_checkpointing``
     (set by ``memory.gradient_checkpointing``) recomputes each block in backward.
     """
+
+    cos: torch.Tensor  # the rotary tables, buffers (register_buffer)
+    sin: torch.Tensor
 
     def __init__(
         self,

@@ -214,7 +214,8 @@ def probe_nodes(
             text=True,
             start_new_session=True,
         )
-    deadline, out = time.monotonic() + timeout_s, {}
+    deadline = time.monotonic() + timeout_s
+    out: dict[str, dict[int, str] | None] = {}
     for node, proc in procs.items():
         try:
             text, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))

@@ -227,11 +227,11 @@ class EpochLoop:
         """One collective for every logged metric, then rank 0 reports."""
         names = ["loss", *sorted(win.extra)]
         dt = time.perf_counter() - win.t0
-        vec = torch.stack([win.loss.float(), *(win.extra[k].float() for k in names[1:])])
-        vec = torch.cat([vec / max(1, win.micro), vec.new_tensor([dt])])
+        packed = torch.stack([win.loss.float(), *(win.extra[k].float() for k in names[1:])])
+        packed = torch.cat([packed / max(1, win.micro), packed.new_tensor([dt])])
         layers = [(kind, names) for kind, (names, sq) in self._norms.items() if names]
         if layers:  # per-layer squared norms ride on the same collective and read
-            vec = torch.cat([vec, *(self._norms[k][1].float() for k, _ in layers)])
+            packed = torch.cat([packed, *(self._norms[k][1].float() for k, _ in layers)])
         world, n_steps = self.ctx.world_size, max(1, step - win.step0)
         strag = self._stragglers
         n_slots = world * len(stragglers.PHASES) if strag is not None else 0
@@ -242,8 +242,8 @@ class EpochLoop:
                 else win.times
             )  # device events are read here only
             mine = stragglers.slots(world, self.ctx.rank, [t / n_steps for t in times])
-            vec = torch.cat([vec, vec.new_tensor(mine)])
-        vec = ddp.reduce_mean(vec).tolist()
+            packed = torch.cat([packed, packed.new_tensor(mine)])
+        vec = ddp.reduce_mean(packed).tolist()
         per_rank_metrics: dict[str, float] = {}
         if n_slots:
             summed, vec = [v * world for v in vec[len(vec) - n_slots :]], vec[: len(vec) - n_slots]
@@ -324,13 +324,13 @@ class EpochLoop:
                     sums[k] = sums[k] + v * nb if k in sums else v * nb
             count += nb
         keys = sorted({k for ks in ddp.all_gather_object(sorted(sums)) for k in ks})
-        vec = torch.zeros(len(keys) + 2, dtype=torch.float64, device=ctx.device)
+        packed = torch.zeros(len(keys) + 2, dtype=torch.float64, device=ctx.device)
         for i, k in enumerate(keys):
             if k in sums:
-                vec[i] = sums[k]
-        vec[-2] = count
-        vec[-1] = float(preemption.requested)  # ranks agree in the same reduce
-        vec = ddp.reduce_sum(vec).tolist()
+                packed[i] = sums[k]
+        packed[-2] = count
+        packed[-1] = float(preemption.requested)  # ranks agree in the same reduce
+        vec = ddp.reduce_sum(packed).tolist()
         model.train(was_training)
         preemption.in_eval = vec[-1] > 0
         if preemption.in_eval:

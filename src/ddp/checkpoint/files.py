@@ -15,7 +15,7 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -112,7 +112,7 @@ def atomic_save_digested(obj: Any, path: str | Path) -> None:
     staged = _Staged(path)
     out = _Digesting(staged.fh)
     try:
-        torch.save(obj, out)
+        torch.save(obj, cast(IO[bytes], out))  # torch.save calls only write() and flush()
         staged.fh.flush()
         atomic_write_text(out.sha.hexdigest() + "\n", _digest_path(path))
     except BaseException as exc:

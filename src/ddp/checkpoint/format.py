@@ -28,7 +28,7 @@ import os
 import random
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -44,7 +44,9 @@ def rng_state(device: torch.device | None = None) -> dict[str, Any]:
     try:
         import numpy as np
 
-        name, keys, pos, has_gauss, gauss = np.random.get_state()
+        # legacy=True (the default): the tuple, never the dict numpy's stub also allows
+        legacy = cast("tuple[str, Any, int, int, float]", np.random.get_state())
+        name, keys, pos, has_gauss, gauss = legacy
         # Plain values, not an ndarray: a weights_only load needs no numpy globals.
         state["numpy"] = (name, keys.tolist(), int(pos), int(has_gauss), float(gauss))
     except ImportError:  # pragma: no cover

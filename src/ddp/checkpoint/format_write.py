@@ -16,7 +16,7 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -119,7 +119,8 @@ def stage_save(state: dict[str, Any], directory: str | Path, step: int) -> Stage
     staged = _Staged(path)
     out = _Digesting(staged.fh)
     try:
-        torch.save({"format": FORMAT_VERSION, **state}, out)
+        # torch.save calls only write() and flush() on it
+        torch.save({"format": FORMAT_VERSION, **state}, cast(IO[bytes], out))
         staged.fh.flush()  # a full disk shows here, in the caller, not in the thread
     except BaseException as exc:
         err = staged.failed(exc)

@@ -10,6 +10,7 @@ build on it.
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,6 +43,11 @@ class CheckpointerBase:
         self.resumed_from = ""
         self._best: float | None = None  # checkpoint.best's value so far (keep_best)
         self._best_read = False
+
+    def _directory(self) -> Path:
+        """``checkpoint.dir`` for the methods called only once it is known to be set."""
+        assert self.dir is not None
+        return Path(self.dir)
 
     # ---- lifetime -----------------------------------------------------------------------
     def open(self) -> None:

@@ -87,7 +87,7 @@ class Best(CheckpointerBase):
         value: float,
         step: int,
     ) -> Path:
-        best = Path(self.dir) / self.BEST  # type: ignore[arg-type]
+        best = self._directory() / self.BEST
         source = ckpt.model_state(model) if full is None else full
         state = {k: v.detach().to("cpu").clone() for k, v in source.items()}
         path = best / "model.pt"
@@ -100,7 +100,7 @@ class Best(CheckpointerBase):
             "step": step,
         }
         ckpt.atomic_write_text(json.dumps(meta) + "\n", best / self.BEST_META)
-        alias = Path(self.dir) / self.BEST_ALIAS  # type: ignore[arg-type]
+        alias = self._directory() / self.BEST_ALIAS
         if not alias.is_symlink():  # a link stays right: it names best/model.pt
             try:  # relative, so the checkpoint folder may move
                 if alias.exists():
@@ -116,7 +116,7 @@ class Best(CheckpointerBase):
         None (the next evaluation becomes the best)."""
         value = None
         if self.ctx.is_main:
-            path = Path(self.dir) / self.BEST / self.BEST_META  # type: ignore[arg-type]
+            path = self._directory() / self.BEST / self.BEST_META
             try:
                 meta = json.loads(ckpt.read_regular(path))
                 if (

@@ -49,7 +49,7 @@ class Resume(CheckpointerBase):
                 try:
                     if auto:
                         if found is None:
-                            found = ckpt.readable_checkpoints(self.dir, ranks=False)  # type: ignore[arg-type]
+                            found = ckpt.readable_checkpoints(self._directory(), ranks=False)
                         nxt = next(found, None)
                         path = str(nxt[0]) if nxt else None
                     else:

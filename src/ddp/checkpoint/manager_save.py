@@ -133,7 +133,7 @@ class Saving(CheckpointerBase):
         their own, and are finished by the next save, the export, a preemption exit or
         :meth:`close`."""
         t0 = time.perf_counter()
-        directory = Path(self.dir)  # type: ignore[arg-type]
+        directory = self._directory()
         final = ckpt.sharded_path(directory, global_step)
         tmp = ckpt.staging_path(final)
         self.wait()  # one save in flight at a time; its error surfaces here, on every rank

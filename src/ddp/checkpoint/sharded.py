@@ -264,7 +264,7 @@ def load_optimizer(
     box = {"optim": tensors or {}}
     _check_optimizer(directory, box["optim"], osd, meta, path or str(directory))
     _load(box, directory, path or str(directory))
-    full = {
+    full: dict[str, Any] = {
         "state": merge(box["optim"], meta.get("optim_other")) or {},
         "param_groups": meta.get("param_groups") or osd.get("param_groups"),
     }

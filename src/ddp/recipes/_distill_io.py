@@ -141,8 +141,8 @@ def _decoded_lines(p: Path, what: str) -> list[str]:
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        line = data[: exc.start].count(b"\n") + 1
-        raise ConfigError(f"{what}: {p} line {line} is not UTF-8; allowed: UTF-8 text") from None
+        number = data[: exc.start].count(b"\n") + 1
+        raise ConfigError(f"{what}: {p} line {number} is not UTF-8; allowed: UTF-8 text") from None
     lines = text.splitlines()
     for i, line in enumerate(lines):
         if len(line) > MAX_LINE:

@@ -58,11 +58,15 @@ def tokenize(st: Any, texts: list[str]) -> dict[str, Any]:
 
 
 def _dense(in_features: int, out_features: int) -> nn.Module:
+    import importlib
+
+    # Dense's home by version, imported by name: a type checker sees only one version
     try:
-        from sentence_transformers.sentence_transformer.modules import Dense
-    except ImportError:  # sentence-transformers < 6
-        from sentence_transformers.models import Dense
-    return Dense(in_features, out_features, activation_function=nn.Identity())
+        cls = importlib.import_module("sentence_transformers.sentence_transformer.modules").Dense
+    except (ImportError, AttributeError):  # sentence-transformers < 6
+        cls = importlib.import_module("sentence_transformers.models").Dense
+    dense: nn.Module = cls(in_features, out_features, activation_function=nn.Identity())
+    return dense
 
 
 def _width(st: Any) -> int:
@@ -104,7 +108,8 @@ def _sim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def mrl_dims(given: list[Any], width: int) -> list[int]:
     """The MRL prefix widths, widest first; derived (halvings down to 8) when empty."""
     if not given:
-        dims, d = [], width
+        dims: list[int] = []
+        d = width
         while d >= 8 and len(dims) < 5:
             dims.append(d)
             d //= 2

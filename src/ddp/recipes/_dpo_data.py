@@ -144,7 +144,7 @@ class PairDataset(Dataset):
                         f"{len(prompt)} tokens); allowed: a larger max_len"
                     )
                 row += [ids, max(1, len(prompt))]
-            self.items.append(tuple(row))  # type: ignore[arg-type]
+            self.items.append(tuple(row))
 
     def __len__(self) -> int:
         return len(self.items)

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -233,7 +233,8 @@ class CrowdBT(nn.Module):
 
     @gradient_checkpointing.setter
     def gradient_checkpointing(self, value: bool) -> None:
-        self.backbone.gradient_checkpointing = value
+        # any backbone (EfficientNet, timm, torchvision): a plain attribute it reads or not
+        cast(Any, self.backbone).gradient_checkpointing = value
 
     def score(self, images: torch.Tensor) -> torch.Tensor:
         return self.head(self.backbone(images)).squeeze(-1)
@@ -276,7 +277,7 @@ def eval_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch
     metrics = {"loss": out["loss"], "agree": out["raw_agree"]}
     if "true" in batch:
         b = batch["a"].shape[0]
-        s = model.score(torch.cat([batch["a"], batch["b"]])).float()
+        s = cast(CrowdBT, model).score(torch.cat([batch["a"], batch["b"]])).float()
         metrics["order_acc"] = ((s[:b] > s[b:]) == (batch["true"] > 0.5)).float().mean()
     return metrics
 

@@ -431,8 +431,8 @@ def _after_fit(config: TrainConfig) -> Callable[[Any, dict[str, Any]], None]:
         model = ddp.unwrap(trainer.wrapped)
         st = model.st
         dests = []
-        if run_dir(config) is not None:
-            dests.append(run_dir(config) / "final" / "sentence_transformer")  # type: ignore[operator]
+        if (root := run_dir(config)) is not None:
+            dests.append(root / "final" / "sentence_transformer")
         if config.recipe["save_to_artifacts"]:
             dests.append(artifacts_path(config))
         for dest in dests:

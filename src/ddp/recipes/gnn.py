@@ -48,7 +48,8 @@ What the seed guide describes and where it lives here:
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Sized
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -352,7 +353,7 @@ def build(config: TrainConfig) -> Built:
         log.info(
             "graphs: %d train, %d eval, node features %d, edge features %d, %d classes",
             len(train),
-            len(evals),
+            len(cast(Sized, evals)),  # a torch Dataset declares no __len__; ours have one
             f,
             d,
             model.head[-1].out_features,

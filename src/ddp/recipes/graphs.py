@@ -40,7 +40,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.data import Dataset
@@ -331,7 +331,8 @@ def _from_pyg_saved(obj: tuple[Any, ...], where: str) -> list[Graph]:
         )
     ds = InMemoryDataset()
     try:
-        ds.data, ds.slices = cls.from_dict(data), slices
+        # cls: a torch_geometric class (an untyped library, so only "a type" here)
+        ds.data, ds.slices = cast(Any, cls).from_dict(data), slices
         items = [ds[i] for i in range(len(ds))]
     except Exception as exc:
         raise ConfigError(

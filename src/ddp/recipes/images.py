@@ -339,5 +339,7 @@ def split(raw: Raw, eval_fraction: float, seed: int) -> tuple[torch.Tensor, torc
     return order[n_eval:].sort().values, order[:n_eval].sort().values
 
 
-def subset(raw: Raw, idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def subset(
+    raw: Raw, idx: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return raw.i[idx], raw.j[idx], raw.k[idx], raw.y[idx]
