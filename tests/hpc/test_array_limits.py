@@ -613,7 +613,8 @@ def test_a_pbs_task_finds_its_point_by_the_offset_variable(
     sweep.write_manifest(tmp_path, sweep.tasks_from_flags([f"optim.lr={LRS12}"]))
     script = f'{line}\neval "$task"\necho "$HPC_SWEEP_LABEL"\n'
     root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "HPC_RUN_DIR": str(tmp_path), "PBS_ARRAY_INDEX": "1", "PYTHONPATH": root}
+    path = os.pathsep.join((root, str(Path(root) / "src")))  # hpc and hpc_ddp, as installed
+    env = {**os.environ, "HPC_RUN_DIR": str(tmp_path), "PBS_ARRAY_INDEX": "1", "PYTHONPATH": path}
     env.pop("HPC_SWEEP_OFFSET", None)
     first = subprocess.run(
         ["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60
