@@ -10,7 +10,7 @@ build on it.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,6 +19,9 @@ from ddp import checkpoint as ckpt
 from ddp.config import TrainConfig
 from ddp.dist import Context
 from ddp.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ddp.checkpoint.manager_best import BestValue
 
 _NOBODY = 1 << 62
 """What :meth:`CheckpointerBase._first` reads as "no rank reported anything"."""
@@ -40,8 +43,8 @@ class CheckpointerBase:
         self._lock: ckpt.DirLock | None = None
         self._pending: ckpt.PendingSave | None = None
         self.resumed_from = ""
-        self._best: float | None = None  # checkpoint.best's value so far (keep_best)
-        self._best_read = False
+        #: checkpoint.best's value so far (``Best.keep_best``; None until its first call)
+        self.best: BestValue | None = None
 
     # ---- lifetime -----------------------------------------------------------------------
     def open(self) -> None:
