@@ -150,7 +150,7 @@ def blocked_by_saves(dim: int, rounds: int, steps: int, batch: int = 32) -> dict
     import torch.distributed as dist
 
     import ddp
-    from ddp.checkpoint.manager import Checkpointer, LoopState
+    from ddp.checkpoint.manager import Checkpointer, LoopState, TrainState
     from ddp.config import TrainConfig
 
     net = ddp.wrap(model(dim), "fsdp")
@@ -179,7 +179,7 @@ def blocked_by_saves(dim: int, rounds: int, steps: int, batch: int = 32) -> dict
     def save(arm: str) -> None:
         step[0] += 1
         if arm in cps:
-            cps[arm].save(loop, net, step[0], (0, step[0]))
+            cps[arm].save(loop, net, TrainState(step[0]))
             return
         save_full(net, opt, d / "full.pt")
 

@@ -143,7 +143,7 @@ def worker(spec: dict[str, Any]) -> None:
     from torch import nn
 
     import ddp
-    from ddp.checkpoint.manager import Checkpointer, LoopState
+    from ddp.checkpoint.manager import Checkpointer, LoopState, TrainState
     from ddp.config import TrainConfig
 
     ctx = ddp.init(backend="gloo", device="cpu")
@@ -172,12 +172,12 @@ def worker(spec: dict[str, Any]) -> None:
     model, loop = build()
     cp = Checkpointer(config("none"), ctx)
     cp.open()
-    cp.save(loop, model, 1, (0, 1))
+    cp.save(loop, model, TrainState(1))
     cp.wait()
     ddp.barrier()
     with Counter() as save:
         t0 = time.perf_counter()
-        cp.save(loop, model, 2, (0, 2))
+        cp.save(loop, model, TrainState(2))
         cp.wait()
         save_wall = time.perf_counter() - t0
     ddp.barrier()

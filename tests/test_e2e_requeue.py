@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from ddp import preemption
+from ddp import requeue as requeue_module
 from tests.ddp import _launch
 from tests.support.polling import wait_until
 from tests.support.slurm import URGENT
@@ -321,7 +322,7 @@ def test_a_requeue_without_answer_submits_no_second_segment(tmp_path, monkeypatc
     _fake(bin_dir, "scontrol", f'echo "$@" >> {calls}; exec sleep 30')
     _fake(bin_dir, "sbatch", f"echo sbatch >> {calls}; echo 99")
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    monkeypatch.setattr(preemption, "CLIENT_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(requeue_module, "CLIENT_TIMEOUT_S", 0.5)  # where _client reads it
     caplog.set_level(logging.WARNING, logger="ddp")
     assert preemption.requeue(True, {**os.environ, "SLURM_JOB_ID": "7"}) is None
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 import ddp
 from ddp import parts, stragglers
-from ddp.checkpoint.manager import Checkpointer, LoopState
+from ddp.checkpoint.manager import Checkpointer, LoopState, TrainState
 from ddp.config import TrainConfig, log_config_notes
 from ddp.heartbeat import Heartbeat
 from ddp.loggers import fmt
@@ -87,7 +87,9 @@ class Trainer(EpochLoop):
         self.eval_data = eval_data
         self.eval_fn = eval_fn
         self.collate_fn = collate_fn
-        self.global_step = 0
+        #: the run's counters (global step, samples, finished), one state object the
+        #: checkpointer saves and restores (``global_step`` reads and writes its step)
+        self.train_state = TrainState()
         self.wrapped: torch.nn.Module = model
         self._run: Run | None = None  # built whole by fit() (see the class docstring)
         self.last_metrics: dict[str, float] = {}
@@ -141,6 +143,7 @@ class Trainer(EpochLoop):
         ctx = ddp.get_context() or ddp.init(
             backend=cfg.ddp.backend, device=cfg.ddp.device, timeout=cfg.ddp.timeout_s
         )
+        self.train_state.samples, self.train_state.finished = 0, False  # this run's own
         run = self._run = Run(cfg, ctx, self.clock, self.global_step)
         exit_code = 1  # W&B's run state on the way out (issue 27.6): failed unless set
         try:
@@ -205,7 +208,7 @@ class Trainer(EpochLoop):
         ckpt.open()
         state = ckpt.load()
         if state is not None:
-            self.global_step = state["global_step"]
+            self.train_state.load_state_dict(state)
             ckpt.restore_model(state, self.wrapped)
         self.loggers.open_metrics(self.global_step)
         self._fingerprint()
@@ -219,10 +222,10 @@ class Trainer(EpochLoop):
             log.info(
                 "max_steps=%d already reached at step %d", cfg.training.max_steps, self.global_step
             )
-            run.finished = True
+            self.train_state.finished = True
         first = state["phase"] if state else 0
         for pi, phase in enumerate(parts.phases(self.config)):
-            if run.finished:
+            if self.train_state.finished:
                 break
             if pi < first or (cfg.phases and cfg.phases[pi].skip):
                 if pi >= first:
@@ -294,7 +297,7 @@ class Trainer(EpochLoop):
     ) -> dict[str, Any]:
         elapsed = time.perf_counter() - t_start
         # on the device: NCCL, the default group on GPUs, carries no CPU tensors
-        count = torch.tensor([float(self._r.samples)], device=self.ctx.device)
+        count = torch.tensor([float(self.train_state.samples)], device=self.ctx.device)
         samples = ddp.reduce_sum(count).item()
         summary.update(eval_metrics)
         summary.update(
@@ -350,7 +353,16 @@ class Trainer(EpochLoop):
         )
         scaler = torch.amp.GradScaler(ctx.device.type) if cfg.precision == "fp16" else None
         loop = LoopState(
-            pi, 0, 0, n_batches, start, opt, sched, scaler, per_batch=t.batch_size * ctx.world_size
+            pi,
+            0,
+            0,
+            n_batches,
+            start,
+            opt,
+            sched,
+            scaler,
+            per_batch=t.batch_size * ctx.world_size,
+            accum=t.accum,
         )
         if resume is not None:
             self.checkpointer.restore_loop(resume, loop, phase.lr * factor, self.wrapped)
@@ -378,9 +390,8 @@ class Trainer(EpochLoop):
                 loop.epoch = epoch
                 loop.n_batches = loop.batch + sampler.batches_left()
                 loss = self._train_epoch(loader, sampler, loop)
-                loop.batch = loop.base = 0
                 last_loss = last_loss if math.isnan(loss) else loss
-                if run.finished:
+                if self.train_state.finished:
                     break
                 evaluated = bool(self.eval_data is not None and every and (epoch + 1) % every == 0)
                 if evaluated:
@@ -390,6 +401,9 @@ class Trainer(EpochLoop):
                         self._exit_preempted()
                     self.loggers.eval(eval_metrics, self.global_step, epoch)
                     self._keep_best(eval_metrics)
+                # Only now: an evaluation cut short saves (epoch, n_batches), whose sample
+                # count needs this run's first position (``base``, a resumed remainder).
+                loop.batch = loop.base = 0
                 if self.on_epoch_end is not None:
                     self.on_epoch_end(epoch, phase.epochs, loss, eval_metrics if evaluated else {})
                 self._save(loop, at=(epoch + 1, 0))
@@ -403,7 +417,9 @@ class Trainer(EpochLoop):
         self.checkpointer.keep_best(self.wrapped, eval_metrics, self.global_step)
 
     def _save(self, loop: LoopState, at: tuple[int, int]) -> None:
-        self.checkpointer.save(loop, self.wrapped, self.global_step, at)
+        """Checkpoint the run's state objects; a resumed run starts at ``at``."""
+        loop.resume_at = at
+        self.checkpointer.save(loop, self.wrapped, self.train_state)
         self._preemption.saved()  # checkpoint.every_s counts from the latest checkpoint
 
     # ---- preemption (the flags are the Preemption's: ddp.preemption) ---------------------

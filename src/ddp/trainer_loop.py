@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 import ddp
 from ddp import fsdp, parts, stragglers
-from ddp.checkpoint.manager import Checkpointer, LoopState, diverged
+from ddp.checkpoint.manager import Checkpointer, LoopState, TrainState, diverged
 from ddp.config import TrainConfig
 from ddp.dist import Context, agreement
 from ddp.heartbeat import Heartbeat, heartbeat_dir
@@ -41,8 +41,8 @@ def length(data: Dataset) -> int:
 
 class Run:
     """What one ``fit()`` holds, built whole once the process group exists: the context,
-    the checkpointer, the loggers, the heartbeat, the preemption (signals, vote,
-    requeue) and the run's own counters.
+    the checkpointer, the loggers, the heartbeat and the preemption (signals, vote,
+    requeue). The counters are the Trainer's :class:`~ddp.checkpoint.loop.TrainState`.
 
     Why not built in ``Trainer.__init__``: a script may construct the Trainer before
     any process group exists (``fit()`` then joins the job through ``ddp.init()``), and
@@ -62,8 +62,6 @@ class Run:
         self.preemption = Preemption(
             config.preemption, ctx.rank, ctx.world_size, every_s, agreement(), clock
         )
-        self.finished = False  # max_steps reached: no more training in this run
-        self.samples = 0  # samples this rank trained on in this run (the summary's rate)
 
 
 class EpochLoop:
@@ -72,7 +70,7 @@ class EpochLoop:
     # What the Trainer provides (set in its __init__ and fit()).
     config: TrainConfig
     wrapped: torch.nn.Module
-    global_step: int
+    train_state: TrainState
     step_fn: StepFn
     eval_fn: StepFn | None
     eval_data: Dataset | None
@@ -94,6 +92,16 @@ class EpochLoop:
                 "the Trainer's context, checkpointer and loggers exist once fit() has started"
             )
         return self._run
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken over the whole run (resumed runs included): the
+        :class:`~ddp.checkpoint.loop.TrainState`'s."""
+        return self.train_state.global_step
+
+    @global_step.setter
+    def global_step(self, value: int) -> None:
+        self.train_state.global_step = value
 
     @property
     def ctx(self) -> Context:
@@ -156,7 +164,7 @@ class EpochLoop:
                 self._preempt(loop)
             if max_steps is not None and step >= max_steps:
                 log.info("max_steps=%d reached", max_steps)
-                run.finished = True
+                self.train_state.finished = True
                 self._settle_vote(loop)
                 self._save(loop, at=loop.after_batches())
                 break
@@ -168,7 +176,7 @@ class EpochLoop:
         if win.micro:  # stopped between log points
             win.epoch_loss.add_(win.loss)
         bs, per_rank = cfg.training.batch_size, sampler.num_samples
-        run.samples += min(loop.batch * bs, per_rank) - min(first * bs, per_rank)
+        self.train_state.samples += min(loop.batch * bs, per_rank) - min(first * bs, per_rank)
         mean = ddp.reduce_sum(
             torch.stack([win.epoch_loss.float(), torch.tensor(float(win.epoch_micro), device=dev)])
         ).tolist()

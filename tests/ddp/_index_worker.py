@@ -6,12 +6,16 @@ each rank appends ``epoch index index ...`` per micro-batch to ``<log_dir>/<rank
 ({"rank", "step", "dir"}) makes that rank write ``dir/ready`` (its pid) before training
 step ``step + 1`` and wait for ``dir/released`` (first attempt only), and lines then read
 ``epoch step index ...``; ``fail_step`` raises the same ValueError on every rank there.
+``eval_n``: evaluation data (the step evaluates too; its batches are not logged), and
+``signal_in_eval`` sends every rank SIGUSR1 from its first evaluation batch: a preemption
+during the evaluation.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -58,6 +62,10 @@ def main() -> None:
     trainer: Trainer
 
     def step(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # evaluation: the step is also the eval step
+            if spec.get("signal_in_eval") and not trainer.preempt_requested:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return (model(batch / 100.0) ** 2).mean()
         if spec.get("fail_step") == trainer.global_step + 1:
             raise ValueError("the same error on every rank")
         if hold and rank == hold["rank"] and trainer.global_step == hold["step"]:
@@ -80,8 +88,13 @@ def main() -> None:
         return (model(batch / 100.0) ** 2).mean()
 
     torch.manual_seed(0)
+    eval_data = Indices(spec["eval_n"]) if spec.get("eval_n") else None
     trainer = Trainer(
-        nn.Linear(1, 1), Indices(spec["n"]), TrainConfig.from_dict(spec["config"]), step
+        nn.Linear(1, 1),
+        Indices(spec["n"]),
+        TrainConfig.from_dict(spec["config"]),
+        step,
+        eval_data,
     )
     trainer.fit()
     ddp.shutdown()

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from ddp import checkpoint as ckpt
+from ddp.checkpoint.loop import TrainState
 from ddp.errors import ConfigError
 from tests.ddp import _launch
 
@@ -354,7 +355,7 @@ def _resume(cp, model) -> dict:
 def test_a_resume_with_another_model_shape_is_one_line(tmp_path: Path, strategy: str) -> None:
     """FSDP names the first mismatched key and both shapes, as DDP does (no DCP traceback)."""
     cp, loop, model = _checkpointer(tmp_path, strategy, background=False)
-    cp.save(loop, model, 3, (0, 3))
+    cp.save(loop, model, TrainState(3))
     other, _, wider = _checkpointer(tmp_path, strategy, width=32)
     with pytest.raises(ConfigError, match="different model") as exc:
         _resume(other, wider)
@@ -463,8 +464,8 @@ def test_a_field_of_the_wrong_type_is_one_line_naming_it(
     """In a plain checkpoint and in a sharded one's meta.pt: checkpoint.resume=PATH stops
     with one line naming the field; auto-resume skips it for the one before."""
     cp, loop, model = _checkpointer(tmp_path, strategy, background=False)
-    cp.save(loop, model, 2, (0, 2))
-    cp.save(loop, model, 3, (0, 3))
+    cp.save(loop, model, TrainState(2))
+    cp.save(loop, model, TrainState(3))
     newest = ckpt.find_latest(tmp_path)
     assert newest is not None
     if key.startswith("rng/"):  # every rank's states in one list: the layout before rank files
@@ -498,7 +499,7 @@ def test_the_loop_and_optimizer_state_are_checked_before_use(
     """What the restore hands to torch (scheduler, optimizer, scaler) and the saved config
     fit this run's objects, or one line names the first part that does not."""
     cp, loop, model = _checkpointer(tmp_path, background=False)
-    cp.save(loop, model, 3, (0, 3))
+    cp.save(loop, model, TrainState(3))
     _rewrite(ckpt.step_path(tmp_path, 3), _set(key, value))
     fresh, _, again = _checkpointer(tmp_path)
     if needle is None:  # nothing saved to check against: the run's own values stay
@@ -511,7 +512,7 @@ def test_the_loop_and_optimizer_state_are_checked_before_use(
 
 def test_a_sharded_checkpoint_whose_shards_are_not_a_mapping_is_one_line(tmp_path: Path) -> None:
     cp, loop, model = _checkpointer(tmp_path, "fsdp", background=False)
-    cp.save(loop, model, 3, (0, 3))
+    cp.save(loop, model, TrainState(3))
     _rewrite(ckpt.sharded_path(tmp_path, 3) / ckpt.META, _set("shards", ["__0_0.distcp"]))
     with pytest.raises(ConfigError, match="shards") as exc:
         ckpt.load_checkpoint(ckpt.sharded_path(tmp_path, 3))
@@ -569,11 +570,11 @@ def _full_disk_save(tmp_path: Path, strategy: str, fill) -> tuple[Path, object]:
     _mount_tmpfs(full, "2m")
     ck = full / "ck"
     cp, loop, model = _checkpointer(ck, strategy, width=1024)  # 32 KiB tensors
-    cp.save(loop, model, 2, (0, 2))
+    cp.save(loop, model, TrainState(2))
     cp.wait()
     fill(full)
     try:
-        cp.save(loop, model, 4, (0, 4))
+        cp.save(loop, model, TrainState(4))
         cp.wait()
     except Exception as exc:
         return ck, exc
@@ -690,7 +691,7 @@ def test_a_plain_checkpoint_cannot_point_the_loader_at_unchecked_shards(tmp_path
     """``sharded`` is set by the loader once it checked a directory's digests; a file that
     brings its own would send the restore to any directory, its shards unchecked."""
     cp, loop, model = _checkpointer(tmp_path, background=False)
-    cp.save(loop, model, 3, (0, 3))
+    cp.save(loop, model, TrainState(3))
     _rewrite(ckpt.step_path(tmp_path, 3), _set("sharded", str(tmp_path / "elsewhere")))
     with pytest.raises(ConfigError, match="sharded") as exc:
         ckpt.load_checkpoint(ckpt.step_path(tmp_path, 3))
@@ -703,7 +704,7 @@ def test_crafted_shard_metadata_with_matching_digests_is_one_line(tmp_path: Path
     import pickle
 
     cp, loop, model = _checkpointer(tmp_path, "fsdp", background=False)
-    cp.save(loop, model, 3, (0, 3))
+    cp.save(loop, model, TrainState(3))
     step = ckpt.sharded_path(tmp_path, 3)
     (step / ".metadata").write_bytes(pickle.dumps({"not": "DCP metadata"}))
     digest = hashlib.sha256((step / ".metadata").read_bytes()).hexdigest()

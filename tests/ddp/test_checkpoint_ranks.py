@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from ddp import checkpoint as ckpt
+from ddp.checkpoint.loop import TrainState
 from ddp.errors import ConfigError
 from tests.ddp import _launch
 from tests.ddp.test_checkpoint_hostile import (
@@ -41,8 +42,8 @@ def _two_saves(ck: Path, strategy: str, world: int = 1):
     cp, loop, model = _checkpointer(ck, strategy, background=False)
     if world != 1:
         cp.ctx = dataclasses.replace(cp.ctx, world_size=world)
-    cp.save(loop, model, 2, (0, 2))
-    cp.save(loop, model, 3, (0, 3))
+    cp.save(loop, model, TrainState(2))
+    cp.save(loop, model, TrainState(3))
     return torch.rand(4), ckpt.find_latest(ck)
 
 
@@ -235,7 +236,7 @@ def test_a_save_removes_older_staging_and_never_a_later_steps(tmp_path: Path) ->
         stale = tmp_path / f".step_{step:09d}.ranks.tmp"
         stale.mkdir(parents=True)
         (stale / "rank_000003.pt").write_bytes(b"x")
-    cp.save(loop, model, 4, (0, 4))
+    cp.save(loop, model, TrainState(4))
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == [
         ".step_000000009.ranks.tmp",
@@ -249,7 +250,7 @@ def test_a_save_removes_older_staging_and_never_a_later_steps(tmp_path: Path) ->
 def test_pruning_removes_a_checkpoints_rank_files_with_it(tmp_path: Path) -> None:
     cp, loop, model = _checkpointer(tmp_path, background=False)
     for step in (1, 2, 3):
-        cp.save(loop, model, step, (0, step))
+        cp.save(loop, model, TrainState(step))
     assert sorted(p.name for p in tmp_path.iterdir() if "ranks" in p.name) == [
         "step_000000002.ranks",
         "step_000000003.ranks",
@@ -260,11 +261,11 @@ def test_a_save_over_a_checkpoint_of_the_same_step_replaces_its_rank_files(tmp_p
     """A run resumed from an older checkpoint saves the same steps again: the old step's
     rank files never mix with the new checkpoint."""
     cp, loop, model = _checkpointer(tmp_path, background=False)
-    cp.save(loop, model, 2, (0, 2))
+    cp.save(loop, model, TrainState(2))
     extra = tmp_path / "step_000000002.ranks" / "rank_000005.pt"
     extra.write_bytes(b"from an older run of 8 ranks")
     torch.rand(3)
-    cp.save(loop, model, 2, (0, 2))
+    cp.save(loop, model, TrainState(2))
     assert not extra.exists()
     assert ckpt.load_checkpoint(ckpt.step_path(tmp_path, 2))["global_step"] == 2
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch import nn
 
+from ddp.checkpoint.loop import TrainState
 from tests.ddp import _launch
 from tests.ddp._train_worker import make_model
 from tests.ddp.test_trainer_dist import _wait_for
@@ -245,7 +246,7 @@ def test_sharded_save_returns_before_its_shards_are_written(
     gate, entered = _hold_shard_writes(monkeypatch)
     cp, loop, model = _one_rank_checkpointer(tmp_path)
     saved = {k: v.clone() for k, v in model.state_dict().items()}
-    cp.save(loop, model, 3, (0, 3))  # a synchronous save would block here until the timeout
+    cp.save(loop, model, TrainState(3))  # a synchronous save would block here until the timeout
     assert entered.wait(30)
     assert (tmp_path / ".step_000000003.tmp").is_dir()
     assert not (tmp_path / "step_000000003").exists() and not (tmp_path / "latest").exists()
@@ -266,7 +267,7 @@ def test_sharded_save_returns_before_its_shards_are_written(
 
 def test_synchronous_sharded_save_is_complete_on_return(tmp_path: Path) -> None:
     cp, loop, model = _one_rank_checkpointer(tmp_path, background=False)
-    cp.save(loop, model, 3, (0, 3))
+    cp.save(loop, model, TrainState(3))
     assert (tmp_path / "latest").read_text().strip() == "step_000000003"
     assert (tmp_path / "step_000000003" / "meta.pt").is_file()
 
@@ -285,7 +286,7 @@ def test_a_failed_shard_write_is_one_line(
     from ddp.errors import ConfigError
 
     cp, loop, model = _one_rank_checkpointer(tmp_path, background)
-    cp.save(loop, model, 2, (0, 2))
+    cp.save(loop, model, TrainState(2))
     cp.wait()
 
     def full(self, plan, planner):
@@ -297,9 +298,9 @@ def test_a_failed_shard_write_is_one_line(
         "the earlier checkpoints are kept$"
     )
     if background:
-        cp.save(loop, model, 4, (0, 4))  # returns: the failure is in the background
+        cp.save(loop, model, TrainState(4))  # returns: the failure is in the background
     with pytest.raises(ConfigError, match=line):
-        cp.wait() if background else cp.save(loop, model, 4, (0, 4))
+        cp.wait() if background else cp.save(loop, model, TrainState(4))
     cp.wait()  # reported once
     assert (tmp_path / "latest").read_text().strip() == "step_000000002"
     assert not (tmp_path / ".step_000000004.tmp").exists()
@@ -313,7 +314,7 @@ def test_resume_ignores_a_staging_directory_left_by_a_kill(tmp_path: Path) -> No
     from ddp import checkpoint as ckpt
 
     cp, loop, model = _one_rank_checkpointer(tmp_path)
-    cp.save(loop, model, 3, (0, 3))
+    cp.save(loop, model, TrainState(3))
     cp.wait()
     stale = tmp_path / ".step_000000005.tmp"
     shutil.copytree(tmp_path / "step_000000003", stale)
@@ -324,7 +325,7 @@ def test_resume_ignores_a_staging_directory_left_by_a_kill(tmp_path: Path) -> No
     (tmp_path / "latest").unlink()
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_000000003"]
     assert ckpt.load_latest(tmp_path)[0].name == "step_000000003"  # type: ignore[index]
-    cp.save(loop, model, 7, (0, 7))
+    cp.save(loop, model, TrainState(7))
     cp.wait()
     assert not stale.exists()
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_000000003", "step_000000007"]
@@ -429,7 +430,7 @@ def test_a_kill_while_pruning_leaves_no_partial_checkpoint(
     from ddp import checkpoint as ckpt
 
     cp, loop, model = _one_rank_checkpointer(tmp_path)
-    cp.save(loop, model, 3, (0, 3))
+    cp.save(loop, model, TrainState(3))
     cp.wait()
     rmtree = shutil.rmtree
     monkeypatch.setattr(shutil, "rmtree", lambda *a, **k: None)  # killed before deleting
@@ -437,6 +438,6 @@ def test_a_kill_while_pruning_leaves_no_partial_checkpoint(
     assert not (tmp_path / "step_000000003").exists() and ckpt.list_checkpoints(tmp_path) == []
     assert (tmp_path / ".step_000000003.old" / "meta.pt").is_file()
     monkeypatch.setattr(shutil, "rmtree", rmtree)
-    cp.save(loop, model, 5, (0, 5))
+    cp.save(loop, model, TrainState(5))
     cp.wait()
     assert sorted(p.name for p in tmp_path.iterdir() if "step" in p.name) == ["step_000000005"]

@@ -103,6 +103,40 @@ def test_resume_on_another_world_size_sees_every_sample_once(
     assert out.count("RNG streams derived from") == 1  # said once, by rank 0
 
 
+def test_a_preemption_in_the_evaluation_after_a_world_change_trains_nothing_again(
+    checkpoint_of_two_ranks: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """3 ranks resume the 2 ranks' epoch 0 at 16 samples (a 3-rank micro-batch is 12: 4
+    samples are the position's remainder), finish it, and are preempted in its
+    evaluation: the checkpoint says the epoch is done, so the resumed run evaluates and
+    goes on with epoch 1 without training any sample of epoch 0 a second time."""
+    ckpt, logs = checkpoint_of_two_ranks
+    shutil.copytree(ckpt, tmp_path / "ck")
+    spec = _spec(tmp_path, tmp_path / "ck", tmp_path / "mid")
+    spec["config"]["preemption"] = {"signals": ["SIGUSR1"]}
+    spec.update(eval_n=12, signal_in_eval=True)
+    results = _launch.run([WORKER, json.dumps(spec)], world=3, timeout=120)
+    for rank, (rc, out, err) in enumerate(results):
+        assert rc == 75, f"rank {rank} exit {rc}\n{out[-2000:]}\n{err[-3000:]}"
+    state = torch.load(ckpt_path := ckpt_latest(tmp_path / "ck"), weights_only=False)
+    assert state["epoch"] == 0 and state["samples_in_epoch"] >= N, (ckpt_path, state)
+    spec = _spec(tmp_path, tmp_path / "ck", tmp_path / "end")
+    spec.update(eval_n=12)
+    _run(spec, world=3)
+    before, mid, end = _seen(logs), _seen(tmp_path / "mid"), _seen(tmp_path / "end")
+    _check_epoch(before[0] + mid[0], 0, 3)
+    assert 0 not in end, end.get(0)  # epoch 0 was done: nothing of it trained again
+    _check_epoch(end[1], 1, 3)
+
+
+def ckpt_latest(directory: Path) -> Path:
+    from ddp import checkpoint as ckpt
+
+    latest = ckpt.find_latest(directory)
+    assert latest is not None
+    return latest
+
+
 def test_old_checkpoint_without_sample_count_resumes_at_the_same_position() -> None:
     """A checkpoint written before samples_in_epoch: batches_in_epoch of its world size."""
     from ddp.checkpoint.manager import Checkpointer
@@ -131,7 +165,7 @@ def test_old_checkpoint_without_sample_count_resumes_at_the_same_position() -> N
         model = torch.nn.Linear(1, 1)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        loop = LoopState(0, 0, 0, 10, 0, opt, sched, None, per_batch=4 * world)
+        loop = LoopState(0, 0, 0, 10, 0, opt, sched, None, per_batch=4 * world, accum=2)
         state = {
             "optimizer": opt.state_dict(),
             "scheduler": sched.state_dict(),

@@ -80,3 +80,19 @@ def test_without_signals_or_timed_saves_the_vote_stays_off():
         assert timed.vote.every == 1  # checkpoint.every_s rides on the vote
     finally:
         timed.restore()
+
+
+def test_the_counters_are_one_state_object_the_checkpointer_saves():
+    """The global step lives in the Trainer's TrainState (read and written through
+    ``global_step``); its state_dict is what a checkpoint keeps of it, and this run's own
+    counts (samples, finished) are not part of it."""
+    from ddp.checkpoint.loop import TrainState
+
+    data = torch.utils.data.TensorDataset(torch.zeros(8, 2))
+    trainer = Trainer(torch.nn.Linear(2, 1), data, _config())
+    assert isinstance(trainer.train_state, TrainState) and trainer.global_step == 0
+    trainer.global_step = 5
+    trainer.train_state.samples = 40
+    assert trainer.train_state.state_dict() == {"global_step": 5}
+    trainer.train_state.load_state_dict({"global_step": 9, "epoch": 2})
+    assert trainer.global_step == 9 and trainer.train_state.samples == 40

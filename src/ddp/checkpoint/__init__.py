@@ -15,8 +15,8 @@ The package's parts, by what each owns:
   :mod:`~ddp.checkpoint.manager_base` (lock, pending save, the ranks' agreement),
   :mod:`~ddp.checkpoint.manager_save` (save and export),
   :mod:`~ddp.checkpoint.manager_resume` (load, restore, resume checks, hyper-parameters
-  reapplied), :mod:`~ddp.checkpoint.manager_best` (``checkpoint.best``); ``LoopState``
-  in :mod:`ddp.checkpoint.loop`;
+  reapplied), :mod:`~ddp.checkpoint.manager_best` (``checkpoint.best``); the counters it
+  saves as state objects (``TrainState``, ``LoopState``) in :mod:`ddp.checkpoint.loop`;
 - :mod:`ddp.checkpoint.sharded`: FSDP2's sharded saves through torch.distributed.checkpoint.
 
 ``ddp.checkpoint`` itself offers the format's functions (``from ddp.checkpoint import

@@ -8,15 +8,16 @@ The class is written in parts, by path: :mod:`ddp.checkpoint.manager_save` (save
 :mod:`ddp.checkpoint.manager_resume` (load, restore, the checks that a checkpoint fits this
 run), :mod:`ddp.checkpoint.manager_best` (``checkpoint.best``), on
 :mod:`ddp.checkpoint.manager_base` (directory lock, pending save, the ranks' agreement);
-``LoopState`` is :mod:`ddp.checkpoint.loop`.
+the counters it saves as state objects (``TrainState``, ``LoopState``) are
+:mod:`ddp.checkpoint.loop`.
 Modelled on torchtitan's ``CheckpointManager``; every method that touches other ranks
 says so.
 """
 
 from __future__ import annotations
 
-from ddp.checkpoint.loop import LoopState  # noqa: F401
-from ddp.checkpoint.manager_best import Best, best_key  # noqa: F401
+from ddp.checkpoint.loop import LoopState, Stateful, TrainState  # noqa: F401
+from ddp.checkpoint.manager_best import Best, BestValue, best_key  # noqa: F401
 from ddp.checkpoint.manager_resume import (  # noqa: F401
     Resume,
     apply_new_hyperparameters,
@@ -24,6 +25,7 @@ from ddp.checkpoint.manager_resume import (  # noqa: F401
     check_resumable,
     derive_rng,
     load_model,
+    samples_in_epoch,
 )
 from ddp.checkpoint.manager_save import Saving, diverged, finite  # noqa: F401
 

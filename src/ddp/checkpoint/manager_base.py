@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +20,9 @@ from ddp import checkpoint as ckpt
 from ddp.config import TrainConfig
 from ddp.dist import Context
 from ddp.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ddp.checkpoint.manager_best import BestValue
 
 _NOBODY = 1 << 62
 """What :meth:`CheckpointerBase._first` reads as "no rank reported anything"."""
@@ -41,8 +44,8 @@ class CheckpointerBase:
         self._lock: ckpt.DirLock | None = None
         self._pending: ckpt.PendingSave | None = None
         self.resumed_from = ""
-        self._best: float | None = None  # checkpoint.best's value so far (keep_best)
-        self._best_read = False
+        #: checkpoint.best's value so far (``Best.keep_best``; None until its first call)
+        self.best: BestValue | None = None
 
     def _directory(self) -> Path:
         """``checkpoint.dir`` for the methods called only once it is known to be set."""

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -54,22 +56,19 @@ class Best(CheckpointerBase):
                 f"checkpoint.best.metric: {b.metric!r} is not a metric this "
                 f"run evaluates; allowed: {known}"
             )
-        if not self._best_read:  # once per run: what a resumed run had kept
-            self._best = self._read_best(key) if self.resumed_from else None
-            self._best_read = True
+        if self.best is None:  # once per run: what a resumed run had kept
+            self.best = BestValue(key, b.mode)
+            if self.resumed_from:
+                self.best.load_state_dict(self._read_best())
         value = float(metrics[key])
-        if not math.isfinite(value):
+        if not self.best.improves(value):
             return None
-        if self._best is not None and not (
-            value < self._best if b.mode == "min" else value > self._best
-        ):
-            return None
-        self._best = value
+        self.best.value, self.best.step = value, global_step
         full = fsdp.full_state_dict(model) if fsdp.is_sharded(model) else None  # collective
         path, error = None, None
         if self.ctx.is_main:
             try:
-                path = str(self._write_best(model, full, key, value, global_step))
+                path = str(self._write_best(model, full))
             except OSError as exc:
                 error = str(ckpt.save_error(Path(self.dir), self.BEST, exc))
             else:
@@ -79,27 +78,15 @@ class Best(CheckpointerBase):
             raise ConfigError(error)
         return path
 
-    def _write_best(
-        self,
-        model: torch.nn.Module,
-        full: dict[str, torch.Tensor] | None,
-        key: str,
-        value: float,
-        step: int,
-    ) -> Path:
+    def _write_best(self, model: torch.nn.Module, full: dict[str, torch.Tensor] | None) -> Path:
         best = self._directory() / self.BEST
         source = ckpt.model_state(model) if full is None else full
         state = {k: v.detach().to("cpu").clone() for k, v in source.items()}
         path = best / "model.pt"
         ckpt.atomic_save(state, path)
         ckpt.atomic_write_text(self.config.to_yaml(), best / "config.yaml")
-        meta = {
-            "metric": key,
-            "mode": self.config.checkpoint.best.mode,
-            "value": value,
-            "step": step,
-        }
-        ckpt.atomic_write_text(json.dumps(meta) + "\n", best / self.BEST_META)
+        assert self.best is not None  # keep_best's: the value just improved
+        ckpt.atomic_write_text(json.dumps(self.best.state_dict()) + "\n", best / self.BEST_META)
         alias = self._directory() / self.BEST_ALIAS
         if not alias.is_symlink():  # a link stays right: it names best/model.pt
             try:  # relative, so the checkpoint folder may move
@@ -110,26 +97,58 @@ class Best(CheckpointerBase):
                 ckpt.atomic_save(state, alias)
         return path
 
-    def _read_best(self, key: str) -> float | None:
-        """Rank 0 reads ``best/best.json`` (untrusted: small regular file, JSON checked);
-        every rank gets its value. A file for another metric or mode is not comparable:
-        None (the next evaluation becomes the best)."""
-        value = None
+    def _read_best(self) -> dict[str, Any]:
+        """Rank 0 reads ``best/best.json`` (untrusted: a small regular file); every rank
+        gets its content ({} when absent or damaged), for :meth:`BestValue.load_state_dict`
+        to check."""
+        meta: Any = {}
         if self.ctx.is_main:
             path = self._directory() / self.BEST / self.BEST_META
             try:
                 meta = json.loads(ckpt.read_regular(path))
-                if (
-                    isinstance(meta, dict)
-                    and meta.get("metric") == key
-                    and meta.get("mode") == self.config.checkpoint.best.mode
-                    and isinstance(meta.get("value"), int | float)
-                    and math.isfinite(meta["value"])
-                ):
-                    value = float(meta["value"])
             except (ValueError, OSError):  # absent or damaged: start afresh
-                value = None
-        return ddp.broadcast_object(value)
+                meta = {}
+        meta = ddp.broadcast_object(meta)
+        return meta if isinstance(meta, dict) else {}
+
+
+@dataclass
+class BestValue:
+    """``checkpoint.best``'s counter: the best value of ``metric`` so far and its step,
+    in the ``Stateful`` shape; its ``state_dict()`` is ``best/best.json``'s content."""
+
+    metric: str  # the key evaluate() returns (eval_loss)
+    mode: str  # min | max
+    value: float | None = None  # None: the next finite evaluation is the best
+    step: int = 0
+
+    def improves(self, value: float) -> bool:
+        """Whether ``value`` beats the best so far (NaN and inf never do)."""
+        if not math.isfinite(value):
+            return False
+        if self.value is None:
+            return True
+        return value < self.value if self.mode == "min" else value > self.value
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"metric": self.metric, "mode": self.mode, "value": self.value, "step": self.step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take the saved best only where it compares: the same metric and mode and a
+        finite number (untrusted file); otherwise start afresh (value None)."""
+        value = state_dict.get("value")
+        step = state_dict.get("step")
+        if (
+            state_dict.get("metric") == self.metric
+            and state_dict.get("mode") == self.mode
+            and isinstance(value, int | float)
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+        ):
+            self.value = float(value)
+            self.step = step if type(step) is int and step >= 0 else 0
+        else:
+            self.value, self.step = None, 0
 
 
 def best_key(metric: str) -> str:

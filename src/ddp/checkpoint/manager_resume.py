@@ -143,7 +143,8 @@ class Resume(CheckpointerBase):
     def restore_loop(
         self, state: dict[str, Any], loop: LoopState, base_lr: float, model: torch.nn.Module
     ) -> None:
-        """Optimizer, schedule and scaler, then the config's new values on top."""
+        """Optimizer, schedule and scaler, then the config's new values on top, then the
+        loop's position (:meth:`LoopState.load_state_dict`)."""
         path = self.resumed_from
         live_sched = loop.sched.state_dict()
         # Keys this torch does not know are dropped (load_state_dict would set them as
@@ -169,12 +170,25 @@ class Resume(CheckpointerBase):
         apply_new_hyperparameters(loop.opt, loop.sched, base_lr, self.config)
         if scaler:
             loop.scaler.load_state_dict(scaler)
-        loop.epoch = state["epoch"]
-        samples = state.get("samples_in_epoch")
-        if samples is None:  # written before samples_in_epoch: micro-batches of its world
-            world = state.get("world_size") or self.ctx.world_size
-            samples = state["batches_in_epoch"] * world * self.config.training.batch_size
-        loop.seek(samples, self.config.training.accum)
+        loop.load_state_dict(
+            {
+                **state,
+                "samples_in_epoch": samples_in_epoch(
+                    state, self.ctx.world_size, self.config.training.batch_size
+                ),
+            }
+        )
+
+
+def samples_in_epoch(state: dict[str, Any], world: int, batch_size: int) -> int:
+    """The saved position in samples of the epoch's global order. A checkpoint written
+    before ``samples_in_epoch`` counted micro-batches of its own world size
+    (``batches_in_epoch``), each of ``batch_size`` samples per rank."""
+    samples = state.get("samples_in_epoch")
+    if samples is None:
+        saved_world = state.get("world_size") or world
+        samples = state["batches_in_epoch"] * saved_world * batch_size
+    return int(samples)
 
 
 def derive_rng(seed: int, step: int, rank: int) -> None:

@@ -21,7 +21,7 @@ import ddp
 from ddp import checkpoint as ckpt
 from ddp import fsdp
 from ddp.checkpoint import sharded
-from ddp.checkpoint.loop import LoopState
+from ddp.checkpoint.loop import LoopState, TrainState
 from ddp.checkpoint.manager_base import CheckpointerBase
 from ddp.errors import ConfigError, TrainingDiverged
 
@@ -31,9 +31,7 @@ log = logging.getLogger("ddp")
 class Saving(CheckpointerBase):
     """Save: checkpoints (plain or sharded, in the background by default) and the export."""
 
-    def save(
-        self, loop: LoopState, model: torch.nn.Module, global_step: int, at: tuple[int, int]
-    ) -> None:
+    def save(self, loop: LoopState, model: torch.nn.Module, train: TrainState) -> None:
         """Collective: every rank writes its own state (its RNG streams) into its own rank
         file, and rank 0 the checkpoint file (DDP), or every rank its shards (FSDP);
         finished in the background by default.
@@ -41,21 +39,32 @@ class Saving(CheckpointerBase):
         No rank receives another's state: what the ranks must agree on (finite weights,
         every write done) is one all-reduce of one integer each (:meth:`_first`), so the
         bytes a save moves per rank do not grow with the number of ranks.
-        ``at`` is the (epoch, micro-batch) a resumed run starts from."""
+        The counters are the state objects' own (``train``, ``loop``: a resumed run starts
+        at ``loop.resume_at``)."""
         if not self.dir:
             return
+        global_step = train.global_step
         if self._first(None if finite(model) else self.ctx.rank) is not None:
             raise diverged(global_step, "the weights are not finite (nan/inf)")
         own = {
-            "global_step": global_step,
+            **train.state_dict(),
             "world_size": self.ctx.world_size,
             "rank_rng": ckpt.rng_state(self.ctx.device),
         }
         if self.config.ddp.strategy == "fsdp":
-            self._save_sharded(loop, model, global_step, at, own)
-            return
+            self._save_sharded(loop, model, train, own)
+        else:
+            self._save_plain(loop, model, train, own)
+
+    def _save_plain(
+        self, loop: LoopState, model: torch.nn.Module, train: TrainState, own: dict[str, Any]
+    ) -> None:
+        """Collective: this rank's rank file, rank 0's checkpoint file (staged), one
+        all-reduce on whether every write succeeded, then rank 0 finishes the save (in the
+        background by default) or every rank raises the first failed rank's line."""
+        global_step = train.global_step
         t0 = time.perf_counter()
-        directory = Path(self.dir)
+        directory = self._directory()
         final = ckpt.step_path(directory, global_step)
         ranks = ckpt.staging_path(ckpt.rank_dir(final))
         failure: tuple[bool, str] | None = None
@@ -68,7 +77,7 @@ class Saving(CheckpointerBase):
                 state = {
                     "model": ckpt.model_state(model),
                     "optimizer": loop.opt.state_dict(),
-                    **self._common(loop, global_step, at),
+                    **self._common(loop, train),
                 }
                 staged = ckpt.stage_save(state, directory, global_step)
         except Exception as exc:  # every rank raises the first failed rank's line
@@ -97,19 +106,15 @@ class Saving(CheckpointerBase):
                 " (fsync continues in the background)" if self.background else "",
             )
 
-    def _common(self, loop: LoopState, global_step: int, at: tuple[int, int]) -> dict[str, Any]:
+    def _common(self, loop: LoopState, train: TrainState) -> dict[str, Any]:
         """What every checkpoint holds besides the model and optimizer state (each rank's
-        RNG states are in its own rank file: ``rank_files``)."""
-        epoch, batch = at
+        RNG states are in its own rank file: ``rank_files``): the counters, as the state
+        objects give them, the schedule, the scaler and the run's config."""
         return {
             "scheduler": loop.sched.state_dict(),
             "scaler": loop.scaler.state_dict() if loop.scaler is not None else None,
-            "phase": loop.phase,
-            "epoch": epoch,
-            "batches_in_epoch": batch,
-            "samples_in_epoch": loop.samples_done(at),  # any world size resumes here
-            "global_step": global_step,
-            "phase_start_step": loop.phase_start,
+            **loop.state_dict(),
+            **train.state_dict(),
             "world_size": self.ctx.world_size,
             "rank_files": True,
             "config": self.config.to_dict(),
@@ -119,8 +124,7 @@ class Saving(CheckpointerBase):
         self,
         loop: LoopState,
         model: torch.nn.Module,
-        global_step: int,
-        at: tuple[int, int],
+        train: TrainState,
         own: dict[str, Any],
     ) -> None:
         """Collective: every rank's shards into the staging directory ``.step_N.tmp``, then
@@ -134,7 +138,7 @@ class Saving(CheckpointerBase):
         :meth:`close`."""
         t0 = time.perf_counter()
         directory = self._directory()
-        final = ckpt.sharded_path(directory, global_step)
+        final = ckpt.sharded_path(directory, train.global_step)
         tmp = ckpt.staging_path(final)
         self.wait()  # one save in flight at a time; its error surfaces here, on every rank
         if self.ctx.is_main:
@@ -143,9 +147,7 @@ class Saving(CheckpointerBase):
         ddp.barrier()
         meta = None
         if self.ctx.is_main:  # taken now: the loop moves on while the shards are written
-            meta = copy.deepcopy(
-                {**self._common(loop, global_step, at), "format": ckpt.FORMAT_VERSION}
-            )
+            meta = copy.deepcopy({**self._common(loop, train), "format": ckpt.FORMAT_VERSION})
         if self.background:
             self._group = ddp.dist.checkpoint_group()  # collective the first time (all ranks)
             extra, written = sharded.save_async(tmp, model, loop.opt, self._group)

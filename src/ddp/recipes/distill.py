@@ -49,13 +49,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from torch.utils.data import Dataset
 
 import ddp
 from ddp.config import TrainConfig
 from ddp.errors import ConfigError
 from ddp.recipes import Built, Flag
+from ddp.recipes._distill_eval import _PerWeights, make_eval_fn  # noqa: F401
 from ddp.recipes._distill_io import (  # noqa: F401  (EXTRA: re-exported)
     EXTRA,
     cache_key,
@@ -209,68 +209,6 @@ def online_step(teacher: Any) -> Callable[[nn.Module, dict[str, Any]], Any]:
     return step
 
 
-# ---- evaluation ---------------------------------------------------------------------------
-class _PerWeights:
-    """Embeddings of fixed texts, recomputed only when the student's weights changed.
-
-    The Trainer calls the eval step per batch; the anchors and the retrieval corpus are
-    the same for every batch, so they are embedded once per evaluation. Each optimizer
-    step bumps the parameters' in-place version counters, which is the key."""
-
-    def __init__(self, texts: list[str], batch_size: int) -> None:
-        self.texts, self.batch_size = texts, batch_size
-        self.key: Any = None
-        self.value: torch.Tensor | None = None
-
-    def get(self, model: DistillModel, device: torch.device) -> torch.Tensor:
-        params = list(model.parameters())
-        key = (id(model), str(device), tuple(p._version for p in params[:1] + params[-1:]))
-        if key != self.key or self.value is None:
-            parts = []
-            for i in range(0, len(self.texts), self.batch_size):
-                feats = tokenize(model.st, self.texts[i : i + self.batch_size])
-                feats = {
-                    k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in feats.items()
-                }
-                parts.append(model.embed(feats).float())
-            self.key, self.value = key, torch.cat(parts)
-        return self.value
-
-
-def make_eval_fn(val: TextSet, n_anchors: int, recall_at: list[int], batch_size: int) -> Any:
-    """Per-query means (the Trainer sums them exactly across ranks)."""
-    k = min(n_anchors, len(val))
-    anchors = _PerWeights(val.texts[:k], batch_size)
-    docs = _PerWeights(val.positives, batch_size) if val.positives is not None else None
-    assert val.teacher is not None
-    t_anchor = val.teacher[:k].float()
-
-    def eval_fn(model: nn.Module, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        assert isinstance(model, DistillModel)
-        s = model.embed(batch["features"]).float()
-        t = batch["teacher"].float()
-        dev = s.device
-        out: dict[str, torch.Tensor] = {"n": torch.tensor(float(s.shape[0]))}
-        if s.shape[1] == t.shape[1]:
-            out["cos"] = F.cosine_similarity(s, t, dim=-1).mean()
-        a = anchors.get(model, dev)
-        t_gap = _sim(t, t_anchor.to(dev))
-        for m in model.mrl_dims or [s.shape[1]]:
-            gap = (_sim(s[:, :m], a[:, :m]) - t_gap).pow(2).mean(1).mean()
-            out["sim_mse" if not model.mrl_dims else f"sim_mse@{m}"] = gap
-        if docs is not None:
-            scores = _sim(s, docs.get(model, dev))
-            idx = batch["index"].to(dev)
-            true = scores.gather(1, idx[:, None])
-            rank = (scores > true).sum(1).float()
-            for kk in recall_at:
-                out[f"recall@{kk}"] = (rank < kk).float().mean()
-            out["mrr"] = (1 / (rank + 1)).mean()
-        return out
-
-    return eval_fn
-
-
 # ---- build --------------------------------------------------------------------------------
 def _check(config: TrainConfig) -> None:
     r, m = config.recipe, config.model
@@ -318,6 +256,39 @@ def run_dir(config: TrainConfig) -> Path | None:
     return Path(config.checkpoint.dir) if config.checkpoint.dir else None
 
 
+class _Teacher:
+    """The frozen teacher, loaded on first use: a run whose embeddings are all cached
+    (a resumed one) never loads it."""
+
+    def __init__(self, config: TrainConfig, device: torch.device) -> None:
+        self.config, self.device = config, device
+        self.model: Any = None
+
+    def get(self) -> Any:
+        r = self.config.recipe
+        if self.model is None:
+            t0 = time.perf_counter()
+            self.model = load_st(r["teacher_model"], self.config, r["teacher_dtype"]).to(
+                self.device
+            )
+            self.model.eval().requires_grad_(False)
+            log.info(
+                "teacher %r loaded in %.2f s (%s)",
+                r["teacher_model"],
+                time.perf_counter() - t0,
+                r["teacher_dtype"],
+            )
+        return self.model
+
+    def encode(self, texts: list[str]) -> torch.Tensor:
+        return self.get().encode(
+            texts,
+            batch_size=self.config.recipe["teacher_batch_size"],
+            convert_to_tensor=True,
+            show_progress_bar=False,
+        )
+
+
 def build(config: TrainConfig) -> Built:
     r = config.recipe
     _check(config)
@@ -335,30 +306,7 @@ def build(config: TrainConfig) -> Built:
     rows = rows_needed(config, len(train.texts))
     train.texts = train.texts[:rows]  # the Trainer reads the first max_samples of the data
 
-    teacher: Any = None
-
-    def get_teacher() -> Any:
-        nonlocal teacher
-        if teacher is None:
-            t0 = time.perf_counter()
-            teacher = load_st(r["teacher_model"], config, r["teacher_dtype"]).to(device)
-            teacher.eval().requires_grad_(False)
-            log.info(
-                "teacher %r loaded in %.2f s (%s)",
-                r["teacher_model"],
-                time.perf_counter() - t0,
-                r["teacher_dtype"],
-            )
-        return teacher
-
-    def encode(texts: list[str]) -> torch.Tensor:
-        return get_teacher().encode(
-            texts,
-            batch_size=r["teacher_batch_size"],
-            convert_to_tensor=True,
-            show_progress_bar=False,
-        )
-
+    teacher = _Teacher(config, device)
     cache_dir = run_dir(config)
     cache_dir = cache_dir / "teacher_cache" if cache_dir is not None else None
 
@@ -367,16 +315,16 @@ def build(config: TrainConfig) -> Built:
 
     t_train = None
     if r["teacher_cache"]:
-        t_train = teacher_embeddings(cache_dir, "train", key(train), train.texts, encode)
+        t_train = teacher_embeddings(cache_dir, "train", key(train), train.texts, teacher.encode)
         teacher_dim = int(t_train.shape[1])
     else:
-        teacher_dim = _width(get_teacher())
+        teacher_dim = _width(teacher.get())
         log.info("teacher cache off: the teacher embeds every batch")
     t_val = None
     if val is not None:  # evaluation reads teacher embeddings of the held-out texts
-        t_val = teacher_embeddings(cache_dir, "val", key(val), val.texts, encode)
-    if teacher is not None and r["teacher_cache"]:
-        teacher = None  # cached: free the teacher's memory before training
+        t_val = teacher_embeddings(cache_dir, "val", key(val), val.texts, teacher.encode)
+    if r["teacher_cache"]:
+        teacher.model = None  # cached: free the teacher's memory before training
     model = make_student(config, teacher_dim)
     log.info(
         "distill: teacher %r (width %d) -> student %r, %s, %d training texts%s",
@@ -389,8 +337,8 @@ def build(config: TrainConfig) -> Built:
     )
     train_set = TextSet(train.texts, t_train)
     val_set = TextSet(val.texts, t_val, val.positives) if val is not None else None
-    collate = make_collate(model.st, None if r["teacher_cache"] else get_teacher())
-    step = None if r["teacher_cache"] else online_step(get_teacher())
+    collate = make_collate(model.st, None if r["teacher_cache"] else teacher.get())
+    step = None if r["teacher_cache"] else online_step(teacher.get())
     eval_fn = (
         make_eval_fn(val_set, r["n_anchors"], list(r["recall_at"]), config.training.batch_size)
         if val_set is not None

@@ -35,7 +35,6 @@ with a character tokenizer over the amino acids: the quick start, which never do
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import math
 from pathlib import Path
@@ -58,6 +57,20 @@ from ddp.recipes._dpo_data import (  # noqa: F401
     load_pairs,
     make_collate,
     structure_sequence,
+)
+from ddp.recipes._dpo_loss import (  # noqa: F401
+    LOSS_TYPES,
+    _train_step,
+    dpo_loss,
+    make_step,
+    sequence_logps,
+)
+from ddp.recipes._dpo_reference import (  # noqa: F401
+    REF_CACHE,
+    Reference,
+    _main,
+    precompute,
+    stored_ref_logps,
 )
 
 if TYPE_CHECKING:
@@ -133,8 +146,6 @@ FLAGS = [
     ),
 ]
 
-LOSS_TYPES = ("sigmoid", "conservative", "robust", "ipo")
-
 
 def _transformers() -> Any:
     try:
@@ -142,94 +153,6 @@ def _transformers() -> Any:
     except ImportError:
         raise ConfigError(f"the dpo recipe needs transformers: {EXTRA}") from None
     return transformers
-
-
-# ---- loss -----------------------------------------------------------------------------------
-def sequence_logps(
-    lm: nn.Module, batch: dict[str, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed log p of the completion tokens, completion token count) per row."""
-    out = lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-    logits = out.logits[:, :-1].float()
-    target = batch["input_ids"][:, 1:]
-    mask = batch["loss_mask"][:, 1:]
-    lp = torch.log_softmax(logits, -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    return (lp * mask).sum(-1), mask.sum(-1)
-
-
-def dpo_loss(
-    pi: torch.Tensor,
-    ref: torch.Tensor,
-    n_tokens: torch.Tensor,
-    beta: float,
-    loss_type: str = "sigmoid",
-    label_smoothing: float = 0.0,
-) -> dict[str, torch.Tensor]:
-    """The loss and reward metrics from (B, 2) policy and reference log-probs
-    (column 0 chosen, 1 rejected) and (B, 2) completion token counts."""
-    f = nn.functional
-    ratios = pi - ref  # (B, 2): log pi/ref of chosen, rejected
-    delta = ratios[:, 0] - ratios[:, 1]
-    eps = label_smoothing
-    if loss_type == "sigmoid":
-        per = -f.logsigmoid(beta * delta)
-    elif loss_type == "conservative":
-        per = -(1 - eps) * f.logsigmoid(beta * delta) - eps * f.logsigmoid(-beta * delta)
-    elif loss_type == "robust":
-        per = (-(1 - eps) * f.logsigmoid(beta * delta) + eps * f.logsigmoid(-beta * delta)) / (
-            1 - 2 * eps
-        )
-    elif loss_type == "ipo":
-        avg = ratios / n_tokens.clamp(min=1)
-        per = (avg[:, 0] - avg[:, 1] - 1 / (2 * beta)) ** 2
-    else:
-        raise ConfigError(f"recipe.loss_type: {loss_type!r}; allowed: {', '.join(LOSS_TYPES)}")
-    rewards = beta * ratios.detach()
-    return {
-        "loss": per.mean(),
-        "reward_chosen": rewards[:, 0].mean(),
-        "reward_rejected": rewards[:, 1].mean(),
-        "reward_margin": (rewards[:, 0] - rewards[:, 1]).mean(),
-        "reward_acc": (rewards[:, 0] > rewards[:, 1]).float().mean(),
-    }
-
-
-class Reference:
-    """The frozen reference: never a parameter of the wrapped policy (DDP never sees it),
-    eval mode, no gradients; moved to the batch's device when first used."""
-
-    def __init__(self, policy: nn.Module) -> None:
-        self.model: nn.Module | None = copy.deepcopy(policy).requires_grad_(False).eval()
-
-    @torch.no_grad()
-    def logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        assert self.model is not None, "the reference was freed after precomputing"
-        dev = batch["input_ids"].device
-        if next(self.model.parameters()).device != dev:
-            self.model.to(dev)
-        self.model.eval()
-        return sequence_logps(self.model, batch)[0]
-
-
-def make_step(reference: Reference, beta: float, loss_type: str, eps: float) -> Any:
-    def step(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        pi, n = sequence_logps(model, batch)
-        b = pi.shape[0] // 2
-        ref = batch["ref_logps"] if "ref_logps" in batch else reference.logps(batch).view(2, b).T
-        out = dpo_loss(pi.view(2, b).T, ref.to(pi.dtype), n.view(2, b).T, beta, loss_type, eps)
-        out["n"] = torch.tensor(float(b))  # pairs: evaluation weighs each batch by it
-        return out
-
-    return step
-
-
-def _train_step(step: Any) -> Any:
-    def train(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = step(model, batch)
-        out.pop("n")
-        return out
-
-    return train
 
 
 # ---- model ----------------------------------------------------------------------------------
@@ -321,99 +244,6 @@ def _disable_dropout(model: nn.Module) -> None:
     for mod in model.modules():
         if isinstance(mod, nn.Dropout):
             mod.p = 0.0
-
-
-def _main() -> bool:
-    ctx = ddp.get_context()
-    return ctx is None or ctx.is_main
-
-
-@torch.no_grad()
-def precompute(reference: Reference, data: PairDataset, collate: Any, batch: int) -> None:
-    """Reference log-probs of every pair, stored with the data (``ref`` per item).
-
-    On this rank's device when the run has one (the reference follows the batch there);
-    every rank computes every pair, so no rank waits on another's shard."""
-    ctx = ddp.get_context()
-    dev = ctx.device if ctx is not None else torch.device("cpu")
-    out = []
-    for lo in range(0, len(data), batch):
-        items = [data[i] for i in range(lo, min(lo + batch, len(data)))]
-        cpu = collate(items)
-        lp = reference.logps({k: v.to(dev) for k, v in cpu.items()})
-        out.append(lp.view(2, -1).T.cpu())
-    data.ref = torch.cat(out)
-
-
-REF_CACHE = "ref_logps.pt"
-
-
-def _ref_key(reference: nn.Module, datasets: tuple[PairDataset | None, ...]) -> str:
-    """What the stored log-probs depend on: the reference's weights (names, shapes and up
-    to 1024 evenly spaced values of each tensor: cheap for a large model, and any other
-    checkpoint differs in them) and every token row with its prompt length."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for k, v in reference.state_dict().items():
-        flat = v.detach().reshape(-1)
-        sample = flat[:: max(1, flat.numel() // 1024)][:1024]
-        h.update(f"{k}{tuple(v.shape)}{v.dtype}".encode())
-        h.update(sample.float().cpu().numpy().tobytes())
-    for ds in datasets:
-        h.update(json.dumps(ds.items if ds is not None else None).encode())
-    return h.hexdigest()
-
-
-def stored_ref_logps(
-    reference: Reference,
-    datasets: tuple[PairDataset | None, ...],
-    collate: Any,
-    batch: int,
-    directory: str | None,
-) -> None:
-    """Reference log-probs for every dataset, read from ``<checkpoint.dir>/ref_logps.pt``
-    when it was written for this reference and these token rows (a resumed or repeated
-    run), else computed (:func:`precompute`) and written there by rank 0, atomically."""
-    import io
-
-    from ddp import checkpoint as ckpt
-
-    assert reference.model is not None
-    key = _ref_key(reference.model, datasets)
-    path = Path(directory) / REF_CACHE if directory else None
-    if path is not None and path.is_file():
-        try:
-            saved = torch.load(io.BytesIO(ckpt.read_regular(path, None)), weights_only=True)
-            tensors = [saved[f"ref{i}"] for i in range(len(datasets))]
-            ok = saved.get("key") == key and all(
-                (t is None) == (ds is None)
-                and (
-                    ds is None
-                    or (
-                        isinstance(t, torch.Tensor)
-                        and t.shape == (len(ds), 2)
-                        and bool(torch.isfinite(t).all())
-                    )
-                )
-                for t, ds in zip(tensors, datasets, strict=True)
-            )
-        except Exception:  # damaged, foreign or crafted: computed afresh
-            ok = False
-        if ok:
-            for t, ds in zip(tensors, datasets, strict=True):
-                if ds is not None:
-                    ds.ref = t.float()
-            log.info("reference log-probs read from %s", path)
-            return
-        log.warning("%s was written for another reference or data; computing afresh", path)
-    for ds in datasets:
-        if ds is not None:
-            precompute(reference, ds, collate, batch)
-    if path is not None and _main():
-        obj: dict[str, Any] = {"key": key}
-        obj.update({f"ref{i}": ds.ref if ds is not None else None for i, ds in enumerate(datasets)})
-        ckpt.atomic_save(obj, path)
 
 
 def _checked_options(config: TrainConfig) -> tuple[float, float]:

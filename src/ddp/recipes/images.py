@@ -171,7 +171,43 @@ def _rel(path: Any, where: str) -> str:
 
 
 def read_judgements(src: Source) -> Raw:
-    """``judgements.csv`` (preferred) or ``judgements.jsonl`` under the root."""
+    """``judgements.csv`` (preferred) or ``judgements.jsonl`` under the root: every row
+    checked (:func:`_judgement_rows` reads them), images and annotators indexed."""
+    name, rows = _judgement_rows(src)
+    index: dict[str, int] = {}
+    ann_names: set[str] = set()
+    parsed = []
+    for n, r in rows:
+        where = f"recipe.data_dir: {name} line {n}"
+        missing = [c for c in COLUMNS if r.get(c) in (None, "")]
+        if missing:
+            raise ConfigError(f"{where}: no {', '.join(missing)}")
+        left, right = _rel(r["left"], where), _rel(r["right"], where)
+        if left == right:
+            raise ConfigError(f"{where}: {left!r} is compared with itself; allowed: two images")
+        label = str(r["label"]).strip()
+        if label not in ("0", "1", "0.0", "1.0", "True", "False", "true", "false"):
+            raise ConfigError(f"{where}: label {r['label']!r}; allowed: 1 (left wins) or 0")
+        ann = str(r["annotator"]).strip()
+        ann_names.add(ann)
+        for p in (left, right):
+            index.setdefault(p, len(index))
+        parsed.append((index[left], index[right], ann, label in ("1", "1.0", "True", "true")))
+    annotators = sorted(ann_names)
+    aidx = {a: n for n, a in enumerate(annotators)}
+    return Raw(
+        list(index),
+        annotators,
+        torch.tensor([p[0] for p in parsed]),
+        torch.tensor([p[1] for p in parsed]),
+        torch.tensor([aidx[p[2]] for p in parsed]),
+        torch.tensor([float(p[3]) for p in parsed]),
+    )
+
+
+def _judgement_rows(src: Source) -> tuple[str, list[tuple[int, dict[str, Any]]]]:
+    """(file name, [(line number, row)]) of the judgements file: UTF-8, a CSV header
+    with every column or one JSON object per line, at least one row."""
     if src.exists("judgements.csv"):
         name, text = "judgements.csv", src.read("judgements.csv", MAX_JUDGEMENTS_BYTES)
     elif src.exists("judgements.jsonl"):
@@ -213,35 +249,7 @@ def read_judgements(src: Source) -> Raw:
             rows.append((n, obj))
     if not rows:
         raise ConfigError(f"recipe.data_dir: {name} holds no judgements")
-    index: dict[str, int] = {}
-    ann_names: set[str] = set()
-    parsed = []
-    for n, r in rows:
-        where = f"recipe.data_dir: {name} line {n}"
-        missing = [c for c in COLUMNS if r.get(c) in (None, "")]
-        if missing:
-            raise ConfigError(f"{where}: no {', '.join(missing)}")
-        left, right = _rel(r["left"], where), _rel(r["right"], where)
-        if left == right:
-            raise ConfigError(f"{where}: {left!r} is compared with itself; allowed: two images")
-        label = str(r["label"]).strip()
-        if label not in ("0", "1", "0.0", "1.0", "True", "False", "true", "false"):
-            raise ConfigError(f"{where}: label {r['label']!r}; allowed: 1 (left wins) or 0")
-        ann = str(r["annotator"]).strip()
-        ann_names.add(ann)
-        for p in (left, right):
-            index.setdefault(p, len(index))
-        parsed.append((index[left], index[right], ann, label in ("1", "1.0", "True", "true")))
-    annotators = sorted(ann_names)
-    aidx = {a: n for n, a in enumerate(annotators)}
-    return Raw(
-        list(index),
-        annotators,
-        torch.tensor([p[0] for p in parsed]),
-        torch.tensor([p[1] for p in parsed]),
-        torch.tensor([aidx[p[2]] for p in parsed]),
-        torch.tensor([float(p[3]) for p in parsed]),
-    )
+    return name, rows
 
 
 # ---- images -------------------------------------------------------------------------------

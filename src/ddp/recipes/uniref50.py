@@ -272,7 +272,7 @@ def check_model(m: dict[str, Any]) -> None:
 
 
 def build(config: TrainConfig) -> Built:
-    m, r, mon = config.model, config.recipe, config.monitoring
+    m, r = config.model, config.recipe
     check_model(m)
     t_min = float(r["t_min"])
     if not 0 <= t_min < 1:
@@ -292,7 +292,17 @@ def build(config: TrainConfig) -> Built:
             m["dropout"],
         ),
     )
-    loss, eval_seed = m["loss"], int(r["eval_seed"])
+    loss = m["loss"]
+    step, evaluate = _losses(graph, noise, t_min, loss, int(r["eval_seed"]))
+    after_step = _sampling(config, graph, noise, loss)
+    return Built(
+        model, train, evals, step, evaluate, after_step=after_step, finish_eval=_finish_eval
+    )
+
+
+def _losses(graph: Any, noise: Any, t_min: float, loss: str, eval_seed: int) -> tuple[Any, Any]:
+    """(training step, evaluation step): the diffusion loss over t in [t_min, 1]; the
+    evaluation's noise is seeded per sequence."""
 
     def step(model: torch.nn.Module, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
         x0 = to_states(tokens)
@@ -316,10 +326,20 @@ def build(config: TrainConfig) -> Built:
         )
         return {"loss": nelbo.mean(), "n": tokens.shape[0]}
 
-    def finish_eval(metrics: dict[str, float]) -> dict[str, float]:
-        if "eval_loss" in metrics:  # the ELBO per position bounds -log p: its exp, perplexity
-            metrics["eval_ppl_bound"] = math.exp(min(metrics["eval_loss"], 700.0))
-        return metrics
+    return step, evaluate
+
+
+def _finish_eval(metrics: dict[str, float]) -> dict[str, float]:
+    """The perplexity bound exp(eval_loss) beside the evaluation's loss."""
+    if "eval_loss" in metrics:  # the ELBO per position bounds -log p: its exp, perplexity
+        metrics["eval_ppl_bound"] = math.exp(min(metrics["eval_loss"], 700.0))
+    return metrics
+
+
+def _sampling(config: TrainConfig, graph: Any, noise: Any, loss: str) -> Any:
+    """The hook after each optimizer step: at ``monitoring.sample_frequency``, sequences
+    sampled from the model, written as FASTA and summarised in the logs."""
+    m, mon = config.model, config.monitoring
 
     def after_step(trainer: Any, step: int) -> None:
         freq = mon.sample_frequency
@@ -366,6 +386,4 @@ def build(config: TrainConfig) -> Built:
         )
         trainer.loggers.samples(stats, step)
 
-    return Built(
-        model, train, evals, step, evaluate, after_step=after_step, finish_eval=finish_eval
-    )
+    return after_step
