@@ -32,7 +32,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from ddp.relaunch import Nodes, killed_nodes, match_hosts, probe_prefix
@@ -111,19 +112,14 @@ def _leave_out_unstaged(nodes: Nodes, marks: Path, args: argparse.Namespace, run
 def supervise(args: argparse.Namespace) -> int:
     """The loop: launch, watch, collect the evidence of a failure, decide, relaunch.
 
-    Long because each step reads the state the one before left (the attempt, the beats
-    it saw, the nodes it named); the launcher-specific parts are :mod:`ddp.relaunch`."""
+    Each attempt: :func:`_watch`, then :func:`_after_hang` or :func:`_after_exit` for the
+    evidence, then :func:`_stop_or_relaunch`; the launcher-specific parts are
+    :mod:`ddp.relaunch`."""
     run_dir = Path(args.run_dir or os.environ.get("HPC_RUN_DIR") or ".").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     hb_dir = run_dir / "heartbeats"
-    env = dict(os.environ)
-    env.setdefault("HPC_RUN_DIR", str(run_dir))  # checkpoints resume from the same folder
-    env["DDP_HEARTBEAT_DIR"] = str(hb_dir)
-    for key, value in flight_recorder_env(hb_dir).items():  # NCCL's recorder, on demand
-        env.setdefault(key, value)
-    # beats several times per hang timeout, never more often than every 0.1 s
-    env.setdefault("DDP_HEARTBEAT_EVERY_S", f"{max(0.1, min(2.0, args.hang_timeout_s / 4)):g}")
-    sig = getattr(signal, env.setdefault("DDP_STACK_SIGNAL", "SIGUSR2"), signal.SIGUSR2)
+    env = _ranks_env(run_dir, hb_dir, args.hang_timeout_s)
+    sig = getattr(signal, env["DDP_STACK_SIGNAL"], signal.SIGUSR2)
     try:
         nodes = Nodes.of(args.launch, args.spares, os.environ)
     except ValueError as exc:
@@ -147,22 +143,7 @@ def supervise(args: argparse.Namespace) -> int:
         cmd = nodes.command(args.launch, run_dir / f"hostfile-{attempt}")
         _say(f"attempt {attempt}: {' '.join(cmd)}")
         att = Attempt(cmd, env, run_dir / f"supervise-attempt-{attempt}.log")
-        hung: list[int] = []
-        seen = 0.0
-        while att.proc.poll() is None:
-            now, beats = time.time(), read_beats(hb_dir)
-            hung = [
-                r
-                for r, b in beats.items()
-                if now - float(b.get("time", now)) > args.hang_timeout_s and not _exited(b)
-            ]  # a rank that ended is the launcher's exit to judge
-            if hung:
-                seen = time.time()  # the event's "seen_t": before the stacks and the kills
-                break
-            try:  # wakes at the launcher's exit, not at the next tick (a crash is seen at once)
-                att.proc.wait(timeout=args.poll_s)
-            except subprocess.TimeoutExpired:
-                pass
+        hung, seen = _watch(att, hb_dir, args)
         if not hung and att.proc.returncode == 0:
             record(run_dir, {"event": "completed", "attempt": attempt})
             _say(f"attempt {attempt} completed")
@@ -170,120 +151,197 @@ def supervise(args: argparse.Namespace) -> int:
         failures += 1
         fdir = run_dir / "failures" / str(failures)
         if hung:
-            beats = read_beats(hb_dir)
-            states = collect_stacks(hb_dir, fdir, beats, int(sig))
-            others = (
-                sorted({nodes.node_of(beats[r]) for r, s in states.items() if s == "remote"})
-                if nodes.active
-                else []
-            )
-            if others:  # the other nodes' ranks: a probe on each (stacks, states, health)
-                for node, got in probe_nodes(others, run_dir, fdir, "stacks", prefix).items():
-                    for r, b in beats.items():
-                        if nodes.node_of(b) == node:
-                            states[r] = (got or {}).get(r, "unreachable" if got is None else "gone")
-            if att.proc.poll() == 0:  # the ranks went on while their stacks were taken
-                record(
-                    run_dir,
-                    {
-                        "event": "completed",
-                        "attempt": attempt,
-                        "note": "a hang was seen, then every rank finished",
-                    },
-                )
+            failure = _after_hang(att, hung, hb_dir, fdir, int(sig), nodes, run_dir, prefix, args)
+            if failure is None:  # the ranks went on while their stacks were taken
+                note = "a hang was seen, then every rank finished"
+                record(run_dir, {"event": "completed", "attempt": attempt, "note": note})
                 _say(f"attempt {attempt} completed (after a hang was seen; stacks in {fdir})")
                 return 0
-            _kill_ranks(beats)
-            if others:  # kill before the launcher's SIGTERM: a continued rank would take
-                # the trainer's preemption path (a vote with dead peers, then its watchdog)
-                alive = [
-                    n
-                    for n in others
-                    if any(
-                        states.get(r) not in ("unreachable", "gone")
-                        for r, b in beats.items()
-                        if nodes.node_of(b) == n
-                    )
-                ]
-                probe_nodes(alive, run_dir, fdir, "kill", prefix, timeout_s=30.0)
-            rc = _stop_launcher(att.proc)
-            att.reader.join(timeout=30)
-            culprits = (
-                sorted(r for r, s in states.items() if s in ("stopped", "gone", "unreachable"))
-                or hung
-            )
-            named = sorted({nodes.node_of(beats[r]) for r in culprits if r in beats})
-            why = (
-                f"hang: no progress for {args.hang_timeout_s:g} s on ranks {hung}; "
-                f"stopped/gone ranks {culprits}; states {states}"
-            )
-            kind = "node"
         else:
-            rc = att.proc.returncode
-            kind, why = att.classify(_world(hb_dir))
-            (fdir).mkdir(parents=True, exist_ok=True)
-            beats = read_beats(hb_dir)
-            dead = sorted(
-                r
-                for r, b in beats.items()
-                if b.get("host") == _node() and _proc_state(int(b.get("pid", 0))) is None
-            )
-            culprits, named = dead, sorted({nodes.node_of(beats[r]) for r in dead})
-            if nodes.active:  # the launcher names the nodes whose ranks a signal ended
-                named = match_hosts(killed_nodes(nodes.kind, att.lines), nodes.active)
-            shutil.copy(run_dir / f"supervise-attempt-{attempt}.log", fdir / "output.log")
+            failure = _after_exit(att, hb_dir, fdir, nodes, run_dir, attempt)
         event = {
             "event": "failure",
             "attempt": attempt,
             "kind": "hang" if hung else "exit",
-            "exit_code": rc,
-            "why": why,
-            "ranks": culprits,
-            "nodes": named,
+            "exit_code": failure.rc,
+            "why": failure.why,
+            "ranks": failure.ranks,
+            "nodes": failure.nodes,
             "failures_dir": str(fdir),
         }
         if hung:
             event["seen_t"] = round(seen, 3)
         record(run_dir, event)
-        _say(f"attempt {attempt} failed: {why}; nodes {named}; evidence in {fdir}")
-        if kind == "fatal":
-            record(run_dir, {"event": "stopped", "attempt": attempt, "why": why})
-            _say(f"not restarting: {why}")
-            return 128 - rc if rc < 0 else (rc or 1)  # killed by a signal: 128+N
-        if attempt > args.max_restarts:
-            record(
-                run_dir,
-                {
-                    "event": "stopped",
-                    "attempt": attempt,
-                    "why": f"max_restarts={args.max_restarts} used",
-                },
-            )
-            _say(f"not restarting: max_restarts={args.max_restarts} used")
-            return 128 - rc if rc < 0 else (rc or 1)  # killed by a signal: 128+N
-        if nodes.leave_out(named, args.spares):
-            record(
-                run_dir,
-                {
-                    "event": "exclude",
-                    "attempt": attempt,
-                    "nodes": named,
-                    "excluded": nodes.excluded,
-                    "remaining": nodes.active,
-                },
-            )
-            _say(f"excluding node(s) {','.join(named)}; relaunching on {','.join(nodes.active)}")
-        if nodes.active and len(nodes.active) < args.min_nodes:
-            why = f"{len(nodes.active)} node(s) left, below --min-nodes {args.min_nodes}"
-            record(run_dir, {"event": "stopped", "attempt": attempt, "why": why})
-            _say(f"not restarting: {why}")
-            return 128 - rc if rc < 0 else (rc or 1)
-        record(run_dir, {"event": "restart", "attempt": attempt + 1, "after": why})
-        _say(
-            f"restarting (restart {attempt} of {args.max_restarts}); the trainer resumes "
-            "from the latest checkpoint"
-        )
+        _say(f"attempt {attempt} failed: {failure.why}; nodes {failure.nodes}; evidence in {fdir}")
+        code = _stop_or_relaunch(failure, attempt, nodes, run_dir, args)
+        if code is not None:
+            return code
     return 1
+
+
+def _ranks_env(run_dir: Path, hb_dir: Path, hang_timeout_s: float) -> dict[str, str]:
+    """The launcher's environment: where the ranks beat and checkpoint, NCCL's flight
+    recorder and the stack signal (the user's own values win but for the beat folder)."""
+    env = dict(os.environ)
+    env.setdefault("HPC_RUN_DIR", str(run_dir))  # checkpoints resume from the same folder
+    env["DDP_HEARTBEAT_DIR"] = str(hb_dir)
+    for key, value in flight_recorder_env(hb_dir).items():  # NCCL's recorder, on demand
+        env.setdefault(key, value)
+    # beats several times per hang timeout, never more often than every 0.1 s
+    env.setdefault("DDP_HEARTBEAT_EVERY_S", f"{max(0.1, min(2.0, hang_timeout_s / 4)):g}")
+    env.setdefault("DDP_STACK_SIGNAL", "SIGUSR2")
+    return env
+
+
+@dataclass
+class _Failure:
+    """What one failed attempt left: the launcher's exit code, the kind of failure
+    (``fatal`` ends the job; :meth:`Attempt.classify`), why, and the ranks and nodes
+    blamed (the nodes are the ones a relaunch leaves out)."""
+
+    rc: int
+    kind: str
+    why: str
+    ranks: list[int]
+    nodes: list[str]
+
+
+def _watch(att: Attempt, hb_dir: Path, args: argparse.Namespace) -> tuple[list[int], float]:
+    """Wait for the launcher's exit or a hung rank: (the hung ranks, when the hang was
+    seen: the event's ``seen_t``, before the stacks and the kills), or ([], 0) at exit."""
+    while att.proc.poll() is None:
+        now, beats = time.time(), read_beats(hb_dir)
+        hung = [
+            r
+            for r, b in beats.items()
+            if now - float(b.get("time", now)) > args.hang_timeout_s and not _exited(b)
+        ]  # a rank that ended is the launcher's exit to judge
+        if hung:
+            return hung, time.time()
+        try:  # wakes at the launcher's exit, not at the next tick (a crash is seen at once)
+            att.proc.wait(timeout=args.poll_s)
+        except subprocess.TimeoutExpired:
+            pass
+    return [], 0.0
+
+
+def _after_hang(
+    att: Attempt,
+    hung: list[int],
+    hb_dir: Path,
+    fdir: Path,
+    sig: int,
+    nodes: Nodes,
+    run_dir: Path,
+    prefix: Callable[[str], list[str]],
+    args: argparse.Namespace,
+) -> _Failure | None:
+    """A hang: every rank's stack (the other nodes' through a probe on each), then the
+    ranks and the launcher killed; the ranks stopped, gone or unreachable are blamed
+    (the hung ones when none is). None when every rank finished meanwhile."""
+    beats = read_beats(hb_dir)
+    states = collect_stacks(hb_dir, fdir, beats, sig)
+    others = (
+        sorted({nodes.node_of(beats[r]) for r, s in states.items() if s == "remote"})
+        if nodes.active
+        else []
+    )
+    if others:  # the other nodes' ranks: a probe on each (stacks, states, health)
+        for node, got in probe_nodes(others, run_dir, fdir, "stacks", prefix).items():
+            for r, b in beats.items():
+                if nodes.node_of(b) == node:
+                    states[r] = (got or {}).get(r, "unreachable" if got is None else "gone")
+    if att.proc.poll() == 0:
+        return None
+    _kill_ranks(beats)
+    if others:  # kill before the launcher's SIGTERM: a continued rank would take
+        # the trainer's preemption path (a vote with dead peers, then its watchdog)
+        alive = [
+            n
+            for n in others
+            if any(
+                states.get(r) not in ("unreachable", "gone")
+                for r, b in beats.items()
+                if nodes.node_of(b) == n
+            )
+        ]
+        probe_nodes(alive, run_dir, fdir, "kill", prefix, timeout_s=30.0)
+    rc = _stop_launcher(att.proc)
+    att.reader.join(timeout=30)
+    culprits = (
+        sorted(r for r, s in states.items() if s in ("stopped", "gone", "unreachable")) or hung
+    )
+    named = sorted({nodes.node_of(beats[r]) for r in culprits if r in beats})
+    why = (
+        f"hang: no progress for {args.hang_timeout_s:g} s on ranks {hung}; "
+        f"stopped/gone ranks {culprits}; states {states}"
+    )
+    return _Failure(rc, "node", why, culprits, named)
+
+
+def _after_exit(
+    att: Attempt, hb_dir: Path, fdir: Path, nodes: Nodes, run_dir: Path, attempt: int
+) -> _Failure:
+    """The launcher exited non-zero: its output classifies the failure; the ranks blamed
+    are this node's whose process is gone, and the nodes are those the launcher names
+    (a signal ended their ranks) where it names any."""
+    rc = att.proc.returncode
+    kind, why = att.classify(_world(hb_dir))
+    fdir.mkdir(parents=True, exist_ok=True)
+    beats = read_beats(hb_dir)
+    dead = sorted(
+        r
+        for r, b in beats.items()
+        if b.get("host") == _node() and _proc_state(int(b.get("pid", 0))) is None
+    )
+    named = sorted({nodes.node_of(beats[r]) for r in dead})
+    if nodes.active:
+        named = match_hosts(killed_nodes(nodes.kind, att.lines), nodes.active)
+    shutil.copy(run_dir / f"supervise-attempt-{attempt}.log", fdir / "output.log")
+    return _Failure(rc, kind, why, dead, named)
+
+
+def _stop_or_relaunch(
+    failure: _Failure, attempt: int, nodes: Nodes, run_dir: Path, args: argparse.Namespace
+) -> int | None:
+    """The job's exit code when it stops here (a fatal failure, the restarts used, too
+    few nodes left), or None to relaunch without the nodes blamed (while spares or
+    ``--min-nodes`` allow); each decision is a record in ``run.json``."""
+    code = 128 - failure.rc if failure.rc < 0 else (failure.rc or 1)  # a signal N: 128+N
+    why = failure.why
+    if failure.kind == "fatal":
+        record(run_dir, {"event": "stopped", "attempt": attempt, "why": why})
+        _say(f"not restarting: {why}")
+        return code
+    if attempt > args.max_restarts:
+        used = f"max_restarts={args.max_restarts} used"
+        record(run_dir, {"event": "stopped", "attempt": attempt, "why": used})
+        _say(f"not restarting: {used}")
+        return code
+    named = failure.nodes
+    if nodes.leave_out(named, args.spares):
+        record(
+            run_dir,
+            {
+                "event": "exclude",
+                "attempt": attempt,
+                "nodes": named,
+                "excluded": nodes.excluded,
+                "remaining": nodes.active,
+            },
+        )
+        _say(f"excluding node(s) {','.join(named)}; relaunching on {','.join(nodes.active)}")
+    if nodes.active and len(nodes.active) < args.min_nodes:
+        left = f"{len(nodes.active)} node(s) left, below --min-nodes {args.min_nodes}"
+        record(run_dir, {"event": "stopped", "attempt": attempt, "why": left})
+        _say(f"not restarting: {left}")
+        return code
+    record(run_dir, {"event": "restart", "attempt": attempt + 1, "after": why})
+    _say(
+        f"restarting (restart {attempt} of {args.max_restarts}); the trainer resumes "
+        "from the latest checkpoint"
+    )
+    return None
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
