@@ -23,7 +23,6 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from hpc.errors import UserError
-from hpc.spec import PYTHON
 
 if TYPE_CHECKING:
     from hpc.job import Job
@@ -90,6 +89,8 @@ def sh_join(words: Iterable[str]) -> str:
 
 def python_of(command: list[str]) -> str:
     """The interpreter to run ``ddp.exec`` with: the command's own, else ``python``."""
+    from hpc.spec import PYTHON  # here: hpc.spec imports hpc.schedulers, whose table imports us
+
     return command[0] if command and re.match(PYTHON, command[0]) else "python"
 
 

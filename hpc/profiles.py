@@ -15,7 +15,7 @@ are replaced. ``extends: NAME`` starts a new profile from another one, so a new
 site is one small YAML file. Site knowledge lives here, never in ``if`` statements.
 
 This module finds, merges and loads the files (and checks the launcher, whose kinds are
-:data:`LAUNCHER_KINDS`); each other key's check is in :mod:`hpc.profiles_check`.
+:func:`launcher_kinds`); each other key's check is in :mod:`hpc.profiles_check`.
 """
 
 from __future__ import annotations
@@ -59,13 +59,13 @@ __all__ = [
     "DEVICES",
     "GPU_DIRECTIVES",
     "LAUNCHER_KEYS",
-    "LAUNCHER_KINDS",
     "MPIEXEC_FLAVORS",
     "POLL_S_RANGE",
     "QUEUE_KEYS",
     "RULE_KEYS",
     "TILES_KEYS",
     "WHEN_KEYS",
+    "launcher_kinds",
     "load",
     "load_all",
     "names",
@@ -75,7 +75,6 @@ __all__ = [
 BUILTIN_DIR = Path(__file__).resolve().parent / "clusters"
 _LOG = logging.getLogger(__name__)
 _ANNOUNCED: set[str] = set()  # profiles from the working directory named on stderr
-LAUNCHER_KINDS = tuple(schedulers.LAUNCHERS)
 MPIEXEC_FLAVORS = ("pals", "hydra")
 CLUSTER_KEYS = (
     "description",
@@ -183,25 +182,32 @@ def _raw(
     return merged, sources
 
 
+def launcher_kinds() -> tuple[str, ...]:
+    """Every kind of the launcher table, read at each check (:data:`hpc.schedulers.LAUNCHERS`:
+    a kind added after import is a choice too)."""
+    return tuple(schedulers.LAUNCHERS)
+
+
 def _launcher(data: Any, default: str, where: str) -> Launcher:
     data = data or {}
+    kinds = launcher_kinds()
     if not isinstance(data, dict):
         raise UserError(f"{where}: launcher: allowed: a mapping with {', '.join(LAUNCHER_KEYS)}")
     lwhere = f"{where}: launcher"
     check_keys(data, LAUNCHER_KEYS, lwhere)
     cpu_bind = data.get("cpu_bind")
     refuse = data.get("refuse") or {}
-    if not isinstance(refuse, dict) or any(k not in LAUNCHER_KINDS for k in refuse):
+    if not isinstance(refuse, dict) or any(k not in kinds for k in refuse):
         raise UserError(
             f"{lwhere}: refuse: {refuse!r} is not allowed; allowed: a mapping of "
-            f"launcher ({', '.join(LAUNCHER_KINDS)}) to the reason, one line"
+            f"launcher ({', '.join(kinds)}) to the reason, one line"
         )
     # null lifts a refusal inherited from a built-in profile (mappings merge per key)
     reasons = {str(k): " ".join(str(v).split()) for k, v in refuse.items() if v is not None}
     if any(not r for r in reasons.values()):
         raise UserError(f"{lwhere}: refuse: every launcher needs a reason; allowed: text")
     return Launcher(
-        kind=_choice(data, "kind", LAUNCHER_KINDS, default, lwhere),
+        kind=_choice(data, "kind", kinds, default, lwhere),
         flavor=_choice(data, "flavor", MPIEXEC_FLAVORS, "hydra", lwhere),
         cpu_bind=None if cpu_bind is None else str(cpu_bind),
         depth=_int(data, "depth", lwhere),

@@ -67,7 +67,6 @@ SPEC_KEYS = (
 #: ``resilience:`` keys (python -m ddp.supervise's flags) and their defaults.
 RESILIENCE = {"hang_timeout_s": 600.0, "max_restarts": 3, "min_nodes": 1, "spares": 0}
 WRAP_MODES = ("auto", "always", "never")
-LAUNCHERS = ("auto", *schedulers.LAUNCHERS)  # a spec may also leave it to the profile
 _SIGNAL = r"^((R|B|RB|BR):)?(SIG)?[A-Z0-9]+(@\d+)?\Z"  # compiled on first use (re's cache)
 #: A Python interpreter as the first word of a command (``python``, ``/venv/bin/python3.11``).
 PYTHON = r"^(.*/)?python(\d+(\.\d+)*)?\Z"  # compiled on first use (re's cache)
@@ -163,9 +162,15 @@ class JobSpec:
         kw["per_rank_logs"] = _bool(data, "per_rank_logs")
         kw["resilience"] = _resilience(data.get("resilience"))
         kw["directives"] = [directive_line(d, "directives") for d in _strings(data, "directives")]
-        kw["launcher"] = _choice(data, "launcher", LAUNCHERS, "auto")
+        kw["launcher"] = _choice(data, "launcher", launcher_choices(), "auto")
         kw["wrap"] = _choice(data, "wrap", WRAP_MODES, "auto")
         return cls(**kw)
+
+
+def launcher_choices() -> tuple[str, ...]:
+    """``auto`` (the profile's) and every kind of the launcher table, read at each check
+    (:data:`hpc.schedulers.LAUNCHERS`: a kind added after import is a choice too)."""
+    return ("auto", *schedulers.LAUNCHERS)
 
 
 def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> JobSpec:

@@ -77,7 +77,7 @@ class PBS(Scheduler):
 
     name = "pbs"
     script_suffix = ".pbs"
-    launchers = ("mpiexec",)
+    default_launcher = "mpiexec"
     array_min_size = 2  # "qsub: illegal -J value" for -J 0-0 (hpc.sweep.split)
     supervised_launchers = ("mpiexec",)  # a rewritten host file per relaunch
     queue_directives = ("queue",)
@@ -178,12 +178,6 @@ class PBS(Scheduler):
             return out_name[: -len(".OU")] + ".ER"
         match = re.fullmatch(r"(.+)\.o([0-9]+(?:\.[0-9]+)?)", out_name)
         return f"{match.group(1)}.e{match.group(2)}" if match else None
-
-    def launch(self, job: Job) -> tuple[list[str], list[str]]:
-        """``mpiexec`` with the profile's PALS or hydra flags."""
-        from hpc import launchers
-
-        return [], launchers.mpiexec(job)
 
     def stage_lines(self, job: Job, stage: Stage) -> list[str]:
         """One ``mpiexec`` rank per node unpacks the pack from the run directory (PBS has

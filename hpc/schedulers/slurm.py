@@ -195,7 +195,7 @@ class Slurm(Scheduler):
 
     name = "slurm"
     script_suffix = ".slurm"
-    launchers = ("srun", "torchrun")
+    default_launcher = "srun"  # or one torchrun per node (hpc.schedulers.LAUNCHERS)
     supervised_launchers = ("srun",)  # --nodelist/--exclude per relaunch
     queue_directives = ("partition", "qos", "queue")
     client = "squeue"
@@ -302,14 +302,6 @@ class Slurm(Scheduler):
     def err_log_name(self, out_name: str) -> str | None:
         """``NAME-ID.err`` beside ``NAME-ID.out`` (``split_logs``: ``--error=%x-%j.err``)."""
         return out_name[: -len(".out")] + ".err" if out_name.endswith(".out") else None
-
-    def launch(self, job: Job) -> tuple[list[str], list[str]]:
-        """``srun`` per rank, or one ``torchrun`` per node through srun."""
-        from hpc import launchers
-
-        if job.launcher == "torchrun":
-            return launchers.torchrun_per_node(job)
-        return [], launchers.srun(job)
 
     def stage_lines(self, job: Job, stage: Stage) -> list[str]:
         """``sbcast`` the pack to every node's local storage (SLURM's own broadcast over
