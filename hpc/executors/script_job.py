@@ -58,7 +58,11 @@ _SCHEDULER_OF: dict[str, Scheduler] = {}
 
 
 class ScriptJob(core.Job[core.R]):
-    """A job submitted through a scheduler's own clients."""
+    """A job submitted through a scheduler's own clients.
+
+    :class:`hpc.executors.pbs.PBSJob` is this job with PBS's additions: its own watcher
+    (qstat's full answer, kept for ``get_info``) and :attr:`scheduler_id` following a
+    requeued job to its newest PBS id."""
 
     def __init__(
         self,
@@ -68,28 +72,52 @@ class ScriptJob(core.Job[core.R]):
         scheduler: Scheduler | None = None,
     ) -> None:
         if scheduler is None:
-            scheduler = _SCHEDULER_OF[job_id]
+            scheduler = _SCHEDULER_OF.get(job_id) or self._scheduler_by_id(job_id)
         _SCHEDULER_OF[job_id] = scheduler
         self.scheduler = scheduler
-        self.watcher = watcher_of(scheduler)  # before submitit registers the id with it
+        if type(self).watcher is core.Job.watcher:  # a class with its own watcher keeps it
+            self.watcher = watcher_of(scheduler)  # before submitit registers the id with it
         super().__init__(folder, job_id, tasks)
+
+    @classmethod
+    def _scheduler_by_id(cls, job_id: str) -> Scheduler:
+        """The scheduler of a job made by id alone and not submitted from this process
+        (a KeyError here: its scheduler cannot be told from the id)."""
+        raise KeyError(job_id)
+
+    @property
+    def scheduler_id(self) -> str:
+        """The id the scheduler knows the job by now: the submitted one (PBSJob: the
+        newest incarnation of a requeued job)."""
+        return self.job_id
 
     def done(self, force_check: bool = False) -> bool:
         """Result pickle present, or the scheduler says the job has ended."""
         if self._sub_jobs:
             return all(sub.done(force_check) for sub in self._sub_jobs)
+        folder = self.paths.folder
+        try:  # refresh an NFS attribute cache, as submitit's own jobs do
+            folder.chmod(folder.stat().st_mode)
+        except OSError:
+            pass
         if self.paths.result_pickle.exists():
             return True
-        return self.watcher.is_done(self.job_id, mode="force" if force_check else "standard")
+        return self.watcher.is_done(self.scheduler_id, mode="force" if force_check else "standard")
 
     @property
     def state(self) -> str:
-        return self.watcher.get_state(self.job_id, mode="standard")
+        """The scheduler's state of the job, normalized (no forced query)."""
+        return self.watcher.get_state(self.scheduler_id, mode="standard")
+
+    def get_info(self, mode: str = "force") -> dict[str, str]:
+        """The watcher's record of the job."""
+        return self.watcher.get_info(self.scheduler_id, mode=mode)
 
     def cancel(self, check: bool = True) -> None:
-        """The scheduler's own cancel (``check``: raise its SchedulerError on a refusal)."""
+        """The scheduler's own cancel, as ``hpc cancel`` does (``check``: raise its
+        one-line SchedulerError on a refusal, else ignore it)."""
         try:
-            self.scheduler.cancel(self.job_id)
+            self.scheduler.cancel(self.scheduler_id)
         except SchedulerError:
             if check:
                 raise

@@ -345,18 +345,34 @@ class Scheduler:
         (``hpc.executor``), set up for the resolved ``job``; ``run_dir``: the run
         directory whose ``run.json`` gets the ids it submits.
 
-        By default :class:`hpc.executors.script.ScriptExecutor`: this scheduler's own
-        template, ``submit``, ``statuses`` and ``cancel``, so a new scheduler module has
-        the Python API as it is (it needs :attr:`job_id_var`)."""
-        from hpc.executors.script import ScriptExecutor
-
-        return ScriptExecutor(
+        By default :meth:`script_executor`'s class: this scheduler's own template,
+        ``submit``, ``statuses`` and ``cancel``, so a new scheduler module has the
+        Python API as it is (it needs :attr:`job_id_var`)."""
+        return self.script_executor()(
             folder,
             max_num_timeout=max_num_timeout,
             python="python" if job.spec.python else None,
             job=job,
             run_dir=run_dir,
         )
+
+    def script_executor(self) -> type:
+        """The class :meth:`submitit_executor` builds: :class:`~hpc.executors.script.ScriptExecutor`
+        or a subclass with this scheduler's additions (PBS: ``PBSExecutor``)."""
+        from hpc.executors.script import ScriptExecutor
+
+        return ScriptExecutor
+
+    def check_submitit_launcher(self, job: Job, note: str = "") -> None:
+        """Refuse a launcher that does not start every rank itself (``per_rank`` False: one
+        torchrun per node), whose ranks submitit's SLURM and PBS executors cannot read
+        (they read the launcher's per-rank variables). ``note``: said after the choices."""
+        if not LAUNCHERS[job.launcher].per_rank:
+            allowed = [kind for kind in self.launchers if LAUNCHERS[kind].per_rank]
+            raise UserError(
+                f"launcher: {job.launcher!r} cannot start submitit's ranks on "
+                f"{job.cluster.name}; allowed: auto, {', '.join(allowed)}{note}"
+            )
 
     def submitit_array(self, job: Job, size: int) -> Job | None:
         """``job`` as one array of ``size`` tasks for ``map_array`` (its id ``ID``, the

@@ -41,8 +41,6 @@ from hpc.schedulers._pbs_qstat import (
 )
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from hpc.chain import After
     from hpc.job import Job
     from hpc.stage import Stage
@@ -250,19 +248,12 @@ class PBS(Scheduler):
 
     # --- the Python API (hpc.executor): issue 29 ----------------------------------------
 
-    def submitit_executor(
-        self, job: Job, folder: Path, max_num_timeout: int = 3, run_dir: Path | None = None
-    ) -> Any:
-        """The PBS submitit plugin's executor (``hpc.executors.pbs``), holding ``job``."""
+    def script_executor(self) -> type:
+        """The PBS submitit plugin's executor (``hpc.executors.pbs``): the script
+        executor with PBS's additions, holding the job as ``submitit_executor`` gives it."""
         from hpc.executors.pbs import PBSExecutor
 
-        return PBSExecutor(
-            folder,
-            max_num_timeout=max_num_timeout,
-            python="python" if job.spec.python else None,
-            job=job,
-            run_dir=run_dir,
-        )
+        return PBSExecutor
 
     def submitit_array(self, job: Job, size: int) -> Job | None:
         """One PBS job array (``#PBS -J 0-N``); its subjobs are ``123[].srv_i`` to submitit."""

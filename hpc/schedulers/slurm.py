@@ -299,14 +299,8 @@ class Slurm(Scheduler):
         """submitit's SlurmExecutor (one srun task per rank), parameters from ``job``."""
         from hpc.executors import params
         from hpc.executors.recorded import SlurmExecutor
-        from hpc.schedulers import LAUNCHERS
 
-        if not LAUNCHERS[job.launcher].per_rank:
-            raise UserError(
-                f"launcher: {job.launcher!r} cannot start submitit's ranks on "
-                f"{job.cluster.name}; allowed: auto, srun (submitit starts one "
-                "srun task per rank)"
-            )
+        self.check_submitit_launcher(job, " (submitit starts one srun task per rank)")
         try:
             ex = SlurmExecutor(
                 folder,

@@ -430,3 +430,23 @@ def test_a_sweep_runs_through_the_toy_scheduler_and_launcher(
         "T1_0 COMPLETED a=1",
         "T1_1 COMPLETED a=2",
     ]
+
+
+def test_the_pbs_executor_refuses_a_launcher_that_does_not_start_every_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kind added to PBS later that starts one process per node (per_rank False) is
+    refused by the PBS executor with the line SLURM's gives (one check, the scheduler's
+    ``check_submitit_launcher``), the choices read from the table; nothing is written."""
+    from hpc import launchers
+
+    row = schedulers.LauncherKind("pernode", per_rank=False, builders={"pbs": launchers.mpiexec})
+    monkeypatch.setitem(schedulers.LAUNCHERS, "pernode", row)
+    monkeypatch.chdir(tmp_path)
+    assert schedulers.get("pbs").launchers == ("mpiexec", "pernode")
+    with pytest.raises(
+        core.UserError,
+        match=r"^launcher: 'pernode' cannot start submitit's ranks on pbs; allowed: auto, mpiexec$",
+    ):
+        hpc.executor(cluster="pbs", launcher="pernode")
+    assert not list((tmp_path / "runs").iterdir())  # the run directory made is gone
