@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 
 from hpc._util import NAME
 from hpc.errors import UserError
-from hpc.spec import PYTHON
 from hpc_ddp.ports import DEFAULT_PORT
 
 if TYPE_CHECKING:
@@ -92,6 +91,8 @@ def sh_join(words: Iterable[str]) -> str:
 
 def python_of(command: list[str]) -> str:
     """The interpreter to run ``ddp.exec`` with: the command's own, else ``python``."""
+    from hpc.spec import PYTHON  # here: hpc.spec imports hpc.schedulers, whose table imports us
+
     return command[0] if command and re.match(PYTHON, command[0]) else "python"
 
 

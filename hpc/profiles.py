@@ -59,7 +59,6 @@ __all__ = [
     "GPU_DIRECTIVES",
     "LAUNCHER",
     "LAUNCHER_KEYS",
-    "LAUNCHER_KINDS",
     "MPIEXEC_FLAVORS",
     "POLL_S_RANGE",
     "PROFILE",
@@ -67,6 +66,7 @@ __all__ = [
     "RULE_KEYS",
     "TILES_KEYS",
     "WHEN_KEYS",
+    "launcher_kinds",
     "load",
     "load_all",
     "names",
@@ -76,7 +76,6 @@ __all__ = [
 BUILTIN_DIR = Path(__file__).resolve().parent / "clusters"
 _LOG = logging.getLogger(__name__)
 _ANNOUNCED: set[str] = set()  # profiles from the working directory named on stderr
-LAUNCHER_KINDS = tuple(schedulers.LAUNCHERS)
 MPIEXEC_FLAVORS = ("pals", "hydra")
 
 
@@ -148,14 +147,20 @@ def _raw(
     return merged, sources
 
 
+def launcher_kinds() -> tuple[str, ...]:
+    """Every kind of the launcher table, read at each check (:data:`hpc.schedulers.LAUNCHERS`:
+    a kind added after import is a choice too)."""
+    return tuple(schedulers.LAUNCHERS)
+
+
 def _refuse(value: Any, label: str, got: dict[str, Any]) -> dict[str, str]:
     """``refuse: {KIND: why}``: launchers the site warns against, each with its reason."""
     value = value or {}
-    if not isinstance(value, dict) or any(k not in LAUNCHER_KINDS for k in value):
+    if not isinstance(value, dict) or any(k not in launcher_kinds() for k in value):
         raise refuse(
             label,
             value,
-            f"a mapping of launcher ({', '.join(LAUNCHER_KINDS)}) to the reason, one line",
+            f"a mapping of launcher ({', '.join(launcher_kinds())}) to the reason, one line",
         )
     # null lifts a refusal inherited from a built-in profile (mappings merge per key)
     reasons = {str(k): " ".join(str(v).split()) for k, v in value.items() if v is not None}
@@ -170,12 +175,12 @@ _LINES: dict[str, Any] = {"kind": "strings", "then": directive_line}
 #: ``launcher:`` keys (:class:`hpc.cluster.Launcher`); the kind's default is the scheduler's.
 LAUNCHER = Table(
     (
-        # the choices are read when checked: a launcher may join LAUNCHER_KINDS at run time
+        # the choices are read when checked: a launcher may join the table at run time
         Key(
             "kind",
             default=lambda got: got["default"],
             help="how ranks start",
-            choices=lambda got: LAUNCHER_KINDS,
+            choices=lambda got: launcher_kinds(),
             **_ONE_OF,
         ),
         Key("flavor", help="mpiexec's flags", choices=MPIEXEC_FLAVORS, **_ONE_OF),

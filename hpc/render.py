@@ -1,7 +1,8 @@
 """Jinja2 environment, template lookup, the shell-quoting filters and the template sandbox.
 
 What a template is given (:func:`context`, :func:`check_values`) is
-:mod:`hpc.render_values`, re-exported here.
+:mod:`hpc.render_values`; the sandboxed environment it renders in (loader, sandbox,
+filters, one-line errors) is :mod:`hpc.render_sandbox`; both re-exported here.
 
 Templates are looked up per file, first match wins: ``--templates DIR``, then a
 project-local ``./templates/``, then the built-in ones (installed as package data
@@ -27,23 +28,30 @@ CPU time and memory, whenever a user folder is on the search path; the built-ins
 render in-process, as the child adds a fork (~7 ms, measured alike) to ``hpc render``,
 which docs/performance.md's bench times, and they are this project's own code, bounded by
 review and golden tests. Every failure is one line naming the template file and line
-(:func:`_one_line`), and a template taken from the working directory is named on
+(:func:`hpc.render_sandbox._one_line`), and a template taken from the working directory is named on
 stderr once (:func:`_announce`).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
-import shlex
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpc._util import format_walltime, read_regular
 from hpc.errors import UserError
+from hpc.render_sandbox import (
+    BUILTIN_PREFIX,
+    MAX_TEMPLATE,
+    USER_MEMORY,
+    _environment,
+    _one_line,
+    _TemplateFailure,
+    comment,
+    quote,
+)
 from hpc.render_values import check_values, context
 
 if TYPE_CHECKING:
@@ -68,19 +76,12 @@ __all__ = [
 _PKG = Path(__file__).resolve().parent
 _LOG = logging.getLogger(__name__)
 
-MAX_TEMPLATE = 1 << 20
-"""Largest template file read (a real one is a few kilobytes)."""
 MAX_SCRIPT = 4 << 20
 """Largest rendered script, in characters: SLURM's default ``max_script_size`` (4 MB);
 a bigger one is a template that loops, and no scheduler would take it."""
 USER_CPU_S = 10
 """CPU seconds a render with user templates may take (the child's RLIMIT_CPU); a real one
 takes milliseconds, so this is a bound against a loop, not a budget."""
-USER_MEMORY = 1 << 30
-"""Memory a render with user templates may add to the process (the child's RLIMIT_AS)."""
-BUILTIN_PREFIX = "builtin/"
-"""``{% extends "builtin/slurm.sh.j2" %}``: the built-in template, whatever overrides it."""
-
 _ANNOUNCED: set[str] = set()  # user templates from the working directory named on stderr
 
 
@@ -123,123 +124,6 @@ def _folders(templates: str | Path | None, cwd: Path | None) -> tuple[list[str],
 def search_path(templates: str | Path | None = None, cwd: Path | None = None) -> list[str]:
     """Template directories, highest precedence first."""
     return _folders(templates, cwd)[0]
-
-
-def quote(value: Any) -> str:
-    """The Jinja ``q`` filter: one shell word, whatever the value holds."""
-    return shlex.quote(str(value))
-
-
-def comment(value: Any) -> str:
-    """Text safe inside a ``#`` comment line: line breaks shown as ``\\n``."""
-    return str(value).replace("\r", "\\r").replace("\n", "\\n")
-
-
-class _TemplateFailure(Exception):
-    """Raised inside a render (output or CPU past its bound) so that the template's line
-    is in the traceback; :func:`_one_line` words it."""
-
-
-_VALUES = (str, int, float, complex, bool, bytes, tuple, list, dict, set, frozenset, type(None))
-
-
-@functools.cache
-def _jinja() -> Any:
-    """Jinja2 and the two classes of this module built over it (imported on first render:
-    ``import hpc.render`` stays free of Jinja). Over 60 lines because both classes are
-    defined inside it: they subclass Jinja's, which only this function imports."""
-    import types
-
-    import jinja2
-    from jinja2.loaders import split_template_path
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Loader(jinja2.BaseLoader):
-        """The search path, first match wins; ``builtin/NAME`` is the built-in folder's.
-
-        A file is untrusted input: read by :func:`hpc._util.read_regular` (a named pipe
-        would block a plain open), bounded, and UTF-8 or one line naming its line. Each
-        file read is kept with its folder, for errors and for :func:`_announce`.
-        """
-
-        def __init__(self, dirs: list[str], builtin: str) -> None:
-            self.dirs, self.builtin = dirs, builtin
-            self.files: dict[str, str] = {}
-
-        def get_source(self, environment: Any, template: str) -> tuple[str, str, None]:
-            dirs, name = self.dirs, template
-            if template.startswith(BUILTIN_PREFIX):
-                dirs, name = [self.builtin], template[len(BUILTIN_PREFIX) :]
-            pieces = split_template_path(name)  # TemplateNotFound for '..'
-            for folder in dirs:
-                path = os.path.join(folder, *pieces)
-                if not os.path.lexists(path):  # a dangling link or a pipe is refused, not skipped
-                    continue
-                data = read_regular(Path(path), "templates", MAX_TEMPLATE)
-                try:
-                    text = data.decode("utf-8")
-                except UnicodeDecodeError as exc:
-                    line = data.count(b"\n", 0, exc.start) + 1
-                    raise UserError(
-                        f"templates: {path} line {line}: not UTF-8 text (byte "
-                        f"{exc.start}); allowed: a UTF-8 Jinja template"
-                    ) from None
-                self.files[path] = folder
-                return text, path, None
-            raise jinja2.TemplateNotFound(template)
-
-    class Sandbox(ImmutableSandboxedEnvironment):
-        """Jinja's immutable sandbox, calling only what cannot act on the world.
-
-        The sandbox alone refuses ``_`` attributes and mutating methods but would call
-        any public method of the context's objects: ``job.scheduler.submit(...)`` runs
-        ``sbatch``. Here only the environment's globals (``range``, ``dict``, ...), Jinja's
-        own objects (macros, ``loop.cycle``, ``super()``) and methods of plain values
-        (``'a,b'.split(',')``) may be called; data is read, never behaviour.
-        """
-
-        def is_safe_callable(self, obj: Any) -> bool:
-            if not super().is_safe_callable(obj):
-                return False
-            if any(obj is g for g in self.globals.values()):
-                return True
-            if isinstance(obj, (types.MethodType, types.BuiltinMethodType)):
-                owner = obj.__self__
-                return isinstance(owner, _VALUES) or _of_jinja(type(owner))
-            if isinstance(obj, types.FunctionType):  # str.format, wrapped by the sandbox
-                return str(obj.__module__).partition(".")[0] == "jinja2"
-            return _of_jinja(type(obj))
-
-        def join_path(self, template: str, parent: str) -> str:
-            if template == parent:  # ./templates/X extending X finds itself, forever
-                raise jinja2.TemplateRuntimeError(
-                    f"{parent!r} names itself; allowed: '{BUILTIN_PREFIX}{parent}' for the "
-                    "built-in template of that name"
-                )
-            return template
-
-    return types.SimpleNamespace(jinja2=jinja2, Loader=Loader, Sandbox=Sandbox)
-
-
-def _of_jinja(cls: type) -> bool:
-    return str(cls.__module__).partition(".")[0] == "jinja2"
-
-
-def _environment(dirs: list[str], builtin: str) -> Any:
-    """The sandboxed Jinja2 environment over ``dirs`` (see the module's docstring)."""
-    jinja = _jinja()
-    env = jinja.Sandbox(
-        loader=jinja.Loader(dirs, builtin),
-        undefined=jinja.jinja2.StrictUndefined,
-        autoescape=False,
-        keep_trailing_newline=True,
-        trim_blocks=True,
-        lstrip_blocks=True,
-    )
-    env.filters["q"] = quote
-    env.filters["comment"] = comment
-    env.filters["walltime"] = format_walltime
-    return env
 
 
 def render(
@@ -297,54 +181,6 @@ def _render_here(
             raise  # a bug in the project's own templates or filters: keep the traceback
         raise UserError(message) from None
     return "".join(out), [f for f, d in env.loader.files.items() if d != builtin]
-
-
-def _one_line(exc: BaseException, name: str, loader: Any) -> str | None:
-    """The error as one line naming the template file and line; None for a bug in ours."""
-    jinja2 = _jinja().jinja2
-    if isinstance(exc, UserError):
-        return str(exc)
-    if isinstance(exc, jinja2.TemplateSyntaxError):
-        return _flat(f"templates: {exc.filename or name} line {exc.lineno}: {exc.message}")
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename in loader.files]
-    where = f"{frames[-1].filename} line {frames[-1].lineno}" if frames else name
-    user = bool(frames) and loader.files[frames[-1].filename] != loader.builtin
-    if isinstance(exc, jinja2.TemplateNotFound):
-        what = f"{exc.name!r} not found" if frames else "not found"
-        return _flat(
-            f"templates: {where}: {what} in {', '.join(loader.dirs)}; allowed: a "
-            f"template in those folders, or {BUILTIN_PREFIX}NAME for a built-in one"
-        )
-    if isinstance(exc, jinja2.UndefinedError):
-        return _flat(
-            f"templates: {where}: {exc.message}; allowed: the variables of hpc.render.context"
-        )
-    if isinstance(exc, jinja2.exceptions.SecurityError):
-        return _flat(
-            f"templates: {where}: {str(exc).rstrip('.')}; allowed in a template: "
-            "the context's values, Jinja's own helpers and macros, methods of text "
-            "and numbers"
-        )
-    if isinstance(exc, (jinja2.TemplateRuntimeError, _TemplateFailure)):
-        return _flat(f"templates: {where}: {exc}")
-    if isinstance(exc, RecursionError):
-        return _flat(
-            f"templates: {where}: nested too deeply (templates that include or extend "
-            "each other?); allowed: a chain of templates that ends"
-        )
-    if isinstance(exc, MemoryError):
-        return _flat(
-            f"templates: {where}: needs more than {USER_MEMORY >> 20} MiB of memory; "
-            "allowed: a template that renders a job script"
-        )
-    if user:
-        return _flat(f"templates: {where}: {type(exc).__name__}: {exc}")
-    return None
-
-
-def _flat(text: str) -> str:
-    """One line: an exception's own text may hold line breaks."""
-    return " ".join(text.split())
 
 
 def _render_child(

@@ -35,7 +35,6 @@ from hpc.errors import UserError
 from hpc.schema import Key, Table, refuse
 
 WRAP_MODES = ("auto", "always", "never")
-LAUNCHERS = ("auto", *schedulers.LAUNCHERS)  # a spec may also leave it to the profile
 _SIGNAL = r"^((R|B|RB|BR):)?(SIG)?[A-Z0-9]+(@\d+)?\Z"  # compiled on first use (re's cache)
 #: A Python interpreter as the first word of a command (``python``, ``/venv/bin/python3.11``).
 PYTHON = r"^(.*/)?python(\d+(\.\d+)*)?\Z"  # compiled on first use (re's cache)
@@ -98,6 +97,12 @@ class JobSpec:
                 )
             data["queue"] = part
         return cls(**SPEC.read(data), source=source)
+
+
+def launcher_choices() -> tuple[str, ...]:
+    """``auto`` (the profile's) and every kind of the launcher table, read at each check
+    (:data:`hpc.schedulers.LAUNCHERS`: a kind added after import is a choice too)."""
+    return ("auto", *schedulers.LAUNCHERS)
 
 
 def load_spec(path: str | Path | None, overrides: dict[str, Any] | None = None) -> JobSpec:
@@ -303,7 +308,7 @@ SPEC = Table(
         ),
         Key("directives", "strings", help="extra scheduler directive lines", then=directive_line),
         # read when checked: a new launcher (hpc.schedulers.LAUNCHERS) may join at run time
-        Key("launcher", "choice", help="how ranks start", choices=lambda got: LAUNCHERS),
+        Key("launcher", "choice", help="how ranks start", choices=lambda got: launcher_choices()),
         Key("wrap", "choice", help="ranks run under python -m ddp.exec", choices=WRAP_MODES),
     ),
     model=JobSpec,

@@ -58,14 +58,15 @@ from dataclasses import replace
 
 from submitit.core import core, logger
 
-from hpc.errors import SchedulerError, UserError
+from hpc.errors import SchedulerError
 from hpc.executors.params import signal_of
 from hpc.executors.pbs_env import PBSJobEnvironment, ids_file
-from hpc.executors.script import SPEC_PARAMETERS, ScriptExecutor, run_rank
+from hpc.executors.script import SPEC_PARAMETERS, ScriptExecutor, ScriptJob, run_rank
 from hpc.schedulers.pbs import query
 
 if tp.TYPE_CHECKING:
     from hpc.job import Job
+    from hpc.schedulers import Scheduler
 
 __all__ = ["SPEC_PARAMETERS", "PBSExecutor", "PBSInfoWatcher", "PBSJob", "main"]
 
@@ -96,11 +97,22 @@ class PBSInfoWatcher(core.InfoWatcher):
 # --- the job, seen from the submitting side -----------------------------------------
 
 
-class PBSJob(core.Job[core.R]):
-    """A submitted PBS job; follows the job across requeues (see the module docstring)."""
+class PBSJob(ScriptJob[core.R]):
+    """A submitted PBS job; follows the job across requeues (see the module docstring).
+
+    :class:`~hpc.executors.script_job.ScriptJob`'s done, state and cancel (``PBS.cancel``,
+    ``qdel``: a refusal is its one-line ``SchedulerError``), with one qstat watcher for
+    every PBS job of this process and the PBS id of the newest incarnation."""
 
     _cancel_command = "qdel"
     watcher = PBSInfoWatcher(delay_s=60)
+
+    @classmethod
+    def _scheduler_by_id(cls, job_id: str) -> Scheduler:
+        """PBS, whatever the id: a PBS job is made by id alone (``PBSJob(folder, id)``)."""
+        from hpc.schedulers.pbs import PBS
+
+        return PBS()
 
     @property
     def scheduler_id(self) -> str:
@@ -110,39 +122,6 @@ class PBSJob(core.Job[core.R]):
         except OSError:
             return self.job_id
         return ids[-1] if ids else self.job_id
-
-    def done(self, force_check: bool = False) -> bool:
-        """Result pickle present, or PBS says the newest incarnation has ended."""
-        if self._sub_jobs:
-            return all(sub.done(force_check) for sub in self._sub_jobs)
-        folder = self.paths.folder
-        try:  # refresh an NFS attribute cache, as submitit does
-            folder.chmod(folder.stat().st_mode)
-        except OSError:
-            pass
-        if self.paths.result_pickle.exists():
-            return True
-        return self.watcher.is_done(self.scheduler_id, mode="force" if force_check else "standard")
-
-    @property
-    def state(self) -> str:
-        """Normalized state of the newest incarnation (no forced qstat call)."""
-        return self.watcher.get_state(self.scheduler_id, mode="standard")
-
-    def get_info(self, mode: str = "force") -> dict[str, str]:
-        """qstat's view of the newest incarnation."""
-        return self.watcher.get_info(self.scheduler_id, mode=mode)
-
-    def cancel(self, check: bool = True) -> None:
-        """``PBS.cancel`` (``qdel``) of the newest incarnation, as ``hpc cancel`` does: a
-        refusal is its one-line ``SchedulerError`` (``check``: raise it, else ignore it)."""
-        from hpc.schedulers.pbs import PBS
-
-        try:
-            PBS().cancel(self.scheduler_id)
-        except SchedulerError:
-            if check:
-                raise
 
     def _interrupt(self, timeout: bool = False) -> None:
         """Send the preemption signal to the job's processes, as ``qsig -s USR2``.
@@ -201,20 +180,10 @@ class PBSExecutor(ScriptExecutor):
             return -1
         return 1 if shutil.which("sbatch") else 2
 
-    def _new_job(self, job_id: str, tasks: list[int]) -> core.Job[tp.Any]:
-        return PBSJob(folder=self.folder, job_id=job_id, tasks=tasks)
-
     def _for_submitit(self, job: Job) -> Job:
         """``job`` as the plugin runs it: its ranks started by the launcher itself (they
         read PALS/MPICH variables), the preemption signal taken by the ranks only."""
-        from hpc.schedulers import LAUNCHERS
-
-        if not LAUNCHERS[job.launcher].per_rank:
-            allowed = [k for k in job.scheduler.launchers if LAUNCHERS[k].per_rank]
-            raise UserError(
-                f"launcher: {job.launcher!r} cannot start submitit ranks on PBS; "
-                f"allowed: auto, {', '.join(allowed)}"
-            )
+        job.scheduler.check_submitit_launcher(job)
         env = {**job.spec.env, "SUBMITIT_EXECUTOR": self.environment_name()}
         job = job.with_spec(
             command=self._command(), output_dir=str(self.folder), env=env, wrap="never"

@@ -18,6 +18,8 @@ profile) has the Python API without a line of submitit code:
 
 :class:`hpc.executors.pbs.PBSExecutor` is this executor with PBS's additions (its ranks
 read PALS/MPICH variables, its jobs follow requeues, preemption by a timer).
+The job it returns, :class:`~hpc.executors.script_job.ScriptJob`, is in
+``hpc.executors.script_job`` (re-exported here).
 
 Like ``hpc.executors.pbs``, this module imports submitit at module level (its classes
 derive from submitit's); only the schedulers' ``submitit_executor`` import it.
@@ -36,12 +38,26 @@ from pathlib import Path
 
 from submitit.core import core, job_environment, utils
 
-from hpc.errors import SchedulerError, UserError
+from hpc.errors import UserError
 from hpc.executors.recorded import Recorded
+from hpc.executors.script_job import ScriptJob, StatesWatcher, watcher_of
 
 if tp.TYPE_CHECKING:
     from hpc.job import Job
     from hpc.schedulers import Scheduler
+
+__all__ = [
+    "JOB_ID_VAR",
+    "SPEC_PARAMETERS",
+    "ScriptExecutor",
+    "ScriptJob",
+    "ScriptJobEnvironment",
+    "StatesWatcher",
+    "main",
+    "run_rank",
+    "spec_parameters",
+    "watcher_of",
+]
 
 #: JobSpec keys the executor takes as parameters (the command and logs are its own).
 SPEC_PARAMETERS = (
@@ -74,85 +90,6 @@ def spec_parameters(job: Job) -> dict[str, tp.Any]:
     params["walltime"] = job.walltime
     params["cluster"] = job.cluster.name
     return params
-
-
-# --- the job, seen from the submitting side -----------------------------------------
-
-
-class StatesWatcher(core.InfoWatcher):
-    """One ``Scheduler.statuses`` call for every watched job of one scheduler."""
-
-    def __init__(self, scheduler: Scheduler, delay_s: int = 60) -> None:
-        super().__init__(delay_s)
-        self.scheduler = scheduler
-
-    def update(self) -> None:
-        to_check = sorted(self._registered - self._finished)
-        if not to_check:
-            return
-        self._num_calls += 1
-        states = self.scheduler.statuses(to_check)
-        self._info_dict.update({j: {"JobID": j, "State": str(s)} for j, s in states.items()})
-        self._last_status_check = time.time()
-        for job_id in to_check:
-            if states[job_id].ended:
-                self._finished.add(job_id)
-
-    def get_state(self, job_id: str, mode: str = "standard") -> str:
-        return self.get_info(job_id, mode=mode).get("State") or "UNKNOWN"
-
-
-_WATCHERS: dict[str, StatesWatcher] = {}
-
-
-def watcher_of(scheduler: Scheduler) -> StatesWatcher:
-    """The one watcher of ``scheduler``'s jobs in this process (one query for all)."""
-    if scheduler.name not in _WATCHERS:
-        _WATCHERS[scheduler.name] = StatesWatcher(scheduler)
-    return _WATCHERS[scheduler.name]
-
-
-#: The scheduler of each job id submitted from this process: submitit makes a job's
-#: per-task jobs as ``cls(folder=, job_id=, tasks=)``, without other arguments.
-_SCHEDULER_OF: dict[str, Scheduler] = {}
-
-
-class ScriptJob(core.Job[core.R]):
-    """A job submitted through a scheduler's own clients."""
-
-    def __init__(
-        self,
-        folder: str | Path,
-        job_id: str,
-        tasks: tp.Sequence[int] = (0,),
-        scheduler: Scheduler | None = None,
-    ) -> None:
-        if scheduler is None:
-            scheduler = _SCHEDULER_OF[job_id]
-        _SCHEDULER_OF[job_id] = scheduler
-        self.scheduler = scheduler
-        self.watcher = watcher_of(scheduler)  # before submitit registers the id with it
-        super().__init__(folder, job_id, tasks)
-
-    def done(self, force_check: bool = False) -> bool:
-        """Result pickle present, or the scheduler says the job has ended."""
-        if self._sub_jobs:
-            return all(sub.done(force_check) for sub in self._sub_jobs)
-        if self.paths.result_pickle.exists():
-            return True
-        return self.watcher.is_done(self.job_id, mode="force" if force_check else "standard")
-
-    @property
-    def state(self) -> str:
-        return self.watcher.get_state(self.job_id, mode="standard")
-
-    def cancel(self, check: bool = True) -> None:
-        """The scheduler's own cancel (``check``: raise its SchedulerError on a refusal)."""
-        try:
-            self.scheduler.cancel(self.job_id)
-        except SchedulerError:
-            if check:
-                raise
 
 
 # --- the executor -------------------------------------------------------------------

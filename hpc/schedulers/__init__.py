@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from hpc.errors import SchedulerError, UserError
 from hpc.schedulers._client import MAX_ID_CHARS, MAX_IDS_PER_CALL, chunks, last_line, run, stream
+from hpc.schedulers._launchers import LAUNCHERS, Builder, LauncherKind
 
 if TYPE_CHECKING:
     from hpc.chain import After
@@ -34,10 +35,13 @@ if TYPE_CHECKING:
     from hpc.stage import Stage
 
 __all__ = [
+    "LAUNCHERS",
     "MAX_ID_CHARS",
     "MAX_IDS_PER_CALL",
     "STATES",
+    "Builder",
     "JobState",
+    "LauncherKind",
     "Scheduler",
     "SchedulerError",
     "Submission",
@@ -99,28 +103,6 @@ class Submission:
         return JobState.COMPLETED if self.exit_code == 0 else JobState.FAILED
 
 
-@dataclass(frozen=True)
-class LauncherKind:
-    """One way to start a job's ranks; a scheduler lists the kinds it can run
-    (``Scheduler.launchers``), a profile picks its default, a spec may name another."""
-
-    name: str
-    #: Starts every rank itself, without torchrun's variables (RANK, LOCAL_RANK, ...): a
-    #: command that is not ``python -m ddp`` runs under ``python -m ddp.exec`` (wrap: auto).
-    per_rank: bool
-
-
-#: Every launcher kind, once (spec, profiles and job read it from here).
-LAUNCHERS: dict[str, LauncherKind] = {
-    kind.name: kind
-    for kind in (
-        LauncherKind("mpiexec", per_rank=True),
-        LauncherKind("srun", per_rank=True),
-        LauncherKind("torchrun", per_rank=False),  # one per node; it exports the variables
-    )
-}
-
-
 class Scheduler:
     """One batch system. Subclasses set the class attributes and the client methods."""
 
@@ -128,8 +110,9 @@ class Scheduler:
     name: ClassVar[str]
     #: Suffix of rendered scripts (``.pbs``); the template is ``<name>.sh.j2``.
     script_suffix: ClassVar[str] = ".sh"
-    #: Launcher kinds that can start ranks here; the first is a profile's default.
-    launchers: ClassVar[tuple[str, ...]]
+    #: The launcher kind a profile gets when it names none (a row of :data:`LAUNCHERS`
+    #: with a builder for this scheduler; see :attr:`launchers`).
+    default_launcher: ClassVar[str]
     #: Launcher kinds ``resilience:`` can run under ``ddp.supervise`` here: the ones whose
     #: line the supervisor can relaunch on fewer nodes (``ddp.relaunch``).
     supervised_launchers: ClassVar[tuple[str, ...]] = ()
@@ -267,9 +250,19 @@ class Scheduler:
         ``split_logs``; None: this scheduler writes one merged log."""
         return None
 
+    @property
+    def launchers(self) -> tuple[str, ...]:
+        """Launcher kinds that can start ranks here: the rows of :data:`LAUNCHERS` with a
+        builder for this scheduler, read at each call (a row added later counts), in the
+        table's order with :attr:`default_launcher` first (a profile's default)."""
+        kinds = [kind for kind, row in LAUNCHERS.items() if self.name in row.builders]
+        return tuple(sorted(kinds, key=lambda kind: kind != self.default_launcher))
+
     def launch(self, job: Job) -> tuple[list[str], list[str]]:
-        """Shell lines before the launch (our own text) and the launch words (quoted later)."""
-        raise NotImplementedError
+        """Shell lines before the launch (our own text) and the launch words (quoted
+        later), from the builder the launcher table gives ``job.launcher`` here."""
+        words = LAUNCHERS[job.launcher].builders[self.name](job)
+        return words if isinstance(words, tuple) else ([], words)
 
     def stage_lines(self, job: Job, stage: Stage) -> list[str]:
         """The lines that copy the venv to every node of the job (``hpc.stage``); a
@@ -352,18 +345,34 @@ class Scheduler:
         (``hpc.executor``), set up for the resolved ``job``; ``run_dir``: the run
         directory whose ``run.json`` gets the ids it submits.
 
-        By default :class:`hpc.executors.script.ScriptExecutor`: this scheduler's own
-        template, ``submit``, ``statuses`` and ``cancel``, so a new scheduler module has
-        the Python API as it is (it needs :attr:`job_id_var`)."""
-        from hpc.executors.script import ScriptExecutor
-
-        return ScriptExecutor(
+        By default :meth:`script_executor`'s class: this scheduler's own template,
+        ``submit``, ``statuses`` and ``cancel``, so a new scheduler module has the
+        Python API as it is (it needs :attr:`job_id_var`)."""
+        return self.script_executor()(
             folder,
             max_num_timeout=max_num_timeout,
             python="python" if job.spec.python else None,
             job=job,
             run_dir=run_dir,
         )
+
+    def script_executor(self) -> type:
+        """The class :meth:`submitit_executor` builds: :class:`~hpc.executors.script.ScriptExecutor`
+        or a subclass with this scheduler's additions (PBS: ``PBSExecutor``)."""
+        from hpc.executors.script import ScriptExecutor
+
+        return ScriptExecutor
+
+    def check_submitit_launcher(self, job: Job, note: str = "") -> None:
+        """Refuse a launcher that does not start every rank itself (``per_rank`` False: one
+        torchrun per node), whose ranks submitit's SLURM and PBS executors cannot read
+        (they read the launcher's per-rank variables). ``note``: said after the choices."""
+        if not LAUNCHERS[job.launcher].per_rank:
+            allowed = [kind for kind in self.launchers if LAUNCHERS[kind].per_rank]
+            raise UserError(
+                f"launcher: {job.launcher!r} cannot start submitit's ranks on "
+                f"{job.cluster.name}; allowed: auto, {', '.join(allowed)}{note}"
+            )
 
     def submitit_array(self, job: Job, size: int) -> Job | None:
         """``job`` as one array of ``size`` tasks for ``map_array`` (its id ``ID``, the

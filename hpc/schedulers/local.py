@@ -27,18 +27,12 @@ class Local(Scheduler):
 
     name = "local"
     script_suffix = ".sh"
-    launchers = ("torchrun",)
+    default_launcher = "torchrun"  # the launch builder: hpc.launchers.local
     supervised_launchers = ("torchrun",)  # one node: the same line again
     runs_here = True
     # submit writes output.log, then output-2.log ... for each --resume (create_free)
     log_patterns = (r"output(?:-(?P<seq>[0-9]+))?\.log",)
     id_examples = "local-PID-START"
-
-    def launch(self, job: Job) -> tuple[list[str], list[str]]:
-        """The command itself for one rank, else ``torchrun --standalone``."""
-        from hpc import launchers
-
-        return [], launchers.local(job)
 
     def template_values(self, job: Job) -> dict[str, Any]:
         """The signals ``hpc run`` passes on that ask the job to end, for the trap of a

@@ -41,8 +41,6 @@ from hpc.schedulers._pbs_qstat import (
 )
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from hpc.chain import After
     from hpc.job import Job
     from hpc.stage import Stage
@@ -77,7 +75,7 @@ class PBS(Scheduler):
 
     name = "pbs"
     script_suffix = ".pbs"
-    launchers = ("mpiexec",)
+    default_launcher = "mpiexec"
     array_min_size = 2  # "qsub: illegal -J value" for -J 0-0 (hpc.sweep.split)
     supervised_launchers = ("mpiexec",)  # a rewritten host file per relaunch
     queue_directives = ("queue",)
@@ -179,12 +177,6 @@ class PBS(Scheduler):
         match = re.fullmatch(r"(.+)\.o([0-9]+(?:\.[0-9]+)?)", out_name)
         return f"{match.group(1)}.e{match.group(2)}" if match else None
 
-    def launch(self, job: Job) -> tuple[list[str], list[str]]:
-        """``mpiexec`` with the profile's PALS or hydra flags."""
-        from hpc import launchers
-
-        return [], launchers.mpiexec(job)
-
     def stage_lines(self, job: Job, stage: Stage) -> list[str]:
         """One ``mpiexec`` rank per node unpacks the pack from the run directory (PBS has
         no broadcast of its own; each node makes one sequential read of one file)."""
@@ -256,19 +248,12 @@ class PBS(Scheduler):
 
     # --- the Python API (hpc.executor): issue 29 ----------------------------------------
 
-    def submitit_executor(
-        self, job: Job, folder: Path, max_num_timeout: int = 3, run_dir: Path | None = None
-    ) -> Any:
-        """The PBS submitit plugin's executor (``hpc.executors.pbs``), holding ``job``."""
+    def script_executor(self) -> type:
+        """The PBS submitit plugin's executor (``hpc.executors.pbs``): the script
+        executor with PBS's additions, holding the job as ``submitit_executor`` gives it."""
         from hpc.executors.pbs import PBSExecutor
 
-        return PBSExecutor(
-            folder,
-            max_num_timeout=max_num_timeout,
-            python="python" if job.spec.python else None,
-            job=job,
-            run_dir=run_dir,
-        )
+        return PBSExecutor
 
     def submitit_array(self, job: Job, size: int) -> Job | None:
         """One PBS job array (``#PBS -J 0-N``); its subjobs are ``123[].srv_i`` to submitit."""

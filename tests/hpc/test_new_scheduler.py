@@ -2,9 +2,11 @@
 
 docs/architecture.md promises this; here a toy batch system ("toy": its
 own script suffix, launcher, submit client, job ids and log names) is added from a
-temporary folder only, and rendering, the dry run and ``hpc logs`` all take it. With a
-toy launcher (``toyrun``: one entry of ``hpc.schedulers.LAUNCHERS``, its words built by
-the toy's ``launch``) it also drives the Python API end to end: ``hpc.executor`` on
+temporary folder only, and rendering, the dry run and ``hpc logs`` all take it. The
+launcher table (``hpc.schedulers.LAUNCHERS``) gets the toy's builder in its ``mpiexec``
+row, and a toy launcher (``toyrun``: one more row, built by the toy's own builder) is
+then a choice of every spec and profile check and renders through that builder. With
+it the test also drives the Python API end to end: ``hpc.executor`` on
 the toy's profile submits a function through the toy's own ``submit`` (which runs the
 script here, in the background), its ranks' results come back, ``map_array`` and
 ``cancel`` work, and the run directory's record serves ``hpc status``. No line of hpc
@@ -13,11 +15,13 @@ names the toy: the scheduler's default ``submitit_executor`` is the script execu
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +53,23 @@ TOYRUN = ('n=$1; shift; pids=; for r in $(seq 0 $((n - 1))); do RANK=$r LOCAL_RA
           'rc=0; for p in $pids; do wait $p || rc=$?; done; exit $rc')
 
 
+def launch_mpiexec(job):
+    from hpc import launchers
+
+    return ["# toy preamble"], launchers.mpiexec(job)
+
+
+def launch_toyrun(job):
+    from hpc import launchers
+
+    return ["# toy preamble"], ["bash", "-c", TOYRUN, "toyrun", str(job.ppn),
+                                *launchers.wrapped(job)]
+
+
 class Toy(Scheduler):
     name = "toy"
     script_suffix = ".toy"
-    launchers = ("mpiexec", "toyrun")
+    default_launcher = "mpiexec"
     log_patterns = (r"toy-(?P<job>T\\d+)\\.log",)
     job_id_var = "TOY_JOB_ID"
     array_index_var = "TOY_ARRAY_INDEX"  # a sweep: one process per task (submit below)
@@ -65,14 +82,6 @@ class Toy(Scheduler):
 
     def log_name(self, job_name, job_id, task, seq):
         return f"toy-{job_id}.log"
-
-    def launch(self, job):
-        from hpc import launchers
-
-        if job.launcher == "toyrun":
-            return ["# toy preamble"], ["bash", "-c", TOYRUN, "toyrun", str(job.ppn),
-                                        *launchers.wrapped(job)]
-        return ["# toy preamble"], launchers.mpiexec(job)
 
     def submit_command(self, script, after=None):
         return ["toysub", "--now", script]
@@ -151,11 +160,16 @@ TEMPLATE = """#!{{ shell }}
 
 @pytest.fixture()
 def toy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
-    """The toy's module on the scheduler package's path, its template and its profile."""
+    """The toy's module on the scheduler package's path, its builder in the launcher
+    table's mpiexec row, its template and its profile."""
     mods = tmp_path / "mods"
     mods.mkdir()
     (mods / "toy.py").write_text(TOY)
     monkeypatch.setattr(schedulers, "__path__", [*schedulers.__path__, str(mods)])
+    module = importlib.import_module("hpc.schedulers.toy")
+    row = schedulers.LAUNCHERS["mpiexec"]
+    builders = {**row.builders, "toy": module.launch_mpiexec}
+    monkeypatch.setitem(schedulers.LAUNCHERS, "mpiexec", replace(row, builders=builders))
     (tmp_path / "templates").mkdir()
     (tmp_path / "templates" / "toy.sh.j2").write_text(TEMPLATE)
     (tmp_path / "profiles").mkdir()
@@ -213,14 +227,17 @@ def _error(fn, *args) -> str:
 
 
 def test_every_scheduler_launches_with_known_launcher_kinds() -> None:
-    """The launcher kinds are listed once (hpc.schedulers.LAUNCHERS); a scheduler's own
-    list names only those, and the spec and profile choices are read from that table."""
-    from hpc import profiles, schedulers, spec
-
+    """The launcher kinds are listed once (hpc.schedulers.LAUNCHERS); a scheduler's
+    launchers are the rows with a builder for it, its default first, and the spec and
+    profile choices are read from that table."""
     for name in schedulers.names():
-        assert set(schedulers.get(name).launchers) <= set(schedulers.LAUNCHERS), name
-    assert spec.LAUNCHERS == ("auto", *schedulers.LAUNCHERS)
-    assert profiles.LAUNCHER_KINDS == tuple(schedulers.LAUNCHERS)
+        sched = schedulers.get(name)
+        assert sched.launchers[0] == sched.default_launcher, name
+        for kind in sched.launchers:
+            assert name in schedulers.LAUNCHERS[kind].builders, (name, kind)
+    assert schedulers.get("slurm").launchers == ("srun", "torchrun")
+    assert spec.launcher_choices() == ("auto", *schedulers.LAUNCHERS)
+    assert profiles.launcher_kinds() == tuple(schedulers.LAUNCHERS)
 
 
 # --- the Python API through the toy scheduler and a toy launcher ----------------------
@@ -230,12 +247,13 @@ def test_every_scheduler_launches_with_known_launcher_kinds() -> None:
 def toyrun(
     toy: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[dict[str, str]]:
-    """The toy launcher in the launcher table (and the choices read from it at import),
-    the toy's job state folder, and the toy's profiles for this process."""
-    kind = schedulers.LauncherKind("toyrun", per_rank=False)  # it exports torchrun's variables
+    """The toy launcher as one more row of the launcher table (nothing else is told of
+    it), the toy's job state folder, and the toy's profiles for this process."""
+    module = importlib.import_module("hpc.schedulers.toy")
+    kind = schedulers.LauncherKind(  # per_rank False: it exports torchrun's variables
+        "toyrun", per_rank=False, builders={"toy": module.launch_toyrun}
+    )
     monkeypatch.setitem(schedulers.LAUNCHERS, "toyrun", kind)
-    monkeypatch.setattr(spec, "LAUNCHERS", ("auto", *schedulers.LAUNCHERS))
-    monkeypatch.setattr(profiles, "LAUNCHER_KINDS", tuple(schedulers.LAUNCHERS))
     state = tmp_path / "toy-state"
     state.mkdir()
     (tmp_path / "profiles" / "toyrunbox.yaml").write_text(
@@ -245,6 +263,41 @@ def toyrun(
     for key, value in toy.items():
         monkeypatch.setenv(key, value)
     yield toy
+
+
+def test_a_launcher_added_later_is_a_choice_of_specs_and_profiles_and_renders(
+    toyrun: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The toy launcher's row, added after every module was imported, is what the
+    spec's and the profile's checks allow (no copy of the table taken at import), the
+    toy scheduler's launchers hold it, and a render builds its line with its builder;
+    with the row gone, the same spec is refused naming the table's kinds."""
+    command = ["python", "train.py"]
+    assert spec.JobSpec.from_mapping({"command": command, "launcher": "toyrun"}).launcher == (
+        "toyrun"
+    )
+    cluster = profiles.load("toyrunbox")  # its launcher.kind is the toy's
+    assert cluster.launcher.kind == "toyrun"
+    (tmp_path / "profiles" / "strict.yaml").write_text(
+        "extends: toybox\nlauncher:\n  refuse:\n    toyrun: not on this site\n"
+    )
+    assert profiles.load("strict").launcher.refuse == {"toyrun": "not on this site"}
+    assert schedulers.get("toy").launchers == ("mpiexec", "toyrun")
+
+    job = core.build_job(None, {"cluster": "toyrunbox", "name": "t2", "command": command})
+    assert job.launcher == "toyrun" and not job.wrapped  # per_rank False: no ddp.exec
+    script = core.render_job(job)
+    assert "# toy preamble" in script
+    assert "toyrun 2 python train.py" in script and "mpiexec" not in script
+
+    monkeypatch.delitem(schedulers.LAUNCHERS, "toyrun")
+    with pytest.raises(
+        core.UserError,
+        match=r"^launcher: 'toyrun' is not allowed.*; allowed: auto, mpiexec, srun, torchrun$",
+    ):
+        spec.JobSpec.from_mapping({"command": command, "launcher": "toyrun"})
+    with pytest.raises(core.UserError, match=r"launcher: kind: .*allowed: mpiexec, srun, torchrun"):
+        profiles.load("toyrunbox")
 
 
 def rank_sum(a: int, b: int) -> tuple[int, int, int]:
@@ -315,8 +368,6 @@ def test_the_python_api_refuses_a_scheduler_without_a_job_id_variable(
     toyrun: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The script executor needs the job's id inside the job: one line, nothing left."""
-    import importlib
-
     module = importlib.import_module("hpc.schedulers.toy")
     monkeypatch.setattr(module.Toy, "job_id_var", None)
     with pytest.raises(core.UserError, match="^cluster: the toy scheduler names no variable"):
@@ -379,3 +430,23 @@ def test_a_sweep_runs_through_the_toy_scheduler_and_launcher(
         "T1_0 COMPLETED a=1",
         "T1_1 COMPLETED a=2",
     ]
+
+
+def test_the_pbs_executor_refuses_a_launcher_that_does_not_start_every_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kind added to PBS later that starts one process per node (per_rank False) is
+    refused by the PBS executor with the line SLURM's gives (one check, the scheduler's
+    ``check_submitit_launcher``), the choices read from the table; nothing is written."""
+    from hpc import launchers
+
+    row = schedulers.LauncherKind("pernode", per_rank=False, builders={"pbs": launchers.mpiexec})
+    monkeypatch.setitem(schedulers.LAUNCHERS, "pernode", row)
+    monkeypatch.chdir(tmp_path)
+    assert schedulers.get("pbs").launchers == ("mpiexec", "pernode")
+    with pytest.raises(
+        core.UserError,
+        match=r"^launcher: 'pernode' cannot start submitit's ranks on pbs; allowed: auto, mpiexec$",
+    ):
+        hpc.executor(cluster="pbs", launcher="pernode")
+    assert not list((tmp_path / "runs").iterdir())  # the run directory made is gone
