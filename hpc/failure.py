@@ -137,16 +137,9 @@ def failing_rank_lines(
     rank: int | None = None
     host = "?"
     why = ""
-    for tail in job_tails:  # 1. the launcher's report of a rank that exited by error
-        for raw in tail:
-            m = _SRUN_EXIT.search(raw) or _PALS_EXIT.match(raw)
-            if m and int(m.group(3)) != 0:
-                rank, host = int(m.group(2)), m.group(1).decode("utf-8", "replace")
-                by = "srun" if m.re is _SRUN_EXIT else "mpiexec"
-                why = f"{by}: exited with exit code {int(m.group(3))}"
-                break
-        if rank is not None:
-            break
+    reported = _launcher_report(job_tails)  # 1. the launcher's report of a rank that failed
+    if reported is not None:
+        rank, host, why = reported
     if rank is None and record:  # 2. the supervisor's failure record
         rank = _supervisor_rank(record)
         if rank is not None:
@@ -187,6 +180,19 @@ def failing_rank_lines(
     out = [head + f"its last {len(quoted)} lines ({where}):"]
     out.extend(f"  | {_clean(raw)}" for raw in quoted)
     return out
+
+
+def _launcher_report(job_tails: list[list[bytes]]) -> tuple[int, str, str] | None:
+    """(rank, host, why) from the first line where srun or PALS mpiexec reports a rank
+    that exited with a non-zero code; None when no such line is in the job logs' ends."""
+    for tail in job_tails:
+        for raw in tail:
+            m = _SRUN_EXIT.search(raw) or _PALS_EXIT.match(raw)
+            if m and int(m.group(3)) != 0:
+                by = "srun" if m.re is _SRUN_EXIT else "mpiexec"
+                why = f"{by}: exited with exit code {int(m.group(3))}"
+                return int(m.group(2)), m.group(1).decode("utf-8", "replace"), why
+    return None
 
 
 def _file_host(path: Path) -> str:

@@ -25,6 +25,7 @@ Every failure and restart is one record in ``RUN/run.json`` under ``"supervisor"
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shlex
 import shutil
@@ -125,10 +126,7 @@ def supervise(args: argparse.Namespace) -> int:
     except ValueError as exc:
         _fail(str(exc))
     concurrent = shlex.split(args.concurrent_args or "")
-
-    def prefix(node: str) -> list[str]:
-        return probe_prefix(nodes.kind, args.launch, node, concurrent)
-
+    prefix = functools.partial(probe_prefix, nodes.kind, args.launch, concurrent=concurrent)
     if nodes.active:
         _say(f"nodes {nodes.active}" + (f", spares {nodes.spares}" if nodes.spares else ""))
     if (

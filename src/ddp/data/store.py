@@ -151,11 +151,9 @@ class TokenStore:
         want = self._check_header(where, tokenizer, vocab_size)
         self._open_files(where, want)
 
-    def _check_header(
-        self, where: str, tokenizer: str | None, vocab_size: int | None
-    ) -> dict[str, int]:
-        """Read and check ``header.json`` field by field (sets the counts, tokenizer and
-        dtype); the byte size each file must have."""
+    def _read_header(self, where: str) -> dict[str, Any]:
+        """``header.json`` as an object of this store format (untrusted: a regular file,
+        bounded, no NaN/Infinity constants); one line for anything else."""
         self._raw = read_regular(self.path / HEADER, STORE_MADE_BY, MAX_HEADER)
         try:
             header = json.loads(self._raw, parse_constant=_no_constant)
@@ -174,7 +172,14 @@ class TokenStore:
             raise ConfigError(
                 f"{where!r}: token store format {_short(fmt)}; expected {FORMAT} (prepare it again)"
             )
-        self.header = header
+        return header
+
+    def _check_header(
+        self, where: str, tokenizer: str | None, vocab_size: int | None
+    ) -> dict[str, int]:
+        """Read and check ``header.json`` field by field (sets the counts, tokenizer and
+        dtype); the byte size each file must have."""
+        self.header = self._read_header(where)
         label = self._field("tokenizer", str, "a tokenizer name")
         if tokenizer is not None and label != tokenizer:
             raise ConfigError(
@@ -211,7 +216,7 @@ class TokenStore:
             "offsets.bin": (self.n_seqs + 1) * 8,
             "idhash.bin": self.n_seqs * 4,
         }
-        sizes = header.get("bytes")
+        sizes = self.header.get("bytes")
         if sizes != want:
             raise ConfigError(
                 f"{where!r}: damaged token store header (bytes: {_short(sizes)}; "
