@@ -12,8 +12,9 @@ from typing import Any, TextIO
 
 from hpc.errors import UserError
 from hpc.logs_find import err_log, find_log
+from hpc_ddp.run_layout import RANKS
 
-RANKS_DIR = "ranks"  # per_rank_logs: ddp.rank_logs writes RUN/ranks/rank-NNNNN.log
+RANKS_DIR = RANKS  # per_rank_logs: ddp.rank_logs writes RUN/ranks/rank-NNNNN.log
 _RANK_FILE = re.compile(r"rank-([0-9]{5,9})\.log")
 _HEADER = re.compile(r"# rank [0-9]+ of [0-9]+ on (\S+)")
 

@@ -22,11 +22,11 @@ from typing import Any
 from hpc.errors import UserError
 from hpc.report_read import (
     MAX_LINE,
-    METRICS,
     Series,
     find_metrics,
     read_metrics,
 )
+from hpc_ddp.run_layout import METRICS
 
 __all__ = [
     "MAX_LEGEND",

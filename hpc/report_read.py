@@ -15,8 +15,8 @@ from typing import Any
 
 from hpc._util import open_regular
 from hpc.errors import UserError
+from hpc_ddp.run_layout import METRICS, metrics_paths
 
-METRICS = "metrics.jsonl"
 MAX_LINE = 1 << 20
 """Longest line read (a real one is a few hundred bytes)."""
 _EVAL_LOSS_KEYS = ("loss", "eval_loss", "val_loss")
@@ -61,7 +61,7 @@ def find_metrics(run_dir: Path, prefix: str = "") -> list[tuple[str, Path]]:
         found = []
         for task in sweep.read_manifest(run_dir):
             task_dir = sweep.task_dir(run_dir, task)
-            for path in (task_dir / METRICS, task_dir / "checkpoints" / METRICS):
+            for path in metrics_paths(task_dir):
                 if path.is_file():
                     found.append((prefix + task.label, path))
                     break

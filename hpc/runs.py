@@ -32,8 +32,9 @@ from hpc.runs_index import (
     _rebuild_index,
     index_key,
 )
+from hpc_ddp.run_layout import RUN_RECORD
 
-RECORD = "run.json"
+RECORD = RUN_RECORD
 LOCK = ".lock"
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from hpc.errors import UserError
+from hpc_ddp.run_layout import METRICS, RUN_RECORD, metrics_paths
 
 #: How much of ``metrics.jsonl``'s end is read for its last line (a line is < 8 KiB).
 TAIL_BYTES = 64 * 1024
@@ -169,10 +170,10 @@ def supervisor_events(record: dict[str, Any]) -> tuple[int, list[str], str | Non
 def metrics_path(run_dir: Path) -> Path | None:
     """The run's own ``metrics.jsonl`` (beside run.json or under checkpoints/); a
     sweep's tasks have one each, shown by ``hpc report`` rather than here."""
-    for path in (run_dir / "metrics.jsonl", run_dir / "checkpoints" / "metrics.jsonl"):
+    for path in metrics_paths(run_dir):
         if path.exists():
             return path
-    found = sorted(run_dir.glob("*/metrics.jsonl"))
+    found = sorted(run_dir.glob(f"*/{METRICS}"))
     return found[0] if len(found) == 1 else None
 
 
@@ -185,7 +186,7 @@ def local_parts(
     from hpc._util import read_regular
 
     try:  # only the supervisor block is used (and checked): not the whole record's rules
-        loaded = json.loads(read_regular(run_dir / "run.json", "watch").decode("utf-8"))
+        loaded = json.loads(read_regular(run_dir / RUN_RECORD, "watch").decode("utf-8"))
     except (UserError, ValueError, RecursionError):  # mid-replace or damaged: nothing to add
         loaded = {}
     record = loaded if isinstance(loaded, dict) else {}

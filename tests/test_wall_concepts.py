@@ -43,6 +43,11 @@ ONE_HOME: dict[str, tuple[str, dict[str, str]]] = {
     "atomic write": (r"\bos\.replace\(", REPLACE_ALLOWED),
     "port rule": (r"\b29500\b|%\s*PORT_SPAN|PORT_BASE\s*=", {}),
     "torchrun variable set": (r"[\"']MASTER_PORT[\"']\s*:\s*str\(|ROLE_WORLD_SIZE\s*=", {}),
+    # hpc_ddp.run_layout: the files the compute side writes and the login side reads back
+    "run directory layout": (
+        r"[\"'](metrics\.jsonl|run\.json)[\"']|/ [\"'](heartbeats|failures|ranks|checkpoints)[\"']",
+        {"src/ddp/recipes/backbones.py": "torch hub's own cache folder, not a run directory"},
+    ),
 }
 
 

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 from ddp.config_schema import key
+from hpc_ddp.run_layout import CHECKPOINTS
 
 # What the numbers may be beyond their meaning: what the libraries they reach can hold.
 # A value past these would pass the range checks and fail later as an OverflowError or a
@@ -144,7 +145,7 @@ class CheckpointConfig:
     # None = no checkpoints, no export. A relative path is taken from $HPC_RUN_DIR when
     # `hpc submit` started the job (so a requeued job resumes from its own run directory),
     # else from the working directory. An absolute path is kept as it is.
-    dir: str | None = key("checkpoints", help="null: none; relative: under $HPC_RUN_DIR if set")
+    dir: str | None = key(CHECKPOINTS, help="null: none; relative: under $HPC_RUN_DIR if set")
     every_n_steps: int = key(0, ge=0, help="0: only at the end of each epoch")
     # Also a checkpoint once every_s seconds have passed since the last one (0 = off): the
     # sites' rule ("checkpoint every 15 minutes": every_s: 900, ALCF Aurora). Rank 0's clock

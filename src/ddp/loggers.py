@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, cast
 
 from ddp.config import TrainConfig
+from hpc_ddp.run_layout import METRICS
 
 log = logging.getLogger("ddp")
 
@@ -78,9 +79,9 @@ def metrics_path(config: TrainConfig) -> Path | None:
         return Path(choice)
     run_dir = os.environ.get("HPC_RUN_DIR")
     if run_dir:
-        return Path(run_dir) / "metrics.jsonl"
+        return Path(run_dir) / METRICS
     if config.checkpoint.dir:
-        return Path(config.checkpoint.dir) / "metrics.jsonl"
+        return Path(config.checkpoint.dir) / METRICS
     return None
 
 

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ddp.heartbeat import node_name
+from hpc_ddp.run_layout import RANKS, rank_log_name
 
 ENV = "DDP_RANK_LOGS"
 
@@ -32,11 +33,11 @@ ENV = "DDP_RANK_LOGS"
 def folder(env: Mapping[str, str] | None = None) -> Path:
     """``$HPC_RUN_DIR/ranks``, else ``./ranks`` (a script rendered and run by hand)."""
     env = os.environ if env is None else env
-    return Path(env.get("HPC_RUN_DIR") or ".") / "ranks"
+    return Path(env.get("HPC_RUN_DIR") or ".") / RANKS
 
 
 def path_of(rank: int, env: dict[str, str] | None = None) -> Path:
-    return folder(env) / f"rank-{rank:05d}.log"
+    return folder(env) / rank_log_name(rank)
 
 
 def _tee(path: Path, fd: int, out_fd: int) -> None:

@@ -71,6 +71,7 @@ from ddp.supervise_evidence import (  # noqa: F401
     probe_nodes,
     read_beats,
 )
+from hpc_ddp.run_layout import FAILURES, HEARTBEATS
 
 
 def _leave_out_unstaged(nodes: Nodes, marks: Path, args: argparse.Namespace, run_dir: Path) -> bool:
@@ -118,7 +119,7 @@ def supervise(args: argparse.Namespace) -> int:
     :mod:`ddp.relaunch`."""
     run_dir = Path(args.run_dir or os.environ.get("HPC_RUN_DIR") or ".").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    hb_dir = run_dir / "heartbeats"
+    hb_dir = run_dir / HEARTBEATS
     env = _ranks_env(run_dir, hb_dir, args.hang_timeout_s)
     sig = getattr(signal, env["DDP_STACK_SIGNAL"], signal.SIGUSR2)
     try:
@@ -147,7 +148,7 @@ def supervise(args: argparse.Namespace) -> int:
             _say(f"attempt {attempt} completed")
             return 0
         failures += 1
-        fdir = run_dir / "failures" / str(failures)
+        fdir = run_dir / FAILURES / str(failures)
         if hung:
             failure = _after_hang(att, hung, hb_dir, fdir, int(sig), nodes, run_dir, prefix, args)
             if failure is None:  # the ranks went on while their stacks were taken

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from hpc_ddp.files import locked, write_atomic
+from hpc_ddp.run_layout import RUN_RECORD
 
 PREEMPTED = 75  # ddp.preemption.PREEMPTED_EXIT_CODE, without importing torch here
 _RANK_FAILED = re.compile(r"^(?:\[rank \d+\] )?(?:ddp: error: )?rank (\d+) failed: (.+)$")
@@ -48,7 +49,7 @@ def record(run_dir: Path, event: dict[str, Any]) -> None:
 
 
 def _record(run_dir: Path, event: dict[str, Any]) -> None:
-    path = run_dir / "run.json"
+    path = run_dir / RUN_RECORD
     data: dict[str, Any] = {}
     if path.is_file() and path.stat().st_size <= _RUN_JSON_LIMIT:
         try:

@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp.run_layout import HEARTBEATS
+
 
 def _node() -> str:
     """This node's name as the ranks' heartbeats spell it (ddp.heartbeat.node_name)."""
@@ -234,7 +236,7 @@ def probe_nodes(
 
 def _probe_here(run_dir: Path, fdir: Path, action: str, sig: int) -> int:
     """The probe's side (on the node srun put it on): this node's ranks only."""
-    hb_dir = run_dir / "heartbeats"
+    hb_dir = run_dir / HEARTBEATS
     mine = {r: b for r, b in read_beats(hb_dir).items() if b.get("host") == _node()}
     if action == "stacks":
         states = collect_stacks(hb_dir, fdir, mine, sig)

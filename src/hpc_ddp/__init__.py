@@ -4,8 +4,8 @@
 Why a package of its own: ``hpc`` never imports ``ddp`` (it runs on login nodes where
 importing the compute side would drag its modules in and tie the two together) and ``ddp``
 never imports ``hpc``. A concept both need (the strict YAML rules, the rendezvous port
-rule, torchrun's variable set, atomic writes, run-directory locks) lived twice and
-drifted. Here it lives once, and an import-linter contract keeps this package below both
+rule, torchrun's variable set, atomic writes, run-directory locks, the run directory's
+file names) lived twice and drifted. Here it lives once, and an import-linter contract keeps this package below both
 sides: it imports neither ``hpc``, ``ddp`` nor ``torch`` -- only the standard library, and
 PyYAML (both sides' dependency) on first use in :mod:`hpc_ddp.strict_yaml`.
 
