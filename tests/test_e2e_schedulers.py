@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -21,8 +22,9 @@ import torch
 import yaml
 
 from tests.ddp import _launch
+from tests.support.openpbs import PBS_BIN
 from tests.support.pals import pbs_env
-from tests.support.parts import require_exe
+from tests.support.parts import require
 from tests.support.polling import wait_state, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -385,7 +387,14 @@ def test_qsub_smoke_through_torque_wrapper(slurm_cluster, pals_mpiexec, lmod_fra
     The script is a login shell (`#!/bin/bash -l`, as ALCF's examples), which sets PATH
     afresh and defines Lmod's `module`: the real Lmod loads the test's `frameworks`
     module (the job venv and the PALS shim), as on Aurora."""
-    qsub = require_exe("qsub")
+    # slurm-wlm-torque's qsub, not OpenPBS's where both are installed and /opt/pbs/bin
+    # comes first on PATH (that qsub would send the job to the PBS server instead)
+    not_pbs = os.pathsep.join(
+        p for p in os.environ.get("PATH", "").split(os.pathsep) if Path(p) != PBS_BIN
+    )
+    qsub = shutil.which("qsub", path=not_pbs)
+    require(qsub is not None, "no slurm-wlm-torque qsub on PATH (apt-get install slurm-wlm-torque)")
+    assert qsub is not None
     script = _aurora_two_ranks(tmp_path)
     assert script.read_text().startswith("#!/bin/bash -l\n")
     # The wrapper passes the submitting environment; PBS_O_WORKDIR stands for what real
