@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -512,27 +512,25 @@ _BLOCKING_PREPARE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
-def test_signal_during_prepare_leaves_nothing(tmp_path: Path, sig: signal.Signals) -> None:
-    src = tmp_path / "a.fasta"
-    src.write_bytes(residues(2000))
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            _BLOCKING_PREPARE,
-            "prepare-fasta",
-            str(src),
-            "--out",
-            str(tmp_path / "st"),
-        ],
+def _blocking_prepare(src: Path, out: Path, preexec: Callable[[], None]) -> subprocess.Popen[str]:
+    """``prepare-fasta SRC --out OUT`` in a child that prints ``ready`` and blocks
+    mid-write (``_BLOCKING_PREPARE``), its signals set by ``preexec``."""
+    return subprocess.Popen(
+        [sys.executable, "-c", _BLOCKING_PREPARE, "prepare-fasta", str(src), "--out", str(out)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=base_env(),
-        preexec_fn=default_signals,
+        preexec_fn=preexec,
     )
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_signal_during_prepare_leaves_nothing(tmp_path: Path, sig: signal.Signals) -> None:
+    src = tmp_path / "a.fasta"
+    src.write_bytes(residues(2000))
+    proc = _blocking_prepare(src, tmp_path / "st", default_signals)
     try:
         assert proc.stdout.readline() == "ready\n", proc.communicate(timeout=60)
         assert [p for p in listing(tmp_path) if ".st.tmp-" in p], listing(tmp_path)
@@ -556,23 +554,7 @@ def test_an_ignored_sighup_stays_ignored_during_prepare(tmp_path: Path) -> None:
         default_signals()
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            _BLOCKING_PREPARE,
-            "prepare-fasta",
-            str(src),
-            "--out",
-            str(tmp_path / "st"),
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=base_env(),
-        preexec_fn=nohup,
-    )
+    proc = _blocking_prepare(src, tmp_path / "st", nohup)
     try:
         assert proc.stdout.readline() == "ready\n", proc.communicate(timeout=60)
         proc.send_signal(signal.SIGHUP)
