@@ -165,3 +165,26 @@ def test_netns_pair_tcp(netns_pair: NetnsPair) -> None:
     # the veths live only inside the namespaces, not in the host's stack
     host_links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     assert not any(v in host_links for v in netns_pair.veths)
+
+
+def test_a_pyenv_lock_is_cleared_only_when_no_rehash_owns_it(tmp_path: Path) -> None:
+    """A PBS job killed during its login shell's ``pyenv rehash`` leaves pyenv's lock file,
+    and every later job then waited 60 s before its script (tests/support/openpbs.py):
+    the PBS fixtures remove the lock, but never while a ``pyenv-rehash`` process lives."""
+    from tests.support.openpbs import clear_stale_pyenv_lock
+    from tests.support.polling import wait_until
+
+    lock = tmp_path / "shims" / ".pyenv-shim"
+    assert clear_stale_pyenv_lock(lock) is False  # no lock: nothing to do
+    lock.parent.mkdir()
+    lock.write_text("#!/usr/bin/env bash\n")
+    env = dict(os.environ, PYENV_ROOT=str(tmp_path))  # as pyenv exports it to its rehash
+    owner = subprocess.Popen(["bash", "-c", "exec -a pyenv-rehash sleep 60"], env=env)
+    try:
+        cmdline = Path(f"/proc/{owner.pid}/cmdline")
+        wait_until(lambda: cmdline.read_bytes().startswith(b"pyenv-rehash"), 30, "exec")
+        assert clear_stale_pyenv_lock(lock) is False and lock.is_file()  # a rehash owns it
+    finally:
+        owner.kill()
+        owner.wait()
+    assert clear_stale_pyenv_lock(lock) is True and not lock.exists()  # its owner is gone

@@ -147,11 +147,52 @@ class OpenPBS:
         return found
 
     def delete_all(self, job_ids: list[str]) -> None:
-        """``qdel -W force`` whatever a test left queued or running, then reap its processes."""
-        for job_id in job_ids:
+        """``qdel -W force`` whatever a test left queued or running, then reap its processes
+        (and the pyenv lock a killed job's login shell may have left)."""
+        # latest first: a job that waits on an earlier one (``--after``) goes before it, so
+        # deleting the earlier one never releases it to start (and be killed at once)
+        for job_id in reversed(job_ids):
             if self.attrs(job_id).get("job_state") not in (None, "F"):
                 self.run("qdel", "-W", "force", job_id, check=False)
         reap(job_ids)
+        clear_stale_pyenv_lock()
+
+
+#: pyenv's rehash lock (``pyenv-rehash``: a file made with ``noclobber``, removed by an EXIT
+#: trap): the lock of the pyenv that this machine's ~/.bashrc initialises.
+PYENV_LOCK = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv") / "shims" / ".pyenv-shim"
+
+
+def clear_stale_pyenv_lock(lock: Path = PYENV_LOCK) -> bool:
+    """Remove pyenv's rehash lock when no ``pyenv-rehash`` process is alive to own it.
+
+    Why: a PBS job runs in a login shell, and this machine image's ~/.bashrc runs
+    ``eval "$(pyenv init -)"``, which runs ``pyenv rehash`` in every job before its
+    script. A job killed during it (``qdel -W force`` and :func:`reap` send SIGKILL, so
+    the EXIT trap never runs) leaves the lock, and from then on every PBS job's shell
+    waits ``PYENV_REHASH_TIMEOUT`` (60 s) before its script starts. Seen under load: a
+    teardown deleted an array first, which released the job waiting on it, then deleted
+    that job in the second it started; the next four ALCF-profile tests' jobs each
+    waited 60 s and ran past their tests' waits. Not a site's behaviour: the tests' own
+    kills leave it, so the tests clean it, and only when its owner is gone.
+    Returns whether a lock was removed.
+    """
+    if not lock.is_file():
+        return False
+    root = b"PYENV_ROOT=" + str(lock.parent.parent).encode()  # pyenv exports it to rehash
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or b"pyenv-rehash" not in (proc / "cmdline").read_bytes():
+                continue
+            if root in (proc / "environ").read_bytes().split(b"\0"):
+                return False  # a rehash of this pyenv runs: the lock is (or will be) its own
+        except OSError:  # the process ended meanwhile
+            continue
+    try:
+        lock.unlink()
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def reap(job_ids: list[str]) -> list[int]:
@@ -301,6 +342,7 @@ def openpbs(openpbs_server: OpenPBS, monkeypatch: pytest.MonkeyPatch) -> OpenPBS
     """The server, with ``/opt/pbs/bin`` first on PATH for this test only: later tests
     that mean Debian's ``/usr/bin/qsub`` (the slurm-wlm-torque smoke test) still get it."""
     monkeypatch.setenv("PATH", f"{PBS_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    clear_stale_pyenv_lock()  # left by an earlier test's killed job (or a walltime kill)
     return openpbs_server
 
 
