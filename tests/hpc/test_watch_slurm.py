@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.signals import default_signals
 from tests.test_e2e_schedulers import PY, ROOT, WORKER, status, submit, worker_spec, write_spec
 
 pytestmark = pytest.mark.slurm
@@ -32,6 +33,7 @@ def _watch(ident: str, runs: Path) -> subprocess.Popen[str]:
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        preexec_fn=default_signals,  # Ctrl-C must reach it even from a backgrounded run
     )
 
 
