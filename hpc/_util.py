@@ -99,59 +99,37 @@ def open_regular(path: Path, what: str, *, missing_ok: bool) -> BinaryIO | None:
 def open_regular(path: Path, what: str, *, missing_ok: bool = False) -> BinaryIO | None:
     """``path`` opened for reading in binary, only if it is a regular file; never blocks.
 
-    Readers of run directories and stores take untrusted paths: a named pipe there
-    would block ``open`` forever, a device or ``/dev/zero`` would never end. The file is
-    opened ``O_NONBLOCK`` (a FIFO opens at once instead of waiting for a writer), then
-    ``fstat`` on the open descriptor (no race with a swap) must say regular file. For a
-    reader that streams (a long ``metrics.jsonl``, a log being followed), which bounds
-    what it reads; :func:`read_regular` reads whole. Every refusal is one
-    :class:`UserError` line; a missing file is None with ``missing_ok`` (a log not
-    written yet).
+    The rule is both sides' one (:func:`hpc_ddp.files.open_regular`: a named pipe
+    never blocks, a device or folder is refused on the open descriptor); here each
+    refusal is one :class:`UserError` line naming ``what``, and a missing file is None
+    with ``missing_ok`` (a log not written yet). For a reader that streams (a long
+    ``metrics.jsonl``, a log being followed), which bounds what it reads;
+    :func:`read_regular` reads whole.
     """
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    from hpc_ddp.files import Missing, NotRegular
+    from hpc_ddp.files import open_regular as shared_open
+
     try:
-        fd = os.open(path, flags)
-    except FileNotFoundError as exc:
+        fd, _info = shared_open(path)
+    except Missing:
         if missing_ok:
             return None
-        raise UserError(f"{what}: cannot read {str(path)!r}: {exc.strerror}") from None
-    except IsADirectoryError:
-        raise UserError(f"{what}: {str(path)!r} is a directory; allowed: a regular file") from None
-    except OSError as exc:
-        raise UserError(f"{what}: cannot read {str(path)!r}: {exc.strerror}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            kind = (
-                "a directory"
-                if stat.S_ISDIR(info.st_mode)
-                else ("a named pipe" if stat.S_ISFIFO(info.st_mode) else "not a regular file")
-            )
-            raise UserError(f"{what}: {str(path)!r} is {kind}; allowed: a regular file")
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
+        raise UserError(f"{what}: {str(path)!r} does not exist") from None
+    except NotRegular as exc:
+        raise UserError(f"{what}: {str(path)!r} {exc}") from None
+    return os.fdopen(fd, "rb")
 
 
 def read_regular(path: Path, what: str, limit: int = MAX_RUN_FILE) -> bytes:
-    """The bytes of a regular file (:func:`open_regular`), never more than ``limit``."""
-    fh = open_regular(path, what)
-    assert fh is not None  # missing_ok is False: a missing file raised
-    with fh:
-        size = os.fstat(fh.fileno()).st_size
-        if size > limit:
-            raise UserError(f"{what}: {str(path)!r} is {size:,} bytes; allowed: at most {limit:,}")
-        try:
-            data = fh.read(limit + 1)
-        except OSError as exc:
-            raise UserError(f"{what}: cannot read {str(path)!r}: {exc.strerror}") from None
-        if len(data) > limit:
-            raise UserError(
-                f"{what}: {str(path)!r} grew past {limit:,} bytes while "
-                "being read; allowed: a finished file"
-            )
-        return data
+    """The bytes of a regular file (:func:`hpc_ddp.files.read_regular`), never more than
+    ``limit``; a refusal is one :class:`UserError` line naming ``what``."""
+    from hpc_ddp.files import NotRegular
+    from hpc_ddp.files import read_regular as shared_read
+
+    try:
+        return shared_read(path, limit)[0]
+    except NotRegular as exc:
+        raise UserError(f"{what}: {str(path)!r} {exc}") from None
 
 
 def write_atomic(path: Path, text: str | bytes, what: str = "--output") -> None:

@@ -165,7 +165,7 @@ def _reopen_if_replaced(
     except FileNotFoundError:
         return fh  # not there yet, or moved away mid-rotation: keep what we have
     except OSError as exc:
-        raise UserError(f"logs: cannot read {str(path)!r}: {exc.strerror}") from None
+        raise UserError(f"logs: {str(path)!r} cannot be read ({exc.strerror})") from None
     if fh is not None:
         cur = os.fstat(fh.fileno())
         if (cur.st_ino, cur.st_dev) == (st.st_ino, st.st_dev):

@@ -241,7 +241,7 @@ PROFILE = Table(
         Key("device_order", "custom", help="device indices by local rank", parse=_device_order),
         Key("description", help="for hpc clusters", nullable=False),
         Key("ppn", help="ranks per node by default", **_WHOLE),
-        Key("account_required", "truthy", help="a job must name its allocation"),
+        Key("account_required", "bool", help="a job must name its allocation"),
         Key(
             "account_env", "strings", help="variables the account is read from", then=variable_name
         ),

@@ -299,7 +299,7 @@ CHARGE = Table(
         Key("unit", default="node-hours", help="what the site charges in", nullable=False),
         Key("source", default="", help="the page that defines the unit", nullable=False),
         Key("factor", "custom", help="the machine's charge factor (cited)", parse=_factor),
-        Key("machine_factor_required", "truthy", False, "no charge is shown without it"),
+        Key("machine_factor_required", "bool", False, "no charge is shown without it"),
         Key("balance", "custom", help="the site's balance command", parse=_balance),
     ),
     sep=".",

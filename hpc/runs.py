@@ -157,12 +157,12 @@ def locked(run_dir: Path) -> Iterator[None]:
     """Hold ``run_dir/.lock`` (flock) around a read-modify-write of the record: the lock
     both sides take (:func:`hpc_ddp.files.acquire_lock`, the supervisor's too), which never
     follows a planted link, never blocks on a FIFO and locks only a regular file."""
-    from hpc_ddp.files import NotRegular, acquire_lock
+    from hpc_ddp.files import NotLockable, acquire_lock
 
     path = run_dir / LOCK
     try:
         fd = acquire_lock(path)
-    except NotRegular:
+    except NotLockable:
         raise UserError(
             f"run: {str(path)!r} is not a regular file; allowed: a regular "
             "file (as hpc submit makes it)"

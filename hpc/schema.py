@@ -43,7 +43,7 @@ _KIND_ALLOWED = {
 }
 #: A key that is not in the mapping (``None`` is a key given as null).
 MISSING: Any = type("Missing", (), {"__repr__": lambda self: "MISSING"})()
-KINDS = ("str", "text", "int", "number", "bool", "truthy", "choice", "strings", "custom", "meta")
+KINDS = ("str", "text", "int", "number", "bool", "choice", "strings", "custom", "meta")
 
 
 def refuse(label: str, value: Any, allowed: str, hint: str = "") -> UserError:
@@ -61,9 +61,8 @@ class Key:
 
     ``kind``: ``str``, ``text`` (free text for people: anything, none or false is
     empty), ``int`` (a whole number within ``low``/``high``), ``number``
-    (int or float within the bounds; NaN fails both), ``bool`` (true or false),
-    ``truthy`` (any YAML value, read as true or false: kept lenient where it always
-    was), ``choice`` (one of ``choices``, the nearest named for a typo), ``strings``
+    (int or float within the bounds; NaN fails both), ``bool`` (true or false: a
+    switch written ``'no'`` or ``0`` is refused, not read as its truth value), ``choice`` (one of ``choices``, the nearest named for a typo), ``strings``
     (one string or a list), ``custom`` (``parse`` reads it) or ``meta`` (read by the
     loader itself, e.g. ``extends``, an alias: listed as allowed, skipped by
     :meth:`Table.read`). ``allowed`` overrides the generated "allowed:" text and may
@@ -213,9 +212,6 @@ class Key:
 
     def _text(self, value: Any, label: str, got: dict[str, Any], lax: bool) -> str:
         return str(value or "")
-
-    def _truthy(self, value: Any, label: str, got: dict[str, Any], lax: bool) -> bool:
-        return bool(value)
 
     def _choice(self, value: Any, label: str, got: dict[str, Any], lax: bool) -> str:
         allowed = self.options(got)

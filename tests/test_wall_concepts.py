@@ -36,6 +36,13 @@ REPLACE_ALLOWED = {
 #: may hold it (with the reason).
 ONE_HOME: dict[str, tuple[str, dict[str, str]]] = {
     "file locks": (r"\bfcntl\.flock\b|^\s*import fcntl\b", {}),
+    # hpc_ddp.files.open_regular: the regular-file check on an open descriptor
+    "untrusted read": (
+        r"S_ISFIFO\(|[\"']a named pipe",
+        {
+            "src/ddp/supervise_evidence.py": "writes to the flight recorder's pipe, which must be one"
+        },
+    ),
     "strict YAML loader": (
         r"SafeLoader|construct_mapping|\byaml\.load\(|\byaml\.safe_load\(|add_constructor",
         {},
@@ -199,9 +206,9 @@ def test_the_login_side_lock_is_the_lock_the_supervisor_takes(tmp_path: Path) ->
 
 
 def test_a_lock_path_that_is_not_a_regular_file_is_refused(tmp_path: Path) -> None:
-    from hpc_ddp.files import NotRegular, acquire_lock
+    from hpc_ddp.files import NotLockable, acquire_lock
 
-    with pytest.raises(NotRegular):
+    with pytest.raises(NotLockable):
         acquire_lock("/dev/null")  # a device: opened, then refused on its fstat
     os.mkfifo(tmp_path / "fifo")
     with pytest.raises(OSError):  # ENXIO at once (no reader), never a blocked open

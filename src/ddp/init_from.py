@@ -92,7 +92,7 @@ def read_state(source: str) -> dict[str, torch.Tensor]:
 
 
 def _read_bytes(path: Path, limit: int | None = None) -> bytes:
-    from ddp import _files
+    from hpc_ddp import files as _files
 
     try:
         return _files.read_regular(path, limit)[0]

@@ -18,8 +18,17 @@ only):
   and ``flock`` locks are per open file, not per process, so two threads of one process
   exclude each other too.
 
-Errors are ``OSError`` (:class:`NotRegular` for a lock path that is something else); each
-side words them as its own one-line error.
+- **untrusted reads** (:func:`open_regular`, :func:`read_regular`): run directories,
+  checkpoint folders, token stores, split caches and FASTA files are paths a job did not
+  necessarily write: a named pipe there would block ``open`` forever, a device would never
+  end, a symbolic link in a checkpoint folder could lead anywhere. The file is opened
+  ``O_NONBLOCK`` (a FIFO opens at once instead of waiting for a writer), then ``fstat`` on
+  the open descriptor (no race with a swap) must say regular file, and what is read is
+  bounded. Both sides had written this rule, with different messages.
+
+Errors are ``OSError`` (:class:`NotLockable` for a lock path that is something else) and,
+for reads, :class:`NotRegular`: a phrase ("is a named pipe; allowed: a regular file") that
+each side puts after the file's name in its own one-line error.
 """
 
 from __future__ import annotations
@@ -124,7 +133,7 @@ def write_atomic(
     staged.commit(durable)
 
 
-class NotRegular(OSError):
+class NotLockable(OSError):
     """The lock path exists and is not a regular file (a FIFO, a device, a folder)."""
 
 
@@ -134,13 +143,13 @@ def acquire_lock(path: str | Path) -> int:
 
     Never follows a link planted there (``O_NOFOLLOW``: ELOOP), never blocks on a FIFO
     (``O_NONBLOCK``: ENXIO without a reader), and locks only a regular file (checked on the
-    descriptor, so no race with a swap): :class:`NotRegular` otherwise.
+    descriptor, so no race with a swap): :class:`NotLockable` otherwise.
     """
     flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(path, flags, 0o644)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise NotRegular(f"{str(path)!r} is not a regular file")
+            raise NotLockable(f"{str(path)!r} is not a regular file")
         import fcntl
 
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -158,3 +167,76 @@ def locked(path: str | Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+class NotRegular(ValueError):
+    """The path is not a readable regular file (or is too big); the message is a phrase.
+
+    A ``ValueError`` (not ``OSError``): readers catch it beside the parse errors of what
+    they read (``json``'s, a header's), as one kind of bad input."""
+
+
+class Missing(NotRegular):
+    """The path does not exist (a reader for which that is normal tells it apart)."""
+
+
+def open_regular(path: str | Path, *, follow: bool = True) -> tuple[int, os.stat_result]:
+    """(a blocking read-only descriptor, its fstat) of the regular file ``path``.
+
+    ``follow=False`` refuses a symbolic link (``O_NOFOLLOW``), for folders whose files
+    the project writes itself and never links (checkpoints).
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    if not follow:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise Missing("does not exist") from None
+    except OSError as exc:
+        if not follow and os.path.islink(path):
+            raise NotRegular("is a symbolic link; allowed: a regular file") from None
+        raise NotRegular(f"cannot be read ({exc.strerror or exc})") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            kind = (
+                "a directory"
+                if stat.S_ISDIR(info.st_mode)
+                else "a named pipe"
+                if stat.S_ISFIFO(info.st_mode)
+                else "a device or socket"
+            )
+            raise NotRegular(f"is {kind}; allowed: a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, info
+
+
+def read_regular(
+    path: str | Path, limit: int | None, *, follow: bool = True
+) -> tuple[bytes, os.stat_result]:
+    """(bytes, fstat) of the regular file ``path`` (:func:`open_regular`), at most
+    ``limit`` bytes (None: the size ``fstat`` gave, for a file as large as it is)."""
+    fd, info = open_regular(path, follow=follow)
+    try:
+        if limit is not None and info.st_size > limit:
+            raise NotRegular(f"is {info.st_size:,} bytes; allowed: at most {limit:,}")
+        cap = info.st_size if limit is None else limit
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            try:
+                chunk = os.read(fd, min(1 << 24, cap + 1 - total))
+            except OSError as exc:
+                raise NotRegular(f"cannot be read ({exc.strerror or exc})") from None
+            if not chunk:
+                return b"".join(chunks), info
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > cap:
+                raise NotRegular("grew while it was read; allowed: a finished file")
+    finally:
+        os.close(fd)

@@ -37,7 +37,7 @@ def _one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
         (["render", "--cluster", "slurm", "--walltime", "90", "--", "x"], "walltime: '90'"),
         (["render", "--cluster", "slurm"], "command: missing"),
         (["render", "--cluster", "slurm", "--bogus", "--", "x"], "unrecognized arguments: --bogus"),
-        (["render", "no/such/spec.yaml"], "cannot read"),
+        (["render", "no/such/spec.yaml"], "does not exist"),
         (["status", "1", "--", "x"], "takes no command"),
         (["scale", "--gpus", "8", "--base-lr", "1e-4", "--rule", "cube"], "rule: 'cube'"),
         ([], "command: missing"),

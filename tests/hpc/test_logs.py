@@ -273,9 +273,9 @@ def _not_a_file(kind: str, path: Path) -> None:
     ("kind", "says"),
     [
         ("fifo", "is a named pipe"),
-        ("device", "not a regular file"),
+        ("device", "is a device or socket; allowed: a regular file"),
         ("dir", "is a directory"),
-        ("loop", "cannot read"),
+        ("loop", "cannot be read"),
     ],
 )
 def test_a_log_that_is_not_a_regular_file_is_one_line_not_a_hang(

@@ -181,3 +181,32 @@ def test_no_other_validator_remains() -> None:
 
 def test_the_variable_name_pattern_is_written_once() -> None:
     assert _defs(re.escape("[A-Za-z_][A-Za-z0-9_]*")) == {"hpc/_util.py": 1}
+
+
+@pytest.mark.parametrize(
+    ("line", "shown"),
+    [
+        ('account_required: "no"', "'no'"),
+        ('account_required: "false"', "'false'"),
+        ("account_required: 0", "0"),
+        ("account_required: [x]", "['x']"),
+        ('charge: {machine_factor_required: "no"}', "'no'"),
+    ],
+)
+def test_a_switch_is_true_or_false_never_a_truth_value(
+    tmp_path: Path, line: str, shown: str
+) -> None:
+    """``account_required: "no"`` was read as its truth value (a non-empty string: true),
+    so every job on the profile demanded an account; a switch takes true or false only."""
+    key = "charge.machine_factor_required" if "charge" in line else "account_required"
+    assert _profile_error(tmp_path, f"scheduler: slurm\n{line}\n") == (
+        f"cluster t: {key}: {shown} is not allowed; allowed: true or false"
+    )
+
+
+@pytest.mark.parametrize(("value", "want"), [("true", True), ("false", False), ("", False)])
+def test_a_switch_written_true_false_or_left_empty(tmp_path: Path, value: str, want: bool) -> None:
+    """Empty (YAML null) keeps the default, as every other nullable key does."""
+    assert (
+        _load(tmp_path, f"scheduler: slurm\naccount_required: {value}\n").account_required is want
+    )

@@ -19,8 +19,8 @@ from typing import IO, Any, cast
 
 import torch
 
-from ddp import _files
 from ddp.checkpoint.layout import DIGEST_SUFFIX
+from hpc_ddp import files as _files
 from hpc_ddp.files import AtomicFile
 from hpc_ddp.files import fsync_dir as fsync_dir  # re-exported: ddp.checkpoint's name
 

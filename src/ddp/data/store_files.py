@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from ddp import _files
 from ddp.errors import ConfigError
+from hpc_ddp import files as _files
 
 STORE_MADE_BY = "a token store directory made by python -m ddp.data"
 

@@ -34,9 +34,9 @@ from typing import Any
 import torch
 
 import ddp
-from ddp import _files
 from ddp.checkpoint import atomic_save, atomic_write_text
 from ddp.errors import ConfigError
+from hpc_ddp import files as _files
 
 log = logging.getLogger("ddp")
 

@@ -27,7 +27,7 @@ MAX_STRUCTURE = 256 << 20
 # ---- data -----------------------------------------------------------------------------------
 def load_pairs(path: str | Path, key: str) -> list[dict[str, str]]:
     """The seed's JSON pairs; a ``structure`` record gets its chain's sequence as prompt."""
-    from ddp import _files
+    from hpc_ddp import files as _files
 
     try:
         text = _files.read_regular(path, MAX_JSON)[0]
@@ -70,7 +70,7 @@ def structure_sequence(path: Path, chain: str, where: str) -> str:
     waters left out) of a PDB or mmCIF file, parsed by Biopython's ``Bio.PDB``."""
     import io
 
-    from ddp import _files
+    from hpc_ddp import files as _files
 
     try:
         from Bio.PDB import MMCIFParser, PDBParser

@@ -43,8 +43,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ddp._files import NotRegular, open_regular
 from ddp.errors import ConfigError
+from hpc_ddp.files import NotRegular, open_regular
 
 log = logging.getLogger("ddp")
 

@@ -45,8 +45,8 @@ from typing import Any, cast
 import torch
 from torch.utils.data import Dataset
 
-from ddp import _files
 from ddp.errors import ConfigError
+from hpc_ddp import files as _files
 
 MAX_FILE_BYTES = 16 << 30
 """A graph file is read whole into memory: refuse one larger than this (16 GiB)."""

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from ddp._files import NotRegular, read_regular
 from ddp.errors import ConfigError
+from hpc_ddp.files import NotRegular, read_regular
 
 log = logging.getLogger("ddp")
 
