@@ -111,11 +111,9 @@ def open_regular(path: Path, what: str, *, missing_ok: bool = False) -> BinaryIO
 
     try:
         fd, _info = shared_open(path)
-    except Missing:
-        if missing_ok:
-            return None
-        raise UserError(f"{what}: {str(path)!r} does not exist") from None
     except NotRegular as exc:
+        if missing_ok and isinstance(exc, Missing):
+            return None
         raise UserError(f"{what}: {str(path)!r} {exc}") from None
     return os.fdopen(fd, "rb")
 

@@ -62,7 +62,8 @@ class Key:
     ``kind``: ``str``, ``text`` (free text for people: anything, none or false is
     empty), ``int`` (a whole number within ``low``/``high``), ``number``
     (int or float within the bounds; NaN fails both), ``bool`` (true or false: a
-    switch written ``'no'`` or ``0`` is refused, not read as its truth value), ``choice`` (one of ``choices``, the nearest named for a typo), ``strings``
+    switch written ``'no'`` or ``0`` is refused, not read as its truth value),
+    ``choice`` (one of ``choices``, the nearest named for a typo), ``strings``
     (one string or a list), ``custom`` (``parse`` reads it) or ``meta`` (read by the
     loader itself, e.g. ``extends``, an alias: listed as allowed, skipped by
     :meth:`Table.read`). ``allowed`` overrides the generated "allowed:" text and may
