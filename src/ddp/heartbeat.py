@@ -3,7 +3,8 @@
 Why files: a supervisor (``python -m ddp.supervise``) must tell a running rank from a stuck
 one without joining the process group (a hung collective would hang it too) and without
 the ranks doing any device work for it. Each rank atomically replaces one small JSON file,
-``DIR/rank-R.json`` = ``{"rank", "step", "phase", "time", "pid", "host"}``, at most every
+``DIR/rank-R.json`` = ``{"rank", "step", "phase", "time", "pid", "host", "thread"}``
+(``thread``: the main thread's id, which names it in a stack dump), at most every
 ``every_s`` seconds. ``step`` is the trainer's host-side counter: a beat never reads a
 tensor, so it adds no host-device synchronisation to the hot loop (tests/ddp
 test_trainer_sync stays at zero reads); between writes a beat costs one clock read.
@@ -27,6 +28,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import IO
@@ -124,6 +126,7 @@ class Heartbeat:
             "time": time.time(),
             "pid": os.getpid(),
             "host": self._host,
+            "thread": threading.main_thread().ident,
         }
         if self.node_rank is not None:
             rec["node_rank"] = int(self.node_rank)

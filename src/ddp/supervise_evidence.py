@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -103,15 +104,67 @@ def _poke_flight_recorder(hb_dir: Path, rank: int) -> Path | None:
     return hb_dir / f"{FR_STEM}{rank}"
 
 
+#: Seconds a dump's size must stay the same before it counts as whole. faulthandler writes
+#: a dump a few bytes at a time from its signal handler (a header, then each frame, for each
+#: thread) and NCCL's watchdog streams its file: a copy taken at the first new byte held one
+#: thread of a rank's several (CI at 973667b).
+SETTLE_S = 0.3
+
+
+@dataclass
+class _Dump:
+    """A file a rank is writing for us: the stack file (appended: ``mark`` is its size before
+    the ask) or a flight-recorder dump (rewritten: ``mark`` is its mtime before)."""
+
+    path: Path
+    mark: int
+    appended: bool
+    need: str = ""  # text the new part must hold (the main thread's id), "" for none
+    size: int = -1
+    since: float = 0.0
+
+    def new_part(self) -> bytes:
+        data = self.path.read_bytes()
+        return data[self.mark :] if self.appended else data
+
+    def whole(self, now: float) -> bool:
+        """True once it has changed, holds ``need`` and kept its size for SETTLE_S."""
+        try:
+            st = self.path.stat()
+        except OSError:
+            return False
+        if (st.st_size <= self.mark) if self.appended else (st.st_mtime_ns == self.mark):
+            return False
+        if st.st_size != self.size:
+            self.size, self.since = st.st_size, now
+            return False
+        if now - self.since < SETTLE_S:
+            return False
+        return not self.need or self.need.encode() in self.new_part()
+
+
+def _main_thread_id(beat: dict[str, Any]) -> str:
+    """How faulthandler names the rank's main thread (``Thread 0x%016lx``), "" when the
+    beat does not say. The main thread is the one stuck in the step: its frames are
+    the ones a dump must hold."""
+    tid = beat.get("thread")
+    return f"0x{tid:016x}" if isinstance(tid, int) and not isinstance(tid, bool) else ""
+
+
 def collect_stacks(
     hb_dir: Path, out: Path, beats: dict[int, dict[str, Any]], sig: int, wait_s: float = 10.0
 ) -> dict[int, str]:
     """Ask every local rank for its stacks; copy them into ``out``. Returns rank -> state
-    at the time of the hang ("stopped", "running", "gone", "remote")."""
+    at the time of the hang ("stopped", "running", "gone", "remote").
+
+    Each rank asked is stopped (SIGSTOP) once its dumps are whole, and so stays until the
+    kill: a rank found stopped is continued to dump, and with its peers running it would
+    train on (even finish) before the kill, which for another node comes a probe's start
+    later; with its peers stopped it waits in the next collective, so its dump can be
+    given the time to be written whole."""
     out.mkdir(parents=True, exist_ok=True)
-    host, states, pending = _node(), {}, {}
-    restop: list[int] = []  # stopped ranks: stopped again once they have dumped
-    traces: dict[int, tuple[Path, int]] = {}  # rank -> (flight-recorder dump, mtime before)
+    host, states = _node(), {}
+    asked: dict[int, tuple[int, list[_Dump]]] = {}  # rank -> (pid, its dumps being written)
     for rank, rec in sorted(beats.items()):
         pid = int(rec.get("pid", 0))
         if rec.get("host") != host or pid <= 0:
@@ -122,18 +175,16 @@ def collect_stacks(
         if state is None:
             continue
         stack = hb_dir / f"stack-rank-{rank}.txt"
-        before = stack.stat().st_size if stack.exists() else 0
+        dumps = [_Dump(stack, _size(stack), appended=True, need=_main_thread_id(rec))]
         try:
             os.kill(pid, sig)
             os.kill(pid, signal.SIGCONT)  # a stopped rank dumps (where it stopped) once continued
         except OSError:
             continue
-        pending[rank] = (stack, before, pid)
-        dump = _poke_flight_recorder(hb_dir, rank)
-        if dump is not None:
-            traces[rank] = (dump, dump.stat().st_mtime_ns if dump.exists() else 0)
-        if states[rank] == "stopped":
-            restop.append(pid)
+        trace = _poke_flight_recorder(hb_dir, rank)
+        if trace is not None:
+            dumps.append(_Dump(trace, _mtime(trace), appended=False))
+        asked[rank] = (pid, dumps)
         if shutil.which("py-spy"):
             with open(out / f"rank-{rank}.py-spy.txt", "w") as fh:
                 subprocess.run(
@@ -144,26 +195,41 @@ def collect_stacks(
                     check=False,
                 )
     deadline = time.monotonic() + wait_s
-    while (pending or traces) and time.monotonic() < deadline:
-        for rank, (stack, before, pid) in list(pending.items()):
-            size = stack.stat().st_size if stack.exists() else 0
-            if size > before:  # faulthandler writes the dump in one go from its handler
-                if pid in restop:  # stopped again at once: continued, it could train on
-                    _stop(pid)
-                time.sleep(0.05)
-                (out / f"rank-{rank}.txt").write_bytes(stack.read_bytes()[before:])
+    pending = dict(asked)
+    while pending and time.monotonic() < deadline:
+        now = time.monotonic()
+        for rank, (pid, dumps) in list(pending.items()):
+            if all(d.whole(now) for d in dumps):
+                _stop(pid)
                 del pending[rank]
-        for rank, (dump, mtime) in list(traces.items()):
-            if dump.is_file() and dump.stat().st_mtime_ns != mtime:
-                time.sleep(0.1)  # the watchdog writes and closes the file in one go
-                shutil.copyfile(dump, out / dump.name)
-                del traces[rank]
         time.sleep(0.02)
-    for rank in pending:
-        (out / f"rank-{rank}.txt").write_text("no stack: the rank did not answer the signal\n")
-    for pid in restop:  # as it was found: it must not train on (or finish) before the kill,
-        _stop(pid)  # which for another node's rank comes a probe's start later
+    for rank, (pid, dumps) in asked.items():
+        _stop(pid)  # one that did not answer in time too: it is killed next
+        stack_dump, *trace_dumps = dumps
+        part = stack_dump.new_part() if stack_dump.path.exists() else b""
+        if not part:
+            part = b"no stack: the rank did not answer the signal\n"
+        elif rank in pending:
+            part += b"\n(the dump was still incomplete after %g s)\n" % wait_s
+        (out / f"rank-{rank}.txt").write_bytes(part)
+        for d in trace_dumps:
+            if d.path.is_file() and _mtime(d.path) != d.mark:
+                shutil.copyfile(d.path, out / d.path.name)
     return states
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _mtime(path: Path) -> int:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return 0
 
 
 def _stop(pid: int) -> None:

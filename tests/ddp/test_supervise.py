@@ -381,37 +381,45 @@ def test_srun_relaunch_line_names_nodes_tasks_and_exclusions(monkeypatch) -> Non
     ]
 
 
-def test_a_stopped_rank_dumps_its_stack_and_is_stopped_again(tmp_path: Path) -> None:
+def test_a_stopped_rank_dumps_every_thread_and_is_stopped_again(tmp_path: Path) -> None:
     """collect_stacks continues a SIGSTOPped rank so faulthandler can dump, then stops it
     again: it must not train on (or finish) before the kill, which for a rank on another
-    node comes a probe's start later."""
+    node comes a probe's start later. The copy holds the whole dump: faulthandler writes it
+    a frame at a time, and a copy (and stop) at its first bytes held one thread of 61 here
+    (5 runs of 5; a CI run lost the main thread's frames this way)."""
     from ddp.supervise import _node, _proc_state, collect_stacks
 
     hb = tmp_path / "hb"
     hb.mkdir()
     code = (
-        "import faulthandler, signal, sys, time\n"
+        "import faulthandler, signal, sys, threading, time\n"
         f"f = open({str(hb / 'stack-rank-0.txt')!r}, 'w')\n"
         "faulthandler.register(signal.SIGUSR2, file=f, all_threads=True)\n"
+        "def deep(n):\n    if n: return deep(n - 1)\n    while True: time.sleep(0.05)\n"
+        "for _ in range(60): threading.Thread(target=deep, args=(40,), daemon=True).start()\n"
         # "up" from inside stuck_here: a stop right after "up" (before the call) was
         # a stack of <module> only, one run in a few on a loaded machine
-        "def stuck_here():\n    print('up', flush=True)\n"
+        "def stuck_here():\n    print('up', threading.main_thread().ident, flush=True)\n"
         "    while True: time.sleep(0.01)\n"
         "stuck_here()\n"
     )
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
-        assert child.stdout is not None and child.stdout.readline() == "up\n"
+        assert child.stdout is not None
+        up, ident = child.stdout.readline().split()
+        assert up == "up"
         os.kill(child.pid, signal.SIGSTOP)
         deadline = time.monotonic() + 30
         while _proc_state(child.pid) not in ("T", "t"):
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        states = collect_stacks(
-            hb, tmp_path / "out", {0: {"pid": child.pid, "host": _node()}}, int(signal.SIGUSR2)
-        )
+        beats = {0: {"pid": child.pid, "host": _node(), "thread": int(ident)}}
+        states = collect_stacks(hb, tmp_path / "out", beats, int(signal.SIGUSR2))
         assert states == {0: "stopped"}
-        assert "stuck_here" in (tmp_path / "out" / "rank-0.txt").read_text()
+        stack = (tmp_path / "out" / "rank-0.txt").read_text()
+        assert stack.count("(most recent call first)") == 61, stack[-2000:]
+        assert stack.count("in deep") == 60 * 41 and "stuck_here" in stack, stack[-2000:]
+        assert f"0x{int(ident):016x}" in stack and "incomplete" not in stack
         assert not list((tmp_path / "out").glob("nccl-trace-*"))  # no recorder: not NCCL
         deadline = time.monotonic() + 30  # a stop takes effect when the kernel delivers it
         while _proc_state(child.pid) not in ("T", "t"):
@@ -422,13 +430,40 @@ def test_a_stopped_rank_dumps_its_stack_and_is_stopped_again(tmp_path: Path) -> 
         child.wait()
 
 
+def test_a_dump_is_whole_once_it_names_the_main_thread_and_stops_growing(tmp_path: Path) -> None:
+    """The rule collect_stacks waits on, clock given: nothing new, growing, lacking the main
+    thread's frames, or settled for less than SETTLE_S is not whole."""
+    from ddp.supervise_evidence import SETTLE_S, _Dump, _main_thread_id
+
+    f = tmp_path / "stack-rank-0.txt"
+    f.write_bytes(b"old dump\n")
+    need = _main_thread_id({"thread": 0x7F12})
+    assert need == "0x0000000000007f12" and _main_thread_id({"thread": True}) == ""
+    d = _Dump(f, len(b"old dump\n"), appended=True, need=need)
+    assert not d.whole(0.0)  # nothing new yet
+    with open(f, "ab") as fh:
+        fh.write(b"Thread 0x00000000000000aa (most recent call first):\n")
+    assert not d.whole(1.0) and not d.whole(1.0 + 2 * SETTLE_S)  # no main thread yet
+    with open(f, "ab") as fh:
+        fh.write(b"\nCurrent thread 0x0000000000007f12 (most recent call first):\n")
+    assert not d.whole(5.0)  # grew: settles from now
+    assert not d.whole(5.0 + SETTLE_S / 2)
+    assert d.whole(5.0 + SETTLE_S + 0.01)
+    assert d.new_part().startswith(b"Thread 0x") and b"old dump" not in d.new_part()
+    trace = tmp_path / "nccl-trace-rank-0"
+    t = _Dump(trace, 0, appended=False)
+    assert not t.whole(0.0)  # not written
+    trace.write_text("entries")
+    assert not t.whole(1.0) and t.whole(1.0 + SETTLE_S + 0.01)
+
+
 def test_a_hang_collects_the_nccl_flight_recorder_through_its_pipe(tmp_path: Path) -> None:
     """The rank below stands for ProcessGroupNCCL (no GPU here): as its ``DumpPipe`` does,
     it makes the FIFO ``STEM<rank>.pipe`` and, from a thread other than the hung main one,
     writes ``STEM<rank>`` when anything is written to it. collect_stacks pokes the pipe and
     copies the dump beside the stacks (a rank without a pipe, not NCCL, gets no file: the
     test above)."""
-    from ddp.supervise import FR_STEM, _node, collect_stacks, flight_recorder_env
+    from ddp.supervise import FR_STEM, _node, _proc_state, collect_stacks, flight_recorder_env
 
     hb = tmp_path / "hb"
     hb.mkdir()
@@ -464,5 +499,6 @@ def test_a_hang_collects_the_nccl_flight_recorder_through_its_pipe(tmp_path: Pat
         assert states[0] == "running"
         assert (tmp_path / "out" / f"{FR_STEM}0").read_text() == "entries: all_reduce seq 7"
         assert "stuck_here" in (tmp_path / "out" / "rank-0.txt").read_text()
+        assert _proc_state(child.pid) in ("T", "t")  # stopped once dumped, as a stopped one is
     finally:
         child.kill()
