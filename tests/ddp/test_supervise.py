@@ -450,6 +450,10 @@ def test_a_dump_is_whole_once_it_names_the_main_thread_and_stops_growing(tmp_pat
     assert not d.whole(5.0 + SETTLE_S / 2)
     assert d.whole(5.0 + SETTLE_S + 0.01)
     assert d.new_part().startswith(b"Thread 0x") and b"old dump" not in d.new_part()
+    many = _Dump(f, f.stat().st_size, appended=True, need=need)
+    with open(f, "ab") as fh:  # faulthandler's cut after 100 threads: no main thread
+        fh.write(b"Thread 0x00000000000000bb (most recent call first):\n  File x\n\n...\n")
+    assert not many.whole(7.0) and many.whole(7.0 + SETTLE_S + 0.01)
     trace = tmp_path / "nccl-trace-rank-0"
     t = _Dump(trace, 0, appended=False)
     assert not t.whole(0.0)  # not written
