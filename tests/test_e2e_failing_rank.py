@@ -57,8 +57,10 @@ ERR = [
 
 
 def assert_rank1_tail(quoted: list[str], merged: bool, err: str) -> None:
-    """The 8 quoted lines are rank 1's last 8. In a per-rank file (slurmstepd writes both
-    streams to one file) that is stdout's last 4 then the traceback. In a merged job log
+    """The 8 quoted lines are rank 1's last 8. In a per-rank file that is stdout's last 4
+    then the traceback: rank 1's stdout is written into its file directly (ddp.rank_logs),
+    each line as it is printed, and its stderr through a tee, so the traceback, raised
+    after the last print, is appended after it. In a merged job log
     srun and hydra forward stdout and stderr through separate pipes, so the two streams may
     interleave in any order: there the lines must be the last of each stream, each in its
     own order (a suffix of each: which stream's pipe srun or hydra reads last is theirs)."""

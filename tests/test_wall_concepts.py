@@ -48,6 +48,9 @@ ONE_HOME: dict[str, tuple[str, dict[str, str]]] = {
         {},
     ),
     "atomic write": (r"\bos\.replace\(", REPLACE_ALLOWED),
+    # hpc_ddp.procs: a process's start time (/proc/PID/stat field 22), which tells a pid
+    # reused by another process from the one recorded
+    "process identity": (r"\.split\(\)\[19\]|fields\[19\]", {}),
     "port rule": (r"\b29500\b|%\s*PORT_SPAN|PORT_BASE\s*=", {}),
     "torchrun variable set": (r"[\"']MASTER_PORT[\"']\s*:\s*str\(|ROLE_WORLD_SIZE\s*=", {}),
     # hpc_ddp.run_layout: the files the compute side writes and the login side reads back
@@ -250,3 +253,24 @@ def test_the_umask_is_read_without_changing_it(monkeypatch: pytest.MonkeyPatch) 
     finally:
         monkeypatch.undo()
         os.umask(old)
+
+
+def test_a_process_is_named_by_its_pid_and_start_time() -> None:
+    """hpc_ddp.procs: the pid alone is not the process; the pair is. One definition for a
+    local job's id, a checkpoint lock's owner and a rank's heartbeat."""
+    import subprocess
+    import sys
+
+    from hpc_ddp.procs import process_start, same_process
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = process_start(child.pid)
+        assert isinstance(start, int) and start >= (process_start(os.getpid()) or 0)
+        assert same_process(child.pid, start) and same_process(child.pid, None)
+        assert not same_process(child.pid, start + 1)  # the pid reused by another process
+        assert not same_process(0, None) and not same_process(-1, None)  # process groups
+    finally:
+        child.kill()
+        child.wait()
+    assert process_start(child.pid) is None and not same_process(child.pid, start)

@@ -119,11 +119,13 @@ def stream(
             expired.set()
             proc.kill()
 
+        # a daemon: a Ctrl-C that ends this process must not wait out the timeout for it
         timer = threading.Timer(timeout, stop)
-        timer.start()
+        timer.daemon = True
         assert proc.stdout is not None
         text = io.TextIOWrapper(proc.stdout, encoding="utf-8", errors="replace")
         try:
+            timer.start()
             result = reader(text)
         except BaseException:
             proc.kill()

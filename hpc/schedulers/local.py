@@ -16,6 +16,7 @@ from typing import IO, TYPE_CHECKING, Any
 from hpc._pipes import detach, reader_gone
 from hpc.errors import UserError
 from hpc.schedulers import JobState, Scheduler, Submission
+from hpc_ddp.procs import process_start
 
 if TYPE_CHECKING:
     from hpc.chain import After
@@ -90,7 +91,7 @@ class Local(Scheduler):
                 start_new_session=True,
             )
             forward.to(proc.pid)  # before anything else: a signal from now on is the job's
-            job_id = f"local-{proc.pid}-{_start_ticks(proc.pid)}"
+            job_id = f"local-{proc.pid}-{process_start(proc.pid) or 0}"
             if on_start is not None:
                 on_start(job_id)
             assert proc.stdout is not None
@@ -257,16 +258,6 @@ def _parse(job_id: str) -> tuple[int, int | None]:
     return int(parts[0]), int(parts[1]) if len(parts) == 2 else None
 
 
-def _start_ticks(pid: int) -> int:
-    """Field 22 of /proc/PID/stat (after the command name, which may hold spaces)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            stat = fh.read()
-    except OSError:
-        return 0
-    return int(stat[stat.rfind(")") + 2 :].split()[19])
-
-
 def _alive(pid: int, start: int | None) -> bool:
     try:
         os.kill(pid, 0)
@@ -281,7 +272,7 @@ def _alive(pid: int, start: int | None) -> bool:
         leader = os.getsid(pid) == pid
     except OSError:
         return False
-    return start is not None and leader and _start_ticks(pid) == start
+    return start is not None and leader and process_start(pid) == start
 
 
 SCHEDULER = Local

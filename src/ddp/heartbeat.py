@@ -3,8 +3,10 @@
 Why files: a supervisor (``python -m ddp.supervise``) must tell a running rank from a stuck
 one without joining the process group (a hung collective would hang it too) and without
 the ranks doing any device work for it. Each rank atomically replaces one small JSON file,
-``DIR/rank-R.json`` = ``{"rank", "step", "phase", "time", "pid", "host", "thread"}``
-(``thread``: the main thread's id, which names it in a stack dump), at most every
+``DIR/rank-R.json`` = ``{"rank", "step", "phase", "time", "pid", "start", "host",
+"thread"}`` (``start``: the process's start time, so a watcher never signals a process
+that reuses the pid; ``thread``: the main thread's id, which names it in a stack dump),
+at most every
 ``every_s`` seconds. ``step`` is the trainer's host-side counter: a beat never reads a
 tensor, so it adds no host-device synchronisation to the hot loop (tests/ddp
 test_trainer_sync stays at zero reads); between writes a beat costs one clock read.
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import IO
 
 from hpc_ddp.files import write_atomic
+from hpc_ddp.procs import process_start
 
 log = logging.getLogger("ddp")
 
@@ -99,6 +102,7 @@ class Heartbeat:
         self.every_s = every_s if every_s is not None else _every_from_env()
         self._next = 0.0  # monotonic time of the next write
         self._host = node_name()
+        self._start = process_start(os.getpid())
         if folder is not None:
             try:
                 folder.mkdir(parents=True, exist_ok=True)
@@ -125,6 +129,7 @@ class Heartbeat:
             "phase": phase,
             "time": time.time(),
             "pid": os.getpid(),
+            "start": self._start,
             "host": self._host,
             "thread": threading.main_thread().ident,
         }

@@ -66,6 +66,7 @@ from ddp.supervise_evidence import (  # noqa: F401
     _node,
     _probe_here,
     _proc_state,
+    _rank_state,
     _stop_launcher,
     collect_stacks,
     flight_recorder_env,
@@ -290,9 +291,7 @@ def _after_exit(
     fdir.mkdir(parents=True, exist_ok=True)
     beats = read_beats(hb_dir)
     dead = sorted(
-        r
-        for r, b in beats.items()
-        if b.get("host") == _node() and _proc_state(int(b.get("pid", 0))) is None
+        r for r, b in beats.items() if b.get("host") == _node() and _rank_state(b) is None
     )
     named = sorted({nodes.node_of(beats[r]) for r in dead})
     if nodes.active:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp.procs import same_process
 from hpc_ddp.run_layout import HEARTBEATS
 
 
@@ -53,10 +54,25 @@ def _proc_state(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[0]
 
 
+def _pid(beat: dict[str, Any]) -> int:
+    """The beat's pid, 0 when it has none (a beat is a rank's file: not trusted blindly)."""
+    pid = beat.get("pid")
+    return pid if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else 0
+
+
+def _rank_state(beat: dict[str, Any]) -> str | None:
+    """The state letter of the beat's process (on this host), None when it is gone or its
+    pid now names another process (the beat's ``start`` differs): the supervisor stops
+    and kills ranks by pid, and must never signal a process that reuses one."""
+    pid, start = _pid(beat), beat.get("start")
+    if not same_process(pid, start if isinstance(start, int) else None):
+        return None
+    return _proc_state(pid)
+
+
 def _exited(beat: dict[str, Any]) -> bool:
     """True when the beat's process is on this host and no longer exists."""
-    pid = int(beat.get("pid", 0))
-    return beat.get("host") == _node() and pid > 0 and _proc_state(pid) in (None, "Z")
+    return beat.get("host") == _node() and _pid(beat) > 0 and _rank_state(beat) in (None, "Z")
 
 
 # ---- NCCL's flight recorder ----------------------------------------------------------------
@@ -140,7 +156,12 @@ class _Dump:
             return False
         if now - self.since < SETTLE_S:
             return False
-        return not self.need or self.need.encode() in self.new_part()
+        if not self.need:
+            return True
+        part = self.new_part()
+        # faulthandler stops after 100 threads with "...": the main thread, dumped last,
+        # is then not in it at all
+        return self.need.encode() in part or part.endswith(b"\n...\n")
 
 
 def _main_thread_id(beat: dict[str, Any]) -> str:
@@ -166,11 +187,11 @@ def collect_stacks(
     host, states = _node(), {}
     asked: dict[int, tuple[int, list[_Dump]]] = {}  # rank -> (pid, its dumps being written)
     for rank, rec in sorted(beats.items()):
-        pid = int(rec.get("pid", 0))
+        pid = _pid(rec)
         if rec.get("host") != host or pid <= 0:
             states[rank] = "remote"
             continue
-        state = _proc_state(pid)
+        state = _rank_state(rec)
         states[rank] = {None: "gone", "T": "stopped", "t": "stopped"}.get(state, "running")
         if state is None:
             continue
@@ -316,7 +337,7 @@ def _probe_here(run_dir: Path, fdir: Path, action: str, sig: int) -> int:
 def _kill_ranks(beats: dict[int, dict[str, Any]]) -> None:
     host = _node()
     for rec in beats.values():
-        if rec.get("host") == host and int(rec.get("pid", 0)) > 0:
+        if rec.get("host") == host and _rank_state(rec) is not None:
             try:
                 os.kill(int(rec["pid"]), signal.SIGKILL)
             except OSError:

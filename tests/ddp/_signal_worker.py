@@ -3,7 +3,9 @@
 Spec keys: config (TrainConfig mapping), n, eval_n, ready_dir (each rank writes
 <rank>.pid there when it reaches the point the test signals), and one of
 hang_rank/hang_step (that rank sleeps in Python at that step while its peers block in
-the next collective), nan_step (the loss is NaN from that step on) or slow_eval (each eval batch takes this many seconds; the pid
+the next collective; a peer writes <rank>.backward from its last Python code of that step:
+the hook on its input's gradient, which runs after every other backward function, so
+what is left before the gradient all-reduce's wait is native code), nan_step (the loss is NaN from that step on) or slow_eval (each eval batch takes this many seconds; the pid
 file is written at the first one). out: rank 0 saves the final weights there.
 """
 
@@ -20,8 +22,8 @@ from torch import nn
 from tests.ddp._train_worker import make_data, make_model
 
 
-def _ready(spec: dict, rank: int) -> None:
-    path = os.path.join(spec["ready_dir"], f"{rank}.pid")
+def _ready(spec: dict, rank: int, suffix: str = "pid") -> None:
+    path = os.path.join(spec["ready_dir"], f"{rank}.{suffix}")
     if not os.path.exists(path):
         with open(path + ".tmp", "w") as fh:
             fh.write(str(os.getpid()))
@@ -43,6 +45,9 @@ def main() -> None:
             if rank == spec.get("hang_rank"):
                 time.sleep(600)  # a hung rank; its peers wait in the gradient all-reduce
         x, y = batch
+        if spec.get("hang_step") == trainer.global_step and rank != spec.get("hang_rank"):
+            x = x.clone().requires_grad_(True)
+            x.register_hook(lambda grad: _ready(spec, rank, "backward"))
         loss = nn.functional.mse_loss(model(x), y)
         if spec.get("nan_step") is not None and trainer.global_step >= spec["nan_step"]:
             loss = loss * float("nan")  # a diverging run

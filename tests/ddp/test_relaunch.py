@@ -269,8 +269,11 @@ def test_pals_mpiexec_node_lost_relaunches_on_the_other_with_a_rewritten_host_fi
         "0.1",
         "--max-restarts",
         "2",
+        # 10 s: from rank 1's "ready" the test's poll, the SIGKILL and hydra's teardown
+        # through the shim all come before the launcher's exit is seen, while rank 0's
+        # clock runs from a beat up to a quarter timeout old (5 s was close under load)
         "--hang-timeout-s",
-        "5",
+        "10",
         "--",
         str(PALS),
         "-n",

@@ -105,7 +105,12 @@ def test_hung_rank_ends_on_sigterm_within_seconds(tmp_path):
     }
     procs = _launch.start([WORKER, json.dumps(spec)], world=2)
     _wait_ready(ready, 2, procs)
-    time.sleep(1.0)  # let rank 0 enter the all-reduce
+    # rank 0's last Python of the step (its input-gradient hook) has run: it waits in the
+    # all-reduce's native code from here
+    deadline = time.monotonic() + 60
+    while not (ready / "0.backward").exists():
+        assert procs[0].poll() is None and time.monotonic() < deadline, "rank 0: no backward"
+        time.sleep(0.02)
     t0 = time.monotonic()
     for p in procs:
         p.send_signal(signal.SIGTERM)

@@ -45,20 +45,25 @@ def _lines(path: Path, kind: str) -> list[dict]:
 
 
 def test_a_rank_slow_in_its_data_is_named_with_host_and_phase(tmp_path: Path) -> None:
-    # rank 1 takes 10 ms more per sample: 40 ms a step of 4 samples, against ~0 on rank 0
-    log = _run(_spec(tmp_path, n=80, every=1, slow_rank=1, slow_data_s=0.01))
+    # rank 1 takes 50 ms more per sample: 200 ms a step of 4 samples, against ~0 on rank 0.
+    # Of 2 ranks the median is the mean, so "over 1.5 x the median" is rank 1 over 3 x rank
+    # 0: rank 0 may take up to ~65 ms on a loaded machine (10 ms a sample left it 13 ms)
+    log = _run(_spec(tmp_path, n=80, every=1, slow_rank=1, slow_data_s=0.05))
     ck = tmp_path / "ck"
     (found,) = _lines(ck / "ranks.jsonl", "straggler")
-    assert (found["rank"], found["phase"], found["step"]) == (1, "data", 3)
+    assert (found["rank"], found["phase"]) == (1, "data"), found
+    # 3 log points in a row (Stragglers.points; test_the_judgement_itself has the exact
+    # rule): the third point, or later where a stall of rank 0 broke a streak
+    assert found["step"] >= 3, found
     assert found["host"] == fingerprint.node_name()
-    assert found["seconds_per_step"] >= 0.04 > found["median"]
+    assert found["seconds_per_step"] >= 0.2 > found["median"]
     assert "straggler: rank 1 on" in log and "slow in data" in log
     assert _lines(ck / "ranks.jsonl", "hosts")[0]["hosts"] == [fingerprint.node_name()] * 2
     rows = _lines(ck / "ranks.jsonl", "ranks")
     assert [r["step"] for r in rows] == list(range(1, 11))
-    assert all(r["data"][1] >= 0.04 > r["data"][0] for r in rows)
+    assert all(r["data"][1] >= 0.2 > r["data"][0] for r in rows)
     train = _lines(ck / "metrics.jsonl", "train")
-    assert all(t["rank_data_s_max"] >= 0.04 > t["rank_data_s_min"] for t in train)
+    assert all(t["rank_data_s_max"] >= 0.2 > t["rank_data_s_min"] for t in train)
     # DDP's second step rebuilds its buckets (a broadcast inside the forward), where the
     # fast rank waits for the slow one once; after it, the slow rank is the slowest
     assert all(t["slowest_rank"] == 1 for t in train if t["step"] >= 3), train

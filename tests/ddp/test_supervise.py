@@ -450,6 +450,10 @@ def test_a_dump_is_whole_once_it_names_the_main_thread_and_stops_growing(tmp_pat
     assert not d.whole(5.0 + SETTLE_S / 2)
     assert d.whole(5.0 + SETTLE_S + 0.01)
     assert d.new_part().startswith(b"Thread 0x") and b"old dump" not in d.new_part()
+    many = _Dump(f, f.stat().st_size, appended=True, need=need)
+    with open(f, "ab") as fh:  # faulthandler's cut after 100 threads: no main thread
+        fh.write(b"Thread 0x00000000000000bb (most recent call first):\n  File x\n\n...\n")
+    assert not many.whole(7.0) and many.whole(7.0 + SETTLE_S + 0.01)
     trace = tmp_path / "nccl-trace-rank-0"
     t = _Dump(trace, 0, appended=False)
     assert not t.whole(0.0)  # not written
@@ -502,3 +506,28 @@ def test_a_hang_collects_the_nccl_flight_recorder_through_its_pipe(tmp_path: Pat
         assert _proc_state(child.pid) in ("T", "t")  # stopped once dumped, as a stopped one is
     finally:
         child.kill()
+
+
+def test_a_pid_reused_by_another_process_is_never_signalled(tmp_path: Path) -> None:
+    """A rank's beat names its process by pid and start time: once the rank is gone and
+    its pid names another process (the start differs), the supervisor reports the rank
+    gone and neither stops, asks for stacks nor kills that process."""
+    from ddp.supervise import _exited, _kill_ranks, _node, _proc_state, collect_stacks
+    from hpc_ddp.procs import process_start
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = process_start(other.pid)
+        assert start is not None
+        beat = {"pid": other.pid, "start": start + 1, "host": _node(), "rank": 0}
+        states = collect_stacks(tmp_path / "hb", tmp_path / "out", {0: beat}, int(signal.SIGUSR2))
+        assert states == {0: "gone"} and _exited(beat)
+        _kill_ranks({0: beat})
+        assert other.poll() is None and _proc_state(other.pid) not in ("T", "t")  # untouched
+        mine = {**beat, "start": start}  # the same process: found and asked for stacks
+        assert not _exited(mine)
+        _kill_ranks({0: mine})
+        assert other.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        other.kill()
+        other.wait()

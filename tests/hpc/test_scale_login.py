@@ -530,3 +530,27 @@ def test_a_qstat_that_hangs_mid_answer_is_given_up(fake_bin, monkeypatch):
     fake_bin("qstat", """echo '{"Jobs": {"1.s": {"job_state": "R"},'; exec sleep 600""")
     assert pbs_mod.query(["1.s"]) == {}
     assert len(_calls(fake_bin)) == 1  # a hung client: no form after it is tried either
+
+
+def test_a_ctrl_c_while_a_client_streams_ends_it_without_waiting_out_the_timeout(fake_bin):
+    """Ctrl-C (KeyboardInterrupt in the reader) ends the client at once and leaves no
+    thread that would hold the process until the client's timeout: the watchdog timer is
+    a daemon, and cancelled."""
+    import threading
+
+    from hpc.schedulers._client import stream
+
+    fake_bin("qstat", "echo partial; exec sleep 600")
+    seen: list[threading.Thread] = []
+
+    def reader(text):
+        text.readline()
+        seen.extend(t for t in threading.enumerate() if isinstance(t, threading.Timer))
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        stream(["qstat"], reader, timeout=600)
+    assert seen and all(t.daemon for t in seen), seen
+    for t in seen:
+        t.join(timeout=30)  # cancelled: ends at once
+        assert not t.is_alive()

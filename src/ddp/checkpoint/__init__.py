@@ -90,5 +90,4 @@ from ddp.checkpoint.lock import (  # noqa: F401
     LOCK_REFRESH_S,
     LOCK_STALE_BEATS,
     DirLock,
-    process_start,
 )

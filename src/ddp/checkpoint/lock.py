@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp.checkpoint.files import SMALL_FILE, _atomic_write, _open_regular
+from hpc_ddp.procs import process_start
 
 log = logging.getLogger("ddp")
 
@@ -38,20 +39,6 @@ def _read_small(path: str) -> str | None:
         with open(path, encoding="ascii", errors="replace") as fh:
             return fh.read(4096).strip()
     except OSError:
-        return None
-
-
-def process_start(pid: int) -> int | None:
-    """When process ``pid`` started, in clock ticks after boot (``/proc/PID/stat`` field
-    22); None when it does not exist (or there is no ``/proc``). With the pid and the
-    boot id it names one process for good: a pid reused later has another start time."""
-    stat_line = _read_small(f"/proc/{pid}/stat")
-    if not stat_line or ")" not in stat_line:
-        return None
-    fields = stat_line.rsplit(")", 1)[1].split()  # the name in (...) may hold spaces
-    try:
-        return int(fields[19])
-    except (IndexError, ValueError):
         return None
 
 
