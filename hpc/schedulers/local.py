@@ -272,7 +272,7 @@ def _alive(pid: int, start: int | None) -> bool:
         leader = os.getsid(pid) == pid
     except OSError:
         return False
-    return start is not None and leader and process_start(pid) == start
+    return start is not None and leader and (process_start(pid) or 0) == start  # 0: no /proc
 
 
 SCHEDULER = Local

@@ -11,8 +11,8 @@ watches two things the ranks publish without any device work (:mod:`ddp.heartbea
 
 On a hang it first collects every rank's Python stack into ``RUN/failures/N/rank-R.txt``
 (faulthandler on ``$DDP_STACK_SIGNAL``; a SIGSTOPped rank is continued so it can dump;
-``py-spy dump`` too where installed; each rank is stopped once its dump is whole, so none
-trains on before the kill), then kills the ranks and the launcher and relaunches.
+``py-spy dump`` too where installed; a dump is copied once whole, and a rank continued
+for it stopped again then), then kills the ranks and the launcher and relaunches.
 The trainer resumes from the latest checkpoint (its exact, any-world-size resume).
 
 Failures that are not a node's fault end the job at once, without burning restarts: a

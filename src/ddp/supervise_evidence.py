@@ -54,20 +54,27 @@ def _proc_state(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[0]
 
 
+def _beat_int(beat: dict[str, Any], key: str) -> int | None:
+    """A whole number the beat holds under ``key`` (0 .. 2**64), else None: a beat is a
+    rank's file, read as untrusted (JSON's true is not a number here)."""
+    value = beat.get(key)
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64:
+        return value
+    return None
+
+
 def _pid(beat: dict[str, Any]) -> int:
-    """The beat's pid, 0 when it has none (a beat is a rank's file: not trusted blindly)."""
-    pid = beat.get("pid")
-    return pid if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else 0
+    """The beat's pid, 0 when it has none."""
+    return _beat_int(beat, "pid") or 0
 
 
 def _rank_state(beat: dict[str, Any]) -> str | None:
     """The state letter of the beat's process (on this host), None when it is gone or its
     pid now names another process (the beat's ``start`` differs): the supervisor stops
     and kills ranks by pid, and must never signal a process that reuses one."""
-    pid, start = _pid(beat), beat.get("start")
-    if not same_process(pid, start if isinstance(start, int) else None):
+    if not same_process(_pid(beat), _beat_int(beat, "start")):
         return None
-    return _proc_state(pid)
+    return _proc_state(_pid(beat))
 
 
 def _exited(beat: dict[str, Any]) -> bool:
@@ -122,8 +129,8 @@ def _poke_flight_recorder(hb_dir: Path, rank: int) -> Path | None:
 
 #: Seconds a dump's size must stay the same before it counts as whole. faulthandler writes
 #: a dump a few bytes at a time from its signal handler (a header, then each frame, for each
-#: thread) and NCCL's watchdog streams its file: a copy taken at the first new byte held one
-#: thread of a rank's several (CI at 973667b).
+#: thread, the main thread last) and NCCL's watchdog streams its file: a copy taken at the
+#: first new byte held one thread of a rank's several (CI at 973667b).
 SETTLE_S = 0.3
 
 
@@ -143,16 +150,23 @@ class _Dump:
         data = self.path.read_bytes()
         return data[self.mark :] if self.appended else data
 
-    def whole(self, now: float) -> bool:
-        """True once it has changed, holds ``need`` and kept its size for SETTLE_S."""
+    def changed(self) -> bool:
+        """True once the rank has written anything since the ask."""
         try:
             st = self.path.stat()
         except OSError:
             return False
-        if (st.st_size <= self.mark) if self.appended else (st.st_mtime_ns == self.mark):
+        if self.appended and st.st_size < self.mark:  # truncated (a second ddp.init)
+            self.mark = 0
+        return st.st_size > self.mark if self.appended else st.st_mtime_ns != self.mark
+
+    def whole(self, now: float) -> bool:
+        """True once it has changed, holds ``need`` and kept its size for SETTLE_S."""
+        if not self.changed():
             return False
-        if st.st_size != self.size:
-            self.size, self.since = st.st_size, now
+        size = _size(self.path)
+        if size != self.size:
+            self.size, self.since = size, now
             return False
         if now - self.since < SETTLE_S:
             return False
@@ -165,11 +179,22 @@ class _Dump:
 
 
 def _main_thread_id(beat: dict[str, Any]) -> str:
-    """How faulthandler names the rank's main thread (``Thread 0x%016lx``), "" when the
-    beat does not say. The main thread is the one stuck in the step: its frames are
-    the ones a dump must hold."""
-    tid = beat.get("thread")
-    return f"0x{tid:016x}" if isinstance(tid, int) and not isinstance(tid, bool) else ""
+    """How faulthandler names the rank's main thread in its header (``Thread 0x%016lx``
+    on a 64-bit host), "" when the beat does not say. The main thread is the one stuck in
+    the step, and the last one dumped: once its header is in, only its frames are to come."""
+    tid = _beat_int(beat, "thread")
+    return f"0x{tid:016x}" if tid else ""
+
+
+@dataclass
+class _Asked:
+    """A local rank asked for its dumps: its beat, whether it was found stopped, the
+    stack dump and, under NCCL, the flight-recorder dump."""
+
+    beat: dict[str, Any]
+    stopped: bool
+    stack: _Dump
+    trace: _Dump | None
 
 
 def collect_stacks(
@@ -178,65 +203,85 @@ def collect_stacks(
     """Ask every local rank for its stacks; copy them into ``out``. Returns rank -> state
     at the time of the hang ("stopped", "running", "gone", "remote").
 
-    Each rank asked is stopped (SIGSTOP) once its dumps are whole, and so stays until the
-    kill: a rank found stopped is continued to dump, and with its peers running it would
-    train on (even finish) before the kill, which for another node comes a probe's start
-    later; with its peers stopped it waits in the next collective, so its dump can be
-    given the time to be written whole."""
+    A rank found stopped is continued so it can dump, and stopped again once its stack
+    dump is whole: it must not train on before the kill, which for another node comes a
+    probe's start later. Running ranks are left running: under NCCL each rank's
+    watchdog polls the rendezvous store, which rank 0's process serves, before it reads
+    its flight-recorder pipe, so a stopped rank 0 would hold back every other node's
+    flight-recorder dump."""
     out.mkdir(parents=True, exist_ok=True)
     host, states = _node(), {}
-    asked: dict[int, tuple[int, list[_Dump]]] = {}  # rank -> (pid, its dumps being written)
+    asked: dict[int, _Asked] = {}
     for rank, rec in sorted(beats.items()):
         pid = _pid(rec)
         if rec.get("host") != host or pid <= 0:
             states[rank] = "remote"
             continue
         state = _rank_state(rec)
-        states[rank] = {None: "gone", "T": "stopped", "t": "stopped"}.get(state, "running")
-        if state is None:
+        states[rank] = {None: "gone", "Z": "gone", "T": "stopped", "t": "stopped"}.get(
+            state, "running"
+        )
+        if states[rank] == "gone":
             continue
         stack = hb_dir / f"stack-rank-{rank}.txt"
-        dumps = [_Dump(stack, _size(stack), appended=True, need=_main_thread_id(rec))]
+        dump = _Dump(stack, _size(stack), appended=True, need=_main_thread_id(rec))
         try:
             os.kill(pid, sig)
             os.kill(pid, signal.SIGCONT)  # a stopped rank dumps (where it stopped) once continued
         except OSError:
             continue
         trace = _poke_flight_recorder(hb_dir, rank)
-        if trace is not None:
-            dumps.append(_Dump(trace, _mtime(trace), appended=False))
-        asked[rank] = (pid, dumps)
-        if shutil.which("py-spy"):
-            with open(out / f"rank-{rank}.py-spy.txt", "w") as fh:
-                subprocess.run(
-                    ["py-spy", "dump", "--pid", str(pid)],
-                    stdout=fh,
-                    stderr=subprocess.STDOUT,
-                    timeout=30,
-                    check=False,
-                )
+        fr = _Dump(trace, _mtime(trace), appended=False) if trace is not None else None
+        asked[rank] = _Asked(rec, states[rank] == "stopped", dump, fr)
+    stacks = set(asked)  # ranks whose stack dump is not whole yet
+    traces = {r for r, a in asked.items() if a.trace is not None}
     deadline = time.monotonic() + wait_s
-    pending = dict(asked)
-    while pending and time.monotonic() < deadline:
+    while (stacks or traces) and time.monotonic() < deadline:
         now = time.monotonic()
-        for rank, (pid, dumps) in list(pending.items()):
-            if all(d.whole(now) for d in dumps):
-                _stop(pid)
-                del pending[rank]
+        for rank in list(stacks):
+            a = asked[rank]
+            if a.stack.whole(now):
+                if a.stopped:  # as it was found, as soon as it has dumped
+                    _stop(a.beat)
+                stacks.discard(rank)
+            elif _rank_state(a.beat) in (None, "Z"):  # it ended: nothing more will come
+                stacks.discard(rank)
+        for rank in list(traces):
+            fr = asked[rank].trace
+            if fr is None or fr.whole(now) or _rank_state(asked[rank].beat) in (None, "Z"):
+                traces.discard(rank)
         time.sleep(0.02)
-    for rank, (pid, dumps) in asked.items():
-        _stop(pid)  # one that did not answer in time too: it is killed next
-        stack_dump, *trace_dumps = dumps
-        part = stack_dump.new_part() if stack_dump.path.exists() else b""
+    for rank, a in asked.items():
+        if a.stopped:  # one that did not answer in time too: it is killed next
+            _stop(a.beat)
+        part = a.stack.new_part() if a.stack.changed() else b""
         if not part:
             part = b"no stack: the rank did not answer the signal\n"
-        elif rank in pending:
+        elif rank in stacks:
             part += b"\n(the dump was still incomplete after %g s)\n" % wait_s
         (out / f"rank-{rank}.txt").write_bytes(part)
-        for d in trace_dumps:
-            if d.path.is_file() and _mtime(d.path) != d.mark:
-                shutil.copyfile(d.path, out / d.path.name)
+        if a.trace is not None and a.trace.changed():
+            shutil.copyfile(a.trace.path, out / a.trace.path.name)
+        _py_spy(_pid(a.beat), out / f"rank-{rank}.py-spy.txt")
     return states
+
+
+def _py_spy(pid: int, dest: Path) -> None:
+    """``py-spy dump`` of the rank where py-spy is installed (after the faulthandler dump,
+    with the rank as it was found); a py-spy that fails or hangs only leaves its file."""
+    if not shutil.which("py-spy"):
+        return
+    with open(dest, "w") as fh:
+        try:
+            subprocess.run(
+                ["py-spy", "dump", "--pid", str(pid)],
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                timeout=30,
+                check=False,
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            fh.write(f"py-spy: {exc}\n")
 
 
 def _size(path: Path) -> int:
@@ -253,9 +298,12 @@ def _mtime(path: Path) -> int:
         return 0
 
 
-def _stop(pid: int) -> None:
+def _stop(beat: dict[str, Any]) -> None:
+    """SIGSTOP the beat's rank while its pid still names it."""
+    if _rank_state(beat) in (None, "Z"):
+        return
     try:
-        os.kill(pid, signal.SIGSTOP)
+        os.kill(_pid(beat), signal.SIGSTOP)
     except OSError:
         pass
 

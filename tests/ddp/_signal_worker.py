@@ -3,9 +3,9 @@
 Spec keys: config (TrainConfig mapping), n, eval_n, ready_dir (each rank writes
 <rank>.pid there when it reaches the point the test signals), and one of
 hang_rank/hang_step (that rank sleeps in Python at that step while its peers block in
-the next collective; a peer writes <rank>.backward from its last Python code of that step:
-the hook on its input's gradient, which runs after every other backward function, so
-what is left before the gradient all-reduce's wait is native code), nan_step (the loss is NaN from that step on) or slow_eval (each eval batch takes this many seconds; the pid
+the next collective; a peer writes <rank>.backward from its last Python code of that step,
+the hook on its input's gradient: the trainer registers no Python hook or comm hook, so
+what runs after it, up to the gradient all-reduce's wait, is native code), nan_step (the loss is NaN from that step on) or slow_eval (each eval batch takes this many seconds; the pid
 file is written at the first one). out: rank 0 saves the final weights there.
 """
 

@@ -261,10 +261,12 @@ def epoch_once_without_rank_1(seen: Path) -> int:
     return resumed
 
 
-def _supervised_two_nodes(slurm_cluster, tmp_path: Path, supervise: str, sig: int) -> str:
+def _supervised_two_nodes(
+    slurm_cluster, tmp_path: Path, supervise: str, sig: int, release: bool = True
+) -> str:
     """Submit a 2-node job (one rank a node) under ``ddp.supervise SUPERVISE -- srun``,
     wait until rank 1 (on n2, which shares this host) holds before step 4, send it
-    ``sig`` and let it go on; the job's id."""
+    ``sig`` and (``release``) let it go on; the job's id."""
     hold = tmp_path / "hold"
     hold.mkdir()
     spec = _spec(tmp_path, hold={"rank": 1, "step": 4, "dir": str(hold)})
@@ -295,7 +297,8 @@ def _supervised_two_nodes(slurm_cluster, tmp_path: Path, supervise: str, sig: in
         assert time.monotonic() < deadline, slurm_cluster.job_log(job)
         time.sleep(0.05)
     os.kill(int((hold / "ready").read_text()), sig)
-    (hold / "released").touch()  # a stopped rank sees it only once continued
+    if release:
+        (hold / "released").touch()  # a stopped rank sees it only once continued
     return job
 
 
@@ -329,8 +332,14 @@ def test_slurm_hung_rank_on_the_other_node_is_probed_named_and_excluded(
     """2 nodes; n2's rank is SIGSTOPped. The supervisor (on n1) cannot signal it, so a
     probe (``srun --overlap`` on n2) takes its stack, reports it stopped and kills it: n2
     alone is named and excluded, and the job completes on n1."""
+    # held, not released: the probe continues rank 1 for its stack dump (and stops it
+    # again once the dump is whole), and released it would train on with rank 0 meanwhile
     job = _supervised_two_nodes(
-        slurm_cluster, tmp_path, "--hang-timeout-s 10 --max-restarts 1 --poll-s 0.2", signal.SIGSTOP
+        slurm_cluster,
+        tmp_path,
+        "--hang-timeout-s 10 --max-restarts 1 --poll-s 0.2",
+        signal.SIGSTOP,
+        release=False,
     )
     state = slurm_cluster.wait(job, timeout=180)
     log = slurm_cluster.job_log(job)
@@ -385,8 +394,8 @@ def test_a_stopped_rank_dumps_every_thread_and_is_stopped_again(tmp_path: Path) 
     """collect_stacks continues a SIGSTOPped rank so faulthandler can dump, then stops it
     again: it must not train on (or finish) before the kill, which for a rank on another
     node comes a probe's start later. The copy holds the whole dump: faulthandler writes it
-    a frame at a time, and a copy (and stop) at its first bytes held one thread of 61 here
-    (5 runs of 5; a CI run lost the main thread's frames this way)."""
+    a frame at a time, and a copy (and stop) at its first bytes held 1-19 threads of 61
+    here (5 runs of 5; a CI run lost the main thread's frames this way)."""
     from ddp.supervise import _node, _proc_state, collect_stacks
 
     hb = tmp_path / "hb"
@@ -395,8 +404,12 @@ def test_a_stopped_rank_dumps_every_thread_and_is_stopped_again(tmp_path: Path) 
         "import faulthandler, signal, sys, threading, time\n"
         f"f = open({str(hb / 'stack-rank-0.txt')!r}, 'w')\n"
         "faulthandler.register(signal.SIGUSR2, file=f, all_threads=True)\n"
-        "def deep(n):\n    if n: return deep(n - 1)\n    while True: time.sleep(0.05)\n"
+        # every thread 41 frames deep before "up" (a barrier), so the count below is exact
+        "deep_enough = threading.Barrier(61)\n"
+        "def deep(n):\n    if n: return deep(n - 1)\n    deep_enough.wait()\n"
+        "    while True: time.sleep(0.05)\n"
         "for _ in range(60): threading.Thread(target=deep, args=(40,), daemon=True).start()\n"
+        "deep_enough.wait()\n"
         # "up" from inside stuck_here: a stop right after "up" (before the call) was
         # a stack of <module> only, one run in a few on a loaded machine
         "def stuck_here():\n    print('up', threading.main_thread().ident, flush=True)\n"
@@ -503,7 +516,9 @@ def test_a_hang_collects_the_nccl_flight_recorder_through_its_pipe(tmp_path: Pat
         assert states[0] == "running"
         assert (tmp_path / "out" / f"{FR_STEM}0").read_text() == "entries: all_reduce seq 7"
         assert "stuck_here" in (tmp_path / "out" / "rank-0.txt").read_text()
-        assert _proc_state(child.pid) in ("T", "t")  # stopped once dumped, as a stopped one is
+        # a running rank is left running: under NCCL the other ranks' watchdogs poll the
+        # store rank 0 serves before they read their recorder pipes
+        assert _proc_state(child.pid) not in ("T", "t")
     finally:
         child.kill()
 
@@ -531,3 +546,63 @@ def test_a_pid_reused_by_another_process_is_never_signalled(tmp_path: Path) -> N
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_recorder_that_never_answers_costs_the_stack_nothing(tmp_path: Path) -> None:
+    """A flight-recorder pipe is read by nobody's watchdog (it hangs too): the stopped
+    rank is still stopped again once its stack dump is whole, and the whole dump is not
+    marked incomplete; no recorder file is copied."""
+    from ddp.supervise import FR_STEM, _node, _proc_state, collect_stacks
+
+    hb = tmp_path / "hb"
+    hb.mkdir()
+    code = (
+        "import faulthandler, os, signal, threading, time\n"
+        f"f = open({str(hb / 'stack-rank-0.txt')!r}, 'w')\n"
+        "faulthandler.register(signal.SIGUSR2, file=f, all_threads=True)\n"
+        f"os.mkfifo({str(hb / (FR_STEM + '0.pipe'))!r})\n"
+        f"fd = os.open({str(hb / (FR_STEM + '0.pipe'))!r}, os.O_RDONLY | os.O_NONBLOCK)\n"
+        "def stuck_here():\n    print('up', threading.main_thread().ident, flush=True)\n"
+        "    while True: time.sleep(0.01)\n"
+        "stuck_here()\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        _up, ident = child.stdout.readline().split()
+        os.kill(child.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 30
+        while _proc_state(child.pid) not in ("T", "t"):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        beats = {0: {"pid": child.pid, "host": _node(), "thread": int(ident)}}
+        states = collect_stacks(hb, tmp_path / "out", beats, int(signal.SIGUSR2), wait_s=3)
+        assert states == {0: "stopped"}
+        stack = (tmp_path / "out" / "rank-0.txt").read_text()
+        assert "stuck_here" in stack and "incomplete" not in stack, stack
+        assert not list((tmp_path / "out").glob(FR_STEM + "*"))
+        assert _proc_state(child.pid) in ("T", "t")
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_rank_that_ended_unreaped_is_gone_and_never_asked(tmp_path: Path) -> None:
+    """A zombie (its parent has not reaped it) is a rank that ended: "gone", blamed, and
+    no signal or wait is spent on it; a beat's fields of the wrong type name no process."""
+    from ddp.supervise import _node, _rank_state, collect_stacks
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    try:
+        beat = {"pid": child.pid, "host": _node()}
+        assert collect_stacks(tmp_path / "hb", tmp_path / "out", {0: beat}, 12) == {0: "gone"}
+        assert not (tmp_path / "out" / "rank-0.txt").exists()
+        assert _rank_state({"pid": True}) is None and _rank_state({"pid": "1"}) is None
+        me = {"pid": os.getpid(), "start": True}  # not a number: the pid alone decides
+        assert _rank_state(me) not in (None, "Z")
+    finally:
+        child.wait()
