@@ -291,7 +291,7 @@ def _after_exit(
     fdir.mkdir(parents=True, exist_ok=True)
     beats = read_beats(hb_dir)
     dead = sorted(
-        r for r, b in beats.items() if b.get("host") == _node() and _rank_state(b) is None
+        r for r, b in beats.items() if b.get("host") == _node() and _rank_state(b) in (None, "Z")
     )
     named = sorted({nodes.node_of(beats[r]) for r in dead})
     if nodes.active:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddp.supervise_attempt import _say
 from hpc_ddp.procs import same_process
 from hpc_ddp.run_layout import HEARTBEATS
 
@@ -64,8 +65,9 @@ def _beat_int(beat: dict[str, Any], key: str) -> int | None:
 
 
 def _pid(beat: dict[str, Any]) -> int:
-    """The beat's pid, 0 when it has none."""
-    return _beat_int(beat, "pid") or 0
+    """The beat's pid, 0 when it has none (a pid is below 2**31 on every kernel)."""
+    pid = _beat_int(beat, "pid") or 0
+    return pid if pid < 2**31 else 0
 
 
 def _rank_state(beat: dict[str, Any]) -> str | None:
@@ -136,13 +138,15 @@ SETTLE_S = 0.3
 
 @dataclass
 class _Dump:
-    """A file a rank is writing for us: the stack file (appended: ``mark`` is its size before
-    the ask) or a flight-recorder dump (rewritten: ``mark`` is its mtime before)."""
+    """A file a rank is writing for us: the stack file (appended: ``mark`` is its size
+    before the ask) or a flight-recorder dump (rewritten: ``before`` is its (mtime, size,
+    inode) before the ask, which a rewrite within one mtime tick still changes)."""
 
     path: Path
-    mark: int
-    appended: bool
+    mark: int = 0
+    appended: bool = True
     need: str = ""  # text the new part must hold (the main thread's id), "" for none
+    before: tuple[int, int, int] | None = None
     size: int = -1
     since: float = 0.0
 
@@ -156,9 +160,11 @@ class _Dump:
             st = self.path.stat()
         except OSError:
             return False
-        if self.appended and st.st_size < self.mark:  # truncated (a second ddp.init)
+        if not self.appended:
+            return (st.st_mtime_ns, st.st_size, st.st_ino) != self.before
+        if st.st_size < self.mark:  # truncated (a second ddp.init)
             self.mark = 0
-        return st.st_size > self.mark if self.appended else st.st_mtime_ns != self.mark
+        return st.st_size > self.mark
 
     def whole(self, now: float) -> bool:
         """True once it has changed, holds ``need`` and kept its size for SETTLE_S."""
@@ -176,6 +182,14 @@ class _Dump:
         # faulthandler stops after 100 threads with "...": the main thread, dumped last,
         # is then not in it at all
         return self.need.encode() in part or part.endswith(b"\n...\n")
+
+
+def _signature(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
 
 
 def _main_thread_id(beat: dict[str, Any]) -> str:
@@ -197,19 +211,28 @@ class _Asked:
     trace: _Dump | None
 
 
+def _ended(beat: dict[str, Any]) -> bool:
+    return _rank_state(beat) in (None, "Z")
+
+
 def collect_stacks(
     hb_dir: Path, out: Path, beats: dict[int, dict[str, Any]], sig: int, wait_s: float = 10.0
 ) -> dict[int, str]:
     """Ask every local rank for its stacks; copy them into ``out``. Returns rank -> state
-    at the time of the hang ("stopped", "running", "gone", "remote").
+    at the time of the hang ("stopped", "running", "gone", "remote"; a rank that ends
+    while asked is "gone").
 
     A rank found stopped is continued so it can dump, and stopped again once its stack
-    dump is whole: it must not train on before the kill, which for another node comes a
-    probe's start later. Running ranks are left running: under NCCL each rank's
-    watchdog polls the rendezvous store, which rank 0's process serves, before it reads
-    its flight-recorder pipe, so a stopped rank 0 would hold back every other node's
-    flight-recorder dump."""
-    out.mkdir(parents=True, exist_ok=True)
+    dump is whole (or at the end of ``wait_s``): it should not train on before the kill,
+    which for another node comes a probe's start later. Its flight-recorder dump, under
+    NCCL, then cannot come (its watchdog is stopped with it). Running ranks are left
+    running: each rank's NCCL watchdog polls the rendezvous store, which rank 0's process
+    serves, before it reads its recorder pipe, so stopping rank 0 would hold back every
+    other node's recorder dump."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # no evidence, but the ranks are still asked, restored, killed
+        _say(f"cannot create {out}: {exc}")
     host, states = _node(), {}
     asked: dict[int, _Asked] = {}
     for rank, rec in sorted(beats.items()):
@@ -224,62 +247,85 @@ def collect_stacks(
         if states[rank] == "gone":
             continue
         stack = hb_dir / f"stack-rank-{rank}.txt"
-        dump = _Dump(stack, _size(stack), appended=True, need=_main_thread_id(rec))
+        dump = _Dump(stack, mark=_size(stack), need=_main_thread_id(rec))
         try:
             os.kill(pid, sig)
             os.kill(pid, signal.SIGCONT)  # a stopped rank dumps (where it stopped) once continued
         except OSError:
+            states[rank] = "gone"  # it ended in between
             continue
         trace = _poke_flight_recorder(hb_dir, rank)
-        fr = _Dump(trace, _mtime(trace), appended=False) if trace is not None else None
+        fr = None if trace is None else _Dump(trace, appended=False, before=_signature(trace))
         asked[rank] = _Asked(rec, states[rank] == "stopped", dump, fr)
+    try:
+        unfinished = _wait_for_dumps(asked, states, wait_s)
+    finally:  # whatever happened, each rank as it was found
+        for a in asked.values():
+            if a.stopped:
+                _stop(a.beat)
+    for rank, a in asked.items():
+        try:
+            _copy_dumps(rank, a, out, unfinished, wait_s)
+        except OSError as exc:  # a full or read-only failures folder: the kill goes on
+            _say(f"rank {rank}: its dumps not copied into {out}: {exc}")
+    return states
+
+
+def _wait_for_dumps(asked: dict[int, _Asked], states: dict[int, str], wait_s: float) -> set[str]:
+    """Wait (at most ``wait_s``) until every asked rank's dumps are whole; a rank found
+    stopped is stopped again as soon as its stack dump is. Returns the dumps' paths not
+    whole by then (as text)."""
     stacks = set(asked)  # ranks whose stack dump is not whole yet
     traces = {r for r, a in asked.items() if a.trace is not None}
     deadline = time.monotonic() + wait_s
     while (stacks or traces) and time.monotonic() < deadline:
         now = time.monotonic()
-        for rank in list(stacks):
+        for rank in list(stacks | traces):
             a = asked[rank]
-            if a.stack.whole(now):
-                if a.stopped:  # as it was found, as soon as it has dumped
-                    _stop(a.beat)
+            if _ended(a.beat):  # nothing more will come
+                states[rank] = "gone"
                 stacks.discard(rank)
-            elif _rank_state(a.beat) in (None, "Z"):  # it ended: nothing more will come
+                traces.discard(rank)
+                continue
+            if rank in stacks and a.stack.whole(now):
                 stacks.discard(rank)
-        for rank in list(traces):
-            fr = asked[rank].trace
-            if fr is None or fr.whole(now) or _rank_state(asked[rank].beat) in (None, "Z"):
+                if a.stopped:  # as it was found, as soon as it has dumped; its
+                    _stop(a.beat)  # recorder's dump cannot come now
+                    traces.discard(rank)
+            if rank in traces and a.trace is not None and a.trace.whole(now):
                 traces.discard(rank)
         time.sleep(0.02)
-    for rank, a in asked.items():
-        if a.stopped:  # one that did not answer in time too: it is killed next
-            _stop(a.beat)
-        part = a.stack.new_part() if a.stack.changed() else b""
-        if not part:
-            part = b"no stack: the rank did not answer the signal\n"
-        elif rank in stacks:
-            part += b"\n(the dump was still incomplete after %g s)\n" % wait_s
-        (out / f"rank-{rank}.txt").write_bytes(part)
-        if a.trace is not None and a.trace.changed():
-            shutil.copyfile(a.trace.path, out / a.trace.path.name)
-        _py_spy(_pid(a.beat), out / f"rank-{rank}.py-spy.txt")
-    return states
+    left = {str(asked[r].stack.path) for r in stacks}
+    return left | {str(t.path) for r in traces if (t := asked[r].trace) is not None}
 
 
-def _py_spy(pid: int, dest: Path) -> None:
-    """``py-spy dump`` of the rank where py-spy is installed (after the faulthandler dump,
-    with the rank as it was found); a py-spy that fails or hangs only leaves its file."""
+def _copy_dumps(rank: int, a: _Asked, out: Path, unfinished: set[str], wait_s: float) -> None:
+    """``rank-R.txt`` (the stack dump's new part, marked when it was not whole in time),
+    the recorder's dump (``.incomplete`` when it was not), and py-spy's view."""
+    part = a.stack.new_part() if a.stack.changed() else b""
+    if not part:
+        part = b"no stack: the rank did not answer the signal\n"
+    elif str(a.stack.path) in unfinished:
+        part += b"\n(the dump was still incomplete after %g s)\n" % wait_s
+    (out / f"rank-{rank}.txt").write_bytes(part)
+    if a.trace is not None and a.trace.changed():
+        tail = ".incomplete" if str(a.trace.path) in unfinished else ""
+        shutil.copyfile(a.trace.path, out / f"{a.trace.path.name}{tail}")
+    if not _ended(a.beat):
+        _py_spy(_pid(a.beat), a.stopped, out / f"rank-{rank}.py-spy.txt")
+
+
+def _py_spy(pid: int, stopped: bool, dest: Path) -> None:
+    """``py-spy dump`` of the rank where py-spy is installed, after the faulthandler dump.
+    A stopped rank is read without attaching (``--nonblocking``: it is frozen already, and
+    ptrace on a stopped process is unreliable); a py-spy that fails or hangs only leaves
+    its file."""
     if not shutil.which("py-spy"):
         return
+    argv = ["py-spy", "dump", "--pid", str(pid)] + (["--nonblocking"] if stopped else [])
     with open(dest, "w") as fh:
         try:
-            subprocess.run(
-                ["py-spy", "dump", "--pid", str(pid)],
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-                timeout=30,
-                check=False,
-            )
+            subprocess.run(argv, stdout=fh, stderr=subprocess.STDOUT, timeout=30, check=False)
         except (OSError, subprocess.SubprocessError) as exc:
             fh.write(f"py-spy: {exc}\n")
 

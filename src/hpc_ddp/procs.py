@@ -39,9 +39,9 @@ def same_process(pid: int, start: int | None) -> bool:
             return False  # /proc is there, the pid is not
         try:  # no /proc (macOS): whether the pid exists is all there is to know
             os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
         except PermissionError:
             return True
+        except (OSError, OverflowError):  # gone, or no pid at all
+            return False
         return True
     return start is None or now == start

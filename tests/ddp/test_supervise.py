@@ -122,9 +122,12 @@ def test_sigstop_one_rank_is_a_hang_with_stacks_then_relaunch(tmp_path: Path) ->
     _wait_for(hold / "ready", sup)
     os.kill(int((hold / "ready").read_text()), signal.SIGSTOP)
     stopped = time.monotonic()
-    (hold / "released").touch()  # seen only once the rank is continued
     fdir = tmp_path / "run" / "failures" / "1"
     _wait_for(fdir / "rank-1.txt", sup)
+    # released only now: continued for its stack dump (until the dump is whole) it would
+    # otherwise train on with rank 0, and could finish the epoch before the kill; the
+    # relaunch passes the hold at once
+    (hold / "released").touch()
     _wait_for(fdir / "rank-0.txt", sup)
     assert time.monotonic() - stopped < timeout_s + 2 + 10  # the beat interval + the poll
     out, err = sup.communicate(timeout=180)
@@ -504,14 +507,16 @@ def test_a_hang_collects_the_nccl_flight_recorder_through_its_pipe(tmp_path: Pat
         "    while not poll(): time.sleep(0.01)\n"
         "    with open(stem + '0', 'w') as out: out.write('entries: all_reduce seq 7')\n"
         "threading.Thread(target=watchdog, daemon=True).start()\n"
-        "def stuck_here():\n    print('up', flush=True)\n"
+        "def stuck_here():\n    print('up', threading.main_thread().ident, flush=True)\n"
         "    while True: time.sleep(0.01)\n"
         "stuck_here()\n"
     )
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
-        assert child.stdout is not None and child.stdout.readline() == "up\n"
-        beats = {0: {"pid": child.pid, "host": _node()}}
+        assert child.stdout is not None
+        up, ident = child.stdout.readline().split()
+        assert up == "up"
+        beats = {0: {"pid": child.pid, "host": _node(), "thread": int(ident)}}
         states = collect_stacks(hb, tmp_path / "out", beats, int(signal.SIGUSR2), wait_s=5)
         assert states[0] == "running"
         assert (tmp_path / "out" / f"{FR_STEM}0").read_text() == "entries: all_reduce seq 7"
@@ -521,6 +526,7 @@ def test_a_hang_collects_the_nccl_flight_recorder_through_its_pipe(tmp_path: Pat
         assert _proc_state(child.pid) not in ("T", "t")
     finally:
         child.kill()
+        child.wait()
 
 
 def test_a_pid_reused_by_another_process_is_never_signalled(tmp_path: Path) -> None:
@@ -550,8 +556,9 @@ def test_a_pid_reused_by_another_process_is_never_signalled(tmp_path: Path) -> N
 
 def test_a_recorder_that_never_answers_costs_the_stack_nothing(tmp_path: Path) -> None:
     """A flight-recorder pipe is read by nobody's watchdog (it hangs too): the stopped
-    rank is still stopped again once its stack dump is whole, and the whole dump is not
-    marked incomplete; no recorder file is copied."""
+    rank is still stopped again once its stack dump is whole, its recorder is not waited
+    for, and the whole dump is not marked incomplete; no recorder file is copied. Without
+    a folder for the evidence the rank is asked and restored all the same."""
     from ddp.supervise import FR_STEM, _node, _proc_state, collect_stacks
 
     hb = tmp_path / "hb"
@@ -576,12 +583,26 @@ def test_a_recorder_that_never_answers_costs_the_stack_nothing(tmp_path: Path) -
             assert time.monotonic() < deadline
             time.sleep(0.01)
         beats = {0: {"pid": child.pid, "host": _node(), "thread": int(ident)}}
-        states = collect_stacks(hb, tmp_path / "out", beats, int(signal.SIGUSR2), wait_s=3)
+        t0 = time.monotonic()
+        states = collect_stacks(hb, tmp_path / "out", beats, int(signal.SIGUSR2), wait_s=120)
+        # not the whole wait: stopped again, its recorder's dump cannot come, and is not
+        # waited for (the bound is only against that wait)
+        assert time.monotonic() - t0 < 60
         assert states == {0: "stopped"}
         stack = (tmp_path / "out" / "rank-0.txt").read_text()
         assert "stuck_here" in stack and "incomplete" not in stack, stack
         assert not list((tmp_path / "out").glob(FR_STEM + "*"))
         assert _proc_state(child.pid) in ("T", "t")
+        # no folder for the evidence (here a file is in its way): no traceback, and the
+        # rank is still asked and left as it was found, for the kill that comes next
+        blocked = tmp_path / "blocked"
+        blocked.write_text("not a folder")
+        assert collect_stacks(hb, blocked, beats, int(signal.SIGUSR2)) == {0: "stopped"}
+        deadline = time.monotonic() + 30
+        while _proc_state(child.pid) not in ("T", "t"):
+            assert time.monotonic() < deadline, "the rank runs on"
+            time.sleep(0.01)
+        assert blocked.read_text() == "not a folder"
     finally:
         child.kill()
         child.wait()
@@ -599,7 +620,8 @@ def test_a_rank_that_ended_unreaped_is_gone_and_never_asked(tmp_path: Path) -> N
         time.sleep(0.01)
     try:
         beat = {"pid": child.pid, "host": _node()}
-        assert collect_stacks(tmp_path / "hb", tmp_path / "out", {0: beat}, 12) == {0: "gone"}
+        sig = int(signal.SIGUSR2)
+        assert collect_stacks(tmp_path / "hb", tmp_path / "out", {0: beat}, sig) == {0: "gone"}
         assert not (tmp_path / "out" / "rank-0.txt").exists()
         assert _rank_state({"pid": True}) is None and _rank_state({"pid": "1"}) is None
         me = {"pid": os.getpid(), "start": True}  # not a number: the pid alone decides
