@@ -6,6 +6,7 @@ against a true hang.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -393,29 +394,22 @@ def test_srun_relaunch_line_names_nodes_tasks_and_exclusions(monkeypatch) -> Non
     ]
 
 
-def test_a_stopped_rank_dumps_every_thread_and_is_stopped_again(tmp_path: Path) -> None:
-    """collect_stacks continues a SIGSTOPped rank so faulthandler can dump, then stops it
-    again: it must not train on (or finish) before the kill, which for a rank on another
-    node comes a probe's start later. The copy holds the whole dump: faulthandler writes it
-    a frame at a time, and a copy (and stop) at its first bytes held 1-19 threads of 61
-    here (5 runs of 5; a CI run lost the main thread's frames this way)."""
-    from ddp.supervise import _node, _proc_state, collect_stacks
+@contextlib.contextmanager
+def _stuck_rank(hb: Path, setup: str = "", stop: bool = False):
+    """A process standing for a rank as collect_stacks sees one: faulthandler on SIGUSR2
+    into ``hb/stack-rank-0.txt`` (as ddp.heartbeat installs it), ``setup`` (code run
+    first), then a spin in ``stuck_here``; SIGSTOPped when ``stop``. Yields (the process,
+    its beats); killed on the way out."""
+    from ddp.supervise import _node
 
-    hb = tmp_path / "hb"
-    hb.mkdir()
     code = (
-        "import faulthandler, signal, sys, threading, time\n"
+        "import faulthandler, os, signal, threading, time\n"
         f"f = open({str(hb / 'stack-rank-0.txt')!r}, 'w')\n"
         "faulthandler.register(signal.SIGUSR2, file=f, all_threads=True)\n"
-        # every thread 41 frames deep before "up" (a barrier), so the count below is exact
-        "deep_enough = threading.Barrier(61)\n"
-        "def deep(n):\n    if n: return deep(n - 1)\n    deep_enough.wait()\n"
-        "    while True: time.sleep(0.05)\n"
-        "for _ in range(60): threading.Thread(target=deep, args=(40,), daemon=True).start()\n"
-        "deep_enough.wait()\n"
+        + setup
         # "up" from inside stuck_here: a stop right after "up" (before the call) was
         # a stack of <module> only, one run in a few on a loaded machine
-        "def stuck_here():\n    print('up', threading.main_thread().ident, flush=True)\n"
+        + "def stuck_here():\n    print('up', threading.main_thread().ident, flush=True)\n"
         "    while True: time.sleep(0.01)\n"
         "stuck_here()\n"
     )
@@ -424,26 +418,52 @@ def test_a_stopped_rank_dumps_every_thread_and_is_stopped_again(tmp_path: Path) 
         assert child.stdout is not None
         up, ident = child.stdout.readline().split()
         assert up == "up"
-        os.kill(child.pid, signal.SIGSTOP)
-        deadline = time.monotonic() + 30
-        while _proc_state(child.pid) not in ("T", "t"):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        beats = {0: {"pid": child.pid, "host": _node(), "thread": int(ident)}}
+        if stop:
+            os.kill(child.pid, signal.SIGSTOP)
+            _wait_stopped(child.pid, "the SIGSTOP never took")
+        yield child, {0: {"pid": child.pid, "host": _node(), "thread": int(ident)}}
+    finally:
+        child.kill()
+        child.wait()
+
+
+def _wait_stopped(pid: int, why: str) -> None:
+    """Until ``pid`` is stopped: a stop takes effect when the kernel delivers it."""
+    from ddp.supervise import _proc_state
+
+    deadline = time.monotonic() + 30
+    while _proc_state(pid) not in ("T", "t"):
+        assert time.monotonic() < deadline, why
+        time.sleep(0.01)
+
+
+def test_a_stopped_rank_dumps_every_thread_and_is_stopped_again(tmp_path: Path) -> None:
+    """collect_stacks continues a SIGSTOPped rank so faulthandler can dump, then stops it
+    again: it must not train on (or finish) before the kill, which for a rank on another
+    node comes a probe's start later. The copy holds the whole dump: faulthandler writes it
+    a frame at a time, and a copy (and stop) at its first bytes held 1-19 threads of 61
+    here (5 runs of 5; a CI run lost the main thread's frames this way)."""
+    from ddp.supervise import collect_stacks
+
+    hb = tmp_path / "hb"
+    hb.mkdir()
+    # every thread 41 frames deep before "up" (a barrier), so the count below is exact
+    deep = (
+        "deep_enough = threading.Barrier(61)\n"
+        "def deep(n):\n    if n: return deep(n - 1)\n    deep_enough.wait()\n"
+        "    while True: time.sleep(0.05)\n"
+        "for _ in range(60): threading.Thread(target=deep, args=(40,), daemon=True).start()\n"
+        "deep_enough.wait()\n"
+    )
+    with _stuck_rank(hb, deep, stop=True) as (child, beats):
         states = collect_stacks(hb, tmp_path / "out", beats, int(signal.SIGUSR2))
         assert states == {0: "stopped"}
         stack = (tmp_path / "out" / "rank-0.txt").read_text()
         assert stack.count("(most recent call first)") == 61, stack[-2000:]
         assert stack.count("in deep") == 60 * 41 and "stuck_here" in stack, stack[-2000:]
-        assert f"0x{int(ident):016x}" in stack and "incomplete" not in stack
+        assert f"0x{beats[0]['thread']:016x}" in stack and "incomplete" not in stack
         assert not list((tmp_path / "out").glob("nccl-trace-*"))  # no recorder: not NCCL
-        deadline = time.monotonic() + 30  # a stop takes effect when the kernel delivers it
-        while _proc_state(child.pid) not in ("T", "t"):
-            assert time.monotonic() < deadline, "the rank runs on after its dump"
-            time.sleep(0.01)
-    finally:
-        child.kill()
-        child.wait()
+        _wait_stopped(child.pid, "the rank runs on after its dump")
 
 
 def test_a_dump_is_whole_once_it_names_the_main_thread_and_stops_growing(tmp_path: Path) -> None:
@@ -483,7 +503,7 @@ def test_a_hang_collects_the_nccl_flight_recorder_through_its_pipe(tmp_path: Pat
     writes ``STEM<rank>`` when anything is written to it. collect_stacks pokes the pipe and
     copies the dump beside the stacks (a rank without a pipe, not NCCL, gets no file: the
     test above)."""
-    from ddp.supervise import FR_STEM, _node, _proc_state, collect_stacks, flight_recorder_env
+    from ddp.supervise import FR_STEM, _proc_state, collect_stacks, flight_recorder_env
 
     hb = tmp_path / "hb"
     hb.mkdir()
@@ -491,11 +511,8 @@ def test_a_hang_collects_the_nccl_flight_recorder_through_its_pipe(tmp_path: Pat
     assert env["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"] == env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
     stem = env["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"]
     assert stem == str(hb / FR_STEM) and int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
-    code = (
-        "import faulthandler, os, signal, threading, time\n"
-        f"stem, hb = {stem!r}, {str(hb)!r}\n"
-        "f = open(os.path.join(hb, 'stack-rank-0.txt'), 'w')\n"
-        "faulthandler.register(signal.SIGUSR2, file=f, all_threads=True)\n"
+    recorder = (
+        f"stem = {stem!r}\n"
         "os.mkfifo(stem + '0.pipe')\n"
         # open for reading before "up", non-blocking, as DumpPipe does: a reader that
         # opened later let the supervisor's write fail (ENXIO) on a loaded machine
@@ -507,16 +524,8 @@ def test_a_hang_collects_the_nccl_flight_recorder_through_its_pipe(tmp_path: Pat
         "    while not poll(): time.sleep(0.01)\n"
         "    with open(stem + '0', 'w') as out: out.write('entries: all_reduce seq 7')\n"
         "threading.Thread(target=watchdog, daemon=True).start()\n"
-        "def stuck_here():\n    print('up', threading.main_thread().ident, flush=True)\n"
-        "    while True: time.sleep(0.01)\n"
-        "stuck_here()\n"
     )
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout is not None
-        up, ident = child.stdout.readline().split()
-        assert up == "up"
-        beats = {0: {"pid": child.pid, "host": _node(), "thread": int(ident)}}
+    with _stuck_rank(hb, recorder) as (child, beats):
         states = collect_stacks(hb, tmp_path / "out", beats, int(signal.SIGUSR2), wait_s=5)
         assert states[0] == "running"
         assert (tmp_path / "out" / f"{FR_STEM}0").read_text() == "entries: all_reduce seq 7"
@@ -524,9 +533,6 @@ def test_a_hang_collects_the_nccl_flight_recorder_through_its_pipe(tmp_path: Pat
         # a running rank is left running: under NCCL the other ranks' watchdogs poll the
         # store rank 0 serves before they read their recorder pipes
         assert _proc_state(child.pid) not in ("T", "t")
-    finally:
-        child.kill()
-        child.wait()
 
 
 def test_a_pid_reused_by_another_process_is_never_signalled(tmp_path: Path) -> None:
@@ -559,30 +565,13 @@ def test_a_recorder_that_never_answers_costs_the_stack_nothing(tmp_path: Path) -
     rank is still stopped again once its stack dump is whole, its recorder is not waited
     for, and the whole dump is not marked incomplete; no recorder file is copied. Without
     a folder for the evidence the rank is asked and restored all the same."""
-    from ddp.supervise import FR_STEM, _node, _proc_state, collect_stacks
+    from ddp.supervise import FR_STEM, _proc_state, collect_stacks
 
     hb = tmp_path / "hb"
     hb.mkdir()
-    code = (
-        "import faulthandler, os, signal, threading, time\n"
-        f"f = open({str(hb / 'stack-rank-0.txt')!r}, 'w')\n"
-        "faulthandler.register(signal.SIGUSR2, file=f, all_threads=True)\n"
-        f"os.mkfifo({str(hb / (FR_STEM + '0.pipe'))!r})\n"
-        f"fd = os.open({str(hb / (FR_STEM + '0.pipe'))!r}, os.O_RDONLY | os.O_NONBLOCK)\n"
-        "def stuck_here():\n    print('up', threading.main_thread().ident, flush=True)\n"
-        "    while True: time.sleep(0.01)\n"
-        "stuck_here()\n"
-    )
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout is not None
-        _up, ident = child.stdout.readline().split()
-        os.kill(child.pid, signal.SIGSTOP)
-        deadline = time.monotonic() + 30
-        while _proc_state(child.pid) not in ("T", "t"):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        beats = {0: {"pid": child.pid, "host": _node(), "thread": int(ident)}}
+    pipe = str(hb / (FR_STEM + "0.pipe"))
+    silent = f"os.mkfifo({pipe!r})\nfd = os.open({pipe!r}, os.O_RDONLY | os.O_NONBLOCK)\n"
+    with _stuck_rank(hb, silent, stop=True) as (child, beats):
         t0 = time.monotonic()
         states = collect_stacks(hb, tmp_path / "out", beats, int(signal.SIGUSR2), wait_s=120)
         # not the whole wait: stopped again, its recorder's dump cannot come, and is not
@@ -598,14 +587,8 @@ def test_a_recorder_that_never_answers_costs_the_stack_nothing(tmp_path: Path) -
         blocked = tmp_path / "blocked"
         blocked.write_text("not a folder")
         assert collect_stacks(hb, blocked, beats, int(signal.SIGUSR2)) == {0: "stopped"}
-        deadline = time.monotonic() + 30
-        while _proc_state(child.pid) not in ("T", "t"):
-            assert time.monotonic() < deadline, "the rank runs on"
-            time.sleep(0.01)
+        _wait_stopped(child.pid, "the rank runs on")
         assert blocked.read_text() == "not a folder"
-    finally:
-        child.kill()
-        child.wait()
 
 
 def test_a_rank_that_ended_unreaped_is_gone_and_never_asked(tmp_path: Path) -> None:
