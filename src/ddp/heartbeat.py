@@ -103,6 +103,7 @@ class Heartbeat:
         self._next = 0.0  # monotonic time of the next write
         self._host = node_name()
         self._start = process_start(os.getpid())
+        self._thread = threading.main_thread().ident  # fixed for the process's life
         if folder is not None:
             try:
                 folder.mkdir(parents=True, exist_ok=True)
@@ -131,7 +132,7 @@ class Heartbeat:
             "pid": os.getpid(),
             "start": self._start,
             "host": self._host,
-            "thread": threading.main_thread().ident,
+            "thread": self._thread,
         }
         if self.node_rank is not None:
             rec["node_rank"] = int(self.node_rank)
