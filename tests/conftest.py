@@ -37,13 +37,11 @@ def _measured() -> dict[str, float]:
 
 
 #: ``make test`` runs the tests in several pytest-xdist workers (``--dist loadgroup``).
-#: The tests of a part that is one per machine share one worker, by marker (a test that
-#: uses the part's fixture has it, as has one that asks for the fixture by name at run
-#: time or talks to the part itself), in this order of precedence: the OpenPBS server (its
-#: tests delete their jobs and change server limits), the network namespaces, the SLURM
-#: cluster (one per worker that uses it, so one in all, and one writer of /etc/hosts), and
-#: the PALS shim (its jobs' fake ``PBS_JOBID`` gives every one the same port).
-XDIST_GROUPS = ("pbs", "multinode", "slurm", "mpi")
+#: The tests of a part that is one per machine share one worker, in this order of
+#: precedence: the OpenPBS server (its tests delete their jobs and add queues), the
+#: network namespaces (fixed names; ``netns.cleanup_stale`` removes any it finds) and
+#: the SLURM cluster (one per worker that uses it, so one in all).
+XDIST_GROUPS = (("openpbs_server", "pbs"), ("netns_pair", "netns"), ("slurm_cluster", "slurm"))
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group markers
@@ -54,7 +52,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         for fixture, marker in FIXTURE_MARKERS.items():
             if fixture in used:
                 item.add_marker(marker)
-        group = next((name for name in XDIST_GROUPS if item.get_closest_marker(name)), None)
+        group = next((name for fixture, name in XDIST_GROUPS if fixture in used), None)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
         if seconds.get(item.nodeid.split("[", 1)[0], 0.0) >= SLOW_S:

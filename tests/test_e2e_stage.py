@@ -43,17 +43,12 @@ def _staged_venv(where: Path) -> Path:
 
 
 @pytest.fixture
-def local_copies(request: pytest.FixtureRequest) -> Iterator[None]:
-    """The copies the test jobs unpack in /tmp (both emulated nodes share this host's),
-    removed after the test: only its own scheduler's (``hpc-ddp-env-JOBID``: SLURM's ids
-    are numbers, PBS's name the server), since the other's test may be running in another
-    pytest-xdist worker."""
-    pbs = "openpbs" in request.fixturenames
+def local_copies() -> Iterator[None]:
+    """The copies the test jobs unpack in /tmp (both emulated nodes share this host's)."""
     before = set(Path("/tmp").glob("hpc-ddp-env-*"))
     yield
     for path in set(Path("/tmp").glob("hpc-ddp-env-*")) - before:
-        if ("." in path.name.removeprefix("hpc-ddp-env-")) == pbs:
-            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink()
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink()
 
 
 def _spec(path: Path, venv: Path, cluster: str) -> Path:

@@ -276,19 +276,14 @@ def job_venv(where: Path) -> Path:
 
 
 def site_modules(venv_dir: Path, tag: str) -> Iterator[Path]:
-    """Write the ``frameworks`` modulefile (Lmod, Lua) ``TAG-PID.lua`` into the site
-    folder; yield it."""
+    """Write the ``frameworks`` modulefile (Lmod, Lua) into the site folder; yield it."""
     folder = LMOD_SITE / "frameworks"
     folder.mkdir(parents=True, exist_ok=True)
     # A session that was killed leaves its file behind; `module load frameworks` takes the
-    # highest version, which could be that stale one (its venv gone): remove those first.
-    # Each file names its session's pid: under pytest-xdist the PBS and the SLURM workers
-    # each write one (equivalent venvs), and neither removes the other's while it lives.
+    # highest version, which could be that stale one (its venv gone): remove ours first.
     for stale in folder.glob("hpc-ddp-test*.lua"):
-        owner = stale.stem.rpartition("-")[2]
-        if not (owner.isdigit() and Path(f"/proc/{owner}").is_dir()):
-            stale.unlink(missing_ok=True)
-    path = folder / f"{tag}-{os.getpid()}.lua"
+        stale.unlink(missing_ok=True)
+    path = folder / f"{tag}.lua"
     path.write_text(
         "-- hpc-ddp tests: stands for ALCF's `frameworks` module (a Python with torch).\n"
         "-- Written by tests/support/openpbs.py, removed when the test session ends.\n"
