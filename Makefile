@@ -5,11 +5,6 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
 RANKS ?= 2
-# pytest-xdist workers for `make test`: most tests wait on a scheduler or on their
-# ranks, so 3 workers keep 2 cores busy (27 min instead of 38 on 2 cores, serial is
-# TEST_WORKERS=0); tests/conftest.py keeps each machine-wide part (OpenPBS, SLURM, network
-# namespaces) on one worker.
-TEST_WORKERS ?= 3
 
 .PHONY: install run test test-fast lint docs bench jobs
 
@@ -21,7 +16,7 @@ run: install
 	hpc run jobs/local_cpu.yaml --ppn $(RANKS)
 
 test: install
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(PYTHON) -m pytest -q
 
 # The inner loop: everything but the real schedulers, MPI, several hosts, GPUs and the
 # slow runs (markers in pyproject.toml; tests/conftest.py adds them by fixture).

@@ -1,6 +1,5 @@
 """Write tests/durations.json from a ``pytest --durations=0`` log: each test's setup +
-call + teardown seconds, by node id without parameters or xdist group
-(``tests/x.py::test_y``).
+call + teardown seconds, by node id without parameters (``tests/x.py::test_y``).
 
 Why: ``make test-fast`` leaves out the tests marked ``slow``, and tests/conftest.py
 marks a test slow when this file says it took ``SLOW_S`` seconds or more, so the
@@ -32,8 +31,7 @@ def main(*logs: str) -> None:
         for line in Path(log).read_text(errors="replace").splitlines():
             match = LINE.match(line.strip())
             if match:
-                # without "[params]" and pytest-xdist's "@group" (``--dist loadgroup``)
-                test = match.group(2).split("[", 1)[0].split("@", 1)[0]
+                test = match.group(2).split("[", 1)[0]
                 found[test] = round(found.get(test, 0.0) + float(match.group(1)), 2)
         if not found:
             sys.exit(f"{log}: no --durations=0 lines; allowed: the output of pytest --durations=0")

@@ -36,15 +36,6 @@ def _measured() -> dict[str, float]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-#: ``make test`` runs the tests in several pytest-xdist workers (``--dist loadgroup``).
-#: The tests of a part that is one per machine share one worker, in this order of
-#: precedence: the OpenPBS server (its tests delete their jobs and add queues), the
-#: network namespaces (fixed names; ``netns.cleanup_stale`` removes any it finds) and
-#: the SLURM cluster (one per worker that uses it, so one in all).
-XDIST_GROUPS = (("openpbs_server", "pbs"), ("netns_pair", "netns"), ("slurm_cluster", "slurm"))
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group markers
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     seconds = _measured()
     for item in items:
@@ -52,9 +43,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         for fixture, marker in FIXTURE_MARKERS.items():
             if fixture in used:
                 item.add_marker(marker)
-        group = next((name for fixture, name in XDIST_GROUPS if fixture in used), None)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
         if seconds.get(item.nodeid.split("[", 1)[0], 0.0) >= SLOW_S:
             item.add_marker("slow")
 
