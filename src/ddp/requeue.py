@@ -125,40 +125,44 @@ _PER_TASK_NAMES = frozenset(
 _NO_ANSWER = "no answer"
 
 
+def _run(argv: list[str], env: Mapping[str, str]) -> subprocess.CompletedProcess[str]:
+    """A SLURM client, its output captured as text, bounded by :data:`CLIENT_TIMEOUT_S`
+    (a hung slurmctld must not hang the job that asks it); raises what ``run`` raises."""
+    return subprocess.run(
+        argv,
+        env=dict(env),
+        capture_output=True,
+        text=True,
+        errors="replace",
+        timeout=CLIENT_TIMEOUT_S,
+    )
+
+
+def _last_line(text: str, default: str) -> str:
+    """A client's last output line, cut to 300 characters, for a one-line error."""
+    lines = text.strip().splitlines()
+    return lines[-1][:300] if lines else default
+
+
 def _client(argv: list[str], env: Mapping[str, str]) -> str | None:
     """Run a SLURM client; None on success, else why it failed (its stderr's last line;
     a timeout starts with :data:`_NO_ANSWER`: the request may still be carried out)."""
     try:
-        proc = subprocess.run(
-            argv,
-            env=dict(env),
-            capture_output=True,
-            text=True,
-            errors="replace",
-            timeout=CLIENT_TIMEOUT_S,
-        )
+        proc = _run(argv, env)
     except subprocess.TimeoutExpired:
         return f"{_NO_ANSWER} within {CLIENT_TIMEOUT_S:g} s"
     except (OSError, subprocess.SubprocessError) as exc:
         return f"{argv[0]}: {exc}"
     if proc.returncode == 0:
         return None
-    lines = (proc.stderr or proc.stdout).strip().splitlines()
-    return f"exit {proc.returncode}: {lines[-1][:300] if lines else 'no message'}"
+    return f"exit {proc.returncode}: {_last_line(proc.stderr or proc.stdout, 'no message')}"
 
 
 def _job_fields(job: str, env: Mapping[str, str]) -> dict[str, str]:
     """``scontrol show job -o ID`` as a dict (one line, ``Key=Value`` words; values
     without spaces except the last keys, which this code does not read)."""
     try:
-        proc = subprocess.run(
-            ["scontrol", "show", "job", "-o", job],
-            env=dict(env),
-            capture_output=True,
-            text=True,
-            errors="replace",
-            timeout=CLIENT_TIMEOUT_S,
-        )
+        proc = _run(["scontrol", "show", "job", "-o", job], env)
     except (OSError, subprocess.SubprocessError) as exc:
         raise _SegmentError(f"scontrol show job {job}: {exc}") from None
     if proc.returncode != 0:
@@ -196,22 +200,13 @@ def submit_next_segment(job: str, environ: Mapping[str, str] | None = None) -> s
             raise _SegmentError(f"scontrol write batch_script {job}: {why or 'empty script'}")
         argv = _sbatch_argv(job, fields, script)
         try:
-            proc = subprocess.run(
-                argv,
-                env=clean,
-                capture_output=True,
-                text=True,
-                errors="replace",
-                timeout=CLIENT_TIMEOUT_S,
-            )
+            proc = _run(argv, clean)
         except (OSError, subprocess.SubprocessError) as exc:
             raise _SegmentError(f"sbatch: {exc}") from None
         new = proc.stdout.strip().split(";")[0]
         if proc.returncode != 0 or not new:
-            lines = proc.stderr.strip().splitlines()
-            raise _SegmentError(
-                f"sbatch exit {proc.returncode}: {lines[-1][:300] if lines else 'no job id'}"
-            )
+            why = _last_line(proc.stderr, "no job id")
+            raise _SegmentError(f"sbatch exit {proc.returncode}: {why}")
         return new
     finally:
         with contextlib.suppress(OSError):
