@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp.supervise_attempt import _say
-from hpc_ddp.procs import same_process
+from hpc_ddp.procs import process_state
 from hpc_ddp.run_layout import HEARTBEATS
 
 
@@ -48,11 +48,7 @@ def read_beats(hb_dir: Path) -> dict[int, dict[str, Any]]:
 
 def _proc_state(pid: int) -> str | None:
     """The process's state letter from /proc (R, S, T = stopped, Z...), None if gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[0]
+    return process_state(pid, None)
 
 
 def _beat_int(beat: dict[str, Any], key: str) -> int | None:
@@ -74,9 +70,7 @@ def _rank_state(beat: dict[str, Any]) -> str | None:
     """The state letter of the beat's process (on this host), None when it is gone or its
     pid now names another process (the beat's ``start`` differs): the supervisor stops
     and kills ranks by pid, and must never signal a process that reuses one."""
-    if not same_process(_pid(beat), _beat_int(beat, "start")):
-        return None
-    return _proc_state(_pid(beat))
+    return process_state(_pid(beat), _beat_int(beat, "start"))
 
 
 def _exited(beat: dict[str, Any]) -> bool:

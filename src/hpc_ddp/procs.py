@@ -9,12 +9,12 @@ supervisor stops and kills ranks by it). The start time in clock ticks after boo
 
 from __future__ import annotations
 
-import os
 
-
-def process_start(pid: int) -> int | None:
-    """When process ``pid`` started, in clock ticks after boot; None when it does not
-    exist (or there is no ``/proc``)."""
+def process_stat(pid: int) -> tuple[str, int] | None:
+    """Process ``pid``'s state letter (R, S, T = stopped, Z = zombie...) and start time, in
+    clock ticks after boot, from one read of ``/proc/PID/stat``, so both describe the same
+    process even when the pid is reused between two reads; None when it does not exist
+    (or there is no ``/proc``)."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
             line = fh.read(4096)
@@ -22,26 +22,23 @@ def process_start(pid: int) -> int | None:
         return None
     fields = line.rpartition(")")[2].split()  # the name in (...) may hold spaces and ")"
     try:
-        return int(fields[19])
+        return fields[0], int(fields[19])
     except (IndexError, ValueError):
         return None
 
 
-def same_process(pid: int, start: int | None) -> bool:
-    """True when ``pid`` exists and, where ``start`` was recorded, started then (else it
-    is another process that reuses the pid). A pid of 0 or less is never one: signalling
-    it would reach a whole process group."""
-    if pid <= 0:
-        return False
-    now = process_start(pid)
-    if now is None:
-        if os.path.isdir("/proc/self"):
-            return False  # /proc is there, the pid is not
-        try:  # no /proc (macOS): whether the pid exists is all there is to know
-            os.kill(pid, 0)
-        except PermissionError:
-            return True
-        except (OSError, OverflowError):  # gone, or no pid at all
-            return False
-        return True
-    return start is None or now == start
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks after boot; None when it does not
+    exist (or there is no ``/proc``)."""
+    stat = process_stat(pid)
+    return None if stat is None else stat[1]
+
+
+def process_state(pid: int, start: int | None) -> str | None:
+    """The state letter of process ``pid`` when it is the process recorded (it started at
+    ``start``, where one was recorded), else None: gone, a pid reused by another process,
+    or a pid of 0 or less, which a signal would take for a whole process group."""
+    stat = process_stat(pid) if pid > 0 else None  # one read: state and start agree
+    if stat is None or (start is not None and stat[1] != start):
+        return None
+    return stat[0]
