@@ -11,6 +11,7 @@ import json
 import os
 import pickle
 import random
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -114,15 +115,27 @@ def test_fsdp_resume_after_signal_is_bit_exact(tmp_path: Path) -> None:
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A 2-rank run to step 10 (its checkpoint folder and rank 0's output), made once for
+    the reshard tests, which each resume a copy of it."""
+    ck = tmp_path_factory.mktemp("two_rank") / "ck"
+    first = _run({"config": _cfg(ck, max_steps=10), "n": 256}, world=2)
+    _ok(first)
+    return ck, first[0][1]
+
+
 @pytest.mark.parametrize("world", [1, 4])
-def test_a_two_rank_checkpoint_reshards_to_other_world_sizes(tmp_path: Path, world: int) -> None:
+def test_a_two_rank_checkpoint_reshards_to_other_world_sizes(
+    tmp_path: Path, world: int, two_rank_run: tuple[Path, str]
+) -> None:
     """The weights a 1- or 4-rank run resumes with are exactly the 2-rank run's, and its
     training goes on from there (the loss keeps the level it had reached)."""
     ck = tmp_path / "ck"
-    first = _run({"config": _cfg(ck, max_steps=10), "n": 256}, world=2)
-    _ok(first)
-    assert "step_000000010 (2 shards)" in first[0][1]
-    assert "(written in the background)" in first[0][1]  # the default: DCP's async_save
+    shutil.copytree(two_rank_run[0], ck)
+    first_out = two_rank_run[1]
+    assert "step_000000010 (2 shards)" in first_out
+    assert "(written in the background)" in first_out  # the default: DCP's async_save
     saved = _final(ck)
     # Resumed with nothing left to do: the export is what was loaded, resharded.
     _ok(_run({"config": _cfg(ck, max_steps=10), "n": 256}, world=world))
@@ -139,7 +152,7 @@ def test_a_two_rank_checkpoint_reshards_to_other_world_sizes(tmp_path: Path, wor
     ]
     before = [
         float(line.split("loss=")[1].split()[0])
-        for line in first[0][1].splitlines()
+        for line in first_out.splitlines()
         if line.startswith("step ") and "loss=" in line
     ]
     assert losses and before
@@ -397,24 +410,31 @@ def test_recipes_run_with_fsdp(tmp_path: Path, recipe: str) -> None:
     assert all(isinstance(v, torch.Tensor) and type(v) is torch.Tensor for v in state.values())
 
 
+@pytest.fixture(scope="module")
+def full_and_part(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two 2-rank runs of the same data, made once for the tests below: ``full`` to step
+    20 and ``part`` stopped at step 10 (each test resumes a copy of ``part``)."""
+    root = tmp_path_factory.mktemp("full_and_part")
+    for name, steps in (("full", 20), ("part", 10)):
+        _ok(_run({"config": _cfg(root / name, max_steps=steps), "n": 160}, world=2))
+    return root
+
+
 @pytest.mark.parametrize("world, batch", [(1, 4), (4, 1)])
 def test_resume_on_other_ranks_with_the_same_global_batch_continues_the_run(
-    tmp_path: Path, world: int, batch: int
+    tmp_path: Path, world: int, batch: int, full_and_part: Path
 ) -> None:
     """2 ranks x batch 2 x accum 2 to step 10, then 1 rank x 4 (or 4 x 1) to step 20: the
     same samples make every step, so the weights end as an uninterrupted 2-rank run's,
     to fp32 round-off; a different global batch is refused with one line."""
-    full = {"config": _cfg(tmp_path / "full", max_steps=20), "n": 160}
-    _ok(_run(full, world=2))
-    part = {"config": _cfg(tmp_path / "part", max_steps=10), "n": 160}
-    _ok(_run(part, world=2))
-    part["config"]["training"].update(max_steps=20, batch_size=batch)
+    shutil.copytree(full_and_part / "part", tmp_path / "part")
+    part = {"config": _cfg(tmp_path / "part", max_steps=20, batch_size=batch), "n": 160}
     bad = json.loads(json.dumps(part))
     bad["config"]["training"]["accum"] = 1
     rc, out, err = _run(bad, world=world)[0]
     assert rc != 0 and "batch_size x accum x ranks equal to the checkpoint's 8" in err, err
     _ok(_run(part, world=world))
-    a, b = _final(tmp_path / "full"), _final(tmp_path / "part")
+    a, b = _final(full_and_part / "full"), _final(tmp_path / "part")
     for k in a:
         assert torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6), (k, (a[k] - b[k]).abs().max())
 
