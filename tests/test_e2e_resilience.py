@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from tests.ddp.launch_utils import free_port
 from tests.ddp.test_supervise import WORKER, _spec, epoch_once_without_rank_1
 from tests.support.polling import wait_until
+from tests.support.ports import free_port
 from tests.test_e2e_schedulers import PY, ROOT, ended, hpc, log_of, submit, wait_status, write_spec
 
 pytestmark = pytest.mark.slurm

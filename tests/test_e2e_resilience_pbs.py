@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.ddp.launch_utils import free_port
 from tests.ddp.test_supervise import WORKER, _spec, epoch_once_without_rank_1
 from tests.support.parts import require_exe
+from tests.support.ports import free_port
 from tests.test_e2e_pbs import ROOT, Hpc, hpc, log_of  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.pbs

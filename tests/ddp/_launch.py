@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.ddp.launch_utils import free_port
+from tests.support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

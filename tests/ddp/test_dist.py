@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from tests.ddp.launch_utils import clean_env, free_port
+from tests.ddp.launch_utils import clean_env
+from tests.support.ports import free_port
 
 SCRIPT = r"""
 import torch, ddp

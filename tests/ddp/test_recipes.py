@@ -12,7 +12,8 @@ import torch
 import ddp
 from ddp import recipes
 from ddp.trainer import Trainer
-from tests.ddp._launch import base_env, free_port
+from tests.ddp._launch import base_env
+from tests.support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

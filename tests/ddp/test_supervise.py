@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.ddp import _launch
-from tests.ddp.launch_utils import free_port
+from tests.support.ports import free_port
 
 WORKER = "tests/ddp/_index_worker.py"
 N, BATCH = 48, 4  # 6 steps per rank in the epoch

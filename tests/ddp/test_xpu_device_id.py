@@ -164,7 +164,8 @@ def test_checkpoint_group_works_beside_a_bound_default_group(tmp_path: Path) -> 
     docstring): ``ddp.dist.checkpoint_group()`` is made, its collectives run on the CPU,
     the default group is bound again afterwards, and the same ``new_group`` without
     :func:`ddp.dist._unbound_default_group` fails as torch's source says it does."""
-    from tests.ddp.launch_utils import clean_env, free_port
+    from tests.ddp.launch_utils import clean_env
+    from tests.support.ports import free_port
 
     port = free_port()
     env = clean_env(PYTHONPATH=f"{ROOT / 'src'}:{ROOT}")

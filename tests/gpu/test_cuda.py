@@ -20,8 +20,9 @@ import torch
 
 from ddp import checkpoint as ckpt
 from tests.ddp import _launch
-from tests.ddp.launch_utils import clean_env, free_port
+from tests.ddp.launch_utils import clean_env
 from tests.ddp.test_trainer_dist import EXPORT_CHECK, _assert_same, _cfg, _ok
+from tests.support.ports import free_port
 
 pytestmark = [
     pytest.mark.gpu,

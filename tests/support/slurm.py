@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.support.polling import wait_state
+from tests.support.ports import free_ports
 
 FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
 #: States a job does not leave by itself (a wait for another state ends there).
@@ -56,20 +57,6 @@ def _exe(name: str) -> str:
     if found is None:
         raise FileNotFoundError(name)
     return found
-
-
-def _free_ports(count: int) -> list[int]:
-    """Distinct ports free right now (bound together so they cannot repeat)."""
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _alive(pid: int) -> bool:
@@ -378,7 +365,7 @@ def start_cluster(timeout: float = 30) -> Iterator[SlurmCluster]:
     (root / "owner.pid").write_text(str(os.getpid()))
     for sub in ("log", "state", "spool"):
         (root / sub).mkdir()
-    ports = _free_ports(1 + len(NODES))
+    ports = free_ports(1 + len(NODES))
     conf = write_conf(root, ports[0], ports[1:])
     env = {**os.environ, "SLURM_CONF": str(conf)}
     for key in [k for k in env if k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SQUEUE_"))]:
