@@ -203,7 +203,7 @@ def _timelines(case_dir: Path) -> list[list[dict[str, Any]]]:
 def run_case(
     cluster: Any, base: Path, name: str, fault: str | None, supervised: bool, hang_timeout_s: float
 ) -> dict[str, Any]:
-    from tests.ddp.launch_utils import free_port
+    from tests.support.ports import free_port
 
     case_dir = base / name
     for sub in ("timeline", "hold", "run"):

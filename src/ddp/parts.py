@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
+from ddp import rank_logs
 from ddp.config import TrainConfig
 from ddp.errors import ConfigError
 
@@ -343,7 +344,10 @@ def die(rank: int, exc: BaseException) -> None:
         sys.stderr.write(msg)
         sys.stderr.flush()
     finally:
-        os._exit(code)
+        try:
+            rank_logs.drain()  # the traceback into the job log before the launcher ends
+        finally:
+            os._exit(code)
 
 
 def eval_batches(

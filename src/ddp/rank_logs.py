@@ -11,12 +11,14 @@ script exports ``DDP_RANK_LOGS=1`` and :func:`ddp.init` calls :func:`redirect` f
 - rank 0's stdout and every rank's stderr still reach the job log as well, through a
   ``tee -a`` process per stream: it lives in its own session (a signal to the job's
   process group does not cut it short) and drains the pipe after the rank has died;
-- at exit (a return, ``sys.exit`` or an uncaught exception, after its traceback is
-  printed) the rank waits, at most :data:`DRAIN_S` seconds, for its tees to copy the
-  last lines: a launcher ends the step when the rank exits (slurmstepd kills what is
-  left in the step's cgroup), and a tee still copying would lose a crash's traceback
-  from both the job log and the rank's file. Output after that point (interpreter
-  shutdown warnings) goes to the rank's file only;
+- before the rank exits it waits, at most :data:`DRAIN_S` seconds, until its tees have
+  copied the last lines (:func:`drain`): a launcher ends the step when the rank exits
+  (slurmstepd kills what is left in the step's cgroup), and a tee still copying would
+  lose a crash's traceback from both the job log and the rank's file. That happens at
+  interpreter exit (a return, ``sys.exit``, an uncaught exception after its traceback)
+  and on ddp's own immediate exits (a failed rank, a SIGTERM with no grace left); a rank
+  killed by a signal skips it. Output after that point (interpreter shutdown warnings)
+  goes to the rank's file only;
 - Python's ``sys.stdout``/``sys.stderr`` are made line-buffered: each line is in the
   file when it is printed.
 """
@@ -24,6 +26,7 @@ script exports ``DDP_RANK_LOGS=1`` and :func:`ddp.init` calls :func:`redirect` f
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import subprocess
 import sys
@@ -36,10 +39,17 @@ from hpc_ddp.run_layout import RANKS, rank_log_name
 
 ENV = "DDP_RANK_LOGS"
 
-#: The longest a rank's exit waits for its tees. A tee that outlives it has a pipe held
-#: open by a process the rank forked (it keeps its copy of fds 1 and 2) or a job log that
-#: does not take writes; the rank then exits and leaves that tee draining.
-DRAIN_S = 30.0
+#: The longest a rank's exit waits for its tees: reached only when a tee cannot write (a
+#: job log on a stalled file system); the rank then exits and leaves the tee copying.
+DRAIN_S = 10.0
+#: Once a pipe is empty, how long its tee gets to write the last chunk it read. A tee
+#: exits at once when the rank held the pipe's last write end; a child the rank started
+#: (a DataLoader worker, multiprocessing's resource tracker) keeps a copy of fds 1 and 2,
+#: and then the tee lives on, which must not cost each exit DRAIN_S.
+GRACE_S = 0.2
+
+#: What :func:`drain` has left to do: the rank's file and its tees, by the fd they copy.
+_pending: tuple[Path, dict[int, subprocess.Popen[bytes]]] | None = None
 
 
 def folder(env: Mapping[str, str] | None = None) -> Path:
@@ -73,14 +83,43 @@ def _tee(path: Path, fd: int, out_fd: int) -> subprocess.Popen[bytes]:
     return tee
 
 
-def _drain(path: Path, teed: dict[int, subprocess.Popen[bytes]]) -> None:
-    """At exit: point the teed fds at the rank's file, which closes this process's write
-    ends of the pipes, and wait for each tee to reach the end of its pipe and exit."""
+def _unread(fd: int) -> int:
+    """Bytes waiting in the pipe behind ``fd`` (Linux answers FIONREAD on either end);
+    0 where that cannot be asked, which leaves only the grace."""
+    import fcntl
+    import termios
+
+    try:
+        return int.from_bytes(fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"), sys.byteorder)
+    except OSError:
+        return 0
+
+
+def _flush() -> None:
+    """Python's streams, then C's (libc's stdout buffer is flushed only by ``exit()``,
+    after this point, and would reach the rank's file only)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):  # closed or broken: nothing more to copy from it
             pass
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+
+
+def drain() -> None:
+    """Point the teed fds at the rank's file and wait until each tee has copied what its
+    pipe held (see the module docstring). Once only; nothing to do without
+    :func:`redirect`. ddp's ``os._exit`` paths call it, as the interpreter's exit does."""
+    global _pending
+    pending, _pending = _pending, None
+    if pending is None:
+        return
+    path, teed = pending
+    _flush()
+    held = {fd: os.dup(fd) for fd in teed}  # this process's view of each pipe
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
     except OSError:  # the file is gone: /dev/null still closes the pipes
@@ -89,11 +128,15 @@ def _drain(path: Path, teed: dict[int, subprocess.Popen[bytes]]) -> None:
         os.dup2(fd, target)
     os.close(fd)
     deadline = time.monotonic() + DRAIN_S
-    for tee in teed.values():
+    for target, tee in teed.items():
         try:
-            tee.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:  # see DRAIN_S: leave it draining
-            pass
+            while tee.poll() is None and _unread(held[target]) and time.monotonic() < deadline:
+                time.sleep(0.005)
+        finally:
+            os.close(held[target])
+        grace = min(GRACE_S, max(0.0, deadline - time.monotonic()))
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            tee.wait(timeout=grace)
 
 
 def redirect(rank: int, world: int) -> Path:
@@ -115,5 +158,7 @@ def redirect(rank: int, world: int) -> Path:
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None:
             reconfigure(line_buffering=True)
-    atexit.register(_drain, path.absolute(), teed)  # absolute: the rank may chdir
+    global _pending
+    _pending = (path.absolute(), teed)  # absolute: the rank may chdir
+    atexit.register(drain)
     return path

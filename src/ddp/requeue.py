@@ -166,7 +166,8 @@ def _job_fields(job: str, env: Mapping[str, str]) -> dict[str, str]:
     except (OSError, subprocess.SubprocessError) as exc:
         raise _SegmentError(f"scontrol show job {job}: {exc}") from None
     if proc.returncode != 0:
-        raise _SegmentError(f"scontrol show job {job}: {proc.stderr.strip()[:300]}")
+        why = _last_line(proc.stderr or proc.stdout, "no message")
+        raise _SegmentError(f"scontrol show job {job}: {why}")
     fields: dict[str, str] = {}
     for word in proc.stdout.split():
         key, eq, value = word.partition("=")

@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ddp import rank_logs
+
 log = logging.getLogger("ddp")
 
 STUCK_S = 5.0
@@ -150,4 +152,7 @@ class SignalWatch:
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
             sys.stderr.flush()
         finally:
-            os._exit(code)
+            try:
+                rank_logs.drain()  # the stacks into the job log before the launcher ends
+            finally:
+                os._exit(code)

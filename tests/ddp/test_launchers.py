@@ -16,11 +16,11 @@ from tests.ddp.launch_utils import (
     assert_consistent,
     assert_torchrun_like,
     clean_env,
-    free_port,
     records,
     run,
 )
 from tests.support.parts import require_exe
+from tests.support.ports import free_port
 
 TINY = str(SCRIPTS / "tiny_ddp.py")
 PLAIN = str(SCRIPTS / "plain_torchrun_style.py")

@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -114,27 +115,38 @@ def test_no_per_rank_logs_is_one_line(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "no per-rank logs" in bad.stderr
 
 
-#: A rank that prints its last lines and dies, with a tee slowed as a job log on a busy
-#: file system would slow it; a forked child keeps the pipes open when asked.
+#: A rank that prints its last lines and dies (by an uncaught exception, or by ddp's own
+#: ``parts.die``, which ends in ``os._exit``); with "child", a child the rank started
+#: keeps the pipes open. It writes the time to GATE just before it dies.
 LAST_WORDS = """\
-import subprocess, sys
+import subprocess, sys, time
+from pathlib import Path
 from ddp import rank_logs
-rank_logs.DRAIN_S = float(sys.argv[1])
+from ddp.parts import die
+rank_logs.DRAIN_S = 60.0
 rank_logs.redirect(0, 1)
-if sys.argv[2] == "child":
+how, gate = sys.argv[1], Path(sys.argv[2])
+if how == "child":
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 print("last-out-line")
+gate.write_text(repr(time.time()))
+if how == "die":
+    die(0, RuntimeError("last-err-line"))
 raise RuntimeError("last-err-line")
 """
 
 
-def _slow_tee(tmp_path: Path) -> dict[str, str]:
-    """An environment whose ``tee`` starts copying only after a second."""
+def _late_tee(tmp_path: Path, gate: Path) -> dict[str, str]:
+    """An environment whose ``tee`` starts copying only once the rank has begun to die
+    (GATE exists), as a tee stalled by a busy file system would."""
     real = shutil.which("tee")
     assert real is not None
     shim = tmp_path / "bin" / "tee"
     shim.parent.mkdir()
-    shim.write_text(f'#!/bin/sh\nsleep 1\nexec {shlex.quote(real)} "$@"\n')
+    q = shlex.quote
+    shim.write_text(
+        f'#!/bin/sh\nwhile [ ! -e {q(str(gate))} ]; do sleep 0.2; done\nexec {q(real)} "$@"\n'
+    )
     shim.chmod(0o755)
     return dict(
         _launch.base_env(),
@@ -143,43 +155,33 @@ def _slow_tee(tmp_path: Path) -> dict[str, str]:
     )
 
 
-def _last_words(tmp_path: Path, drain_s: str, child: str) -> tuple[int, Path, Path, Path]:
-    script = tmp_path / "last_words.py"
+@pytest.mark.parametrize("how", ["raise", "die", "child"])
+def test_a_dying_rank_exits_after_its_last_lines_are_in_both_places(
+    tmp_path: Path, how: str
+) -> None:
+    """Read the moment the rank has exited, as a launcher that then ends the step would.
+    A child holding the pipes (a DataLoader worker, a resource tracker) costs the exit
+    the grace, not DRAIN_S (60 s here)."""
+    script, gate = tmp_path / "last_words.py", tmp_path / "last-words-at"
     script.write_text(LAST_WORDS)
     out, err = tmp_path / "job.out", tmp_path / "job.err"
     with open(out, "wb") as fo, open(err, "wb") as fe:
         proc = subprocess.Popen(
-            [sys.executable, str(script), drain_s, child],
-            env=_slow_tee(tmp_path),
+            [sys.executable, str(script), how, str(gate)],
+            env=_late_tee(tmp_path, gate),
             stdout=fo,
             stderr=fe,
             start_new_session=True,
         )
         try:
             rc = proc.wait(timeout=120)
+            exited = time.time()
         finally:
-            if child == "child":  # the sleeping child is in the rank's session
+            if how == "child":  # the sleeping child is in the rank's session
                 os.killpg(proc.pid, signal.SIGKILL)
-    return rc, tmp_path / "run" / "ranks" / "rank-00000.log", out, err
-
-
-def test_a_dying_rank_exits_after_its_last_lines_are_in_both_places(tmp_path: Path) -> None:
-    """Read the moment the rank has exited, as a launcher that then ends the step would."""
-    rc, rank_log, out, err = _last_words(tmp_path, "30", "alone")
     assert rc == 1
-    text = rank_log.read_text()
+    text = (tmp_path / "run" / "ranks" / "rank-00000.log").read_text()
     assert "last-out-line" in text and "RuntimeError: last-err-line" in text, text
     assert "last-out-line" in out.read_text()
     assert "RuntimeError: last-err-line" in err.read_text()
-
-
-def test_a_child_holding_the_pipes_delays_the_exit_only_by_the_bound(tmp_path: Path) -> None:
-    """The forked child keeps the tees from ever reaching the end of their pipes: the rank
-    exits after DRAIN_S (0.1 s here), and the tee copies the lines when it can."""
-    rc, rank_log, _, _ = _last_words(tmp_path, "0.1", "child")
-    assert rc == 1
-    wait_until(
-        lambda: "RuntimeError: last-err-line" in rank_log.read_text(),
-        30,
-        "the traceback, copied by the tee after the rank's exit",
-    )
+    assert exited - float(gate.read_text()) < 30  # DRAIN_S is 60

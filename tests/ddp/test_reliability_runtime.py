@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpc_ddp.procs import process_state
 from tests.ddp import _launch
 from tests.ddp.launch_utils import SCRIPTS
 
@@ -113,10 +114,10 @@ def test_hung_rank_ends_on_sigterm_within_seconds(tmp_path):
         time.sleep(0.02)
     # and its main thread asleep in that wait (not still runnable in the hook's last
     # bytecodes, where a SIGTERM would reach the Python handler): sleeping at 5 polls running
-    main_stat, asleep = Path(f"/proc/{procs[0].pid}/task/{procs[0].pid}/stat"), 0
+    asleep = 0  # /proc/PID/stat's state is the main thread's (the thread group leader)
     while asleep < 5:
         assert procs[0].poll() is None and time.monotonic() < deadline, "rank 0: not waiting"
-        asleep = asleep + 1 if main_stat.read_text().rsplit(")", 1)[1].split()[0] == "S" else 0
+        asleep = asleep + 1 if process_state(procs[0].pid, None) == "S" else 0
         time.sleep(0.02)
     t0 = time.monotonic()
     for p in procs:

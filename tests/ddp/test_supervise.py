@@ -594,11 +594,11 @@ def test_a_recorder_that_never_answers_costs_the_stack_nothing(tmp_path: Path) -
 def test_a_rank_that_ended_unreaped_is_gone_and_never_asked(tmp_path: Path) -> None:
     """A zombie (its parent has not reaped it) is a rank that ended: "gone", blamed, and
     no signal or wait is spent on it; a beat's fields of the wrong type name no process."""
-    from ddp.supervise import _node, _rank_state, collect_stacks
+    from ddp.supervise import _node, _proc_state, _rank_state, collect_stacks
 
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     deadline = time.monotonic() + 30
-    while Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+    while _proc_state(child.pid) != "Z":
         assert time.monotonic() < deadline
         time.sleep(0.01)
     try:

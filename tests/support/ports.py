@@ -19,6 +19,8 @@ from pathlib import Path
 from hpc_ddp.ports import DEFAULT_PORT, PORT_BASE, PORT_SPAN
 
 LOW = PORT_BASE + PORT_SPAN
+#: Its own generator: a test that seeds ``random`` must not make the choices repeat.
+_rng = random.SystemRandom()
 
 
 def ephemeral_start() -> int:
@@ -29,11 +31,22 @@ def ephemeral_start() -> int:
         return 32768
 
 
+def pool() -> list[int]:
+    """The ports to choose from: ddp's job ports' end to the ephemeral range, less 29500."""
+    return [p for p in range(LOW, ephemeral_start()) if p != DEFAULT_PORT]
+
+
+def enough(count: int) -> bool:
+    """Whether the pool is large enough that ``count`` random picks rarely meet another
+    test's (else the kernel picks, as before)."""
+    return len(pool()) >= 100 * count
+
+
 def free_ports(count: int) -> list[int]:
     """``count`` distinct ports that were free a moment ago (held together while chosen, so
     they cannot repeat); the kernel's pick where the range below its own is too small."""
-    pool = [p for p in range(LOW, ephemeral_start()) if p != DEFAULT_PORT]
-    candidates = random.sample(pool, len(pool)) if len(pool) >= 100 * count else []
+    choices = pool()
+    candidates = _rng.sample(choices, len(choices)) if enough(count) else []
     socks: list[socket.socket] = []
     try:
         for port in [*candidates, *[0] * count]:

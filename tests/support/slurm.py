@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpc_ddp.procs import process_state
 from tests.support.polling import wait_state
 from tests.support.ports import free_ports
 
@@ -61,11 +62,7 @@ def _exe(name: str) -> str:
 
 def _alive(pid: int) -> bool:
     """True for a live process; a zombie (killed, not yet reaped by init) counts as dead."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+    return process_state(pid, None) not in (None, "Z")
 
 
 def _cmdline(pid: int) -> str:
