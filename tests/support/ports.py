@@ -36,17 +36,17 @@ def pool() -> list[int]:
     return [p for p in range(LOW, ephemeral_start()) if p != DEFAULT_PORT]
 
 
-def enough(count: int) -> bool:
+def enough(count: int, choices: list[int] | None = None) -> bool:
     """Whether the pool is large enough that ``count`` random picks rarely meet another
     test's (else the kernel picks, as before)."""
-    return len(pool()) >= 100 * count
+    return len(pool() if choices is None else choices) >= 100 * count
 
 
 def free_ports(count: int) -> list[int]:
     """``count`` distinct ports that were free a moment ago (held together while chosen, so
     they cannot repeat); the kernel's pick where the range below its own is too small."""
     choices = pool()
-    candidates = _rng.sample(choices, len(choices)) if enough(count) else []
+    candidates = _rng.sample(choices, len(choices)) if enough(count, choices) else []
     socks: list[socket.socket] = []
     try:
         for port in [*candidates, *[0] * count]:
