@@ -48,8 +48,10 @@ DRAIN_S = 10.0
 #: and then the tee lives on, which must not cost each exit DRAIN_S.
 GRACE_S = 0.2
 
-#: What :func:`drain` has left to do: the rank's file and its tees, by the fd they copy.
-_pending: tuple[Path, dict[int, subprocess.Popen[bytes]]] | None = None
+#: What :func:`drain` has left to do: the rank's file and, by the fd each one copies, its
+#: tee and a kept write end of that tee's pipe (fd 3 or above): drain's view of the pipe
+#: even when the program has closed or reused fd 1 or 2 itself.
+_pending: tuple[Path, dict[int, tuple[subprocess.Popen[bytes], int]]] | None = None
 
 
 def folder(env: Mapping[str, str] | None = None) -> Path:
@@ -62,8 +64,11 @@ def path_of(rank: int, env: dict[str, str] | None = None) -> Path:
     return folder(env) / rank_log_name(rank)
 
 
-def _tee(path: Path, fd: int, out_fd: int) -> subprocess.Popen[bytes]:
-    """Point ``fd`` at a pipe whose reader appends to ``path`` and copies to ``out_fd``."""
+def _tee(path: Path, fd: int, out_fd: int) -> tuple[subprocess.Popen[bytes], int]:
+    """Point ``fd`` at a pipe whose reader appends to ``path`` and copies to ``out_fd``;
+    returns the reader and a kept copy of the pipe's write end (close-on-exec, >= 3)."""
+    import fcntl
+
     saved = os.dup(out_fd)  # where the stream went before: the job log
     read_end, write_end = os.pipe()
     try:
@@ -79,8 +84,10 @@ def _tee(path: Path, fd: int, out_fd: int) -> subprocess.Popen[bytes]:
         os.close(read_end)
         os.close(saved)
     os.dup2(write_end, fd)
-    os.close(write_end)
-    return tee
+    held = fcntl.fcntl(write_end, fcntl.F_DUPFD_CLOEXEC, 3)
+    if write_end != fd:
+        os.close(write_end)
+    return tee, held
 
 
 def _unread(fd: int) -> int:
@@ -119,7 +126,6 @@ def drain() -> None:
         return
     path, teed = pending
     _flush()
-    held = {fd: os.dup(fd) for fd in teed}  # this process's view of each pipe
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
     except OSError:  # the file is gone: /dev/null still closes the pipes
@@ -128,12 +134,13 @@ def drain() -> None:
         os.dup2(fd, target)
     os.close(fd)
     deadline = time.monotonic() + DRAIN_S
-    for target, tee in teed.items():
+    for tee, held in teed.values():
         try:
-            while tee.poll() is None and _unread(held[target]) and time.monotonic() < deadline:
+            while tee.poll() is None and _unread(held) and time.monotonic() < deadline:
                 time.sleep(0.005)
         finally:
-            os.close(held[target])
+            with contextlib.suppress(OSError):  # the program closed it: nothing to wait on
+                os.close(held)
         grace = min(GRACE_S, max(0.0, deadline - time.monotonic()))
         with contextlib.suppress(subprocess.TimeoutExpired):
             tee.wait(timeout=grace)

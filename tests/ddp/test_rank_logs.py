@@ -119,7 +119,7 @@ def test_no_per_rank_logs_is_one_line(tmp_path: Path) -> None:
 #: ``parts.die``, which ends in ``os._exit``); with "child", a child the rank started
 #: keeps the pipes open. It writes the time to GATE just before it dies.
 LAST_WORDS = """\
-import subprocess, sys, time
+import os, subprocess, sys, time
 from pathlib import Path
 from ddp import rank_logs
 from ddp.parts import die
@@ -129,6 +129,9 @@ how, gate = sys.argv[1], Path(sys.argv[2])
 if how == "child":
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 print("last-out-line")
+if how == "closed":  # a program that shuts its own stdout (a daemon, a closed pager)
+    sys.stdout.flush()
+    os.close(1)
 gate.write_text(repr(time.time()))
 if how == "die":
     die(0, RuntimeError("last-err-line"))
@@ -155,13 +158,14 @@ def _late_tee(tmp_path: Path, gate: Path) -> dict[str, str]:
     )
 
 
-@pytest.mark.parametrize("how", ["raise", "die", "child"])
+@pytest.mark.parametrize("how", ["raise", "die", "child", "closed"])
 def test_a_dying_rank_exits_after_its_last_lines_are_in_both_places(
     tmp_path: Path, how: str
 ) -> None:
     """Read the moment the rank has exited, as a launcher that then ends the step would.
     A child holding the pipes (a DataLoader worker, a resource tracker) costs the exit
-    the grace, not DRAIN_S (60 s here)."""
+    the grace, not DRAIN_S (60 s here). A rank that closed its own stdout still drains
+    its stderr."""
     script, gate = tmp_path / "last_words.py", tmp_path / "last-words-at"
     script.write_text(LAST_WORDS)
     out, err = tmp_path / "job.out", tmp_path / "job.err"
@@ -184,4 +188,5 @@ def test_a_dying_rank_exits_after_its_last_lines_are_in_both_places(
     assert "last-out-line" in text and "RuntimeError: last-err-line" in text, text
     assert "last-out-line" in out.read_text()
     assert "RuntimeError: last-err-line" in err.read_text()
+    assert "Exception ignored" not in text + err.read_text()
     assert exited - float(gate.read_text()) < 30  # DRAIN_S is 60
