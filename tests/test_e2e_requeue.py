@@ -91,7 +91,7 @@ def _drive(cluster, job: str, done, what: str, log) -> None:
 
     def check() -> bool:
         if _show(cluster, job).get("JobState") == "PENDING":
-            cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
+            cluster.release(job)
         return bool(done())
 
     wait_until(check, 200, what, log=log)

@@ -335,9 +335,6 @@ def test_map_array_and_debug(tmp_path: Path) -> None:
 # --- real SLURM -----------------------------------------------------------------------------
 
 
-CRED_EXPIRE_S = 10  # AuthInfo=...,cred_expire=10 in tests/support/slurm.py
-
-
 def slurm_executor(cluster: Any, folder: Path, **kwargs: Any) -> Any:
     return hpc.executor(
         cluster="slurm", queue=cluster.partition, walltime="00:05:00", folder=folder, **kwargs
@@ -410,10 +407,9 @@ def test_slurm_checkpointable_requeued(slurm_cluster: Any, tmp_path: Path) -> No
     scancel --signal), checkpoint, scontrol requeue, the same job id runs again.
 
     The requeued job waits for its BeginTime, cred_expire after the requeue (10 s on the
-    fixture, ~120 s by default), then for a scheduler pass. ``scontrol update
-    StartTime=now`` starts it at once, but only once cred_expire has passed: before, the
-    node still holds the revoked credential, refuses the launch ("Job 1 already killed,
-    do not launch batch job") and the job ends FAILED.
+    fixture, ~120 s by default), then for a scheduler pass; ``SlurmCluster.release``
+    starts it in the next second (within the requeue's own, the node refuses the launch:
+    "Job 1 already killed, do not launch batch job", and the job ends FAILED).
     """
     ex = slurm_executor(slurm_cluster, tmp_path)
     marker = tmp_path / "started"
@@ -421,7 +417,6 @@ def test_slurm_checkpointable_requeued(slurm_cluster: Any, tmp_path: Path) -> No
     wait_until(marker.exists, 60, "function started")
     job._interrupt()
     seen: set[str] = set()
-    pending_since: list[float] = []
 
     def finished() -> bool:
         show = slurm_cluster.run("scontrol", "show", "job", "-o", job.job_id, check=False).stdout
@@ -429,12 +424,7 @@ def test_slurm_checkpointable_requeued(slurm_cluster: Any, tmp_path: Path) -> No
             " ".join(w for w in show.split() if w.startswith(("JobState=", "Reason=", "Restarts=")))
         )
         if "Restarts=1" in show and "JobState=PENDING" in show:
-            if not pending_since:
-                pending_since.append(time.monotonic())
-            elif time.monotonic() - pending_since[0] > CRED_EXPIRE_S + 1:
-                slurm_cluster.run(
-                    "scontrol", "update", f"JobId={job.job_id}", "StartTime=now", check=False
-                )
+            slurm_cluster.release(job.job_id)
         return job.done()
 
     try:

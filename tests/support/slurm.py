@@ -15,6 +15,7 @@ next start. The dir of the current run is kept after teardown, for its logs.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import signal
@@ -203,6 +204,22 @@ class SlurmCluster:
             f"job {job_id} in {tuple(states)}",
             log=lambda: self.job_log(job_id),
         )
+
+    def release(self, job_id: str) -> None:
+        """Start a job held by its BeginTime (a requeue sets it ``cred_expire`` ahead) now,
+        but never within the second of its requeue.
+
+        A requeue revokes the job's credential on its nodes as of the controller's clock
+        at the requeue, and slurmd refuses a launch whose credential is from that second
+        or before: ``cred->ctime <= j->revoked``, whole seconds, in ``slurm_cred_revoked``
+        (src/common/slurm_cred.c); a later one counts as reissued. Released within the
+        requeue's second, the job ended FAILED ("Killing non-startable batch JobId=39: Job
+        credential revoked", a loaded run). So the release waits for the next second of
+        this clock (the controller's: the same machine), after which any requeue already
+        seen is in an earlier second: under a second, bound by the rule, not a guess."""
+        now = time.time()
+        time.sleep(math.floor(now) + 1 - now)
+        self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
 
     def job_log(self, job_id: str) -> str:
         """The job's output file (``scontrol``'s StdOut, else :meth:`output_path`)."""
