@@ -55,14 +55,23 @@ def detach(stream: object) -> None:
             os.close(null)
 
 
-def run_main(main: Callable[[], int]) -> int:
+def run_main(main: Callable[[], int], prog: str = "hpc") -> int:
     """``main()``'s exit code; :data:`SIGPIPE_EXIT` and no output once stdout or stderr
     lost its reader.
 
     Buffered output is flushed here, inside the guard, so a reader that left early is
     seen now and not by the interpreter's exit. A ``BrokenPipeError`` while both
-    streams still have readers (another pipe) is a real error and is raised again.
+    streams still have readers (another pipe) is a real error and is raised again. A
+    program started with stdout or stderr closed (Python then has None there) ends at
+    once with exit 2, ``PROG: error: ...`` where stderr is open.
     """
+    if sys.stdout is None or sys.stderr is None:  # started with fd 1 or 2 closed (>&-)
+        if sys.stderr is not None:  # with stderr closed there is nowhere to say it
+            sys.stderr.write(
+                f"{prog}: error: standard output is closed; allowed: a terminal, file or "
+                "pipe (>/dev/null to discard it)\n"
+            )
+        return 2
     try:
         try:
             return main()

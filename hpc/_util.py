@@ -19,13 +19,45 @@ from hpc.errors import UserError
 # on use). Re-exported: the login side's name for the limit.
 from hpc_ddp.strict_yaml import MAX_NODES as MAX_YAML_NODES  # noqa: F401
 
-_WALLTIME = r"^(\d{1,4}):([0-5]\d):([0-5]\d)\Z"  # compiled on first use (re's cache)
+_WALLTIME = r"^([0-9]{1,4}):([0-5][0-9]):([0-5][0-9])\Z"  # compiled on first use (re's cache)
+#: The largest count a flag or spec takes (nodes, ranks, GPUs, cores, batch, steps): far
+#: past any machine, well inside the 32-bit fields schedulers keep counts in.
+MAX_COUNT = 10_000_000
+#: The longest walltime, the one HH:MM:SS can say (hours up to 9999): an int of seconds
+#: (the Python API's unit) past it would render a time no scheduler reads as meant.
+MAX_WALLTIME_S = 9999 * 3600 + 59 * 60 + 59
 # Values that end up inside #PBS/#SBATCH directives: schedulers parse those lines
 # themselves, so quoting does not help there; restrict them to a plain character set.
 _DIRECTIVE_SAFE = r"^[A-Za-z0-9_.:+,=@/%-]+\Z"  # compiled on first use (re's cache)
 #: A name: a shell variable's (written unquoted in ``export NAME=...``), a config key's part.
 NAME = r"[A-Za-z_][A-Za-z0-9_]*"  # the one spelling; anchored or embedded where used
 _VARIABLE = rf"^{NAME}\Z"  # compiled on first use (re's cache)
+
+
+def printable(text: str) -> str:
+    """``text`` as a terminal or a plot can show it: each character that is not printable
+    as an escape. A run's files and folder names are anyone's text: a control character
+    would reach the terminal, and a lone surrogate (a name's bytes that are not UTF-8, as
+    Python keeps them, or a ``\\ud800`` in JSON) stops a UTF-8 write with a traceback."""
+    if text.isprintable():
+        return text
+    out = []
+    for c in text:
+        if c.isprintable():
+            out.append(c)
+        elif "\udc80" <= c <= "\udcff":  # a byte that was not UTF-8, as the byte
+            out.append(f"\\x{ord(c) - 0xDC00:02x}")
+        else:
+            out.append(c.encode("unicode_escape").decode("ascii"))
+    return "".join(out)
+
+
+def plot_text(text: str) -> str:
+    """``text`` as a plot should draw it, as written: :func:`printable`, with ``$`` kept
+    from matplotlib's math (``$\\foo$`` is an error there) and a leading ``_`` from its
+    rule that leaves such a label out of a legend."""
+    text = printable(text).replace("$", r"\$")
+    return f" {text}" if text.startswith("_") else text
 
 
 def did_you_mean(value: str, choices: Iterable[str]) -> str:
@@ -184,6 +216,11 @@ def parse_walltime(value: Any, field: str = "walltime") -> int:
     if isinstance(value, int):
         if value <= 0:
             raise UserError(f"{field}: {value!r} must be positive; allowed: HH:MM:SS")
+        if value > MAX_WALLTIME_S:
+            shown = str(value) if value < 10**30 else f"a {len(str(value))}-digit number"
+            raise UserError(
+                f"{field}: {shown} seconds; allowed: at most {MAX_WALLTIME_S} (9999:59:59)"
+            )
         return value
     match = re.match(_WALLTIME, str(value).strip())
     if not match:

@@ -47,14 +47,16 @@ MAX_CHARS = 300
 
 # "srun: error: n2: task 1: Exited with exit code 1"; "srun: error: n2: tasks 2-3: ..."
 _SRUN_EXIT = re.compile(
-    rb"srun: error: (\S+): tasks? ([0-9]+)(?:-[0-9]+)?: "
-    rb"Exited with exit code ([0-9]+)"
+    rb"srun: error: (\S+): tasks? ([0-9]{1,9})(?:-[0-9]+)?: "
+    rb"Exited with exit code ([0-9]{1,9})(?![0-9])"
 )
 # PALS (Aurora, Polaris): "HOST: rank N exited with code K", one line per rank, K 0 for
 # the clean ones; the ranks PALS then ends are "rank N died from signal 15" (a cascade).
 # As captured on Sunspot by ALCF's ezpz (https://github.com/saforem2/ezpz, src/ezpz/
 # launch auto-retry, job 12471663); HPE's mpiexec(1) is behind its portal: unverified.
-_PALS_EXIT = re.compile(rb"^(?:[0-9]+: )?(\S+): rank ([0-9]+) exited with code ([0-9]+)")
+_PALS_EXIT = re.compile(  # 9 digits at most: int() of a job log's 5000 would raise
+    rb"^(?:[0-9]+: )?(\S+): rank ([0-9]{1,9}) exited with code ([0-9]{1,9})(?![0-9])"
+)
 _ERROR_LINE = re.compile(
     rb"Traceback \(most recent call last\):|(?:^|\] )(?:ddp: error: )?"
     rb"rank [0-9]+ failed: "

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hpc._util import read_regular
+from hpc._util import printable, read_regular
 from hpc.errors import UserError
 
 MAX_FILE = 16 * 1024 * 1024
@@ -42,9 +42,14 @@ def _flat(prefix: str, value: Any) -> dict[str, str]:
         for key, sub in value.items():
             out.update(_flat(f"{prefix}.{key}" if prefix else str(key), sub))
         return out
+    return {prefix: _words(value)}
+
+
+def _words(value: Any) -> str:
+    """A record's value as text: a list joined, anything else as ``str`` gives it."""
     if isinstance(value, list):
-        return {prefix: ", ".join(map(str, value))}
-    return {prefix: "" if value is None else str(value)}
+        return ", ".join(map(str, value))
+    return "" if value is None else str(value)
 
 
 def _compare(old: dict[str, str], new: dict[str, str], what: str) -> list[str]:
@@ -67,10 +72,11 @@ def _git(rec: dict[str, Any]) -> dict[str, str]:
     if not isinstance(git, dict):
         git = {}
     diff = str(git.get("diff") or "")
+    digest = hashlib.sha256(diff.encode("utf-8", "surrogatepass")).hexdigest()[:12]
     return {
         "commit": str(git.get("commit") or ""),
-        "uncommitted diff": hashlib.sha256(diff.encode()).hexdigest()[:12] if diff else "none",
-        "untracked": ", ".join(map(str, git.get("untracked") or [])),
+        "uncommitted diff": digest if diff else "none",
+        "untracked": _words(git.get("untracked")),
     }
 
 
@@ -78,7 +84,8 @@ def _env(rec: dict[str, Any]) -> dict[str, str]:
     env = rec.get("env")
     if not isinstance(env, dict):
         env = {}
-    skip = tuple(p for p in rec.get("allocation_prefixes", _ALLOCATION) if isinstance(p, str))
+    given = rec.get("allocation_prefixes", _ALLOCATION)
+    skip = tuple(p for p in given if isinstance(p, str)) if isinstance(given, list) else ()
     return {str(k): str(v) for k, v in env.items() if not str(k).startswith(skip or _ALLOCATION)}
 
 
@@ -103,9 +110,10 @@ def describe(run_dir: Path) -> list[str]:
     if not recs:
         return []
     last = recs[-1]
+    nodes = last.get("nodes")
     lines = [
         f"environment: {len(recs)} fingerprint(s) in {run_dir}; latest: job "
-        f"{last.get('job_id')}, {len(last.get('nodes') or {})} node(s)"
+        f"{last.get('job_id')}, {len(nodes) if isinstance(nodes, dict | list) else 0} node(s)"
     ]
     differ = last.get("nodes_differ") or []
     if isinstance(differ, list) and differ:
@@ -117,4 +125,4 @@ def describe(run_dir: Path) -> list[str]:
         head = f"environment: job {recs[-2].get('job_id')} -> job {last.get('job_id')}"
         lines.append(f"{head}: {len(changes)} change(s)" if changes else f"{head}: no change")
         lines += [f"  {c}" for c in changes]
-    return lines
+    return [printable(line) for line in lines]  # the records are anyone's text

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpc._util import open_regular
+from hpc._util import open_regular, plot_text
 from hpc.errors import UserError
 
 RANKS = "ranks.jsonl"
@@ -37,12 +37,35 @@ class RankTimes:
     skipped: int = 0
 
 
+#: The largest whole number read as a figure: past it a JSON integer is no float (and
+#: ``float()`` of a 400-digit one raises) and no step a run can reach.
+MAX_WHOLE = 2**53
+
+
+def _number(value: Any) -> float | None:
+    """A JSON number as a float; None for anything else, a bool, or an integer past
+    :data:`MAX_WHOLE` (the file is untrusted)."""
+    if isinstance(value, float):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) <= MAX_WHOLE:
+        return float(value)
+    return None
+
+
 def _numbers(value: Any, n: int) -> list[float] | None:
     if not isinstance(value, list) or len(value) != n:
         return None
-    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in value):
-        return None
-    return [float(v) for v in value]
+    out = []
+    for v in value:
+        number = _number(v)
+        if number is None:
+            return None
+        out.append(number)
+    return out
+
+
+def _step(value: Any) -> bool:
+    return type(value) is int and 0 <= value <= MAX_WHOLE
 
 
 def read(path: Path) -> RankTimes:
@@ -60,7 +83,7 @@ def read(path: Path) -> RankTimes:
             kind = rec.get("kind")
             if kind == "hosts" and isinstance(rec.get("hosts"), list):
                 out.hosts = [str(h) for h in rec["hosts"]]
-            elif kind == "ranks" and isinstance(rec.get("step"), int) and out.hosts:
+            elif kind == "ranks" and _step(rec.get("step")) and out.hosts:
                 data = _numbers(rec.get("data"), len(out.hosts))
                 compute = _numbers(rec.get("compute"), len(out.hosts))
                 if data is None or compute is None:
@@ -81,10 +104,10 @@ def notes(times: RankTimes, label: str) -> list[str]:
     """The persistent stragglers, one line each, and what was skipped."""
     lines = []
     for s in times.stragglers:
-        sps, med = s.get("seconds_per_step"), s.get("median")
+        sps, med = _number(s.get("seconds_per_step")), _number(s.get("median"))
         figures = (
             f": {sps:.4g} s/step against a median of {med:.4g}"
-            if isinstance(sps, int | float) and isinstance(med, int | float)
+            if sps is not None and med is not None
             else ""
         )
         lines.append(
@@ -128,7 +151,8 @@ def heatmap(times: RankTimes, png: Path) -> bool:
     ax.set_xlabel("step (log points)")
     ax.set_ylabel("rank")
     if ranks <= 32:
-        ax.set_yticks(range(ranks), [f"{r} {h}" for r, h in enumerate(times.hosts)], fontsize=7)
+        names = [plot_text(f"{r} {h}") for r, h in enumerate(times.hosts)]
+        ax.set_yticks(range(ranks), names, fontsize=7)
     for s in times.stragglers:
         if isinstance(s.get("rank"), int) and 0 <= s["rank"] < ranks:
             ax.axhline(s["rank"], color="red", lw=0.8, alpha=0.6)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpc._util import plot_text, printable
 from hpc.errors import UserError
 from hpc.report_read import (
     MAX_LINE,
@@ -225,8 +226,9 @@ def plot(series: list[Series], png: Path) -> None:
     loss_ax, lr_ax, speed_ax = fig.subplots(3, 1, sharex=True)
     for s, color in zip(series, _colors(len(series)), strict=True):
         s.color = color
+        name = plot_text(s.label)
         if s.train.get("loss"):
-            loss_ax.plot(*_xy(s.train["loss"]), color=color, lw=1.5, label=s.label)
+            loss_ax.plot(*_xy(s.train["loss"]), color=color, lw=1.5, label=name)
         if s.eval_loss:
             loss_ax.plot(
                 *_xy(s.eval_loss),
@@ -235,12 +237,12 @@ def plot(series: list[Series], png: Path) -> None:
                 ls="--",
                 marker="o",
                 ms=3,
-                label=f"{s.label} (eval)",
+                label=f"{name} (eval)",
             )
         if s.train.get("lr"):
-            lr_ax.plot(*_xy(s.train["lr"]), color=color, lw=1.5, label=s.label)
+            lr_ax.plot(*_xy(s.train["lr"]), color=color, lw=1.5, label=name)
         if s.train.get("samples_per_s"):
-            speed_ax.plot(*_xy(s.train["samples_per_s"]), color=color, lw=1.5, label=s.label)
+            speed_ax.plot(*_xy(s.train["samples_per_s"]), color=color, lw=1.5, label=name)
     for ax, title in (
         (loss_ax, "loss (solid: train, dashed: eval)"),
         (lr_ax, "learning rate"),
@@ -302,7 +304,7 @@ def report(run_dirs: list[Path], out: Path | None = None, console: Any = None) -
 
         console.print(summary_table(rows))
         for line in notes:  # paths and labels are the user's text: Text, never markup
-            console.print(Text(f"note: {line}"))
+            console.print(Text(printable(f"note: {line}")))
         console.print(Text(f"plot: {png}"))
     return ReportResult(png=png, series=series, runs=rows, notes=notes)
 
@@ -340,14 +342,16 @@ def _find_all(run_dirs: list[Path]) -> list[tuple[str, Path]]:
 
 
 def _unique(found: list[tuple[str, Path]]) -> list[tuple[str, Path]]:
-    """Labels made unique (two runs of one name in different folders), same file once."""
+    """Labels made unique (two runs of one name in different folders), same file once,
+    and printable (a folder's or a sweep.json's text: see :func:`hpc._util.printable`)."""
     seen_paths: set[Path] = set()
     counts: dict[str, int] = {}
     result = []
-    for label, path in found:
+    for raw, path in found:
         if path.resolve() in seen_paths:
             continue
         seen_paths.add(path.resolve())
+        label = printable(raw)
         counts[label] = counts.get(label, 0) + 1
         result.append((label if counts[label] == 1 else f"{label} ({counts[label]})", path))
     return result

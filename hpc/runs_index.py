@@ -93,7 +93,7 @@ def _read_index(runs_dir: Path, key: str | None = None) -> _Index | None:
     for line in text.split("\n"):
         if not line:
             continue
-        if line.startswith("@") and line[1:].isascii() and line[1:].isdigit():
+        if line.startswith("@") and line[1:].isascii() and line[1:].isdigit() and len(line) < 21:
             stamp = int(line[1:])
             continue
         if prefix is not None and not line.startswith(prefix):

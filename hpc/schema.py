@@ -47,8 +47,12 @@ KINDS = ("str", "text", "int", "number", "bool", "choice", "strings", "custom", 
 
 
 def refuse(label: str, value: Any, allowed: str, hint: str = "") -> UserError:
-    """The one-line message every key check raises: what, which value, what is allowed."""
-    return UserError(f"{label}: {value!r} is not allowed{hint}; allowed: {allowed}")
+    """The one-line message every key check raises: what, which value (cut to 80
+    characters: a 5000-digit number is one line, not a screenful), what is allowed."""
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = f"{shown[:77]}..."
+    return UserError(f"{label}: {shown} is not allowed{hint}; allowed: {allowed}")
 
 
 def expect(label: str, allowed: str) -> UserError:
@@ -189,8 +193,8 @@ class Key:
 
     def _int(self, value: Any, label: str, got: dict[str, Any], lax: bool) -> int:
         text = value.strip() if self.digits and isinstance(value, str) else ""
-        if text.isascii() and text.isdigit():  # ASCII digits only: not ², ٢
-            value = int(text)
+        if text.isascii() and text.isdigit() and len(text) <= 18:  # ASCII: not ², ٢
+            value = int(text)  # 18 digits: past every bound, short of int()'s limit
         if isinstance(value, bool) or not isinstance(value, int) or not self._within(value):
             raise refuse(label, value, self.describe(got))
         return value

@@ -25,6 +25,7 @@ from typing import Any
 
 from hpc import schedulers
 from hpc._util import (
+    MAX_COUNT,
     directive_line,
     directive_value,
     load_yaml,
@@ -272,7 +273,7 @@ RESILIENCE_KEYS = Table(
 #: ``resilience:`` keys (python -m ddp.supervise's flags) and their defaults.
 RESILIENCE: dict[str, float | int] = RESILIENCE_KEYS.defaults()
 _DIRECTIVE = directive_value
-_WHOLE: dict[str, Any] = {"kind": "int", "low": 1, "digits": True}
+_WHOLE: dict[str, Any] = {"kind": "int", "low": 1, "high": MAX_COUNT, "digits": True}
 #: Every key of a job spec, in the order they are checked (:meth:`JobSpec.from_mapping`);
 #: the defaults are :class:`JobSpec`'s own.
 SPEC = Table(

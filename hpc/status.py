@@ -226,12 +226,18 @@ def watch(
 
 
 def exit_code(ident: str, runs_dir: Path) -> int | None:
-    """The exit code of a job that ended: its record's (a job that ran here to the
-    end), else its scheduler's; None when neither can say."""
+    """The exit code of a job that ended, as a shell gives it (0-255): its record's (a
+    job that ran here to the end), else its scheduler's; None when neither can say.
+
+    The record is a file anyone may have edited: a code past 255 would reach the exit
+    of ``hpc logs -f`` modulo 256 (256 is 0, a failed job "succeeding"), so it is no
+    code; a negative one is Python's "killed by signal N", 128+N as a shell says it."""
     job_id, scheduler, rec = locate(ident, runs_dir)
     code = (rec or {}).get("exit_code")
     if isinstance(code, int) and not isinstance(code, bool):
-        return code
+        if 0 <= code <= 255:
+            return code
+        return 128 - code if -127 <= code < 0 else None
     return scheduler.exit_code(job_id)
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from hpc._util import printable
 from hpc.errors import UserError
 from hpc_ddp.run_layout import METRICS, RUN_RECORD, metrics_paths
 
@@ -88,7 +89,7 @@ class View:
         if self.restarts or self.excluded or self.stopped:
             out.append(("supervisor", supervisor_line(self.restarts, self.excluded, self.stopped)))
         out += [(f"failure {i}", text) for i, text in enumerate(self.failure)]
-        return out
+        return [(key, printable(text)) for key, text in out]  # run.json is anyone's text
 
 
 def _num(value: Any) -> float | None:

@@ -15,10 +15,13 @@ those printing rich tables :mod:`hpc.cli.tables`. This module is the entry point
 
 from __future__ import annotations
 
+import errno
+import os
 import sys
 
+from hpc._util import MAX_COUNT
 from hpc.cli.commands import cmd_cancel, cmd_logs, cmd_render, cmd_status, cmd_submit
-from hpc.cli.parser import COMMANDS, MAX_COUNT, build_parser
+from hpc.cli.parser import COMMANDS, build_parser
 from hpc.cli.tables import cmd_clusters, cmd_doctor, cmd_report, cmd_scale
 from hpc.errors import HpcError, UserError
 
@@ -69,6 +72,8 @@ def _main(argv: list[str] | None) -> int:
             raise UserError(f"command: missing; allowed: {', '.join(COMMANDS)}")
         if command is not None and args.command not in ("render", "submit", "run"):
             raise UserError(f"--: {args.command} takes no command after --")
+        if args.command in ("render", "submit", "run"):
+            _utf8_words(argv + (command or []))
         return int(args.func(args, command))
     except HpcError as exc:
         if debug:
@@ -77,8 +82,48 @@ def _main(argv: list[str] | None) -> int:
             traceback.print_exc()
         sys.stderr.write(f"hpc: error: {exc}\n")
         return int(getattr(exc, "exit_code", 2))
+    except OSError as exc:
+        line = _path_refused(exc)
+        if line is None or debug:
+            raise
+        sys.stderr.write(f"hpc: error: {line}\n")
+        return 2
     except SystemExit as exc:  # --help
         return int(exc.code or 0) if not isinstance(exc.code, str) else 2
     except KeyboardInterrupt:
         sys.stderr.write("hpc: interrupted\n")
         return 130
+
+
+def _utf8_words(words: list[str]) -> None:
+    """Refuse a word that came from bytes that are not UTF-8 (Python keeps such bytes as
+    lone surrogates): the commands that write a job script and its run's records write
+    UTF-8 text, and one such word would stop them half-way with a run folder made."""
+    for word in words:
+        try:
+            word.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            shown = os.fsencode(word).decode("utf-8", "backslashreplace")
+            raise UserError(
+                f"argument '{shown}' is not UTF-8 text (at character {exc.start + 1}); "
+                "allowed: UTF-8 (a job script and its run's records are UTF-8 text)"
+            ) from None
+
+
+#: What the system says of a path a user gave (too long, a loop of links, a file where a
+#: folder should be, no permission, a read-only file system): every command that takes
+#: a path may meet one anywhere it touches it, so it is worded here, once.
+_PATH_ERRNOS = frozenset(
+    getattr(errno, name)
+    for name in ("ENAMETOOLONG", "ELOOP", "ENOTDIR", "EACCES", "EPERM", "EROFS", "EISDIR")
+)
+
+
+def _path_refused(exc: OSError) -> str | None:
+    """One line for a path the system refused, naming the path (cut to 80 characters);
+    None for any other error, which is no user's mistake and keeps its traceback."""
+    if exc.errno not in _PATH_ERRNOS or exc.filename is None:
+        return None
+    name = os.fsdecode(exc.filename) if isinstance(exc.filename, bytes) else str(exc.filename)
+    shown = name if len(name) <= 80 else f"{name[:77]}..."
+    return f"path {shown!r}: {exc.strerror}; allowed: a path this system can open"

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc import core
-from hpc._util import write_atomic
+from hpc._util import read_regular, write_atomic
 from hpc.errors import UserError
 
 _OVERRIDES = (
@@ -141,11 +141,7 @@ def _render_all(args: argparse.Namespace, command: list[str] | None) -> int:
             f"(got {', '.join(given) or 'a spec or command'})"
         )
     rendered = core.render_all(Path(args.jobs_dir), args.templates)
-    stale = [
-        p
-        for p, text in rendered.items()
-        if not p.is_file() or p.read_text(encoding="utf-8") != text
-    ]
+    stale = [p for p, text in rendered.items() if _differs(p, text.encode("utf-8"))]
     if args.check:
         if stale:
             raise UserError(
@@ -157,6 +153,15 @@ def _render_all(args: argparse.Namespace, command: list[str] | None) -> int:
         write_atomic(path, rendered[path], "--all-jobs")
         sys.stderr.write(f"wrote {path}\n")
     return 0
+
+
+def _differs(path: Path, data: bytes) -> bool:
+    """Whether the checked-in script at ``path`` is not ``data``, read as bytes and no
+    further than one byte past ``data`` (a huge, non-UTF-8 or special file differs)."""
+    try:
+        return read_regular(path, "--all-jobs", len(data) + 1) != data
+    except UserError:  # missing, a folder or a pipe (which render_all refuses anyway)
+        return True
 
 
 def cmd_submit(args: argparse.Namespace, command: list[str] | None) -> int:

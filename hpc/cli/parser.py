@@ -10,6 +10,7 @@ import math
 import re
 from typing import Any, NoReturn
 
+from hpc._util import MAX_COUNT
 from hpc.cli.commands import cmd_cancel, cmd_logs, cmd_render, cmd_status, cmd_submit
 from hpc.cli.tables import cmd_clusters, cmd_doctor, cmd_report, cmd_scale
 from hpc.errors import UserError
@@ -20,10 +21,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise UserError(message if self.prog == "hpc" else f"{self.prog}: {message}")
-
-
-MAX_COUNT = 10_000_000
-"""Largest count a flag takes (GPUs, batch, steps): past any machine, short of overflow."""
 
 
 def _whole(text: str) -> int:

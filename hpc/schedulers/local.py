@@ -23,6 +23,14 @@ if TYPE_CHECKING:
     from hpc.job import Job
 
 
+#: Linux's largest pid (PID_MAX_LIMIT, 2**22, in the kernel's include/linux/threads.h).
+PID_MAX = 4_194_304
+#: Set in the environment of each job ``hpc run`` starts (its run directory): a cancel
+#: signals only a process that carries it, whatever a run.json says (:func:`_marked`).
+MARK = "HPC_LOCAL_RUN"
+MAX_ENVIRON = 4 << 20  # bytes of /proc/PID/environ read: an environment is kilobytes
+
+
 class Local(Scheduler):
     """Runs the rendered script with bash in the current directory, to the end."""
 
@@ -89,6 +97,7 @@ class Local(Scheduler):
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                env={**os.environ, MARK: str(Path(run_dir).absolute())},
             )
             forward.to(proc.pid)  # before anything else: a signal from now on is the job's
             job_id = f"local-{proc.pid}-{process_start(proc.pid) or 0}"
@@ -246,16 +255,37 @@ def _say(line: str) -> None:
 
 
 def _parse(job_id: str) -> tuple[int, int | None]:
-    """(pid, start ticks) of ``local-PID-START``; older ``local-PID`` ids have no start."""
+    """(pid, start ticks) of ``local-PID-START``; older ``local-PID`` ids have no start.
+
+    PID is 1 to :data:`PID_MAX`: 0 would signal hpc's own process group, and a larger
+    number is no pid (``os.kill`` raises OverflowError past a C int)."""
     parts = job_id.removeprefix("local-").split("-")
     # [0-9] only: str.isdigit takes any script's digits (١٢٣), and int() reads them.
     if (
         not job_id.startswith("local-")
         or len(parts) > 2
         or not all(re.fullmatch("[0-9]{1,20}", p) for p in parts)
+        or not 1 <= int(parts[0]) <= PID_MAX
     ):
-        raise UserError(f"job: {job_id!r} is not a local job id; allowed: local-PID-START")
+        raise UserError(
+            f"job: {job_id!r} is not a local job id; allowed: local-PID-START, PID 1 to {PID_MAX}"
+        )
     return int(parts[0]), int(parts[1]) if len(parts) == 2 else None
+
+
+def _marked(pid: int) -> bool:
+    """Whether process ``pid`` is one ``hpc run`` started: its environment holds
+    :data:`MARK` (``/proc/PID/environ``, the environment it was started or last exec'd
+    with, which the script's ``exec`` of the launcher keeps). True where there is no
+    ``/proc`` to ask (the pid and start checks then stand alone)."""
+    if not os.path.isdir("/proc/self"):
+        return True
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            env = fh.read(MAX_ENVIRON)
+    except OSError:  # gone, or another user's process: no job of this user's hpc
+        return False
+    return any(item.startswith(MARK.encode() + b"=") for item in env.split(b"\0"))
 
 
 def _alive(pid: int, start: int | None) -> bool:
@@ -272,7 +302,8 @@ def _alive(pid: int, start: int | None) -> bool:
         leader = os.getsid(pid) == pid
     except OSError:
         return False
-    return start is not None and leader and (process_start(pid) or 0) == start  # 0: no /proc
+    started = start is not None and leader and (process_start(pid) or 0) == start  # 0: no /proc
+    return started and _marked(pid)
 
 
 SCHEDULER = Local

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 RULES = ("none", "linear", "sqrt", "cap:N")
 BY = ("world", "batch")
-_CAP = re.compile(r"^cap:(\d+(?:\.\d+)?)$")
+_CAP = re.compile(r"^cap:([0-9]{1,9}(?:\.[0-9]{1,9})?)\Z")  # ASCII: not ٣
 
 
 class ScalingRuleError(ValueError):

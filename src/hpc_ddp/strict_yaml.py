@@ -131,4 +131,12 @@ def load(text: str, document: str = "document", *, base60_as_text: bool = False)
     """
     import yaml
 
-    return yaml.load(text, Loader=loader(document, base60_as_text))
+    try:
+        return yaml.load(text, Loader=loader(document, base60_as_text))
+    except Refused:
+        raise
+    except ValueError as exc:  # a constructor's: an integer past Python's 4300 digits
+        reason = str(exc).split(";")[0]
+        raise Refused(
+            f"holds a value that cannot be read ({reason}); allowed: numbers of a usual size"
+        ) from None
