@@ -55,29 +55,26 @@ def detach(stream: object) -> None:
             os.close(null)
 
 
-def run_main(main: Callable[[], int], prog: str = "hpc") -> int:
+def run_main(main: Callable[[], int]) -> int:
     """``main()``'s exit code; :data:`SIGPIPE_EXIT` and no output once stdout or stderr
     lost its reader.
 
     Buffered output is flushed here, inside the guard, so a reader that left early is
     seen now and not by the interpreter's exit. A ``BrokenPipeError`` while both
     streams still have readers (another pipe) is a real error and is raised again. A
-    program started with stdout or stderr closed (Python then has None there) ends at
-    once with exit 2, ``PROG: error: ...`` where stderr is open.
+    program started with stderr closed (``2>&-``: Python has None there) writes its
+    errors to /dev/null; one started with stdout closed is the command's to refuse or
+    not (``hpc run >&-`` keeps the job's output in its log only).
     """
-    if sys.stdout is None or sys.stderr is None:  # started with fd 1 or 2 closed (>&-)
-        if sys.stderr is not None:  # with stderr closed there is nowhere to say it
-            sys.stderr.write(
-                f"{prog}: error: standard output is closed; allowed: a terminal, file or "
-                "pipe (>/dev/null to discard it)\n"
-            )
-        return 2
+    if sys.stderr is None:  # started with 2>&-: errors go nowhere, exit codes stay true
+        sys.stderr = open(os.devnull, "w")  # for the process's life
     try:
         try:
             return main()
         finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
+            for stream in (sys.stdout, sys.stderr):
+                if stream is not None:  # >&-: Python has None there
+                    stream.flush()
     except BrokenPipeError:
         gone = [s for s in (sys.stdout, sys.stderr) if reader_gone(s)]
         if not gone:

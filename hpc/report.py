@@ -305,7 +305,7 @@ def report(run_dirs: list[Path], out: Path | None = None, console: Any = None) -
         console.print(summary_table(rows))
         for line in notes:  # paths and labels are the user's text: Text, never markup
             console.print(Text(printable(f"note: {line}")))
-        console.print(Text(f"plot: {png}"))
+        console.print(Text(printable(f"plot: {png}")))
     return ReportResult(png=png, series=series, runs=rows, notes=notes)
 
 

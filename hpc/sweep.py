@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     """:func:`_main`, ending quietly (141) when nobody reads its output (``hpc._pipes``)."""
     from hpc._pipes import run_main
 
-    return run_main(lambda: _main(argv), "hpc sweep")
+    return run_main(lambda: _main(argv))
 
 
 if __name__ == "__main__":

@@ -74,6 +74,11 @@ def _main(argv: list[str] | None) -> int:
             raise UserError(f"--: {args.command} takes no command after --")
         if args.command in ("render", "submit", "run"):
             _utf8_words(argv + (command or []))
+        if sys.stdout is None and args.command != "run":  # >&-: what it prints is lost
+            raise UserError(
+                "standard output is closed; allowed: a terminal, file or pipe "
+                "(>/dev/null to discard it; hpc run keeps the job's output in its log)"
+            )
         return int(args.func(args, command))
     except HpcError as exc:
         if debug:

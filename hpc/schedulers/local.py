@@ -16,7 +16,7 @@ from typing import IO, TYPE_CHECKING, Any
 from hpc._pipes import detach, reader_gone
 from hpc.errors import UserError
 from hpc.schedulers import JobState, Scheduler, Submission
-from hpc_ddp.procs import process_start
+from hpc_ddp.procs import group_members, process_start, process_state
 
 if TYPE_CHECKING:
     from hpc.chain import After
@@ -276,10 +276,20 @@ def _parse(job_id: str) -> tuple[int, int | None]:
 def _marked(pid: int) -> bool:
     """Whether process ``pid`` is one ``hpc run`` started: its environment holds
     :data:`MARK` (``/proc/PID/environ``, the environment it was started or last exec'd
-    with, which the script's ``exec`` of the launcher keeps). True where there is no
-    ``/proc`` to ask (the pid and start checks then stand alone)."""
+    with, which the script's ``exec`` of the launcher keeps). A leader that has exited
+    and waits for ``hpc run`` to reap it (a zombie: no environment to read) while ranks
+    of its group live on is asked through those ranks; with none left there is nothing
+    a signal could reach. True where there is no ``/proc`` to ask (the pid and start
+    checks then stand alone)."""
     if not os.path.isdir("/proc/self"):
         return True
+    if process_state(pid, None) == "Z":
+        members = group_members(pid)
+        return not members or any(_has_mark(m) for m in members)
+    return _has_mark(pid)
+
+
+def _has_mark(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/environ", "rb") as fh:
             env = fh.read(MAX_ENVIRON)

@@ -70,8 +70,9 @@ def run_main(main: Callable[[], int]) -> int:
         try:
             return main()
         finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
+            for stream in (sys.stdout, sys.stderr):
+                if stream is not None:  # started with >&- or 2>&-: Python has None there
+                    stream.flush()
     except BrokenPipeError:
         gone = [s for s in (sys.stdout, sys.stderr) if reader_gone(s)]
         if not gone:

@@ -15,16 +15,36 @@ def process_stat(pid: int) -> tuple[str, int] | None:
     clock ticks after boot, from one read of ``/proc/PID/stat``, so both describe the same
     process even when the pid is reused between two reads; None when it does not exist
     (or there is no ``/proc``)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
-            line = fh.read(4096)
-    except OSError:
-        return None
-    fields = line.rpartition(")")[2].split()  # the name in (...) may hold spaces and ")"
+    fields = _stat_fields(pid)
     try:
         return fields[0], int(fields[19])
     except (IndexError, ValueError):
         return None
+
+
+def _stat_fields(pid: int | str) -> list[str]:
+    """``/proc/PID/stat`` after the name: state, ppid, pgrp, session, ... (empty when
+    the process does not exist or there is no ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            line = fh.read(4096)
+    except OSError:
+        return []
+    return line.rpartition(")")[2].split()  # the name in (...) may hold spaces and ")"
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid``: what a signal to the
+    group reaches once its leader has exited and waits to be reaped."""
+    import os
+
+    out = []
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if name.isdigit():
+            fields = _stat_fields(name)
+            if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+                out.append(int(name))
+    return out
 
 
 def process_start(pid: int) -> int | None:

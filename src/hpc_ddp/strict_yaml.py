@@ -138,5 +138,6 @@ def load(text: str, document: str = "document", *, base60_as_text: bool = False)
     except ValueError as exc:  # a constructor's: an integer past Python's 4300 digits
         reason = str(exc).split(";")[0]
         raise Refused(
-            f"holds a value that cannot be read ({reason}); allowed: numbers of a usual size"
+            f"holds a value that cannot be read ({reason}); allowed: integers of up to "
+            "4300 digits and real dates"
         ) from None

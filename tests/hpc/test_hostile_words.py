@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from hpc.cli import main
-from hpc_ddp.procs import process_start
+from hpc_ddp.procs import process_start, process_state
 from tests.hpc.conftest import REPO
 from tests.hpc.test_cli import _no_account_env  # noqa: F401 - autouse fixture
 from tests.support.polling import wait_until
@@ -135,7 +135,8 @@ def test_a_runs_index_stamp_past_the_digit_limit_is_skipped(tmp_path):
     (tmp_path / ".index").mkdir()
     (tmp_path / ".index" / "jobs").write_text(f"@{HUGE}\n" + '"5"\t"r1"\n')
     index = runs_index._read_index(tmp_path)
-    assert index is not None
+    assert index is not None and index.runs == {"5": ["r1"]}
+    assert index.damaged and index.stamp == -1  # a line hpc never writes: not trusted
 
 
 @pytest.mark.parametrize("rule", ["cap:\u0663", "cap:2\n", "cap:\uff12"])
@@ -262,14 +263,15 @@ def test_a_lone_surrogate_in_a_record_is_shown_escaped_by_the_watch(tmp_path, mo
 def test_a_local_id_that_is_no_pid_is_one_line(job_id, command, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main([command, "--cluster", "local", job_id]) == 2
-    _one_line(capsys)
+    assert "not running" not in _one_line(capsys)  # refused as an id, not looked up
 
 
 def test_cancel_signals_no_session_leader_that_hpc_did_not_start(tmp_path, monkeypatch, capsys):
     """A run.json is anyone's file: pointed at another session leader with its very start
     time (an ssh session, a daemon), ``hpc cancel`` used to SIGTERM its whole group."""
     run = _finished_run(tmp_path, monkeypatch, "true")
-    other = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    env = {k: v for k, v in os.environ.items() if k != "HPC_LOCAL_RUN"}  # a suite under hpc run
+    other = subprocess.Popen(["sleep", "300"], start_new_session=True, env=env)
     try:
         _edit(run, state=None, job_id=f"local-{other.pid}-{process_start(other.pid)}")
         capsys.readouterr()
@@ -281,21 +283,33 @@ def test_cancel_signals_no_session_leader_that_hpc_did_not_start(tmp_path, monke
         other.wait()
 
 
-def test_cancel_still_ends_a_job_hpc_run_started(tmp_path):
-    """The mark a cancel looks for survives the script's ``exec`` of the launcher."""
+@pytest.mark.parametrize("how", ["exec", "leader-exited"])
+def test_status_and_cancel_still_see_a_job_hpc_run_started(how, tmp_path):
+    """The mark survives the script's ``exec`` of the launcher; a leader that exited (a
+    zombie until ``hpc run`` reaps it, its environment unreadable) while a process of its
+    group runs on is still RUNNING and cancellable through that process."""
     env = {"PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
     ready = tmp_path / "ready"
+    line = {
+        "exec": f"touch {ready}; exec sleep 300",
+        "leader-exited": f"(touch {ready}; exec sleep 300) & exit 0",
+    }[how]
     job = subprocess.Popen(
         [sys.executable, "-m", "hpc", "run", "--runs-dir", "runs", "--wrap", "never", "--",
-         "sh", "-c", f"touch {ready}; exec sleep 300"],
+         "sh", "-c", line],
         cwd=tmp_path, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
     try:
         wait_until(ready.exists, 120, "the job to start")
-        (run,) = (tmp_path / "runs").iterdir()
+        (run,) = (tmp_path / "runs").glob("sh-*")
+        leader = int(json.loads((run / "run.json").read_text())["job_id"].split("-")[1])
+        if how == "leader-exited":
+            wait_until(lambda: process_state(leader, None) == "Z", 120, "the leader to exit")
+        proc = _hpc("status", str(run), "--runs-dir", "runs", cwd=tmp_path)
+        assert "RUNNING" in proc.stdout, proc.stdout + proc.stderr
         proc = _hpc("cancel", str(run), "--runs-dir", "runs", cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr
-        assert job.wait(timeout=120) != 0
+        job.wait(timeout=120)
     finally:
         if job.poll() is None:
             job.kill()
@@ -317,14 +331,20 @@ def test_a_checked_in_script_that_is_not_utf8_is_out_of_date_not_a_traceback(tmp
     assert main(["render", "--all-jobs", "--check", "--jobs-dir", str(jobs)]) == 0
 
 
-def test_a_closed_stdout_is_one_line(tmp_path):
+def test_a_closed_stdout_is_one_line_but_hpc_run_keeps_the_output_in_its_log(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
-    proc = subprocess.run(
-        ["bash", "-c", f'exec {sys.executable} -m hpc render --cluster local -- echo hi >&-'],
-        capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path,
-    )  # fmt: skip
+
+    def closed(args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["bash", "-c", f"exec {sys.executable} -m hpc {args} >&-"],
+            capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path,
+        )  # fmt: skip
+
+    proc = closed("render --cluster local -- echo hi")
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
-        "hpc: error: standard output is closed; allowed: a terminal, file or pipe "
-        "(>/dev/null to discard it)"
-    ]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("hpc: error: standard output is closed; allowed: a terminal"), line
+    proc = closed("run --runs-dir runs --wrap never -- echo kept-in-the-log")
+    assert proc.returncode == 0, proc.stderr
+    (log,) = (tmp_path / "runs").glob("*/output.log")
+    assert log.read_text() == "kept-in-the-log\n"

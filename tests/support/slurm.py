@@ -216,7 +216,8 @@ class SlurmCluster:
         requeue's second, the job ended FAILED ("Killing non-startable batch JobId=39: Job
         credential revoked", a loaded run). So the release waits for the next second of
         this clock (the controller's: the same machine), after which any requeue already
-        seen is in an earlier second: under a second, bound by the rule, not a guess."""
+        seen is in an earlier second: under a second, set by the rule, not a guess (the
+        scontrol call and a scheduler pass add their own latency on top)."""
         now = time.time()
         time.sleep(math.floor(now) + 1 - now)
         self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
