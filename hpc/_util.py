@@ -5,6 +5,7 @@ Kept free of heavy imports so that ``hpc render`` starts fast.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import stat
@@ -32,6 +33,17 @@ _DIRECTIVE_SAFE = r"^[A-Za-z0-9_.:+,=@/%-]+\Z"  # compiled on first use (re's ca
 #: A name: a shell variable's (written unquoted in ``export NAME=...``), a config key's part.
 NAME = r"[A-Za-z_][A-Za-z0-9_]*"  # the one spelling; anchored or embedded where used
 _VARIABLE = rf"^{NAME}\Z"  # compiled on first use (re's cache)
+
+
+def json_number(value: Any) -> float | None:
+    """A JSON number of an untrusted file as float (inf/NaN kept, an integer past a float's
+    range as inf); anything else (bools, text) is None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # a 400-digit integer
+        return math.inf if value > 0 else -math.inf
 
 
 def printable(text: str) -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpc._util import open_regular, plot_text
+from hpc._util import json_number, open_regular, plot_text
 from hpc.errors import UserError
 
 RANKS = "ranks.jsonl"
@@ -37,19 +37,8 @@ class RankTimes:
     skipped: int = 0
 
 
-#: The largest whole number read as a figure: past it a JSON integer is no float (and
-#: ``float()`` of a 400-digit one raises) and no step a run can reach.
-MAX_WHOLE = 2**53
-
-
-def _number(value: Any) -> float | None:
-    """A JSON number as a float; None for anything else, a bool, or an integer past
-    :data:`MAX_WHOLE` (the file is untrusted)."""
-    if isinstance(value, float):
-        return value
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) <= MAX_WHOLE:
-        return float(value)
-    return None
+#: The largest step read: past it a JSON integer is no step a run can reach (and no float).
+MAX_STEP = 2**53
 
 
 def _numbers(value: Any, n: int) -> list[float] | None:
@@ -57,7 +46,7 @@ def _numbers(value: Any, n: int) -> list[float] | None:
         return None
     out = []
     for v in value:
-        number = _number(v)
+        number = json_number(v)
         if number is None:
             return None
         out.append(number)
@@ -65,7 +54,7 @@ def _numbers(value: Any, n: int) -> list[float] | None:
 
 
 def _step(value: Any) -> bool:
-    return type(value) is int and 0 <= value <= MAX_WHOLE
+    return type(value) is int and 0 <= value <= MAX_STEP
 
 
 def read(path: Path) -> RankTimes:
@@ -104,7 +93,7 @@ def notes(times: RankTimes, label: str) -> list[str]:
     """The persistent stragglers, one line each, and what was skipped."""
     lines = []
     for s in times.stragglers:
-        sps, med = _number(s.get("seconds_per_step")), _number(s.get("median"))
+        sps, med = json_number(s.get("seconds_per_step")), json_number(s.get("median"))
         figures = (
             f": {sps:.4g} s/step against a median of {med:.4g}"
             if sps is not None and med is not None

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpc._util import open_regular
+from hpc._util import json_number, open_regular
 from hpc.errors import UserError
 from hpc_ddp.run_layout import METRICS, metrics_paths
 
@@ -73,16 +73,6 @@ def find_metrics(run_dir: Path, prefix: str = "") -> list[tuple[str, Path]]:
 
 
 # ---- reading one file -------------------------------------------------------------------
-
-
-def _number(value: Any) -> float | None:
-    """A JSON number as float (inf/NaN kept); anything else (bools, text) is None."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    try:
-        return float(value)
-    except OverflowError:  # an integer past a float's range
-        return math.inf if value > 0 else -math.inf
 
 
 def read_metrics(path: Path, label: str) -> Series:
@@ -165,7 +155,7 @@ def _add(
     step = rec.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**53:
         return  # no usable step: nothing to place on the x axis
-    t = _number(rec.get("time"))
+    t = json_number(rec.get("time"))
     if t is not None and math.isfinite(t):
         times.append(t)
     kind = rec.get("kind", "train")
@@ -173,12 +163,12 @@ def _add(
         return  # a kind this reader does not know: not plotted as training
     if kind == "eval":
         for key in _EVAL_LOSS_KEYS:
-            value = _number(rec.get(key))
+            value = json_number(rec.get(key))
             if value is not None:
                 evals[step] = value
                 break
         return
     for key, raw in rec.items():
-        value = _number(raw)
+        value = json_number(raw)
         if value is not None and key not in ("step", "epoch", "time"):
             train.setdefault(key, {})[step] = value

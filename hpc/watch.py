@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from hpc._util import printable
+from hpc._util import json_number, printable
 from hpc.errors import UserError
 from hpc_ddp.run_layout import METRICS, RUN_RECORD, metrics_paths
 
@@ -93,10 +93,10 @@ class View:
 
 
 def _num(value: Any) -> float | None:
-    """A finite JSON number, else None (a record is untrusted: bools, text, NaN)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value) if math.isfinite(value) else None
+    """A finite JSON number, else None (a record is untrusted: bools, text, NaN, an
+    integer past a float's range, which ``math.isfinite`` itself would raise on)."""
+    number = json_number(value)
+    return number if number is not None and math.isfinite(number) else None
 
 
 def metrics_line(rec: dict[str, Any]) -> str:

@@ -212,7 +212,7 @@ def test_crafted_fingerprints_and_rank_records_leave_the_report_whole(tmp_path, 
     assert main(["report", str(run), "-o", str(png)]) == 0
     out = " ".join(capsys.readouterr().out.split())  # rich wraps at the console's width
     assert "0 node(s)" in out and "\\ud800" in out and "untracked: -> 5" in out, out
-    assert "2 line(s) skipped" in out, out
+    assert "1 line(s) skipped" in out, out  # the 400-digit step; the compute one is inf
     assert (run / "ranks.png").stat().st_size > 0
 
 
@@ -248,6 +248,17 @@ def test_a_killed_jobs_negative_code_is_128_plus_its_signal(tmp_path, monkeypatc
     run = _finished_run(tmp_path, monkeypatch, "false")
     _edit(run, state="FAILED", exit_code=-9)
     assert main(["logs", "-f", str(run), "--runs-dir", "runs"]) == 137
+
+
+def test_metrics_past_a_floats_range_are_watched_not_crashed_on(tmp_path, monkeypatch, capsys):
+    """``math.isfinite`` of a 400-digit integer raises OverflowError."""
+    run = _finished_run(tmp_path, monkeypatch, "true")
+    big = "9" * 400
+    (run / "metrics.jsonl").write_text(
+        f'{{"kind": "train", "step": {big}, "loss": {big}, "samples_per_s": 1}}\n'
+    )
+    assert main(["status", "--watch", str(run), "--runs-dir", "runs"]) == 0
+    assert "COMPLETED" in capsys.readouterr().err
 
 
 def test_a_lone_surrogate_in_a_record_is_shown_escaped_by_the_watch(tmp_path, monkeypatch):
