@@ -85,7 +85,7 @@ def _tee(path: Path, fd: int, out_fd: int) -> tuple[subprocess.Popen[bytes], int
         os.close(saved)
     os.dup2(write_end, fd)
     held = fcntl.fcntl(write_end, fcntl.F_DUPFD_CLOEXEC, 3)
-    if write_end != fd:
+    if write_end != fd:  # equal for a rank started with fd 1 or 2 closed: pipe() took it
         os.close(write_end)
     return tee, held
 
