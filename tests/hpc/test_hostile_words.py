@@ -9,6 +9,7 @@ no process hpc did not start is signalled."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -294,6 +295,14 @@ def test_cancel_signals_no_session_leader_that_hpc_did_not_start(tmp_path, monke
         other.wait()
 
 
+def _job_id(tmp_path: Path) -> str:
+    """The id ``hpc run`` recorded for the one run under ``tmp_path/runs`` ('' not yet)."""
+    for rec in (tmp_path / "runs").glob("sh-*/run.json"):
+        with contextlib.suppress(ValueError):  # read while it is replaced: try again
+            return json.loads(rec.read_text()).get("job_id") or ""
+    return ""
+
+
 @pytest.mark.parametrize("how", ["exec", "leader-exited"])
 def test_status_and_cancel_still_see_a_job_hpc_run_started(how, tmp_path):
     """The mark survives the script's ``exec`` of the launcher; a leader that exited (a
@@ -311,9 +320,10 @@ def test_status_and_cancel_still_see_a_job_hpc_run_started(how, tmp_path):
         cwd=tmp_path, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
     try:
-        wait_until(ready.exists, 120, "the job to start")
+        # Both events: the job may touch `ready` before hpc has recorded its id.
+        wait_until(lambda: ready.exists() and _job_id(tmp_path), 120, "the job started, recorded")
+        leader = int(_job_id(tmp_path).split("-")[1])
         (run,) = (tmp_path / "runs").glob("sh-*")
-        leader = int(json.loads((run / "run.json").read_text())["job_id"].split("-")[1])
         if how == "leader-exited":
             wait_until(lambda: process_state(leader, None) == "Z", 120, "the leader to exit")
         proc = _hpc("status", str(run), "--runs-dir", "runs", cwd=tmp_path)
