@@ -6,6 +6,7 @@ import contextlib
 import errno
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from typing import IO, TYPE_CHECKING, Any
 from hpc._pipes import detach, reader_gone
 from hpc.errors import UserError
 from hpc.schedulers import JobState, Scheduler, Submission
-from hpc_ddp.procs import group_members, process_start, process_state
+from hpc_ddp.procs import descendants, group_members, process_start, process_state
 
 if TYPE_CHECKING:
     from hpc.chain import After
@@ -25,8 +26,9 @@ if TYPE_CHECKING:
 
 #: Linux's largest pid (PID_MAX_LIMIT, 2**22, in the kernel's include/linux/threads.h).
 PID_MAX = 4_194_304
-#: Set in the environment of each job ``hpc run`` starts (its run directory): a cancel
-#: signals only a process that carries it, whatever a run.json says (:func:`_marked`).
+#: Set in the environment of each job ``hpc run`` or ``hpc.executor`` starts (its run
+#: directory): a cancel signals only a process that carries it, whatever a run.json says
+#: (:func:`_marked`).
 MARK = "HPC_LOCAL_RUN"
 MAX_ENVIRON = 4 << 20  # bytes of /proc/PID/environ read: an environment is kilobytes
 
@@ -117,14 +119,27 @@ class Local(Scheduler):
         return JobState.RUNNING if _alive(*_parse(job_id)) else JobState.UNKNOWN
 
     def cancel(self, job_id: str) -> None:
-        """SIGTERM to the job's process, only if that pid is still the job's process."""
+        """Stop the job, only if its pid is still the job's process.
+
+        A job of ``hpc run`` is a session of its own: SIGTERM to all of it, as scancel
+        does. A job of ``hpc.executor`` is submitit's controller (under the shell that
+        runs its setup lines) and its ranks, inside the caller's group: SIGINT to each of
+        them, which is a Ctrl-C in the terminal and submitit's own ``job.cancel()`` (its
+        ranks ignore SIGTERM, which SLURM sends before a preemption).
+        """
         pid, start = _parse(job_id)
         if not _alive(pid, start):
             raise UserError(
                 f"job: {job_id!r} is not running (finished, or its pid now belongs "
                 "to another process); allowed: a running local job"
             )
-        os.killpg(pid, signal.SIGTERM)  # the job's session leader: every process of the job
+        if _leader(pid):
+            os.killpg(pid, signal.SIGTERM)  # the job's session leader: every process of it
+            return
+        for member in [*reversed(descendants(pid)), pid]:  # ranks before their controller
+            if _has_mark(member):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(member, signal.SIGINT)
 
     # --- the Python API (hpc.executor): issue 29 ----------------------------------------
 
@@ -136,12 +151,18 @@ class Local(Scheduler):
         from hpc.executors.recorded import LocalExecutor
 
         ex = LocalExecutor(folder, max_num_timeout=max_num_timeout, run_dir=run_dir, scheduler=self)
-        ex.update_parameters(**params.local_parameters(job))
+        local = params.local_parameters(job)
+        if run_dir is not None:  # the mark that lets `hpc status`/`hpc cancel` act on it
+            mark = f"export {MARK}={shlex.quote(str(run_dir.absolute()))}"
+            local["setup"] = [mark, *local.get("setup", [])]
+        ex.update_parameters(**local)
         return ex
 
     def record_ids(self, submitit_ids: Sequence[str]) -> list[str]:
-        """submitit's local ids are pids: ``local-PID``, the form ``hpc status`` reads."""
-        return [f"local-{j}" for j in submitit_ids]
+        """submitit's local ids are pids (of the shell that runs the setup lines, then
+        its controller): recorded as ``local-PID-START`` like ``hpc run``'s, read at once
+        while that process (or its zombie, which submitit reaps later) is there."""
+        return [f"local-{j}-{process_start(int(j)) or 0}" for j in submitit_ids]
 
 
 class _Forward:
@@ -281,8 +302,6 @@ def _marked(pid: int) -> bool:
     of its group live on is asked through those ranks; with none left there is nothing
     a signal could reach. True where there is no ``/proc`` to ask (the pid and start
     checks then stand alone)."""
-    if not os.path.isdir("/proc/self"):
-        return True
     if process_state(pid, None) == "Z":
         members = group_members(pid)
         return not members or any(_has_mark(m) for m in members)
@@ -290,12 +309,22 @@ def _marked(pid: int) -> bool:
 
 
 def _has_mark(pid: int) -> bool:
+    """Whether ``pid`` carries :data:`MARK`: in its environment, or (the shell that
+    runs an ``hpc.executor`` job's setup lines, the first of which exports it) as the
+    start of its ``sh -c`` script. True where there is no ``/proc`` to ask (the pid and
+    start checks then stand alone)."""
+    if not os.path.isdir("/proc/self"):
+        return True
     try:
         with open(f"/proc/{pid}/environ", "rb") as fh:
             env = fh.read(MAX_ENVIRON)
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            argv = fh.read(MAX_ENVIRON).split(b"\0")
     except OSError:  # gone, or another user's process: no job of this user's hpc
         return False
-    return any(item.startswith(MARK.encode() + b"=") for item in env.split(b"\0"))
+    if any(item.startswith(MARK.encode() + b"=") for item in env.split(b"\0")):
+        return True
+    return argv[1:2] == [b"-c"] and argv[2].startswith(f"export {MARK}=".encode())
 
 
 def _alive(pid: int, start: int | None) -> bool:
@@ -305,15 +334,21 @@ def _alive(pid: int, start: int | None) -> bool:
         return False
     except PermissionError:
         pass
-    # Without a recorded start time the pid alone proves nothing: treat as gone. The
-    # job was started as a session leader, which an unrelated process reusing the pid
-    # (within the same 10 ms start-time tick) almost never is.
+    # Without a recorded start time the pid alone proves nothing: treat as gone.
+    if start is None or (process_start(pid) or 0) != start:  # 0: no /proc
+        return False
+    if _leader(pid):  # hpc run's job: its own session
+        return _marked(pid)
+    # hpc.executor's: the setup shell, then submitit's controller; once the shell has
+    # exited (a zombie until submitit reaps it) the job is over.
+    return process_state(pid, start) not in (None, "Z") and _has_mark(pid)
+
+
+def _leader(pid: int) -> bool:
     try:
-        leader = os.getsid(pid) == pid
+        return os.getsid(pid) == pid
     except OSError:
         return False
-    started = start is not None and leader and (process_start(pid) or 0) == start  # 0: no /proc
-    return started and _marked(pid)
 
 
 SCHEDULER = Local

@@ -33,17 +33,42 @@ def _stat_fields(pid: int | str) -> list[str]:
     return line.rpartition(")")[2].split()  # the name in (...) may hold spaces and ")"
 
 
-def group_members(pgid: int) -> list[int]:
-    """The live (not zombie) processes of process group ``pgid``: what a signal to the
-    group reaches once its leader has exited and waits to be reaped."""
+def _live() -> list[tuple[int, list[str]]]:
+    """Every live (not zombie) process and its stat fields (none without ``/proc``)."""
     import os
 
     out = []
     for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
         if name.isdigit():
             fields = _stat_fields(name)
-            if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
-                out.append(int(name))
+            if len(fields) > 2 and fields[0] != "Z":
+                out.append((int(name), fields))
+    return out
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid``: what a signal to the
+    group reaches once its leader has exited and waits to be reaped."""
+    return [pid for pid, fields in _live() if fields[2] == str(pgid)]
+
+
+def descendants(pid: int) -> list[int]:
+    """The live processes below ``pid`` (children, theirs, ...), parents first: a job
+    that is a tree of processes but no group of its own (submitit's local controller
+    under its setup shell, its ranks under it) is reached through these. One read of
+    the process table, so a process forked later is not among them."""
+    children: dict[int, list[int]] = {}
+    for child, fields in _live():
+        if fields[1].isascii() and fields[1].isdigit():
+            children.setdefault(int(fields[1]), []).append(child)
+    out: list[int] = []
+    seen = {pid}
+    todo = [pid]
+    while todo:
+        below = [c for p in todo for c in children.get(p, []) if c not in seen]
+        seen.update(below)
+        out.extend(below)
+        todo = below
     return out
 
 

@@ -4,6 +4,7 @@ executor, laptop executors (local, debug), and real jobs on the SLURM fixture.""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -285,7 +286,74 @@ def test_local_executor_leaves_a_run_directory(
     job = ex.submit(add, 2, 3)
     assert job.result() == 5
     record = yaml.safe_load((run_dir / "run.json").read_text())
-    assert record["job_id"] == f"local-{job.job_id}" and record["scheduler"] == "local"
+    # local-PID-START: the start time, read while the process was there (it is reaped now)
+    assert re.fullmatch(f"local-{job.job_id}-[1-9][0-9]*", record["job_id"])
+    assert record["scheduler"] == "local"
+
+
+def started_then_sleeps(flag: str) -> str:
+    Path(flag).write_text("started")
+    time.sleep(600)
+    return "slept"
+
+
+def test_local_executor_job_is_seen_by_status_and_stopped_by_cancel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What ``hpc.executor``'s docs promise: ``hpc status RUN`` says RUNNING while the
+    job runs (from its submission on, through its setup shell) and ``hpc cancel RUN``
+    stops it and its ranks. Before, the record held a bare ``local-PID`` and both took
+    the job for gone."""
+    monkeypatch.chdir(tmp_path)
+    ex = hpc.executor(cluster="local", name="napper", ppn=2)
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    flag = tmp_path / "started"
+    job = ex.submit(started_then_sleeps, str(flag))
+    record = yaml.safe_load((run_dir / "run.json").read_text())
+    assert record["job_id"].startswith(f"local-{job.job_id}-")
+
+    def state() -> str:
+        assert cli_main(["status", str(run_dir)]) == 0
+        return capsys.readouterr().out
+
+    assert "RUNNING" in state()  # at once: the shell running its setup lines
+    wait_until(
+        flag.exists,
+        120,
+        "the job's function started",
+        ended=lambda: job.state if job.done() else None,
+    )
+    assert "RUNNING" in state()
+    ranks_pids = {
+        int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _runs(p, run_dir)
+    }
+    assert len(ranks_pids) >= 3  # the controller and its two ranks carry the mark
+    assert cli_main(["cancel", str(run_dir)]) == 0
+    wait_done(job, 120)
+    with pytest.raises(submitit.core.utils.UncompletedJobError):
+        job.result()
+    wait_until(lambda: not any(_alive_pid(p) for p in ranks_pids), 60, "ranks gone")
+    assert "RUNNING" not in state()
+    capsys.readouterr()
+    assert cli_main(["cancel", str(run_dir)]) == 2  # nothing left to cancel
+    assert "is not running" in capsys.readouterr().err
+
+
+def _runs(proc: Path, run_dir: Path) -> bool:
+    """Whether /proc/PID is a process of the job in ``run_dir`` (its environment's mark)."""
+    try:
+        env = (proc / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return f"HPC_LOCAL_RUN={run_dir.absolute()}".encode() in env
+
+
+def _alive_pid(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        return stat.read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 @hpc.distributed
