@@ -12,7 +12,9 @@ script exports ``DDP_RANK_LOGS=1`` and :func:`ddp.init` calls :func:`redirect` f
   ``tee -a`` process per stream: it lives in its own session (a signal to the job's
   process group does not cut it short) and drains the pipe after the rank has died;
 - before the rank exits it waits, at most :data:`DRAIN_S` seconds, until its tees have
-  copied the last lines (:func:`drain`): a launcher ends the step when the rank exits
+  copied the last lines (:func:`drain`): each pipe is empty and its tee has exited or
+  sleeps in ``read`` on it again, so every byte it read is written (``/proc/PID/syscall``;
+  where that cannot be asked, a short grace). A launcher ends the step when the rank exits
   (slurmstepd kills what is left in the step's cgroup), and a tee still copying would
   lose a crash's traceback from both the job log and the rank's file. That happens at
   interpreter exit (a return, ``sys.exit``, an uncaught exception after its traceback)
@@ -42,10 +44,12 @@ ENV = "DDP_RANK_LOGS"
 #: The longest a rank's exit waits for its tees: reached only when a tee cannot write (a
 #: job log on a stalled file system); the rank then exits and leaves the tee copying.
 DRAIN_S = 10.0
-#: Once a pipe is empty, how long its tee gets to write the last chunk it read. A tee
-#: exits at once when the rank held the pipe's last write end; a child the rank started
-#: (a DataLoader worker, multiprocessing's resource tracker) keeps a copy of fds 1 and 2,
-#: and then the tee lives on, which must not cost each exit DRAIN_S.
+#: Where the kernel cannot say what a tee is doing (no ``/proc/PID/syscall``): once its
+#: pipe is empty, how long the tee gets to write the last chunk it read. A tee exits at
+#: once when the rank held the pipe's last write end; a child the rank started (a
+#: DataLoader worker, multiprocessing's resource tracker) keeps a copy of fds 1 and 2,
+#: and then the tee lives on, which must not cost each exit DRAIN_S. A tee descheduled
+#: longer than this on a busy node loses the lines, hence the question when it can be asked.
 GRACE_S = 0.2
 
 #: What :func:`drain` has left to do: the rank's file and, by the fd each one copies, its
@@ -102,6 +106,36 @@ def _unread(fd: int) -> int:
         return 0
 
 
+def _read_syscall() -> bytes | None:
+    """This machine's number for ``read(2)`` as ``/proc/PID/syscall`` writes it: the first
+    field of that file read by its own process is the read doing it (0 on x86_64, 63 on
+    aarch64). None where the file does not exist (no ``/proc``, a kernel without it)."""
+    try:
+        fd = os.open("/proc/self/syscall", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            first = os.read(fd, 64).split(maxsplit=1)[0]
+        finally:
+            os.close(fd)
+    except (OSError, IndexError):
+        return None
+    return first if first.isdigit() else None
+
+
+def _copied(pid: int, read_nr: bytes) -> bool | None:
+    """Whether tee ``pid`` sleeps in ``read`` on its stdin (fd 0): it then has written
+    all it read before. A task woken by new data shows ``running`` until it sleeps
+    again, so a stale answer cannot say True. None when it cannot be asked (no
+    permission to trace it): the caller falls back to the grace."""
+    try:
+        with open(f"/proc/{pid}/syscall", "rb") as fh:
+            fields = fh.read(256).split()
+    except FileNotFoundError:
+        return False  # exited: its poll() says so
+    except OSError:
+        return None
+    return fields[:2] == [read_nr, b"0x0"]
+
+
 def _flush() -> None:
     """Python's streams, then C's (libc's stdout buffer is flushed only by ``exit()``,
     after this point, and would reach the rank's file only)."""
@@ -134,16 +168,23 @@ def drain() -> None:
         os.dup2(fd, target)
     os.close(fd)
     deadline = time.monotonic() + DRAIN_S
+    read_nr = _read_syscall()
     for tee, held in teed.values():
+        copied: bool | None = None
         try:
-            while tee.poll() is None and _unread(held) and time.monotonic() < deadline:
+            while tee.poll() is None and time.monotonic() < deadline:
+                if not _unread(held):
+                    copied = None if read_nr is None else _copied(tee.pid, read_nr)
+                    if copied is not False:  # done, or only the grace can tell
+                        break
                 time.sleep(0.005)
         finally:
             with contextlib.suppress(OSError):  # the program closed it: nothing to wait on
                 os.close(held)
-        grace = min(GRACE_S, max(0.0, deadline - time.monotonic()))
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            tee.wait(timeout=grace)
+        if copied is None:
+            grace = min(GRACE_S, max(0.0, deadline - time.monotonic()))
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                tee.wait(timeout=grace)
 
 
 def redirect(rank: int, world: int) -> Path:

@@ -139,16 +139,34 @@ raise RuntimeError("last-err-line")
 """
 
 
-def _late_tee(tmp_path: Path, gate: Path) -> dict[str, str]:
+#: A tee that, like a real one descheduled on a busy node, holds what it read for a while
+#: before writing it: longer than ddp.rank_logs.GRACE_S, so only a drain that knows
+#: whether the tee is back in read(2) keeps the last lines.
+SLOW_TEE = """\
+import os, sys, time
+fds = [1] + [os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) for p in sys.argv[1:] if p != "-a"]
+while chunk := os.read(0, 65536):
+    time.sleep(1.0)
+    for fd in fds:
+        os.write(fd, chunk)
+"""
+
+
+def _late_tee(tmp_path: Path, gate: Path, slow: bool = False) -> dict[str, str]:
     """An environment whose ``tee`` starts copying only once the rank has begun to die
-    (GATE exists), as a tee stalled by a busy file system would."""
+    (GATE exists), as a tee stalled by a busy file system would; ``slow``: and holds
+    each chunk it read for a second before writing it."""
     real = shutil.which("tee")
     assert real is not None
     shim = tmp_path / "bin" / "tee"
     shim.parent.mkdir()
     q = shlex.quote
+    copier = q(real)
+    if slow:
+        (tmp_path / "bin" / "slow_tee.py").write_text(SLOW_TEE)
+        copier = f"{q(sys.executable)} {q(str(tmp_path / 'bin' / 'slow_tee.py'))}"
     shim.write_text(
-        f'#!/bin/sh\nwhile [ ! -e {q(str(gate))} ]; do sleep 0.2; done\nexec {q(real)} "$@"\n'
+        f'#!/bin/sh\nwhile [ ! -e {q(str(gate))} ]; do sleep 0.2; done\nexec {copier} "$@"\n'
     )
     shim.chmod(0o755)
     return dict(
@@ -158,21 +176,26 @@ def _late_tee(tmp_path: Path, gate: Path) -> dict[str, str]:
     )
 
 
-@pytest.mark.parametrize("how", ["raise", "die", "child", "closed"])
+@pytest.mark.parametrize(
+    ("how", "tee"),
+    [("raise", "late"), ("die", "late"), ("child", "late"), ("closed", "late")]
+    + [("raise", "slow"), ("child", "slow")],
+)
 def test_a_dying_rank_exits_after_its_last_lines_are_in_both_places(
-    tmp_path: Path, how: str
+    tmp_path: Path, how: str, tee: str
 ) -> None:
     """Read the moment the rank has exited, as a launcher that then ends the step would.
-    A child holding the pipes (a DataLoader worker, a resource tracker) costs the exit
-    the grace, not DRAIN_S (60 s here). A rank that closed its own stdout still drains
-    its stderr."""
+    A child holding the pipes (a DataLoader worker, a resource tracker) does not make
+    the exit wait DRAIN_S (60 s here). A rank that closed its own stdout still drains
+    its stderr. A tee slower than the grace between its read and its write (a busy
+    node) still has every line written before the rank exits."""
     script, gate = tmp_path / "last_words.py", tmp_path / "last-words-at"
     script.write_text(LAST_WORDS)
     out, err = tmp_path / "job.out", tmp_path / "job.err"
     with open(out, "wb") as fo, open(err, "wb") as fe:
         proc = subprocess.Popen(
             [sys.executable, str(script), how, str(gate)],
-            env=_late_tee(tmp_path, gate),
+            env=_late_tee(tmp_path, gate, slow=tee == "slow"),
             stdout=fo,
             stderr=fe,
             start_new_session=True,
