@@ -278,11 +278,19 @@ def run(
     return _exit_status(ident, runs_dir, view.state)
 
 
+#: A pipe's last lines once the job ended: the run's own lines (which may have changed
+#: in the same look), then the job's state and its tasks', then a failure's summary.
+_END_ORDER = {"metrics": -1, "slowest": -1, "supervisor": -1}
+
+
 def _plain(w: Watcher, out: TextIO, sleep: Callable[[float], None]) -> View:
     shown: dict[str, str] = {}
     while True:
         view = _ended(w, w.look())  # the supervisor's last event, the final metrics too
-        for key, text in view.lines():
+        lines = view.lines()
+        if view.ended:  # the end state (and its tasks) after the last metrics, before why
+            lines.sort(key=lambda line: _END_ORDER.get(line[0], 2 * line[0].startswith("failure")))
+        for key, text in lines:
             if shown.get(key) != text:
                 shown[key] = text
                 out.write(text + "\n")

@@ -85,6 +85,38 @@ def test_a_pipe_gets_a_line_only_when_it_changes(tmp_path: Path) -> None:
     ]
 
 
+def test_the_end_state_is_the_last_line_even_when_the_last_metrics_come_with_it(
+    tmp_path: Path,
+) -> None:
+    """The job's last metrics and its end can be seen in one look (the scheduler was
+    asked just after rank 0's last write): a pipe still ends on the job's state, which a
+    script reading the watch's last line relies on; a failure's lines follow it."""
+    for end in ("COMPLETED", "FAILED"):
+        run_dir = tmp_path / end
+        run_dir.mkdir()
+        (run_dir / "run.json").write_text("{}")
+        w = Scripted(run_dir, ["RUNNING", end])
+        out = io.StringIO()
+        watch.run(
+            "r",
+            run_dir,
+            None,
+            out,
+            io.StringIO(),
+            tty=False,
+            sleep=lambda _, d=run_dir: _metrics(d, 9, 0.5, 1),
+            watcher=w,
+        )
+        lines = out.getvalue().splitlines()
+        assert lines[:3] == [
+            "job 42 RUNNING",
+            "metrics step 9 loss 0.5 samples/s 109.0",
+            "slowest rank 1",
+        ]
+        assert lines[3] == f"job 42 {end}", lines
+        assert len(lines) == 4 or end == "FAILED", lines
+
+
 def test_a_job_that_failed_is_a_failing_exit(tmp_path: Path) -> None:
     (tmp_path / "run.json").write_text("{}")
     w = Scripted(tmp_path, ["RUNNING", "FAILED"])
