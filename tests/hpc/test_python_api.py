@@ -292,7 +292,7 @@ def test_local_executor_leaves_a_run_directory(
 
 
 def started_then_sleeps(flag: str) -> str:
-    Path(flag).write_text("started")
+    Path(f"{flag}-{os.environ['SUBMITIT_LOCAL_GLOBALID']}").write_text("started")
     time.sleep(600)
     return "slept"
 
@@ -318,9 +318,9 @@ def test_local_executor_job_is_seen_by_status_and_stopped_by_cancel(
 
     assert "RUNNING" in state()  # at once: the shell running its setup lines
     wait_until(
-        flag.exists,
+        lambda: all(Path(f"{flag}-{rank}").exists() for rank in (0, 1)),
         120,
-        "the job's function started",
+        "the job's function started on both ranks",
         ended=lambda: job.state if job.done() else None,
     )
     assert "RUNNING" in state()
