@@ -30,6 +30,10 @@ PID_MAX = 4_194_304
 #: directory): a cancel signals only a process that carries it, whatever a run.json says
 #: (:func:`_marked`).
 MARK = "HPC_LOCAL_RUN"
+#: How long ``hpc cancel`` gives an ``hpc.executor`` job to end on SIGINT before SIGKILL
+#: (slurmd's KillWait between its SIGTERM and SIGKILL is 30 s by default; submitit's
+#: own controller gives its ranks 1 s).
+CANCEL_WAIT_S = 10.0
 MAX_ENVIRON = 4 << 20  # bytes of /proc/PID/environ read: an environment is kilobytes
 
 
@@ -136,10 +140,7 @@ class Local(Scheduler):
         if _leader(pid):
             os.killpg(pid, signal.SIGTERM)  # the job's session leader: every process of it
             return
-        for member in [*reversed(descendants(pid)), pid]:  # ranks before their controller
-            if _has_mark(member):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(member, signal.SIGINT)
+        _stop_tree(pid, start)
 
     # --- the Python API (hpc.executor): issue 29 ----------------------------------------
 
@@ -342,6 +343,40 @@ def _alive(pid: int, start: int | None) -> bool:
     # hpc.executor's: the setup shell, then submitit's controller; once the shell has
     # exited (a zombie until submitit reaps it) the job is over.
     return process_state(pid, start) not in (None, "Z") and _has_mark(pid)
+
+
+def _stop_tree(pid: int, start: int | None) -> None:
+    """SIGINT to every marked process of the tree under ``pid``, ranks before their
+    controller; what has not ended after :data:`CANCEL_WAIT_S` gets SIGKILL. SIGINT
+    alone is not enough: a job started from a background shell, ``nohup`` or a service
+    inherits SIGINT ignored (POSIX, for asynchronous lists), and Python then keeps it
+    ignored, so submitit's controller and ranks would never see it. Each look adds the
+    marked processes that appeared since (a rank started meanwhile), and remembers them
+    by start time, so one reparented when its parent died is still reached and a reused
+    pid is not."""
+    import time
+
+    known: dict[int, int] = {}
+
+    def look() -> list[int]:
+        for root in [pid, *known]:
+            for member in [*reversed(descendants(root)), root]:
+                started = process_start(member)
+                if member not in known and started is not None and _has_mark(member):
+                    known[member] = started
+        return [m for m, t in known.items() if process_state(m, t) not in (None, "Z")]
+
+    if start is not None and process_state(pid, start) is not None:
+        known[pid] = start
+    for member in look():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(member, signal.SIGINT)
+    deadline = time.monotonic() + CANCEL_WAIT_S
+    while (left := look()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for member in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(member, signal.SIGKILL)
 
 
 def _leader(pid: int) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -297,18 +298,31 @@ def started_then_sleeps(flag: str) -> str:
     return "slept"
 
 
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
 def test_local_executor_job_is_seen_by_status_and_stopped_by_cancel(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    sigint: str,
 ) -> None:
     """What ``hpc.executor``'s docs promise: ``hpc status RUN`` says RUNNING while the
     job runs (from its submission on, through its setup shell) and ``hpc cancel RUN``
     stops it and its ranks. Before, the record held a bare ``local-PID`` and both took
-    the job for gone."""
+    the job for gone. ``ignored``: submitted from a process that ignores SIGINT (a
+    background shell's, nohup's: a loaded run found it), so only the SIGKILL after
+    CANCEL_WAIT_S stops it."""
+    from hpc.schedulers import local
+
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(local, "CANCEL_WAIT_S", 3.0)
     ex = hpc.executor(cluster="local", name="napper", ppn=2)
     (run_dir,) = (tmp_path / "runs").iterdir()
     flag = tmp_path / "started"
-    job = ex.submit(started_then_sleeps, str(flag))
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN if sigint == "ignored" else signal.SIG_DFL)
+    try:  # what the job inherits (SIG_DFL: Python installs its own KeyboardInterrupt)
+        job = ex.submit(started_then_sleeps, str(flag))
+    finally:
+        signal.signal(signal.SIGINT, old)
     record = yaml.safe_load((run_dir / "run.json").read_text())
     assert record["job_id"].startswith(f"local-{job.job_id}-")
 
