@@ -319,12 +319,12 @@ def _has_mark(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/environ", "rb") as fh:
             env = fh.read(MAX_ENVIRON)
+        if any(item.startswith(MARK.encode() + b"=") for item in env.split(b"\0")):
+            return True
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
             argv = fh.read(MAX_ENVIRON).split(b"\0")
     except OSError:  # gone, or another user's process: no job of this user's hpc
         return False
-    if any(item.startswith(MARK.encode() + b"=") for item in env.split(b"\0")):
-        return True
     return argv[1:2] == [b"-c"] and argv[2].startswith(f"export {MARK}=".encode())
 
 
@@ -359,11 +359,11 @@ def _stop_tree(pid: int, start: int | None) -> None:
     known: dict[int, int] = {}
 
     def look() -> list[int]:
-        for root in [pid, *known]:
-            for member in [*reversed(descendants(root)), root]:
-                started = process_start(member)
-                if member not in known and started is not None and _has_mark(member):
-                    known[member] = started
+        roots = [pid, *known]
+        for member in [*reversed(descendants(*roots)), *roots]:  # one read of the table
+            started = process_start(member)
+            if member not in known and started is not None and _has_mark(member):
+                known[member] = started
         return [m for m, t in known.items() if process_state(m, t) not in (None, "Z")]
 
     if start is not None and process_state(pid, start) is not None:

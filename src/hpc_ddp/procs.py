@@ -52,8 +52,8 @@ def group_members(pgid: int) -> list[int]:
     return [pid for pid, fields in _live() if fields[2] == str(pgid)]
 
 
-def descendants(pid: int) -> list[int]:
-    """The live processes below ``pid`` (children, theirs, ...), parents first: a job
+def descendants(*pids: int) -> list[int]:
+    """The live processes below ``pids`` (children, theirs, ...), parents first: a job
     that is a tree of processes but no group of its own (submitit's local controller
     under its setup shell, its ranks under it) is reached through these. One read of
     the process table, so a process forked later is not among them."""
@@ -62,8 +62,8 @@ def descendants(pid: int) -> list[int]:
         if fields[1].isascii() and fields[1].isdigit():
             children.setdefault(int(fields[1]), []).append(child)
     out: list[int] = []
-    seen = {pid}
-    todo = [pid]
+    seen = set(pids)
+    todo = list(pids)
     while todo:
         below = [c for p in todo for c in children.get(p, []) if c not in seen]
         seen.update(below)
