@@ -139,6 +139,20 @@ def _until_every_task_ended(
         time.sleep(0.5)
 
 
+def _until_a_task_runs(run_dir: Path, runs: Path, timeout: float) -> None:
+    """Return once ``hpc status RUN`` shows a task RUNNING; fail at once if a task has
+    already ended (nothing here may end before the cancel). The bound is against a hang."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = hpc("status", str(run_dir), "--runs-dir", str(runs)).stdout.splitlines()
+        states = [ln.split()[1] for ln in lines[1:]]
+        assert not set(FINAL).intersection(states), lines
+        if "RUNNING" in states:
+            return
+        assert time.monotonic() < deadline, lines
+        time.sleep(0.5)
+
+
 def test_sweep_wider_than_max_array_size_is_one_sweep_of_three_arrays(
     small_array_cluster, tmp_path: Path
 ) -> None:
@@ -216,12 +230,18 @@ def test_cancel_of_a_split_sweep_reaches_every_array(small_array_cluster, tmp_pa
         "--sweep",
         "optim.lr=" + ",".join(str(i) for i in range(n)),
         "--",
-        "sleep",
-        "300",
+        # Each task appends its overrides (``--set optim.lr=I``) to the command: bash -c
+        # takes them as $1.. and ignores them. A bare ``sleep 300 --set ...`` exits 1 at
+        # once ("unrecognized option"), so under load tasks ended FAILED before the cancel.
+        "bash",
+        "-c",
+        "exec sleep 300",
+        "x",
     ).stdout.strip()
     (run_dir,) = runs.iterdir()
     parts = json.loads((run_dir / "run.json").read_text())["array_parts"]
     assert len(parts) == 3
+    _until_a_task_runs(run_dir, runs, timeout=120)  # the cancel reaches running tasks too
     out = hpc("cancel", str(run_dir), "--runs-dir", str(runs)).stdout
     assert out.strip() == f"{job_id} cancel requested"
     lines, tasks = _until_every_task_ended(run_dir, runs, n, timeout=120)
