@@ -237,6 +237,20 @@ def add_job_ids(run_dir: Path, job_ids: list[str]) -> None:
         write_record(run_dir, record)
 
 
+def add_cancelled(run_dir: Path, job_id: str) -> None:
+    """Note in ``run.json`` that ``hpc cancel`` stopped ``job_id`` (an ``hpc.executor``
+    local job: nothing else records how it ended), under the run's lock; a record
+    that is gone or damaged is left alone, as in :func:`add_job_ids`."""
+    with locked(run_dir):
+        try:
+            record = read_record(run_dir)
+        except UserError:
+            return
+        if job_id not in record.get("cancelled", []):
+            record["cancelled"] = [*record.get("cancelled", []), job_id]
+            write_record(run_dir, record)
+
+
 def update_submission(run_dir: Path, script: str, **changes: Any) -> None:
     """Apply ``changes`` to the submission of ``script``, under the lock.
 
@@ -283,7 +297,7 @@ def _check_record(record: dict[str, Any], path: Path) -> None:
     from hpc.schedulers import STATES
 
     where = f"run: {str(path)!r}"
-    for key in ("submissions", "sweep", "chain"):
+    for key in ("submissions", "sweep", "chain", "cancelled"):
         if not isinstance(record.get(key, []), list):
             raise UserError(
                 f"{where}: {key} is a {type(record[key]).__name__}; allowed: a list "

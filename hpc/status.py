@@ -20,6 +20,13 @@ def locate(
     ident: str, runs_dir: Path, cluster: str | None = None
 ) -> tuple[str, Scheduler, dict[str, Any] | None]:
     """(job id, its scheduler, the run record if ``ident`` names a run) for status/cancel."""
+    return _locate(ident, runs_dir, cluster)[:3]
+
+
+def _locate(
+    ident: str, runs_dir: Path, cluster: str | None = None
+) -> tuple[str, Scheduler, dict[str, Any] | None, Path | None]:
+    """:func:`locate`, and the run directory where ``ident`` names a run."""
     from hpc import runs, schedulers
 
     if not ident.strip() or any(c in ident for c in ", \t\n"):
@@ -41,7 +48,7 @@ def locate(
                 f"{scheduler.name} job id; allowed: {scheduler.id_examples} (a "
                 "record written by hpc submit)"
             )
-        return job_id, scheduler, rec
+        return job_id, scheduler, rec, run_dir
     if cluster:
         from hpc import profiles as clusters
 
@@ -63,7 +70,7 @@ def locate(
             f"{scheduler.name} job id; allowed: a run directory, its name, or a "
             f"job id such as {scheduler.id_examples}"
         )
-    return ident, scheduler, None
+    return ident, scheduler, None, None
 
 
 def status(ident: str, runs_dir: Path, cluster: str | None = None) -> tuple[str, JobState]:
@@ -82,7 +89,7 @@ def run_status(
     it ended. ``tasks=False``: the job alone."""
     from hpc.schedulers import JobState
 
-    job_id, scheduler, rec = locate(ident, runs_dir, cluster)
+    job_id, scheduler, rec, run_dir = _locate(ident, runs_dir, cluster)
     chain = _chain_entries(ident, rec, scheduler) if tasks and rec is not None else []
     if chain:  # the segments of a chain, one query for all (hpc.chain)
         states = scheduler.statuses([job_id, *(j for j, _ in chain)])
@@ -94,6 +101,9 @@ def run_status(
         return job_id, state, [(job_id, label, state) for _, label in sweep]
     if scheduler.array_index_var is None:  # tasks are the job's, one after another
         state = scheduler.statuses([job_id])[job_id]
+        if state == JobState.UNKNOWN and run_dir is not None and _api_job(rec):
+            cancelled = job_id in (rec or {}).get("cancelled", [])
+            state = scheduler.ended_state(run_dir, job_id, cancelled)
         return job_id, state, [(job_id, label, state) for _, label in sweep]
     parts = _parts_of(ident, rec, scheduler) if rec is not None else []
     if parts:  # one sweep of several arrays (MaxArraySize): still one query for all
@@ -270,8 +280,18 @@ def task_states(ident: str, runs_dir: Path) -> list[tuple[str, str, JobState]]:
 
 def cancel(ident: str, runs_dir: Path, cluster: str | None = None) -> str:
     """Ask the job's scheduler to end it; returns the job id."""
-    job_id, scheduler, rec = locate(ident, runs_dir, cluster)
+    job_id, scheduler, rec, run_dir = _locate(ident, runs_dir, cluster)
     parts = _parts_of(ident, rec, scheduler) if rec is not None else []
     for part_id in dict.fromkeys([job_id, *(p[0] for p in parts)]):  # a split sweep: all
         scheduler.cancel(part_id)
+    if run_dir is not None and scheduler.runs_here and _api_job(rec):
+        from hpc import runs
+
+        runs.add_cancelled(run_dir, job_id)  # nothing else keeps it: Scheduler.ended_state
     return job_id
+
+
+def _api_job(rec: dict[str, Any] | None) -> bool:
+    """Whether ``rec`` is a job ``hpc.executor`` submitted (submitit's files in its run
+    directory; no ``hpc run`` waits to record its exit code)."""
+    return rec is not None and "executor" in rec

@@ -326,6 +326,13 @@ class Scheduler:
         """
         return {job_id: self.status(job_id) for job_id in dict.fromkeys(job_ids)}
 
+    def ended_state(self, run_dir: Path, job_id: str, cancelled: bool) -> JobState:
+        """How a Python API job (``hpc.executor``) that :meth:`status` no longer knows
+        ended, from what its run directory holds; ``cancelled``: ``hpc cancel`` stopped
+        it. A scheduler that keeps its jobs' end states (sacct, qstat -x) has nothing
+        to add: UNKNOWN. The local one, which has no such record, overrides it."""
+        return JobState.UNKNOWN
+
     def cancel(self, job_id: str) -> None:
         """Ask the scheduler to end the job (SchedulerError when it refuses)."""
         raise NotImplementedError

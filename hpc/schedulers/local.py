@@ -122,6 +122,10 @@ class Local(Scheduler):
         """RUNNING while the very process of the job lives; a finished one from its run dir."""
         return JobState.RUNNING if _alive(*_parse(job_id)) else JobState.UNKNOWN
 
+    def ended_state(self, run_dir: Path, job_id: str, cancelled: bool) -> JobState:
+        """From submitit's files in the run directory: :func:`executor_end_state`."""
+        return executor_end_state(run_dir, job_id, cancelled)
+
     def cancel(self, job_id: str) -> None:
         """Stop the job, only if its pid is still the job's process.
 
@@ -377,6 +381,74 @@ def _stop_tree(pid: int, start: int | None) -> None:
     for member in left:
         with contextlib.suppress(ProcessLookupError):
             os.kill(member, signal.SIGKILL)
+
+
+#: Bytes of a submitit result pickle read for its first word ("success" or "error"): the
+#: word comes right after the protocol and frame opcodes, in the first few dozen bytes.
+RESULT_HEAD = 4096
+
+
+def executor_end_state(run_dir: Path, job_id: str, cancelled: bool) -> JobState:
+    """How an ``hpc.executor`` local job that is no longer running ended, from the files
+    submitit leaves in its folder (the run directory): each task it started has a
+    ``PID_T_log.out``, and each task that returned or raised has a ``PID_T_result.pkl``
+    whose tuple starts with ``"success"`` or ``"error"``.
+
+    The pickle is untrusted input, so it is never loaded: :func:`pickletools.genops`
+    walks its opcodes (it builds no object and calls nothing) to the first string.
+    Every task a success: COMPLETED; any error, or a task that ended with no result (a
+    rank killed, say by the OOM killer, or the controller gone before it started them):
+    FAILED; ended with no result after ``hpc cancel`` (``cancelled``): CANCELLED.
+    UNKNOWN where nothing can be said: no ``/proc`` to tell a running job from an ended
+    one while results are missing, or a damaged result."""
+    pid, start = _parse(job_id)
+    tasks = {
+        m.group(1)
+        for f in _names(run_dir)
+        if (m := re.fullmatch(rf"{pid}_([0-9]{{1,6}})_log\.out", f)) is not None
+    }
+    words = [_result_word(run_dir / f"{pid}_{t}_result.pkl") for t in sorted(tasks)]
+    if "error" in words:
+        return JobState.FAILED
+    if tasks and all(w == "success" for w in words):
+        return JobState.COMPLETED
+    # An old ``local-PID`` id (no start time) or no /proc: "not running" was a guess.
+    if "?" in words or start is None or not os.path.isdir("/proc/self"):
+        return JobState.UNKNOWN
+    return JobState.CANCELLED if cancelled else JobState.FAILED
+
+
+def _names(folder: Path) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except OSError:
+        return []
+
+
+def _result_word(path: Path) -> str | None:
+    """The first string of a submitit result pickle: ``"success"`` or ``"error"`` for
+    one submitit wrote; None when there is no such file; ``"?"`` when it is damaged,
+    not a regular file, or starts otherwise (read, never unpickled: :func:`executor_end_state`)."""
+    import io
+    import pickletools
+
+    from hpc_ddp.files import Missing, NotRegular, open_regular
+
+    try:
+        fd, _info = open_regular(path)
+    except NotRegular as exc:  # a FIFO, folder or device in its place is damage
+        return None if isinstance(exc, Missing) else "?"
+    with os.fdopen(fd, "rb") as fh:
+        head = fh.read(RESULT_HEAD)
+    try:
+        for op, arg, _pos in pickletools.genops(io.BytesIO(head)):
+            if isinstance(arg, str) and "UNICODE" in op.name:
+                return arg if arg in ("success", "error") else "?"
+            if op.name not in ("PROTO", "FRAME", "MARK", "EMPTY_TUPLE"):
+                return "?"
+    except (ValueError, EOFError, KeyError):  # truncated or not a pickle
+        return "?"
+    return "?"
 
 
 def _leader(pid: int) -> bool:

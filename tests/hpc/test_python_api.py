@@ -275,7 +275,7 @@ def test_rank_env_from_a_job_environment() -> None:
 
 
 def test_local_executor_leaves_a_run_directory(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.chdir(tmp_path)
     ex = hpc.executor(cluster="local", name="adder")
@@ -290,6 +290,27 @@ def test_local_executor_leaves_a_run_directory(
     # local-PID-START: the start time, read while the process was there (it is reaped now)
     assert re.fullmatch(f"local-{job.job_id}-[1-9][0-9]*", record["job_id"])
     assert record["scheduler"] == "local"
+    wait_until(lambda: not _alive_pid(int(job.job_id)), 60, "the job's shell gone")
+    assert cli_main(["status", str(run_dir)]) == 0  # it said UNKNOWN once it had ended
+    assert capsys.readouterr().out.split() == [record["job_id"], "COMPLETED"]
+
+
+def raises(message: str) -> None:
+    raise RuntimeError(message)
+
+
+def test_local_executor_job_that_raised_reads_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    ex = hpc.executor(cluster="local", name="raiser")
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    job = ex.submit(raises, "boom")
+    with pytest.raises(submitit.core.utils.FailedJobError, match="boom"):
+        job.result()
+    wait_until(lambda: not _alive_pid(int(job.job_id)), 60, "the job's shell gone")
+    assert cli_main(["status", str(run_dir)]) == 0
+    assert capsys.readouterr().out.split()[1] == "FAILED"
 
 
 def started_then_sleeps(flag: str) -> str:
@@ -347,7 +368,8 @@ def test_local_executor_job_is_seen_by_status_and_stopped_by_cancel(
     with pytest.raises(submitit.core.utils.UncompletedJobError):
         job.result()
     wait_until(lambda: not any(_alive_pid(p) for p in ranks_pids), 60, "ranks gone")
-    assert "RUNNING" not in state()
+    capsys.readouterr()  # cancel's "cancel requested"
+    assert state().split() == [record["job_id"], "CANCELLED"]  # was UNKNOWN
     capsys.readouterr()
     assert cli_main(["cancel", str(run_dir)]) == 2  # nothing left to cancel
     assert "is not running" in capsys.readouterr().err
