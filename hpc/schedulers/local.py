@@ -438,15 +438,15 @@ def _result_word(path: Path) -> str | None:
         fd, _info = open_regular(path)
     except NotRegular as exc:  # a FIFO, folder or device in its place is damage
         return None if isinstance(exc, Missing) else "?"
-    with os.fdopen(fd, "rb") as fh:
-        head = fh.read(RESULT_HEAD)
     try:
+        with os.fdopen(fd, "rb") as fh:
+            head = fh.read(RESULT_HEAD)
         for op, arg, _pos in pickletools.genops(io.BytesIO(head)):
             if isinstance(arg, str) and "UNICODE" in op.name:
                 return arg if arg in ("success", "error") else "?"
-            if op.name not in ("PROTO", "FRAME", "MARK", "EMPTY_TUPLE"):
+            if op.name not in ("PROTO", "FRAME", "MARK"):
                 return "?"
-    except (ValueError, EOFError, KeyError):  # truncated or not a pickle
+    except (OSError, ValueError, EOFError, KeyError):  # unreadable, truncated, no pickle
         return "?"
     return "?"
 
