@@ -245,7 +245,9 @@ def test_preempted_job_requeues_resumes_and_matches(slurm_cluster, tmp_path):
     """SIGUSR1 mid-epoch -> one checkpoint -> scontrol requeue -> resume -> same weights."""
     ready = tmp_path / "ready"
     ready.mkdir()
-    spec = worker_spec(tmp_path, wait_signal_step=3, ready_dir=str(ready))
+    # wait_timeout: the ranks idle in step 3 until the USR1 (the worker's default, 30 s,
+    # is shorter than a loaded machine may take between their pid files and the signal)
+    spec = worker_spec(tmp_path, wait_signal_step=3, ready_dir=str(ready), wait_timeout=240)
     job_file = write_spec(
         tmp_path / "pre.yaml", [PY, WORKER, json.dumps(spec)], requeue=True, signal="USR1@60"
     )
