@@ -404,8 +404,8 @@ def executor_end_state(run_dir: Path, job_id: str, cancelled: bool) -> JobState:
     pid, start = _parse(job_id)
     tasks = {
         m.group(1)
-        for f in _names(run_dir)
-        if (m := re.fullmatch(rf"{pid}_([0-9]{{1,6}})_log\.out", f)) is not None
+        for f in run_dir.glob(f"{pid}_*_log.out")  # a folder gone or unreadable: none
+        if (m := re.fullmatch(rf"{pid}_([0-9]{{1,6}})_log\.out", f.name)) is not None
     }
     words = [_result_word(run_dir / f"{pid}_{t}_result.pkl") for t in sorted(tasks)]
     if "error" in words:
@@ -416,13 +416,6 @@ def executor_end_state(run_dir: Path, job_id: str, cancelled: bool) -> JobState:
     if "?" in words or start is None or not os.path.isdir("/proc/self"):
         return JobState.UNKNOWN
     return JobState.CANCELLED if cancelled else JobState.FAILED
-
-
-def _names(folder: Path) -> list[str]:
-    try:
-        return os.listdir(folder)
-    except OSError:
-        return []
 
 
 def _result_word(path: Path) -> str | None:
