@@ -9,7 +9,8 @@ the call; ``job.result()`` brings the return value back, ``job.cancel()`` cancel
 
 The profile's scheduler builds the executor (``Scheduler.submitit_executor``):
 
-- SLURM profiles -> ``submitit.SlurmExecutor`` (one srun task per rank);
+- SLURM profiles -> ``submitit.SlurmExecutor`` (one srun task per rank, each running
+  ``hpc.executors.slurm_env``);
 - PBS profiles -> ``hpc.executors.pbs.PBSExecutor`` (one mpiexec rank per rank);
 - ``local`` -> ``submitit.LocalExecutor`` (processes on this machine);
 - any other scheduler -> ``hpc.executors.script.ScriptExecutor`` (its own template,
@@ -34,7 +35,9 @@ plugin discovery), and nothing else imports it but ``hpc.__init__``'s lazy
 Modules: ``api`` (``executor``, run directories), ``params`` (the job as submitit's
 own executors' parameters), ``recorded`` (executors that note their job ids in the
 run record), ``script`` (the executor for any scheduler), ``ranks``
-(``distributed``: every rank's environment), ``pbs`` and ``pbs_env`` (the PBS plugin).
+(``distributed``: every rank's environment), ``slurm_env`` (a SLURM rank's entry: a
+requeue that survives the requeue's own SIGTERM), ``pbs`` and ``pbs_env`` (the PBS
+plugin).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ an environment nobody registered.
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,4 +61,12 @@ class LocalExecutor(Recorded, submitit.LocalExecutor):
 
 
 class SlurmExecutor(Recorded, submitit.SlurmExecutor):
-    """submitit's SlurmExecutor, its submissions recorded (see :class:`Recorded`)."""
+    """submitit's SlurmExecutor, its submissions recorded (see :class:`Recorded`); its
+    srun tasks run ``hpc.executors.slurm_env`` (submitit's entry with a requeue that
+    survives the requeue's own SIGTERM)."""
+
+    @property
+    def _submitit_command_str(self) -> str:
+        return " ".join(
+            [self.python, "-u -m hpc.executors.slurm_env", shlex.quote(str(self.folder))]
+        )
