@@ -6,6 +6,7 @@ See the package docstring (``hpc.executors``) for what each executor kind is.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -139,7 +140,10 @@ def _write_run_dir(run_dir: Path, job: Any, ex: Any) -> None:
     from hpc import runs
 
     data = job.to_dict()
-    data["command"] = ["python", "-m", "submitit.core._submit", str(run_dir)]
+    # what each rank runs (hpc.executors.slurm_env on SLURM, hpc.executors.pbs on PBS);
+    # submitit's DebugExecutor runs the call in this process and has no command
+    command = getattr(ex, "_submitit_command_str", None)
+    data["command"] = shlex.split(command) if command else ["(debug: in the submitting process)"]
     (run_dir / "spec.yaml").write_text(
         yaml.safe_dump(data, sort_keys=False, allow_unicode=True), encoding="utf-8"
     )

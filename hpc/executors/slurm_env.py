@@ -13,8 +13,12 @@ still to run.
 
 Here scontrol starts with SIGTERM ignored (a disposition ``exec`` keeps), so it reads
 its reply and exits with the requeue's own status. The rank itself already lets
-SIGTERM pass (submitit's ``bypass``) and leaves through ``_exit``, writing no result;
-slurmd's SIGKILL, ``KillWait`` later, ends whatever is left.
+SIGTERM pass (submitit's ``bypass``) and leaves through ``_exit``, writing no result.
+The batch script's srun gets the job's SIGTERM too and answers it with SIGKILL to
+every task of the step (``_srun_signal_mgr``, ``src/srun/libsrun/srun_job.c``); when
+that comes first, the rank and scontrol die before "Requeued job" is logged, also
+without a result, and the requeue stands. Either way ``job.result()`` waits for the
+requeued run.
 
 The class keeps submitit's name (``SlurmJobEnvironment`` -> ``slurm``), so jobs read the
 same variables and ``SUBMITIT_EXECUTOR=slurm`` still selects it; :func:`main` puts it in
@@ -42,16 +46,21 @@ class SlurmJobEnvironment(slurm.SlurmJobEnvironment):
 
     def _requeue(self, countdown: int) -> None:
         jid = self.job_id
+        log = logger.get_logger()
+        log.info(f"Requeuing job {jid}: scontrol requeue {jid}")
         # SIG_IGN across fork+exec only: the rank's own handler is back before the wait
         # (submitit calls this from its signal handler, in the main thread, where
-        # signal.signal works; elsewhere scontrol starts as submitit starts it)
+        # signal.signal works; elsewhere scontrol starts as submitit starts it). A child
+        # another thread forks in this window (a DataLoader worker) also starts with
+        # SIGTERM ignored; the SIGKILL that follows a job's SIGTERM (srun's, or slurmd's
+        # after KillWait) still ends it.
         main_thread = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, signal.SIG_IGN) if main_thread else None
         try:
             proc = subprocess.Popen(["scontrol", "requeue", jid])
         finally:
-            if main_thread:
-                signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
+            if main_thread:  # None: a handler set from C, which Python cannot put back
+                signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
         try:
             code = proc.wait(timeout=REQUEUE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -60,13 +69,15 @@ class SlurmJobEnvironment(slurm.SlurmJobEnvironment):
             raise
         if code != 0:
             raise subprocess.CalledProcessError(code, proc.args)
-        logger.get_logger().info(f"Requeued job {jid} ({countdown} remaining timeouts)")
+        log.info(f"Requeued job {jid} ({countdown} remaining timeouts)")
 
 
 def _install(env: slurm.SlurmJobEnvironment) -> None:
     """Make ``env`` the one submitit finds under its name, in this process."""
     envs = plugins._get_plugins()[1]
-    envs[:] = [e for e in envs if e.name() != env.name()] + [env]
+    # in place: the first activated environment wins, and submitit's debug one (active
+    # wherever SUBMITIT_DEBUG_JOB_ID leaked in) must stay behind this one, as before
+    envs[:] = [env if e.name() == env.name() else e for e in envs]
     plugins.get_job_environments.cache_clear()
 
 

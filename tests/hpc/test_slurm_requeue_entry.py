@@ -39,10 +39,21 @@ FAKE_SCONTROL = """#!/bin/sh
 # (SIGTERM to every process of the job: here its process group) arrives before exit
 echo "$@" >> "$SCONTROL_LOG"
 grep '^SigIgn:' /proc/$$/status >> "$SCONTROL_LOG"
+# the rank puts its own SIGTERM handler back once scontrol has started: wait for that
+# (a bound against a hang only), so the kill reaches the rank's handler as slurmd's does
+n=0
+while [ $(( 0x$(sed -n 's/^SigIgn:[[:space:]]*//p' /proc/$PPID/status) & 0x4000 )) -ne 0 ]; do
+  n=$((n + 1)); [ "$n" -lt 600 ] || break; sleep 0.05
+done
 kill -TERM 0
 echo "replied $EXIT" >> "$SCONTROL_LOG"
 exit "$EXIT"
 """
+
+
+pytestmark = pytest.mark.skipif(
+    not Path("/proc/self/status").exists(), reason="needs Linux /proc (the fake reads SigIgn)"
+)
 
 
 class SelfPreempting(submitit.helpers.Checkpointable):
@@ -78,8 +89,13 @@ def _run_rank(
     scontrol.write_text(FAKE_SCONTROL)
     scontrol.chmod(0o755)
     log = tmp_path / "scontrol.log"
+    inherited = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "SUBMITIT_", "_TEST_CLUSTER_"))  # e.g. in a CI job
+    }
     env = {
-        **os.environ,
+        **inherited,
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
         "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]),
         "SCONTROL_LOG": str(log),
@@ -128,6 +144,29 @@ def test_refused_requeue_is_still_an_error_result(tmp_path: Path) -> None:
     assert outcome == "error", trace
     assert "returned non-zero exit status 1" in trace and "scontrol" in trace, trace
     assert proc.returncode != 0
+
+
+def test_install_replaces_submitit_own_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first activated environment wins: the debug one (``SUBMITIT_DEBUG_JOB_ID``)
+    keeps its place behind SLURM's, as with submitit's own list."""
+    from submitit.core import plugins
+
+    from hpc.executors import slurm_env
+
+    before = [type(e) for e in plugins._get_plugins()[1]]
+    mine = slurm_env.SlurmJobEnvironment()
+    try:
+        slurm_env._install(mine)
+        after = plugins._get_plugins()[1]
+        assert [e.name() for e in after] == [c.name() for c in before]
+        assert after[[c.name() for c in before].index("slurm")] is mine
+        monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+        monkeypatch.setenv("SUBMITIT_DEBUG_JOB_ID", "leaked")
+        monkeypatch.delenv("_TEST_CLUSTER_", raising=False)
+        assert plugins.get_job_environment() is mine
+    finally:
+        plugins._get_plugins.cache_clear()
+        plugins.get_job_environments.cache_clear()
 
 
 def test_the_slurm_executor_runs_this_entry(
