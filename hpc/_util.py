@@ -9,7 +9,7 @@ import math
 import os
 import re
 import stat
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, BinaryIO, Literal, overload
 
@@ -162,29 +162,14 @@ def open_regular(path: Path, what: str, *, missing_ok: bool = False) -> BinaryIO
     return os.fdopen(fd, "rb")
 
 
-def read_regular(path: Path, what: str, limit: int = MAX_RUN_FILE) -> bytes:
-    """The bytes of a regular file (:func:`hpc_ddp.files.read_regular`), never more than
-    ``limit``; a refusal is one :class:`UserError` line naming ``what``."""
-    from hpc_ddp.files import NotRegular
-    from hpc_ddp.files import read_regular as shared_read
-
-    try:
-        return shared_read(path, limit)[0]
-    except NotRegular as exc:
-        raise UserError(f"{what}: {str(path)!r} {exc}") from None
-
-
-def write_atomic(path: Path, text: str | bytes, what: str = "--output") -> None:
-    """Write ``text`` (or bytes) to ``path`` all or nothing, never through a planted link.
-
-    The mechanism is both sides' one atomic write (:func:`hpc_ddp.files.write_atomic`:
-    ``mkstemp`` in the target folder, so a symlink someone placed there is never followed,
-    then ``os.replace``, with the mode a new file gets, 0644 less the umask). What this adds
-    is the login side's refusals: only a regular file is ever replaced (a device, FIFO or
-    socket at ``path``, ``-o /dev/null``, which as root ``os.replace`` would turn into a
-    plain file, is refused), and every error is one line that leaves nothing behind.
-    """
-    from hpc_ddp.files import AtomicFile
+def check_replaceable(
+    path: Path, what: str, owner: tuple[str, Callable[[bytes], bool]] | None = None
+) -> None:
+    """:func:`write_atomic`'s refusals, before anything is written: a folder, a device
+    or FIFO, a missing folder, or (with ``owner``) a file that is not empty and that
+    ``owner``'s test does not recognise. Callers that write several files check them all
+    first, so a refusal leaves every one as it was."""
+    from hpc_ddp.files import NotRegular, open_regular
 
     if path.is_dir():
         raise UserError(f"{what}: {str(path)!r} is a directory; allowed: a file path")
@@ -201,6 +186,63 @@ def write_atomic(path: Path, text: str | bytes, what: str = "--output") -> None:
         raise UserError(
             f"{what}: folder {str(path.parent)!r} does not exist; allowed: an existing folder"
         )
+    if mode is None or owner is None:
+        return
+    writer, recognises = owner
+    try:
+        fd, _ = open_regular(path)
+        try:
+            head = os.read(fd, OWNER_HEAD)
+        finally:
+            os.close(fd)
+    except (NotRegular, OSError) as exc:
+        raise UserError(f"{what}: {str(path)!r} {exc}; allowed: a new path") from None
+    if head and not recognises(head):
+        raise UserError(
+            f"{what}: {str(path)!r} exists and is not {writer}; allowed: a new path "
+            "(it is left as it is; remove it first to replace it)"
+        )
+
+
+def read_regular(path: Path, what: str, limit: int = MAX_RUN_FILE) -> bytes:
+    """The bytes of a regular file (:func:`hpc_ddp.files.read_regular`), never more than
+    ``limit``; a refusal is one :class:`UserError` line naming ``what``."""
+    from hpc_ddp.files import NotRegular
+    from hpc_ddp.files import read_regular as shared_read
+
+    try:
+        return shared_read(path, limit)[0]
+    except NotRegular as exc:
+        raise UserError(f"{what}: {str(path)!r} {exc}") from None
+
+
+#: How much of an existing file :func:`write_atomic` reads to recognise what wrote it.
+OWNER_HEAD = 64 * 1024
+
+
+def write_atomic(
+    path: Path,
+    text: str | bytes,
+    what: str = "--output",
+    owner: tuple[str, Callable[[bytes], bool]] | None = None,
+) -> None:
+    """Write ``text`` (or bytes) to ``path`` all or nothing, never through a planted link.
+
+    The mechanism is both sides' one atomic write (:func:`hpc_ddp.files.write_atomic`:
+    ``mkstemp`` in the target folder, so a symlink someone placed there is never followed,
+    then ``os.replace``, with the mode a new file gets, 0644 less the umask). What this adds
+    is the login side's refusals: only a regular file is ever replaced (a device, FIFO or
+    socket at ``path``, ``-o /dev/null``, which as root ``os.replace`` would turn into a
+    plain file, is refused), and every error is one line that leaves nothing behind.
+
+    ``owner``: (what wrote the file, a test of its first :data:`OWNER_HEAD` bytes). A
+    user-named output then replaces only an empty file or one that test recognises as
+    the project's own (``hpc render -o spec.yaml`` would replace the spec, ``hpc report
+    -o RUN/run.json`` the run's record): ``--force``'s rule, for outputs.
+    """
+    from hpc_ddp.files import AtomicFile
+
+    check_replaceable(path, what, owner)
     try:
         staged = AtomicFile(path)
     except OSError as exc:

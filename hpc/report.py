@@ -47,6 +47,9 @@ __all__ = [
 ]
 
 PNG = "report.png"
+#: What ``--output`` may replace: an earlier plot, never a run's ``run.json`` or
+#: ``metrics.jsonl`` or a note that happened to be named there (checked by its magic).
+PNG_FILE = ("a PNG image", lambda head: head.startswith(b"\x89PNG\r\n\x1a\n"))
 MAX_LEGEND = 20
 """More series than this are drawn without a legend (a 1000-task sweep's would cover
 the plot); the summary table still names every one."""
@@ -259,7 +262,7 @@ def plot(series: list[Series], png: Path) -> None:
 
     buffer = io.BytesIO()  # a few hundred kB: drawn first, so a failure writes nothing
     fig.savefig(buffer, format="png")
-    write_atomic(png, buffer.getvalue(), "report: --output")
+    write_atomic(png, buffer.getvalue(), "report: --output", owner=PNG_FILE)
 
 
 # ---- the command ------------------------------------------------------------------------

@@ -65,6 +65,10 @@ class View:
     excluded: list[str] = field(default_factory=list)
     stopped: str | None = None
     failure: list[str] = field(default_factory=list)  # the failing rank's summary lines
+    #: UNKNOWN is final: a job that ran here whose process is gone and whose record
+    #: says nothing (``hpc run`` killed with it) never runs again. Elsewhere UNKNOWN
+    #: may be a scheduler that did not answer this time, and the watch goes on.
+    unknown_ended: bool = False
 
     @property
     def ended(self) -> bool:
@@ -72,7 +76,11 @@ class View:
         from hpc.schedulers import JobState
 
         states = [self.state, *(s for _, _, s in self.tasks)]
-        return all(JobState(s).ended for s in states if s in JobState.__members__)
+        return all(
+            JobState(s).ended or (self.unknown_ended and s == JobState.UNKNOWN)
+            for s in states
+            if s in JobState.__members__
+        )
 
     def lines(self) -> list[tuple[str, str]]:
         """(key, text) pairs: the key says which line a change replaces (pipes print
@@ -209,6 +217,7 @@ class Watcher:
         self.run_dir = found[0] if found else None
         _, poll_s = core.watch(ident, runs_dir, self.run_dir)  # the profile's poll_s
         self.ask = ask or Backoff(1.0, poll_s, clock=lambda: _clock())
+        self.here = core.locate(ident, runs_dir, cluster)[1].runs_here  # View.unknown_ended
         self._sched: tuple[str, str, list[tuple[str, str, str]]] | None = None
 
     def look(self) -> View:
@@ -221,7 +230,9 @@ class Watcher:
             self._sched = (job_id, str(state), [(t, lb, str(s)) for t, lb, s in tasks])
         job_id, shown, listed = self._sched  # the words, not JobState: a View is text
         metrics, (restarts, excluded, stopped) = local_parts(self.run_dir)
-        return View(job_id, shown, listed, metrics, restarts, excluded, stopped)
+        return View(
+            job_id, shown, listed, metrics, restarts, excluded, stopped, unknown_ended=self.here
+        )
 
     def final(self) -> View:
         """One more scheduler query once the job ended (its end state, not a stale one)."""

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc import core
-from hpc._util import read_regular, write_atomic
+from hpc._util import check_replaceable, read_regular, write_atomic
 from hpc.errors import UserError
 
 _OVERRIDES = (
@@ -126,7 +126,7 @@ def cmd_render(args: argparse.Namespace, command: list[str] | None) -> int:
         sys.stderr.write(seen)
     if args.output:
         out = Path(args.output)
-        write_atomic(out, text)
+        write_atomic(out, text, owner=core.RENDERED)
         sys.stderr.write(f"wrote {out}\n")
     else:
         sys.stdout.write(text)
@@ -149,8 +149,10 @@ def _render_all(args: argparse.Namespace, command: list[str] | None) -> int:
                 "allowed: regenerate with hpc render --all-jobs"
             )
         return 0
+    for path in stale:  # every refusal before the first write: all or none replaced
+        check_replaceable(path, "--all-jobs", core.RENDERED)
     for path in stale:
-        write_atomic(path, rendered[path], "--all-jobs")
+        write_atomic(path, rendered[path], "--all-jobs", owner=core.RENDERED)
         sys.stderr.write(f"wrote {path}\n")
     return 0
 

@@ -366,3 +366,41 @@ def test_an_unreadable_rank_log_is_one_line_and_the_jobs_status_still_given(
     lines = out.getvalue().splitlines()
     assert lines[0] == "job 42 FAILED" and len(lines) == 2, lines
     assert lines[1].startswith("hpc: no failing rank named: ") and "named pipe" in lines[1]
+
+
+def test_a_local_job_whose_process_is_gone_ends_the_watch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``hpc run`` killed with its job (kill -9: no end state recorded) leaves a record
+    saying RUNNING and a pid that is gone. The local scheduler says UNKNOWN, which here
+    is final (nothing runs it again): the watch ends, as ``hpc logs -f`` does, instead
+    of printing UNKNOWN forever (found by an adversarial pass)."""
+    from hpc.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--cluster", "local", "--name", "k", "--", "true"]) == 0
+    capsys.readouterr()
+    (run_dir,) = (tmp_path / "runs").glob("k-*")
+    record = json.loads((run_dir / "run.json").read_text())
+    record["state"] = "RUNNING"  # what a killed hpc run leaves
+    record.pop("exit_code", None)
+    (run_dir / "run.json").write_text(json.dumps(record))
+    looks = []
+
+    def sleep(_: float) -> None:
+        looks.append(1)
+        if len(looks) > 50:  # the old watch never ended: fail instead of hanging
+            raise AssertionError("the watch of a job that is gone did not end")
+
+    out, err = io.StringIO(), io.StringIO()
+    code = watch.run(str(run_dir), tmp_path / "runs", None, out, err, tty=False, sleep=sleep)
+    assert err.getvalue() == "hpc: job ended: UNKNOWN\n"
+    assert code == 1 and out.getvalue().split() == ["job", record["job_id"], "UNKNOWN"]
+
+
+def test_unknown_from_a_remote_scheduler_does_not_end_the_watch() -> None:
+    """On SLURM or PBS, UNKNOWN may be a client that did not answer this time."""
+    assert not watch.View("7", "UNKNOWN").ended
+    assert watch.View("7", "UNKNOWN", unknown_ended=True).ended
+    assert not watch.View("7", "RUNNING", unknown_ended=True).ended
+    assert not watch.View("7", "UNKNOWN", [("7_1", "a", "RUNNING")], unknown_ended=True).ended
